@@ -1,0 +1,38 @@
+// The shape every subcommand shares: an options struct captured by its run function, registered on
+// the root CLI11 app by a register_* function (one file per subcommand).
+#pragma once
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "cli/report.h"
+
+namespace lossguard::cli {
+
+struct Context {
+  std::ostream& out;  // text report (a null stream when --json - takes stdout)
+  std::ostream& err;  // diagnostics, progress
+  bool err_is_terminal = false;
+};
+
+struct Command {
+  CLI::App* app = nullptr;
+  OutputOptions output;
+  std::function<void(Report&, Context&)> run;
+};
+using Commands = std::vector<std::unique_ptr<Command>>;
+
+void register_inspect(CLI::App& root, Commands& commands);
+void register_gen(CLI::App& root, Commands& commands);
+void register_count(CLI::App& root, Commands& commands);
+void register_topo(CLI::App& root, Commands& commands);
+void register_replay(CLI::App& root, Commands& commands);
+
+// The --version text: tool, LibTorch, CUDA/NCCL compiled in or not, device seen.
+std::string version_text();
+
+}  // namespace lossguard::cli

@@ -1,0 +1,156 @@
+// Report: verdict, exit code, JSON and JUnit output.
+#include "cli/report.h"
+
+#include <fstream>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "lossguard/build_config.h"
+
+namespace lossguard::cli {
+
+const char* verdict_name(Verdict v) {
+  switch (v) {
+    case Verdict::kPass: return "pass";
+    case Verdict::kFail: return "fail";
+    case Verdict::kError: return "error";
+    case Verdict::kFault: return "fault";
+    case Verdict::kUnverified: return "unverified";
+  }
+  return "?";
+}
+
+void add_output_options(CLI::App& app, OutputOptions& o) {
+  app.add_option("--json", o.json_path, "Write the versioned JSON report (schema lossguard/1) to FILE, or - for stdout")
+      ->type_name("FILE|-");
+  app.add_option("--junit", o.junit_path, "Write JUnit XML (one test case per check) to FILE")->type_name("FILE");
+}
+
+Report::Report(std::string command) : command_(std::move(command)) {}
+
+void Report::error(const std::string& message) {
+  errored_ = true;
+  errors_.push_back(message);
+}
+
+void Report::unverified(const std::string& reason) {
+  unverified_ = true;
+  unverified_reason_ = reason;
+}
+
+Verdict Report::verdict() const {
+  if (faulted_) return Verdict::kFault;
+  if (failed_) return Verdict::kFail;
+  if (errored_) return Verdict::kError;
+  if (unverified_ || !verified_) return Verdict::kUnverified;
+  return Verdict::kPass;
+}
+
+int Report::exit_code() const {
+  switch (verdict()) {
+    case Verdict::kPass: return kExitPass;
+    case Verdict::kFail: return kExitFail;
+    case Verdict::kError: return kExitError;
+    case Verdict::kFault: return kExitFault;
+    case Verdict::kUnverified: return kExitUnverified;
+  }
+  return kExitError;
+}
+
+void Report::add_input(const std::string& path, const std::string& format) {
+  inputs_.push_back({{"path", path}, {"format", format}});
+}
+
+void Report::add_findings(const std::vector<oracle::Finding>& f) { findings_.insert(findings_.end(), f.begin(), f.end()); }
+
+nlohmann::ordered_json Report::to_json() const {
+  nlohmann::ordered_json j;
+  j["schema"] = "lossguard/1";
+  j["command"] = command_;
+  j["verdict"] = verdict_name(verdict());
+  j["exit_code"] = exit_code();
+  j["tool_version"] = LOSSGUARD_VERSION;
+  j["inputs"] = inputs_;
+  nlohmann::ordered_json f = nlohmann::ordered_json::array();
+  for (const auto& x : findings_) {
+    nlohmann::ordered_json e = {{"kind", x.kind}, {"message", x.message}};
+    for (auto it = x.detail.begin(); it != x.detail.end(); ++it) e[it.key()] = it.value();
+    f.push_back(e);
+  }
+  j["findings"] = f;
+  if (!errors_.empty()) j["errors"] = errors_;
+  if (unverified_) j["unverified_reason"] = unverified_reason_;
+  for (auto it = results_.begin(); it != results_.end(); ++it) j[it.key()] = it.value();
+  return j;
+}
+
+namespace {
+std::string xml_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    switch (c) {
+      case '&': o += "&amp;"; break;
+      case '<': o += "&lt;"; break;
+      case '>': o += "&gt;"; break;
+      case '"': o += "&quot;"; break;
+      case '\'': o += "&apos;"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') o += ' ';
+        else o += c;
+    }
+  }
+  return o;
+}
+}  // namespace
+
+std::string Report::to_junit() const {
+  int failures = 0, skipped = 0;
+  std::vector<JunitCase> cases = cases_;
+  for (const auto& e : errors_) cases.push_back({"lossguard." + command_, "run", false, e, false});
+  for (const auto& c : cases) {
+    failures += !c.ok && !c.skipped;
+    skipped += c.skipped;
+  }
+  std::string x = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  x += fmt::format("<testsuites name=\"lossguard\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">\n", cases.size(), failures, skipped);
+  x += fmt::format("  <testsuite name=\"lossguard.{}\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">\n", xml_escape(command_),
+                   cases.size(), failures, skipped);
+  for (const auto& c : cases) {
+    x += fmt::format("    <testcase classname=\"{}\" name=\"{}\"", xml_escape(c.classname), xml_escape(c.name));
+    if (c.skipped) {
+      x += fmt::format("><skipped message=\"{}\"/></testcase>\n", xml_escape(c.message));
+    } else if (!c.ok) {
+      x += fmt::format("><failure message=\"{}\">{}</failure></testcase>\n", xml_escape(c.message.substr(0, c.message.find('\n'))),
+                       xml_escape(c.message));
+    } else {
+      x += "/>\n";
+    }
+  }
+  x += "  </testsuite>\n</testsuites>\n";
+  return x;
+}
+
+void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostream& err) {
+  if (!o.json_path.empty()) {
+    const std::string text = to_json().dump(2) + "\n";
+    if (o.json_path == "-") {
+      out << text;
+    } else {
+      std::ofstream f(o.json_path, std::ios::trunc);
+      if (!(f << text)) err << "lossguard: error: cannot write JSON report to " << o.json_path << "\n";
+    }
+  }
+  if (!o.junit_path.empty()) {
+    std::ofstream f(o.junit_path, std::ios::trunc);
+    if (!(f << to_junit())) err << "lossguard: error: cannot write JUnit report to " << o.junit_path << "\n";
+  }
+}
+
+void print_findings(std::ostream& out, const std::vector<oracle::Finding>& findings) {
+  if (findings.empty()) return;
+  out << fmt::format("\nfindings ({}):\n", findings.size());
+  for (const auto& f : findings) out << "  [" << f.kind << "] " << f.message << "\n";
+}
+
+}  // namespace lossguard::cli

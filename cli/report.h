@@ -1,0 +1,75 @@
+// One report per command run: verdict flags, findings, the JSON document (SPEC §8), JUnit cases, and
+// the single place where they become an exit code.
+#pragma once
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "oracle/findings.h"
+
+namespace CLI { class App; }
+
+namespace lossguard::cli {
+
+enum class Verdict { kPass, kFail, kError, kFault, kUnverified };
+const char* verdict_name(Verdict v);
+
+// SPEC §8 exit codes.
+enum ExitCode : int { kExitPass = 0, kExitFail = 1, kExitError = 2, kExitFault = 3, kExitUnverified = 4 };
+
+struct JunitCase {
+  std::string classname;  // "lossguard.count"
+  std::string name;       // "I1 cp=2"
+  bool ok = true;
+  std::string message;    // failure message
+  bool skipped = false;   // not computed
+};
+
+struct OutputOptions {
+  std::string json_path;   // "" none, "-" stdout
+  std::string junit_path;
+};
+void add_output_options(CLI::App& app, OutputOptions& options);
+
+class Report {
+ public:
+  explicit Report(std::string command);
+
+  // Outcomes; the exit code is the most severe, ordered 3 > 1 > 2 > 4 (SPEC §8).
+  void fail() { failed_ = true; }
+  void fault() { faulted_ = true; }
+  void error(const std::string& message);
+  void unverified(const std::string& reason);
+  void verified() { verified_ = true; }  // at least one check ran
+
+  Verdict verdict() const;
+  int exit_code() const;
+
+  void add_input(const std::string& path, const std::string& format);
+  void add_findings(const std::vector<oracle::Finding>& findings);
+  void add_case(JunitCase c) { cases_.push_back(std::move(c)); }
+  nlohmann::ordered_json& results() { return results_; }  // command-specific fields
+  const std::vector<oracle::Finding>& findings() const { return findings_; }
+
+  nlohmann::ordered_json to_json() const;
+  std::string to_junit() const;
+  // Writes --json / --junit. JSON to "-" goes to `out`. Write failures are reported on `err`.
+  void write_outputs(const OutputOptions& options, std::ostream& out, std::ostream& err);
+
+ private:
+  std::string command_;
+  bool failed_ = false, faulted_ = false, errored_ = false, unverified_ = false, verified_ = false;
+  std::vector<std::string> errors_;
+  std::string unverified_reason_;
+  nlohmann::ordered_json inputs_ = nlohmann::ordered_json::array();
+  std::vector<oracle::Finding> findings_;
+  std::vector<JunitCase> cases_;
+  nlohmann::ordered_json results_ = nlohmann::ordered_json::object();
+};
+
+// Prints findings as indented lines under a heading; nothing when there are none.
+void print_findings(std::ostream& out, const std::vector<oracle::Finding>& findings);
+
+}  // namespace lossguard::cli

@@ -1,0 +1,521 @@
+// Format detection, the Value tree -> Batch conversion (packed, per-sample and Relax/slime layouts),
+// field mapping, and writers.
+#include "io/dump.h"
+
+#include <algorithm>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
+#include "io/torch_zip.h"
+#include "oracle/errors.h"
+
+namespace lossguard::io {
+
+namespace fs = std::filesystem;
+using Kind = Value::Kind;
+
+const char* dump_format_name(DumpFormat f) {
+  switch (f) {
+    case DumpFormat::kSafetensors: return "safetensors";
+    case DumpFormat::kTorchSave: return "torch.save";
+    case DumpFormat::kJson: return "json";
+  }
+  return "?";
+}
+
+namespace {
+
+struct FieldSpec { const char* name; std::vector<const char*> aliases; };
+const std::vector<FieldSpec>& field_specs() {
+  static const std::vector<FieldSpec> kSpecs = {
+      {"samples", {"samples"}},
+      {"tokens", {"tokens", "input_ids"}},
+      {"total_length", {"total_length", "total_lengths"}},
+      {"response_length", {"response_length", "response_lengths"}},
+      {"loss_mask", {"loss_mask", "loss_masks"}},
+      {"logits", {"logits"}},
+      {"log_probs", {"log_probs"}},
+      {"old_log_probs", {"old_log_probs", "rollout_log_probs"}},
+      {"ref_log_probs", {"ref_log_probs"}},
+      {"advantages", {"advantages"}},
+      {"token_loss", {"token_loss"}},
+  };
+  return kSpecs;
+}
+
+bool is_field_key(const std::string& key, const FieldMap& map) {
+  for (const auto& [name, k] : map.keys) {
+    if (k == key) return true;
+  }
+  for (const auto& spec : field_specs()) {
+    for (const char* a : spec.aliases) {
+      if (key == a) return true;
+    }
+  }
+  return false;
+}
+
+// Finds a batch-model field in a dict: the --field override if given, else the first alias present.
+const Value* find_field(const Value& dict, const std::string& name, const FieldMap& map, std::string* key_used) {
+  if (auto it = map.keys.find(name); it != map.keys.end()) {
+    *key_used = it->second;
+    return dict.get(it->second);
+  }
+  for (const auto& spec : field_specs()) {
+    if (name != spec.name) continue;
+    for (const char* a : spec.aliases) {
+      if (const Value* v = dict.get(a)) {
+        *key_used = a;
+        return v;
+      }
+    }
+  }
+  *key_used = name;
+  return nullptr;
+}
+
+std::string opaque_hint(const Value& v) {
+  return fmt::format("is a {}; lossguard never runs pickled code, so only tensors, lists and numbers can be read "
+                     "(save the field as a torch tensor or a list)", v.type_name());
+}
+
+// A tensor, a (nested) list of numbers, or a number, as a HostArray. `where` prefixes messages.
+HostArray to_array(const Value& v, const std::string& where) {
+  if (v.kind == Kind::kTensor) return v.array;
+  if (v.is_number()) {
+    if (v.kind == Kind::kFloat) return HostArray::from_f64(DType::kFloat64, {}, {v.f});
+    return HostArray::from_i64(DType::kInt64, {}, {v.kind == Kind::kBool ? v.b : v.i});
+  }
+  if (!v.is_sequence()) throw_input_error("{} {}", where, opaque_hint(v));
+  bool nested = !v.items.empty() && v.items[0]->is_sequence();
+  std::vector<double> fvals;
+  std::vector<int64_t> ivals;
+  bool any_float = false;
+  int64_t cols = -1;
+  auto take_scalar = [&](const Value& x, int64_t row, int64_t col) {
+    if (x.kind == Kind::kFloat) {
+      any_float = true;
+      fvals.push_back(x.f);
+      ivals.push_back(0);
+    } else if (x.kind == Kind::kInt || x.kind == Kind::kBool) {
+      const int64_t i = x.kind == Kind::kBool ? x.b : x.i;
+      fvals.push_back(static_cast<double>(i));
+      ivals.push_back(i);
+    } else if (x.kind == Kind::kTensor && x.array.numel() == 1) {
+      if (dtype_is_float(x.array.dtype)) any_float = true;
+      fvals.push_back(x.array.get_f64(0));
+      ivals.push_back(x.array.get_i64(0));
+    } else if (row >= 0) {
+      throw_input_error("{}[{}][{}] {}", where, row, col, x.kind == Kind::kBigInt ? "is an integer over 64 bits" : opaque_hint(x));
+    } else {
+      throw_input_error("{}[{}] {}", where, col, x.kind == Kind::kBigInt ? "is an integer over 64 bits" : opaque_hint(x));
+    }
+  };
+  if (!nested) {
+    for (std::size_t j = 0; j < v.items.size(); ++j) take_scalar(*v.items[j], -1, static_cast<int64_t>(j));
+    const auto n = static_cast<int64_t>(v.items.size());
+    return any_float ? HostArray::from_f64(DType::kFloat64, {n}, fvals) : HostArray::from_i64(DType::kInt64, {n}, ivals);
+  }
+  for (std::size_t r = 0; r < v.items.size(); ++r) {
+    const Value& row = *v.items[r];
+    if (!row.is_sequence()) throw_input_error("{}[{}] is a {}, expected a list (a row)", where, r, row.type_name());
+    if (cols >= 0 && static_cast<int64_t>(row.items.size()) != cols) {
+      throw_input_error("{}[{}] has {} entries but row 0 has {} (ragged rows)", where, r, row.items.size(), cols);
+    }
+    cols = static_cast<int64_t>(row.items.size());
+    for (std::size_t c = 0; c < row.items.size(); ++c) take_scalar(*row.items[c], static_cast<int64_t>(r), static_cast<int64_t>(c));
+  }
+  const auto rows = static_cast<int64_t>(v.items.size());
+  return any_float ? HostArray::from_f64(DType::kFloat64, {rows, cols}, fvals)
+                   : HostArray::from_i64(DType::kInt64, {rows, cols}, ivals);
+}
+
+int64_t to_length(const Value& v, const std::string& where) {
+  if (v.kind == Kind::kInt) return v.i;
+  if (v.kind == Kind::kTensor && v.array.numel() == 1 && !dtype_is_float(v.array.dtype)) return v.array.get_i64(0);
+  if (v.is_sequence() && v.items.size() == 1) return to_length(*v.items[0], where);
+  throw_input_error("{} is a {}, expected an integer length", where, v.type_name());
+}
+
+nlohmann::json to_metadata(const Value& v) {
+  switch (v.kind) {
+    case Kind::kNone: return nullptr;
+    case Kind::kBool: return v.b;
+    case Kind::kInt: return v.i;
+    case Kind::kFloat: return v.f;
+    case Kind::kString: case Kind::kBigInt: return v.s;
+    default: return v.type_name();
+  }
+}
+
+void add_samples(oracle::BatchBuilder& builder, const Value& samples, const std::string& path, const FieldMap& map) {
+  for (std::size_t i = 0; i < samples.items.size(); ++i) {
+    const Value& s = *samples.items[i];
+    const std::string where_sample = fmt::format("{}: sample {}:", path, i);
+    if (!s.is_dict()) throw_input_error("{} is a {}, expected a dict of fields", where_sample, s.type_name());
+    std::string key;
+    std::deque<HostArray> keep;
+    oracle::SampleFields f;
+    auto array_field = [&](const std::string& name) -> const HostArray* {
+      const Value* v = find_field(s, name, map, &key);
+      if (v == nullptr || v->kind == Kind::kNone) return nullptr;
+      keep.push_back(to_array(*v, fmt::format("{} field '{}'", where_sample, key)));
+      return &keep.back();
+    };
+    f.tokens = array_field("tokens");
+    if (f.tokens == nullptr) {
+      throw_input_error("{} field 'tokens' is missing (keys: {}); map another key with --field tokens=KEY", where_sample,
+                        [&] { std::vector<std::string> k; for (auto& e : s.entries) k.push_back(e.first->s); return fmt::format("{}", fmt::join(k, ", ")); }());
+    }
+    if (const Value* v = find_field(s, "response_length", map, &key)) {
+      f.response_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
+    }
+    if (const Value* v = find_field(s, "total_length", map, &key)) {
+      f.total_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
+    }
+    f.loss_mask = array_field("loss_mask");
+    f.logits = array_field("logits");
+    for (const std::string& name : oracle::per_token_field_names()) {
+      if (const HostArray* a = array_field(name)) f.per_token[name] = a;
+    }
+    builder.add_sample(static_cast<int64_t>(i), f);
+  }
+}
+
+void add_tree(oracle::BatchBuilder& builder, const Value& root, const std::string& path, const FieldMap& map) {
+  std::string key;
+  if (root.is_sequence()) {
+    add_samples(builder, root, path, map);
+    return;
+  }
+  if (!root.is_dict()) throw_input_error("{}: top level is a {}, expected a dict or a list of samples", path, root.type_name());
+  for (const auto& [k, v] : root.entries) {
+    if (k->kind != Kind::kString || is_field_key(k->s, map)) continue;
+    if (v->is_dict() && (k->s == "__metadata__" || k->s == "metadata")) {
+      for (const auto& [mk, mv] : v->entries) {
+        if (mk->kind == Kind::kString) builder.add_metadata(mk->s, to_metadata(*mv));
+      }
+    } else if (!v->is_sequence() && !v->is_dict() && v->kind != Kind::kTensor) {
+      builder.add_metadata(k->s, to_metadata(*v));
+    }
+  }
+  if (const Value* samples = find_field(root, "samples", map, &key)) {
+    if (!samples->is_sequence()) throw_input_error("{}: field '{}' is a {}, expected a list of samples", path, key, samples->type_name());
+    add_samples(builder, *samples, path, map);
+    return;
+  }
+  if (find_field(root, "tokens", map, &key) == nullptr) {
+    std::vector<std::string> keys;
+    for (const auto& e : root.entries) keys.push_back(e.first->kind == Kind::kString ? e.first->s : e.first->type_name());
+    throw_input_error("{}: no batch found: expected a 'samples' list or packed 'tokens', 'total_lengths' and "
+                      "'response_lengths' (top-level keys: {}); --field NAME=KEY maps other names",
+                      path, fmt::join(keys, ", "));
+  }
+  std::deque<HostArray> keep;
+  oracle::PackedFields f;
+  auto array_field = [&](const std::string& name) -> const HostArray* {
+    const Value* v = find_field(root, name, map, &key);
+    if (v == nullptr || v->kind == Kind::kNone) return nullptr;
+    keep.push_back(to_array(*v, fmt::format("{}: field '{}'", path, key)));
+    return &keep.back();
+  };
+  f.tokens = array_field("tokens");
+  f.total_lengths = array_field("total_length");
+  f.response_lengths = array_field("response_length");
+  f.loss_masks = array_field("loss_mask");
+  f.logits = array_field("logits");
+  for (const std::string& name : oracle::per_token_field_names()) {
+    if (const HostArray* a = array_field(name)) f.per_token[name] = a;
+  }
+  builder.add_packed(f);
+}
+
+std::string describe_dtype(const Value& v) {
+  if (v.kind == Kind::kTensor) return std::string(dtype_name(v.array.dtype));
+  if (v.is_sequence()) {
+    if (v.items.empty()) return v.kind == Kind::kList ? "list" : "tuple";
+    return fmt::format("{}[{}]", v.kind == Kind::kList ? "list" : "tuple", describe_dtype(*v.items[0]));
+  }
+  return v.type_name();
+}
+
+std::string describe_shape(const Value& v) {
+  if (v.kind == Kind::kTensor) return v.array.shape_string();
+  if (v.is_sequence()) {
+    if (!v.items.empty() && v.items[0]->is_sequence()) return fmt::format("[{}, {}]", v.items.size(), v.items[0]->items.size());
+    return fmt::format("[{}]", v.items.size());
+  }
+  return "";
+}
+
+std::vector<FieldInfo> describe_fields(const Value& root) {
+  std::vector<FieldInfo> out;
+  auto describe_samples = [&](const Value& samples, const std::string& prefix) {
+    // One row per key of the samples, with the shape taken over all samples ("var" when lengths differ).
+    std::vector<std::string> order;
+    std::map<std::string, std::pair<std::string, std::string>> seen;
+    for (const auto& s : samples.items) {
+      if (!s->is_dict()) continue;
+      for (const auto& [k, v] : s->entries) {
+        if (k->kind != Kind::kString) continue;
+        const std::string shape = describe_shape(*v);
+        auto it = seen.find(k->s);
+        if (it == seen.end()) {
+          order.push_back(k->s);
+          seen[k->s] = {describe_dtype(*v), shape};
+        } else if (it->second.second != shape) {
+          it->second.second = "var";
+        }
+      }
+    }
+    for (const auto& k : order) {
+      const auto& [dtype, shape] = seen[k];
+      out.push_back({prefix + "[*]." + k, dtype, shape.empty() ? "" : fmt::format("[{}, {}]", samples.items.size(), shape == "var" ? "var" : shape.substr(1, shape.size() - 2))});
+    }
+  };
+  if (root.is_sequence()) {
+    describe_samples(root, "");
+    return out;
+  }
+  for (const auto& [k, v] : root.entries) {
+    const std::string name = k->kind == Kind::kString ? k->s : k->type_name();
+    if (v->is_sequence() && !v->items.empty() && v->items[0]->is_dict()) {
+      out.push_back({name, "list[dict]", fmt::format("[{}]", v->items.size())});
+      describe_samples(*v, name);
+    } else {
+      out.push_back({name, describe_dtype(*v), describe_shape(*v)});
+    }
+  }
+  return out;
+}
+
+ValuePtr from_json(const nlohmann::json& j, const std::string& what, std::size_t depth) {
+  if (depth > 1000) throw_input_error("{}: JSON nested deeper than 1000 levels", what);
+  switch (j.type()) {
+    case nlohmann::json::value_t::null: return Value::none();
+    case nlohmann::json::value_t::boolean: return Value::make_bool(j.get<bool>());
+    case nlohmann::json::value_t::number_integer: return Value::make_int(j.get<int64_t>());
+    case nlohmann::json::value_t::number_unsigned: {
+      const auto u = j.get<uint64_t>();
+      if (u > static_cast<uint64_t>(INT64_MAX)) return Value::make_string(std::to_string(u), Kind::kBigInt);
+      return Value::make_int(static_cast<int64_t>(u));
+    }
+    case nlohmann::json::value_t::number_float: return Value::make_float(j.get<double>());
+    case nlohmann::json::value_t::string: return Value::make_string(j.get<std::string>());
+    case nlohmann::json::value_t::array: {
+      auto l = Value::make_list();
+      l->items.reserve(j.size());
+      for (const auto& x : j) l->items.push_back(from_json(x, what, depth + 1));
+      return l;
+    }
+    case nlohmann::json::value_t::object: {
+      auto d = Value::make_dict();
+      for (auto it = j.begin(); it != j.end(); ++it) d->entries.emplace_back(Value::make_string(it.key()), from_json(it.value(), what, depth + 1));
+      return d;
+    }
+    default: throw_input_error("{}: unsupported JSON value", what);
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw_input_error("{}: cannot open: {}", path, std::strerror(errno));
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+void FieldMap::add(const std::string& spec) {
+  const auto eq = spec.find('=');
+  if (eq == std::string::npos || eq == 0 || eq + 1 == spec.size()) {
+    throw_input_error("--field '{}': expected NAME=KEY, for example --field loss_mask=mask", spec);
+  }
+  const std::string name = spec.substr(0, eq);
+  const auto& names = batch_field_names();
+  if (std::find(names.begin(), names.end(), name) == names.end()) {
+    throw_input_error("--field '{}': unknown field '{}' (one of: {})", spec, name, fmt::join(names, ", "));
+  }
+  keys[name] = spec.substr(eq + 1);
+}
+
+const std::vector<std::string>& batch_field_names() {
+  static const std::vector<std::string> kNames = [] {
+    std::vector<std::string> n;
+    for (const auto& s : field_specs()) n.push_back(s.name);
+    return n;
+  }();
+  return kNames;
+}
+
+std::vector<std::string> expand_dump_paths(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const auto& p : paths) {
+    std::error_code ec;
+    if (fs::is_directory(p, ec)) {
+      std::vector<std::string> files;
+      for (const auto& e : fs::directory_iterator(p, ec)) {
+        const std::string ext = e.path().extension().string();
+        if (e.is_regular_file() && (ext == ".safetensors" || ext == ".pt" || ext == ".pth" || ext == ".json")) {
+          files.push_back(e.path().string());
+        }
+      }
+      std::sort(files.begin(), files.end());
+      if (files.empty()) throw_input_error("{}: directory holds no dump files (*.safetensors, *.pt, *.pth, *.json)", p);
+      out.insert(out.end(), files.begin(), files.end());
+    } else if (!fs::exists(p, ec)) {
+      throw_input_error("{}: no such file or directory", p);
+    } else {
+      out.push_back(p);
+    }
+  }
+  return out;
+}
+
+DumpFormat detect_format(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw_input_error("{}: cannot open: {}", path, std::strerror(errno));
+  char head[9] = {};
+  f.read(head, 9);
+  const auto n = f.gcount();
+  if (n >= 4 && std::string_view(head, 4) == std::string_view("PK\x03\x04", 4)) return DumpFormat::kTorchSave;
+  if (n >= 1 && static_cast<uint8_t>(head[0]) == 0x80) return DumpFormat::kTorchSave;  // legacy: reported there
+  const std::string ext = fs::path(path).extension().string();
+  if (ext == ".safetensors") return DumpFormat::kSafetensors;
+  if (ext == ".pt" || ext == ".pth") return DumpFormat::kTorchSave;
+  if (ext == ".json") return DumpFormat::kJson;
+  if (n >= 9 && head[8] == '{') return DumpFormat::kSafetensors;
+  for (std::streamsize k = 0; k < n; ++k) {
+    if (head[k] == '{' || head[k] == '[') return DumpFormat::kJson;
+    if (!std::isspace(static_cast<unsigned char>(head[k]))) break;
+  }
+  throw_input_error("{}: unknown dump format (expected .safetensors, .pt or .json)", path);
+}
+
+ValuePtr json_to_value(const std::string& text, const std::string& what) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    throw_input_error("{}: invalid JSON: {}", what, e.what());
+  }
+  return from_json(j, what, 0);
+}
+
+Dump read_dump(const std::string& path) {
+  Dump d;
+  d.path = path;
+  d.format = detect_format(path);
+  switch (d.format) {
+    case DumpFormat::kSafetensors: {
+      SafetensorsFile st = read_safetensors(path);
+      d.tree = Value::make_dict();
+      for (auto& [name, a] : st.tensors) d.tree->entries.emplace_back(Value::make_string(name), Value::make_tensor(a));
+      if (!st.metadata.empty()) {
+        auto meta = Value::make_dict();
+        for (auto& [k, v] : st.metadata) meta->entries.emplace_back(Value::make_string(k), Value::make_string(v));
+        d.tree->entries.emplace_back(Value::make_string("__metadata__"), meta);
+      }
+      break;
+    }
+    case DumpFormat::kTorchSave: d.tree = read_torch_save(path); break;
+    case DumpFormat::kJson: d.tree = json_to_value(read_text(path), path); break;
+  }
+  d.fields = describe_fields(*d.tree);
+  return d;
+}
+
+oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields) {
+  oracle::BatchBuilder builder;
+  for (const auto& d : dumps) {
+    builder.begin_file(d.path);
+    add_tree(builder, *d.tree, d.path, fields);
+  }
+  return builder.finish();
+}
+
+namespace {
+
+std::vector<std::pair<std::string, HostArray>> packed_arrays(const oracle::Batch& b) {
+  std::vector<std::pair<std::string, HostArray>> t;
+  t.emplace_back("tokens", HostArray::from_i64(DType::kInt64, {static_cast<int64_t>(b.tokens.size())}, b.tokens));
+  t.emplace_back("total_lengths", HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.total_lengths));
+  t.emplace_back("response_lengths", HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.response_lengths));
+  std::vector<int64_t> mask(b.loss_mask.begin(), b.loss_mask.end());
+  t.emplace_back("loss_masks", HostArray::from_i64(DType::kInt64, {b.num_response_tokens()}, mask));
+  if (b.logits) t.emplace_back("logits", *b.logits);
+  for (const auto& [name, a] : b.per_token) t.emplace_back(name, a);
+  return t;
+}
+
+std::string metadata_text(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+
+}  // namespace
+
+void write_batch(const oracle::Batch& b, const std::string& path) {
+  const std::string ext = fs::path(path).extension().string();
+  if (ext == ".safetensors") {
+    std::map<std::string, std::string> meta = {{"lossguard.schema", "1"}};
+    for (auto it = b.metadata.begin(); it != b.metadata.end(); ++it) meta[it.key()] = metadata_text(it.value());
+    write_safetensors(path, packed_arrays(b), meta);
+  } else if (ext == ".pt" || ext == ".pth") {
+    std::vector<TorchSaveEntry> entries;
+    for (auto& [name, a] : packed_arrays(b)) entries.push_back({name, Value::make_tensor(a)});
+    auto meta = Value::make_dict();
+    entries.push_back({"lossguard.schema", Value::make_string("1")});
+    for (auto it = b.metadata.begin(); it != b.metadata.end(); ++it) {
+      const auto& v = it.value();
+      ValuePtr x = v.is_number_integer() ? Value::make_int(v.get<int64_t>())
+                   : v.is_number() ? Value::make_float(v.get<double>())
+                   : v.is_boolean() ? Value::make_bool(v.get<bool>())
+                   : Value::make_string(metadata_text(v));
+      entries.push_back({it.key(), x});
+    }
+    write_torch_save(path, entries);
+  } else if (ext == ".json") {
+    nlohmann::ordered_json doc;
+    doc["lossguard.schema"] = "1";
+    for (auto it = b.metadata.begin(); it != b.metadata.end(); ++it) doc[it.key()] = it.value();
+    nlohmann::ordered_json samples = nlohmann::ordered_json::array();
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      nlohmann::ordered_json s;
+      const int64_t t0 = b.token_offsets[i], r0 = b.response_offsets[i], r = b.response_lengths[i];
+      s["tokens"] = std::vector<int64_t>(b.tokens.begin() + t0, b.tokens.begin() + t0 + b.total_lengths[i]);
+      s["response_length"] = r;
+      s["loss_mask"] = std::vector<int>(b.loss_mask.begin() + r0, b.loss_mask.begin() + r0 + r);
+      if (b.logits) {
+        const int64_t v = b.vocab_size();
+        nlohmann::ordered_json rows = nlohmann::ordered_json::array();
+        for (int64_t j = 0; j < r; ++j) {
+          std::vector<double> row(static_cast<std::size_t>(v));
+          for (int64_t c = 0; c < v; ++c) row[c] = b.logits->get_f64((r0 + j) * v + c);
+          rows.push_back(row);
+        }
+        s["logits"] = rows;
+      }
+      for (const auto& [name, a] : b.per_token) {
+        std::vector<double> vals(static_cast<std::size_t>(r));
+        for (int64_t j = 0; j < r; ++j) vals[j] = a.get_f64(r0 + j);
+        s[name] = vals;
+      }
+      samples.push_back(s);
+    }
+    doc["samples"] = samples;
+    std::ofstream f(path, std::ios::trunc);
+    if (!f) throw_input_error("{}: cannot write: {}", path, std::strerror(errno));
+    f << doc.dump(1) << "\n";
+  } else {
+    throw_input_error("{}: unknown output format '{}' (use .safetensors, .pt or .json)", path, ext);
+  }
+}
+
+}  // namespace lossguard::io

@@ -1,0 +1,19 @@
+// What CUDA/NCCL support this build has and which device the process sees.
+#pragma once
+#include <string>
+
+namespace lossguard::kernels {
+
+struct DeviceInfo {
+  bool cuda_compiled = false;
+  bool nccl_compiled = false;
+  int device_count = 0;
+  std::string device_name;           // device 0
+  std::string status;                // why no device, when none
+  std::string cuda_runtime_version;  // "13.0"
+  std::string nccl_version;          // "2.27.3"
+};
+
+DeviceInfo query_device_info();
+
+}  // namespace lossguard::kernels

@@ -1,0 +1,204 @@
+// HostArray element access and the half/bfloat16 conversions (bit-exact, no LibTorch).
+#include "oracle/array.h"
+
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "oracle/errors.h"
+
+namespace lossguard {
+
+std::string_view dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kBool: return "bool";
+    case DType::kUInt8: return "uint8";
+    case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat32: return "float32";
+    case DType::kFloat64: return "float64";
+  }
+  return "?";
+}
+
+std::size_t dtype_size_bytes(DType dtype) {
+  switch (dtype) {
+    case DType::kBool: case DType::kUInt8: case DType::kInt8: return 1;
+    case DType::kInt16: case DType::kFloat16: case DType::kBFloat16: return 2;
+    case DType::kInt32: case DType::kFloat32: return 4;
+    case DType::kInt64: case DType::kFloat64: return 8;
+  }
+  return 0;
+}
+
+bool dtype_is_float(DType dtype) {
+  return dtype == DType::kFloat16 || dtype == DType::kBFloat16 || dtype == DType::kFloat32 ||
+         dtype == DType::kFloat64;
+}
+
+bool parse_dtype(std::string_view name, DType* out) {
+  struct Entry { std::string_view a, b; DType d; };
+  static const Entry kNames[] = {
+      {"bool", "BOOL", DType::kBool},         {"uint8", "U8", DType::kUInt8},
+      {"int8", "I8", DType::kInt8},           {"int16", "I16", DType::kInt16},
+      {"int32", "I32", DType::kInt32},        {"int64", "I64", DType::kInt64},
+      {"float16", "F16", DType::kFloat16},    {"bfloat16", "BF16", DType::kBFloat16},
+      {"float32", "F32", DType::kFloat32},    {"float64", "F64", DType::kFloat64},
+      {"fp16", "half", DType::kFloat16},      {"bf16", "bf16", DType::kBFloat16},
+      {"fp32", "float", DType::kFloat32},     {"fp64", "double", DType::kFloat64},
+  };
+  for (const auto& e : kNames) {
+    if (name == e.a || name == e.b) {
+      *out = e.d;
+      return true;
+    }
+  }
+  return false;
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1f;
+  const uint32_t mant = h & 0x3ff;
+  float f;
+  if (exp == 0) {
+    f = std::ldexp(static_cast<float>(mant), -24);  // zero or subnormal
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    bits |= sign;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  uint32_t bits;
+  if (exp == 31) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  }
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+float bfloat16_to_float(uint16_t b) {
+  uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_bfloat16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  const uint32_t rounding_bias = 0x7fff + ((bits >> 16) & 1);
+  return static_cast<uint16_t>((bits + rounding_bias) >> 16);
+}
+
+uint16_t float_to_half(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000);
+  const float a = std::fabs(value);
+  if (std::isnan(value)) return sign | 0x7e00;
+  if (a >= 65520.0f) return sign | 0x7c00;  // rounds to infinity
+  if (a < 6.103515625e-05f) {               // subnormal half: multiples of 2^-24
+    const float scaled = std::nearbyint(a * 16777216.0f);
+    return sign | static_cast<uint16_t>(scaled);
+  }
+  int exp;
+  const float m = std::frexp(a, &exp);  // a = m * 2^exp, m in [0.5, 1)
+  // mantissa with 10 explicit bits: a = (1 + f/1024) * 2^(exp-1)
+  float frac = std::nearbyint((m * 2.0f - 1.0f) * 1024.0f);
+  int e = exp - 1;
+  if (frac >= 1024.0f) {
+    frac = 0.0f;
+    ++e;
+  }
+  if (e > 15) return sign | 0x7c00;
+  return sign | static_cast<uint16_t>(((e + 15) << 10) | static_cast<uint16_t>(frac));
+}
+
+int64_t HostArray::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string HostArray::shape_string() const { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+double HostArray::get_f64(int64_t i) const {
+  const std::byte* p = data + static_cast<std::size_t>(i) * dtype_size_bytes(dtype);
+  switch (dtype) {
+    case DType::kFloat16: { uint16_t v; std::memcpy(&v, p, 2); return half_to_float(v); }
+    case DType::kBFloat16: { uint16_t v; std::memcpy(&v, p, 2); return bfloat16_to_float(v); }
+    case DType::kFloat32: { float v; std::memcpy(&v, p, 4); return v; }
+    case DType::kFloat64: { double v; std::memcpy(&v, p, 8); return v; }
+    default: return static_cast<double>(get_i64(i));
+  }
+}
+
+int64_t HostArray::get_i64(int64_t i) const {
+  const std::byte* p = data + static_cast<std::size_t>(i) * dtype_size_bytes(dtype);
+  switch (dtype) {
+    case DType::kBool: case DType::kUInt8: return static_cast<int64_t>(std::to_integer<uint8_t>(*p));
+    case DType::kInt8: return static_cast<int64_t>(static_cast<int8_t>(std::to_integer<uint8_t>(*p)));
+    case DType::kInt16: { int16_t v; std::memcpy(&v, p, 2); return v; }
+    case DType::kInt32: { int32_t v; std::memcpy(&v, p, 4); return v; }
+    case DType::kInt64: { int64_t v; std::memcpy(&v, p, 8); return v; }
+    default: return static_cast<int64_t>(get_f64(i));
+  }
+}
+
+HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {
+  HostArray a;
+  a.dtype = dtype;
+  a.shape = std::move(shape);
+  auto buf = std::make_shared<std::vector<std::byte>>(std::max<std::size_t>(a.size_bytes(), 1));
+  a.data = buf->data();
+  a.owner = buf;
+  return a;
+}
+
+HostArray HostArray::from_f64(DType dtype, std::vector<int64_t> shape, const std::vector<double>& values) {
+  HostArray a = zeros(dtype, std::move(shape));
+  LG_CHECK(static_cast<int64_t>(values.size()) == a.numel(), "{} values for shape {}", values.size(),
+           a.shape_string());
+  std::byte* p = a.mutable_data();
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const double v = values[i];
+    switch (dtype) {
+      case DType::kFloat16: { uint16_t h = float_to_half(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
+      case DType::kBFloat16: { uint16_t h = float_to_bfloat16(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
+      case DType::kFloat32: { float f = static_cast<float>(v); std::memcpy(p + 4 * i, &f, 4); break; }
+      case DType::kFloat64: std::memcpy(p + 8 * i, &v, 8); break;
+      default: LG_CHECK(false, "from_f64 needs a float dtype, got {}", dtype_name(dtype));
+    }
+  }
+  return a;
+}
+
+HostArray HostArray::from_i64(DType dtype, std::vector<int64_t> shape, const std::vector<int64_t>& values) {
+  HostArray a = zeros(dtype, std::move(shape));
+  LG_CHECK(static_cast<int64_t>(values.size()) == a.numel(), "{} values for shape {}", values.size(),
+           a.shape_string());
+  std::byte* p = a.mutable_data();
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const int64_t v = values[i];
+    switch (dtype) {
+      case DType::kBool: case DType::kUInt8: case DType::kInt8: { auto b = static_cast<uint8_t>(v); std::memcpy(p + i, &b, 1); break; }
+      case DType::kInt16: { auto s = static_cast<int16_t>(v); std::memcpy(p + 2 * i, &s, 2); break; }
+      case DType::kInt32: { auto s = static_cast<int32_t>(v); std::memcpy(p + 4 * i, &s, 4); break; }
+      case DType::kInt64: std::memcpy(p + 8 * i, &v, 8); break;
+      default: LG_CHECK(false, "from_i64 needs an integer dtype, got {}", dtype_name(dtype));
+    }
+  }
+  return a;
+}
+
+}  // namespace lossguard

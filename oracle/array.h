@@ -1,0 +1,45 @@
+// A typed, contiguous, row-major host array that may borrow memory (an mmap'd safetensors file, a
+// zip record): the one tensor type shared by loaders, the oracle and the trainer, free of LibTorch.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace lossguard {
+
+enum class DType { kBool, kUInt8, kInt8, kInt16, kInt32, kInt64, kFloat16, kBFloat16, kFloat32, kFloat64 };
+
+std::string_view dtype_name(DType dtype);        // "int64", "bfloat16", ...
+std::size_t dtype_size_bytes(DType dtype);
+bool dtype_is_float(DType dtype);
+bool parse_dtype(std::string_view name, DType* out);  // accepts lossguard names and safetensors codes
+
+float half_to_float(uint16_t bits);
+float bfloat16_to_float(uint16_t bits);
+uint16_t float_to_half(float value);      // round to nearest even
+uint16_t float_to_bfloat16(float value);  // round to nearest even
+
+struct HostArray {
+  DType dtype = DType::kFloat32;
+  std::vector<int64_t> shape;
+  std::shared_ptr<const void> owner;  // keeps `data` alive
+  const std::byte* data = nullptr;
+
+  int64_t numel() const;
+  std::size_t size_bytes() const { return static_cast<std::size_t>(numel()) * dtype_size_bytes(dtype); }
+  std::string shape_string() const;  // "[3, 4]"
+
+  double get_f64(int64_t flat_index) const;  // any dtype, exact for floats and ints below 2^53
+  int64_t get_i64(int64_t flat_index) const; // integer and bool dtypes; floats truncated
+
+  // Fresh arrays owning their memory.
+  static HostArray zeros(DType dtype, std::vector<int64_t> shape);
+  static HostArray from_f64(DType dtype, std::vector<int64_t> shape, const std::vector<double>& values);
+  static HostArray from_i64(DType dtype, std::vector<int64_t> shape, const std::vector<int64_t>& values);
+  std::byte* mutable_data() { return const_cast<std::byte*>(data); }  // only for arrays made above
+};
+
+}  // namespace lossguard

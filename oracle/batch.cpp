@@ -1,0 +1,290 @@
+// Batch validation (SPEC §1): every rule names the file, the sample, the field and the values.
+#include "oracle/batch.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "oracle/errors.h"
+
+namespace lossguard::oracle {
+
+const char* sample_kind_name(SampleKind kind) {
+  switch (kind) {
+    case SampleKind::kRl: return "rl";
+    case SampleKind::kSft: return "sft";
+    case SampleKind::kEmpty: return "empty";
+  }
+  return "?";
+}
+
+int64_t Batch::mask_sum(int64_t i) const {
+  int64_t sum = 0;
+  for (int64_t j = response_offsets[i]; j < response_offsets[i + 1]; ++j) sum += loss_mask[j];
+  return sum;
+}
+
+SampleKind Batch::kind(int64_t i) const {
+  if (mask_sum(i) == 0) return SampleKind::kEmpty;
+  return response_lengths[i] == total_lengths[i] ? SampleKind::kSft : SampleKind::kRl;
+}
+
+std::string Batch::describe_sample(int64_t i) const {
+  const SampleOrigin& o = origins[i];
+  if (files.size() == 1) return fmt::format("{}: sample {}", files[o.file_index], o.index_in_file);
+  return fmt::format("{}: sample {} (global sample {})", files[o.file_index], o.index_in_file, i);
+}
+
+namespace {
+
+bool is_integer_dtype(DType d) { return !dtype_is_float(d); }
+
+void require_1d(const std::string& file, int64_t sample, const char* field, const HostArray& a) {
+  if (a.shape.size() != 1) {
+    throw_input_error("{}: sample {}: field '{}' must be 1-D, has shape {}", file, sample, field,
+                      a.shape_string());
+  }
+}
+
+}  // namespace
+
+void BatchBuilder::begin_file(const std::string& path) {
+  batch_.files.push_back(path);
+  if (batch_.token_offsets.empty()) {
+    batch_.token_offsets.push_back(0);
+    batch_.response_offsets.push_back(0);
+  }
+}
+
+void BatchBuilder::fail_sample(int64_t index_in_file, const std::string& what) const {
+  throw InputError(fmt::format("{}: sample {}: {}", batch_.files.back(), index_in_file, what));
+}
+
+void BatchBuilder::add_metadata(const std::string& key, const nlohmann::json& value) {
+  batch_.metadata[key] = value;
+}
+
+void BatchBuilder::append_float_rows(const std::string& field, const HostArray& src,
+                                     int64_t index_in_file) {
+  if (!dtype_is_float(src.dtype)) {
+    // Integer-valued per-token fields (a list of ints in a JSON dump) are taken as float64.
+    if (field == "logits") fail_sample(index_in_file, fmt::format("field 'logits' has dtype {}, must be a float dtype", dtype_name(src.dtype)));
+  }
+  const bool is_logits = field == "logits";
+  std::vector<std::byte>& bytes = is_logits ? logits_bytes_ : per_token_bytes_[field];
+  DType target;
+  if (is_logits) {
+    if (!logits_dtype_) logits_dtype_ = src.dtype;
+    target = *logits_dtype_;
+  } else {
+    auto it = per_token_dtype_.find(field);
+    if (it == per_token_dtype_.end()) {
+      it = per_token_dtype_.emplace(field, dtype_is_float(src.dtype) ? src.dtype : DType::kFloat64).first;
+    }
+    target = it->second;
+  }
+  const std::size_t old = bytes.size();
+  if (src.dtype == target) {
+    bytes.resize(old + src.size_bytes());
+    if (src.size_bytes() > 0) std::memcpy(bytes.data() + old, src.data, src.size_bytes());
+    return;
+  }
+  // Mixed dtypes across dumps: convert through float64 into the first dump's dtype.
+  std::vector<double> values(static_cast<std::size_t>(src.numel()));
+  for (int64_t k = 0; k < src.numel(); ++k) values[k] = src.get_f64(k);
+  HostArray converted = HostArray::from_f64(target, {src.numel()}, values);
+  bytes.resize(old + converted.size_bytes());
+  if (converted.size_bytes() > 0) std::memcpy(bytes.data() + old, converted.data, converted.size_bytes());
+}
+
+void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
+  LG_CHECK(!batch_.files.empty(), "begin_file before add_sample");
+  if (f.tokens == nullptr) fail_sample(idx, "field 'tokens' is missing");
+  require_1d(batch_.files.back(), idx, "tokens", *f.tokens);
+  if (!is_integer_dtype(f.tokens->dtype)) {
+    fail_sample(idx, fmt::format("field 'tokens' has dtype {}, must be an integer dtype", dtype_name(f.tokens->dtype)));
+  }
+  const int64_t num_tokens = f.tokens->numel();
+  if (!f.response_length) fail_sample(idx, "field 'response_length' is missing");
+  const int64_t r = *f.response_length;
+  const int64_t t = f.total_length.value_or(num_tokens);
+  if (t < 0) fail_sample(idx, fmt::format("total_length = {} is negative", t));
+  if (r < 0) fail_sample(idx, fmt::format("response_length = {} is negative", r));
+  if (t != num_tokens) {
+    fail_sample(idx, fmt::format("total_length = {} disagrees with len(tokens) = {}", t, num_tokens));
+  }
+  if (r > t) fail_sample(idx, fmt::format("response_length R = {} exceeds total_length T = {}", r, t));
+
+  // Loss mask.
+  const std::size_t mask_start = batch_.loss_mask.size();
+  if (f.loss_mask != nullptr) {
+    require_1d(batch_.files.back(), idx, "loss_mask", *f.loss_mask);
+    if (f.loss_mask->numel() != r) {
+      fail_sample(idx, fmt::format("len(loss_mask) = {} but response_length R = {}", f.loss_mask->numel(), r));
+    }
+    any_mask_ = true;
+    batch_.loss_mask.resize(mask_start + r);
+    for (int64_t j = 0; j < r; ++j) {
+      const double v = f.loss_mask->get_f64(j);
+      if (v != 0.0 && v != 1.0) {
+        fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
+      }
+      batch_.loss_mask[mask_start + j] = static_cast<uint8_t>(v);
+    }
+  } else {
+    any_missing_mask_ = true;
+    batch_.loss_mask.resize(mask_start + r, 1);
+  }
+
+  // Logits [R, V].
+  const int64_t rows_before = batch_.response_offsets.back();
+  if (f.logits != nullptr) {
+    const HostArray& l = *f.logits;
+    if (l.shape.size() != 2) fail_sample(idx, fmt::format("logits must be 2-D [R, V], has shape {}", l.shape_string()));
+    if (l.shape[0] != r) fail_sample(idx, fmt::format("logits.shape[0] = {} but response_length R = {}", l.shape[0], r));
+    if (vocab_size_ >= 0 && l.shape[1] != vocab_size_) {
+      fail_sample(idx, fmt::format("logits vocabulary size {} differs from earlier samples' {}", l.shape[1], vocab_size_));
+    }
+    if (logits_rows_ != rows_before) fail_sample(idx, "has logits but an earlier sample with a response has none");
+    vocab_size_ = l.shape[1];
+    append_float_rows("logits", l, idx);
+    logits_rows_ += r;
+  } else if (vocab_size_ >= 0 && r > 0) {
+    fail_sample(idx, "field 'logits' is missing (earlier samples have it)");
+  }
+
+  // Per-token fields [R].
+  for (const auto& [name, arr] : f.per_token) {
+    if (arr == nullptr) continue;
+    require_1d(batch_.files.back(), idx, name.c_str(), *arr);
+    if (arr->numel() != r) {
+      fail_sample(idx, fmt::format("len({}) = {} but response_length R = {}", name, arr->numel(), r));
+    }
+    if (per_token_rows_[name] != rows_before) {
+      fail_sample(idx, fmt::format("has '{}' but an earlier sample with a response has none", name));
+    }
+    append_float_rows(name, *arr, idx);
+    per_token_rows_[name] += r;
+  }
+  for (const auto& [name, rows] : per_token_rows_) {
+    if (r > 0 && rows == rows_before && !f.per_token.count(name)) {
+      fail_sample(idx, fmt::format("field '{}' is missing (earlier samples have it)", name));
+    }
+  }
+
+  batch_.origins.push_back({static_cast<int>(batch_.files.size()) - 1, idx});
+  batch_.total_lengths.push_back(t);
+  batch_.response_lengths.push_back(r);
+  batch_.tokens.reserve(batch_.tokens.size() + t);
+  for (int64_t k = 0; k < t; ++k) batch_.tokens.push_back(f.tokens->get_i64(k));
+  batch_.token_offsets.push_back(batch_.token_offsets.back() + t);
+  batch_.response_offsets.push_back(rows_before + r);
+}
+
+void BatchBuilder::add_packed(const PackedFields& f) {
+  LG_CHECK(!batch_.files.empty(), "begin_file before add_packed");
+  const std::string& file = batch_.files.back();
+  auto need = [&](const HostArray* a, const char* name) -> const HostArray& {
+    if (a == nullptr) throw_input_error("{}: packed batch: field '{}' is missing", file, name);
+    if (a->shape.size() != 1) throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
+    if (dtype_is_float(a->dtype)) throw_input_error("{}: field '{}' has dtype {}, must be an integer dtype", file, name, dtype_name(a->dtype));
+    return *a;
+  };
+  const HostArray& tokens = need(f.tokens, "tokens");
+  const HostArray& tl = need(f.total_lengths, "total_lengths");
+  const HostArray& rl = need(f.response_lengths, "response_lengths");
+  const int64_t s = tl.numel();
+  if (rl.numel() != s) {
+    throw_input_error("{}: len(total_lengths) = {} but len(response_lengths) = {}", file, s, rl.numel());
+  }
+  // Check lengths and sums before slicing anything.
+  int64_t sum_t = 0, sum_r = 0;
+  for (int64_t i = 0; i < s; ++i) {
+    const int64_t t = tl.get_i64(i), r = rl.get_i64(i);
+    if (t < 0) throw_input_error("{}: sample {}: total_length = {} is negative", file, i, t);
+    if (r < 0) throw_input_error("{}: sample {}: response_length = {} is negative", file, i, r);
+    if (r > t) throw_input_error("{}: sample {}: response_length R = {} exceeds total_length T = {}", file, i, r, t);
+    sum_t += t;
+    sum_r += r;
+  }
+  if (tokens.numel() != sum_t) {
+    throw_input_error("{}: len(tokens) = {} disagrees with sum(total_lengths) = {}", file, tokens.numel(), sum_t);
+  }
+  auto check_rows = [&](const HostArray* a, const char* name) {
+    if (a == nullptr) return;
+    if (a->shape.empty() || a->shape[0] != sum_r) {
+      throw_input_error("{}: field '{}' has shape {}, but sum(response_lengths) = {} rows are needed", file, name,
+                        a->shape_string(), sum_r);
+    }
+  };
+  check_rows(f.loss_masks, "loss_masks");
+  check_rows(f.logits, "logits");
+  for (const auto& [name, a] : f.per_token) check_rows(a, name.c_str());
+  if (f.loss_masks && f.loss_masks->shape.size() != 1) {
+    throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file, f.loss_masks->shape_string());
+  }
+
+  // Slice into per-sample views that borrow the packed arrays, and validate each as a sample.
+  auto view = [](const HostArray& a, int64_t start_row, int64_t rows) {
+    HostArray v = a;
+    int64_t row_elems = 1;
+    for (std::size_t d = 1; d < a.shape.size(); ++d) row_elems *= a.shape[d];
+    v.shape[0] = rows;
+    v.data = a.data + static_cast<std::size_t>(start_row * row_elems) * dtype_size_bytes(a.dtype);
+    return v;
+  };
+  int64_t tok = 0, resp = 0;
+  for (int64_t i = 0; i < s; ++i) {
+    const int64_t t = tl.get_i64(i), r = rl.get_i64(i);
+    HostArray tv = view(tokens, tok, t);
+    std::optional<HostArray> mv, lv;
+    std::map<std::string, HostArray> pv;
+    SampleFields sf;
+    sf.tokens = &tv;
+    sf.total_length = t;
+    sf.response_length = r;
+    if (f.loss_masks) { mv = view(*f.loss_masks, resp, r); sf.loss_mask = &*mv; }
+    if (f.logits) { lv = view(*f.logits, resp, r); sf.logits = &*lv; }
+    for (const auto& [name, a] : f.per_token) {
+      if (a) pv.emplace(name, view(*a, resp, r));
+    }
+    for (auto& [name, a] : pv) sf.per_token[name] = &a;
+    add_sample(i, sf);
+    tok += t;
+    resp += r;
+  }
+}
+
+Batch BatchBuilder::finish() {
+  if (batch_.token_offsets.empty()) {
+    batch_.token_offsets.push_back(0);
+    batch_.response_offsets.push_back(0);
+  }
+  batch_.loss_mask_given = any_mask_;
+  const int64_t rows = batch_.num_response_tokens();
+  if (logits_dtype_) {
+    HostArray a = HostArray::zeros(*logits_dtype_, {rows, vocab_size_});
+    LG_CHECK(a.size_bytes() == logits_bytes_.size(), "logits bytes {} vs {}", logits_bytes_.size(), a.size_bytes());
+    if (!logits_bytes_.empty()) std::memcpy(a.mutable_data(), logits_bytes_.data(), logits_bytes_.size());
+    batch_.logits = std::move(a);
+    logits_bytes_ = {};
+  }
+  for (auto& [name, bytes] : per_token_bytes_) {
+    if (per_token_rows_[name] != rows) {
+      throw_input_error("field '{}' covers {} response tokens of {}: the samples after the last that has it lack it",
+                        name, per_token_rows_[name], rows);
+    }
+    HostArray a = HostArray::zeros(per_token_dtype_[name], {rows});
+    if (!bytes.empty()) std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
+    batch_.per_token[name] = std::move(a);
+  }
+  if (logits_dtype_ && logits_rows_ != rows) {
+    throw_input_error("logits cover {} response tokens of {}: the samples after the last that has them lack them",
+                      logits_rows_, rows);
+  }
+  (void)any_missing_mask_;
+  return std::move(batch_);
+}
+
+}  // namespace lossguard::oracle

@@ -1,0 +1,101 @@
+// The batch model of SPEC §1: samples of prompt+response tokens with loss masks and optional
+// per-token fields, packed, and the builder that validates what a dump states before it becomes one.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "oracle/array.h"
+
+namespace lossguard::oracle {
+
+enum class SampleKind { kRl, kSft, kEmpty };  // empty: no effective token (R = 0 or fully masked)
+const char* sample_kind_name(SampleKind kind);
+
+// Optional per-response-token float fields, by canonical name (SPEC §1).
+inline const std::vector<std::string>& per_token_field_names() {
+  static const std::vector<std::string> kNames = {"log_probs", "old_log_probs", "ref_log_probs",
+                                                  "advantages", "token_loss"};
+  return kNames;
+}
+
+struct SampleOrigin {
+  int file_index = 0;          // into Batch::files
+  int64_t index_in_file = 0;   // the sample's index inside that dump
+};
+
+struct Batch {
+  std::vector<std::string> files;         // the dumps, in the order given
+  std::vector<SampleOrigin> origins;      // [S]
+  std::vector<int64_t> total_lengths;     // [S] T
+  std::vector<int64_t> response_lengths;  // [S] R
+  std::vector<int64_t> token_offsets;     // [S+1] into tokens
+  std::vector<int64_t> response_offsets;  // [S+1] into loss_mask, logits rows and per-token fields
+  std::vector<int64_t> tokens;            // [sum T]
+  std::vector<uint8_t> loss_mask;         // [sum R], 0/1; all ones where the dump had none
+  bool loss_mask_given = false;           // false when no dump stated a loss mask
+  std::optional<HostArray> logits;        // [sum R, V]
+  std::map<std::string, HostArray> per_token;  // each [sum R]
+  nlohmann::json metadata = nlohmann::json::object();  // batch-level metadata, per SPEC §1
+
+  int64_t num_samples() const { return static_cast<int64_t>(total_lengths.size()); }
+  int64_t num_response_tokens() const { return response_offsets.empty() ? 0 : response_offsets.back(); }
+  int64_t prompt_length(int64_t i) const { return total_lengths[i] - response_lengths[i]; }
+  int64_t mask_sum(int64_t i) const;
+  SampleKind kind(int64_t i) const;
+  int64_t vocab_size() const { return logits ? logits->shape[1] : 0; }
+  // "file.pt sample 3" (the index within its own dump) for messages.
+  std::string describe_sample(int64_t i) const;
+};
+
+// What one dump states about one sample, before validation. Arrays are 1-D except logits [R, V].
+struct SampleFields {
+  const HostArray* tokens = nullptr;        // required
+  std::optional<int64_t> total_length;      // when the dump states T separately
+  std::optional<int64_t> response_length;   // required
+  const HostArray* loss_mask = nullptr;     // absent: all ones
+  const HostArray* logits = nullptr;
+  std::map<std::string, const HostArray*> per_token;
+};
+
+// What a packed dump states (SPEC §8 safetensors layout).
+struct PackedFields {
+  const HostArray* tokens = nullptr;            // [sum T]
+  const HostArray* total_lengths = nullptr;     // [S]
+  const HostArray* response_lengths = nullptr;  // [S]
+  const HostArray* loss_masks = nullptr;        // [sum R], optional
+  const HostArray* logits = nullptr;            // [sum R, V], optional
+  std::map<std::string, const HostArray*> per_token;
+};
+
+// Validates and appends samples, one dump after another, into one global batch. Every violation of
+// SPEC §1 throws InputError naming the file, the sample (index within its dump), the field and values.
+class BatchBuilder {
+ public:
+  void begin_file(const std::string& path);
+  void add_sample(int64_t index_in_file, const SampleFields& fields);
+  void add_packed(const PackedFields& fields);
+  void add_metadata(const std::string& key, const nlohmann::json& value);
+  Batch finish();
+
+ private:
+  void append_float_rows(const std::string& field, const HostArray& src, int64_t index_in_file);
+  [[noreturn]] void fail_sample(int64_t index_in_file, const std::string& what) const;
+
+  Batch batch_;
+  bool any_mask_ = false;
+  bool any_missing_mask_ = false;
+  std::vector<std::byte> logits_bytes_;
+  std::map<std::string, std::vector<std::byte>> per_token_bytes_;
+  std::map<std::string, DType> per_token_dtype_;
+  std::map<std::string, int64_t> per_token_rows_;
+  std::optional<DType> logits_dtype_;
+  int64_t vocab_size_ = -1;
+  int64_t logits_rows_ = 0;
+};
+
+}  // namespace lossguard::oracle

@@ -1,0 +1,44 @@
+// Failures that stop a command. Mismatches are data (counted and reported); these are for "cannot
+// compute": each kind maps to one exit code at the single catch site in cli/app.cpp.
+#pragma once
+#include <stdexcept>
+#include <string>
+
+#include <fmt/format.h>
+
+namespace lossguard {
+
+// Bad input or invocation: exit code 2. The message names the file, sample and field.
+class InputError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A requested check could not run at all (no samples, no CUDA device): exit code 4.
+class UnverifiedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A broken internal invariant: a lossguard bug. Exit code 2, with the source location.
+class InternalError : public std::logic_error {
+ public:
+  using std::logic_error::logic_error;
+};
+
+template <typename... Args>
+[[noreturn]] void throw_input_error(fmt::format_string<Args...> f, Args&&... args) {
+  throw InputError(fmt::format(f, std::forward<Args>(args)...));
+}
+
+}  // namespace lossguard
+
+// Checks an internal invariant; throws InternalError naming file:line, the condition and a message.
+#define LG_CHECK(cond, ...)                                                                   \
+  do {                                                                                        \
+    if (!(cond)) {                                                                            \
+      throw ::lossguard::InternalError(::fmt::format("{}:{}: check `{}` failed: {}", __FILE__, \
+                                                     __LINE__, #cond,                         \
+                                                     ::fmt::format(__VA_ARGS__)));            \
+    }                                                                                         \
+  } while (0)
