@@ -83,8 +83,12 @@ const Value* find_field(const Value& dict, const std::string& name, const FieldM
 }
 
 std::string opaque_hint(const Value& v) {
-  return fmt::format("is a {}; lossguard never runs pickled code, so only tensors, lists and numbers can be read "
-                     "(save the field as a torch tensor or a list)", v.type_name());
+  if (v.kind == Kind::kOpaque || v.kind == Kind::kGlobal) {
+    return fmt::format("holds a pickled object of type {} that lossguard cannot read: it never runs pickled code, "
+                       "so only tensors, lists and numbers are understood (save the field as a torch tensor or a list)",
+                       v.s);
+  }
+  return fmt::format("holds a {}, expected a tensor, a list of numbers or a number", v.type_name());
 }
 
 // A tensor, a (nested) list of numbers, or a number, as a HostArray. `where` prefixes messages.
@@ -382,6 +386,8 @@ std::vector<std::string> expand_dump_paths(const std::vector<std::string>& paths
 }
 
 DumpFormat detect_format(const std::string& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw_input_error("{}: no such file or directory", path);
   std::ifstream f(path, std::ios::binary);
   if (!f) throw_input_error("{}: cannot open: {}", path, std::strerror(errno));
   char head[9] = {};
@@ -492,7 +498,7 @@ void write_batch(const oracle::Batch& b, const std::string& path) {
       s["tokens"] = std::vector<int64_t>(b.tokens.begin() + t0, b.tokens.begin() + t0 + b.total_lengths[i]);
       s["response_length"] = r;
       s["loss_mask"] = std::vector<int>(b.loss_mask.begin() + r0, b.loss_mask.begin() + r0 + r);
-      if (b.logits) {
+      if (b.logits && r > 0) {  // a list cannot say [0, V]; an empty response simply has none
         const int64_t v = b.vocab_size();
         nlohmann::ordered_json rows = nlohmann::ordered_json::array();
         for (int64_t j = 0; j < r; ++j) {

@@ -171,9 +171,13 @@ void write_torch_save(const std::string& path, const std::vector<TorchSaveEntry>
   }
   p.setitems();
   p.stop();
+  write_torch_archive(path, p.out, storages);
+}
+
+void write_torch_archive(const std::string& path, const std::string& pickle, const std::vector<const HostArray*>& storages) {
   try {
     caffe2::serialize::PyTorchStreamWriter writer(path);
-    writer.writeRecord("data.pkl", p.out.data(), p.out.size());
+    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
     writer.writeRecord("byteorder", "little", 6);
     for (std::size_t k = 0; k < storages.size(); ++k) {
       writer.writeRecord("data/" + std::to_string(k), storages[k]->data, storages[k]->size_bytes());

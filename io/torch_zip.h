@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "io/value.h"
+#include "oracle/array.h"
 
 namespace lossguard::io {
 
@@ -20,5 +21,9 @@ struct TorchSaveEntry {
   ValuePtr value;  // kTensor, kInt, kFloat, kString, kBool or kNone
 };
 void write_torch_save(const std::string& path, const std::vector<TorchSaveEntry>& entries);
+
+// The archive layout torch.save uses: data.pkl, byteorder and data/<k> for storage k (whose persistent
+// ids in `pickle` use the keys "0", "1", ...). For writers of hand-made pickles (tests, fuzzers).
+void write_torch_archive(const std::string& path, const std::string& pickle, const std::vector<const HostArray*>& storages);
 
 }  // namespace lossguard::io

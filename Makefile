@@ -1,0 +1,40 @@
+# The two commands of the README: `make demo` and `make test`. Each installs what is missing
+# (scripts/setup.sh: Debian packages, the PyPI torch wheel in a venv), builds, then runs.
+VENV ?= $(HOME)/.cache/lossguard/venv
+BUILD ?= build
+PYTHON := $(VENV)/bin/python
+CMAKE_FLAGS ?=
+# ccache hits across clones of the repository (CI builds in a fresh clone).
+export CCACHE_BASEDIR := $(CURDIR)
+export CCACHE_NOHASHDIR := true
+export LOSSGUARD_VENV := $(VENV)
+
+.PHONY: all setup configure build demo test test-cpu clean regen-fixtures
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+configure: setup
+	@if [ ! -f $(BUILD)/build.ninja ]; then \
+	  cmake -S . -B $(BUILD) -G Ninja -DLOSSGUARD_PYTHON=$(PYTHON) $(CMAKE_FLAGS); fi
+
+build: configure
+	@cmake --build $(BUILD)
+
+demo: build
+	@scripts/demo.sh $(BUILD)/cli/lossguard
+
+test: build
+	@cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900
+
+# The tests that need neither LibTorch at run time nor several processes.
+test-cpu: build
+	@cd $(BUILD) && ctest --output-on-failure -j2 -L cpu
+
+regen-fixtures: build
+	@scripts/regen-fixtures.sh $(BUILD)/cli/lossguard $(PYTHON)
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,137 @@
+// The command line through run(argc, argv, out, err): exit codes, text, JSON and JUnit reports.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/app.h"
+#include "fixtures/cases.h"
+#include "malformed_catalog.h"
+#include "test_util.h"
+
+namespace lossguard::cli {
+namespace {
+
+struct Result {
+  int code;
+  std::string out, err;
+};
+
+Result run_cli(std::vector<std::string> args) {
+  args.insert(args.begin(), "lossguard");
+  std::vector<const char*> argv;
+  for (const auto& a : args) argv.push_back(a.c_str());
+  std::ostringstream out, err;
+  const int code = run(static_cast<int>(argv.size()), argv.data(), out, err);
+  return {code, out.str(), err.str()};
+}
+
+std::string fixture(const std::string& name) { return (std::filesystem::path(testing::fixture_dir()) / name).string(); }
+
+TEST(Cli, HelpAndVersionExitZero) {
+  Result h = run_cli({"--help"});
+  EXPECT_EQ(h.code, 0);
+  EXPECT_NE(h.out.find("Exit codes"), std::string::npos);
+  EXPECT_NE(h.out.find("inspect"), std::string::npos);
+  Result v = run_cli({"--version"});
+  EXPECT_EQ(v.code, 0);
+  EXPECT_NE(v.out.find("LibTorch"), std::string::npos);
+  EXPECT_NE(v.out.find("CUDA:"), std::string::npos);
+  EXPECT_NE(v.out.find("device:"), std::string::npos);
+  EXPECT_EQ(run_cli({"inspect", "--help"}).code, 0);
+}
+
+TEST(Cli, UsageErrorsExitTwo) {
+  EXPECT_EQ(run_cli({}).code, 2);
+  Result r = run_cli({"inspect", "--no-such-flag", fixture("gen_random.json")});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("no-such-flag"), std::string::npos);
+  EXPECT_EQ(run_cli({"inspect"}).code, 2);
+  EXPECT_EQ(run_cli({"frobnicate"}).code, 2);
+}
+
+TEST(Cli, InspectShowsSamplesAndFindings) {
+  Result r = run_cli({"inspect", fixture("gen_cp-examples.safetensors")});
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("6 samples: 4 rl, 1 sft, 1 empty"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("empty responses (R = 0): samples 3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("sft_mask_not_preshifted"), std::string::npos) << r.out;
+}
+
+TEST(Cli, InspectJsonFollowsTheSchema) {
+  Result r = run_cli({"inspect", fixture("gen_cp-examples.pt"), "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);  // stdout holds only the JSON document
+  EXPECT_EQ(j["schema"], "lossguard/1");
+  EXPECT_EQ(j["command"], "inspect");
+  EXPECT_EQ(j["verdict"], "pass");
+  EXPECT_EQ(j["format"], "torch.save");
+  EXPECT_TRUE(j["tool_version"].is_string());
+  ASSERT_EQ(j["inputs"].size(), 1u);
+  ASSERT_EQ(j["samples"].size(), 6u);
+  EXPECT_EQ(j["samples"][0]["total_length"], 10);
+  EXPECT_EQ(j["samples"][0]["response_length"], 4);
+  EXPECT_EQ(j["samples"][3]["kind"], "empty");
+  EXPECT_EQ(j["samples"][5]["kind"], "sft");
+  bool has_tokens = false;
+  for (const auto& f : j["fields"]) has_tokens |= f["name"] == "tokens" && f["dtype"] == "int64" && f["shape"] == "[60]";
+  EXPECT_TRUE(has_tokens) << j["fields"].dump();
+  EXPECT_EQ(j["findings"][0]["kind"], "sft_mask_not_preshifted");
+}
+
+TEST(Cli, NoSamplesMeansNothingVerified) {
+  const auto dir = testing::temp_dir("cli-empty");
+  testing::write_file(dir / "e.json", R"({"samples": []})");
+  Result r = run_cli({"inspect", (dir / "e.json").string()});
+  EXPECT_EQ(r.code, 4) << r.err;
+}
+
+TEST(Cli, GenWritesEveryCaseInEveryFormat) {
+  const auto dir = testing::temp_dir("cli-gen");
+  for (const auto& c : fixtures::list_cases()) {
+    for (const char* ext : {".safetensors", ".pt", ".json"}) {
+      const std::string path = (dir / (c.name + ext)).string();
+      Result g = run_cli({"gen", "--case", c.name, "--samples", "5", "--max-prompt", "8", "--max-response", "8",
+                          "--vocab", "6", "--out", path});
+      ASSERT_EQ(g.code, 0) << c.name << ext << ": " << g.err;
+      Result i = run_cli({"inspect", path, "--json", "-"});
+      ASSERT_EQ(i.code, 0) << c.name << ext << ": " << i.err;
+      EXPECT_GT(nlohmann::json::parse(i.out)["num_samples"].get<int>(), 0);
+    }
+  }
+  EXPECT_EQ(run_cli({"gen", "--case", "nope", "--out", (dir / "x.json").string()}).code, 2);
+  EXPECT_EQ(run_cli({"gen", "--out", (dir / "x.txt").string()}).code, 2);
+  Result l = run_cli({"gen", "--list"});
+  EXPECT_EQ(l.code, 0);
+  EXPECT_NE(l.out.find("zero-token"), std::string::npos);
+}
+
+TEST(Cli, EveryMalformedDumpExitsTwoNamingFileAndProblem) {
+  const auto dir = testing::temp_dir("cli-malformed");
+  const auto catalog = testing::write_malformed_catalog(dir, testing::fixture_dir());
+  for (const auto& m : catalog) {
+    SCOPED_TRACE(m.name);
+    const std::string json_path = (dir / "report.json").string();
+    Result r = run_cli({"inspect", m.path, "--json", json_path});
+    EXPECT_EQ(r.code, 2);
+    EXPECT_NE(r.err.find(m.path), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(m.expected), std::string::npos) << r.err;
+    const auto j = nlohmann::json::parse(testing::read_file(json_path));
+    EXPECT_EQ(j["verdict"], "error");
+    EXPECT_EQ(j["exit_code"], 2);
+  }
+}
+
+TEST(Cli, JunitReportIsWritten) {
+  const auto dir = testing::temp_dir("cli-junit");
+  const std::string junit = (dir / "j.xml").string();
+  Result r = run_cli({"inspect", fixture("gen_random.json"), "--junit", junit});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string x = testing::read_file(junit);
+  EXPECT_NE(x.find("<testsuite name=\"lossguard.inspect\" tests=\"1\" failures=\"0\""), std::string::npos) << x;
+}
+
+}  // namespace
+}  // namespace lossguard::cli

@@ -1,0 +1,197 @@
+// Batch model and validation (SPEC §1), dtype conversions, findings.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+#include "fixtures/cases.h"
+#include "oracle/batch.h"
+#include "oracle/errors.h"
+#include "oracle/findings.h"
+
+namespace lossguard::oracle {
+namespace {
+
+HostArray ints(std::vector<int64_t> v) { return HostArray::from_i64(DType::kInt64, {static_cast<int64_t>(v.size())}, v); }
+HostArray floats(std::vector<double> v) { return HostArray::from_f64(DType::kFloat64, {static_cast<int64_t>(v.size())}, v); }
+
+TEST(Batch, ValidSampleBuildsPackedBatch) {
+  HostArray t = ints({1, 2, 3, 4, 5}), m = ints({1, 0});
+  SampleFields f;
+  f.tokens = &t;
+  f.response_length = 2;
+  f.loss_mask = &m;
+  BatchBuilder b;
+  b.begin_file("a.json");
+  b.add_sample(0, f);
+  b.add_sample(1, f);
+  Batch batch = b.finish();
+  ASSERT_EQ(batch.num_samples(), 2);
+  EXPECT_EQ(batch.tokens.size(), 10u);
+  EXPECT_EQ(batch.num_response_tokens(), 4);
+  EXPECT_EQ(batch.mask_sum(1), 1);
+  EXPECT_EQ(batch.prompt_length(0), 3);
+  EXPECT_EQ(batch.kind(0), SampleKind::kRl);
+  EXPECT_EQ(batch.describe_sample(1), "a.json: sample 1");
+}
+
+struct BadCase {
+  const char* name;
+  std::function<void(SampleFields&, std::vector<HostArray>&)> mutate;
+  const char* expected;
+};
+
+TEST(Batch, EveryValidationRuleNamesFileSampleFieldAndValues) {
+  const std::vector<BadCase> cases = {
+      {"R > T", [](SampleFields& f, auto&) { f.response_length = 9; }, "response_length R = 9 exceeds total_length T = 5"},
+      {"mask length", [](SampleFields& f, auto& keep) { keep.push_back(ints({1})); f.loss_mask = &keep.back(); }, "len(loss_mask) = 1 but response_length R = 2"},
+      {"mask value", [](SampleFields& f, auto& keep) { keep.push_back(ints({1, 2})); f.loss_mask = &keep.back(); }, "loss_mask[1] = 2 (must be 0 or 1)"},
+      {"mask fraction", [](SampleFields& f, auto& keep) { keep.push_back(floats({0.5, 1})); f.loss_mask = &keep.back(); }, "loss_mask[0] = 0.5"},
+      {"per-token length", [](SampleFields& f, auto& keep) { keep.push_back(floats({0.5, 1, 2})); f.per_token["log_probs"] = &keep.back(); }, "len(log_probs) = 3 but response_length R = 2"},
+      {"negative R", [](SampleFields& f, auto&) { f.response_length = -1; }, "response_length = -1 is negative"},
+      {"T disagrees", [](SampleFields& f, auto&) { f.total_length = 6; }, "total_length = 6 disagrees with len(tokens) = 5"},
+      {"negative T", [](SampleFields& f, auto&) { f.total_length = -2; }, "total_length = -2 is negative"},
+      {"logits rows", [](SampleFields& f, auto& keep) { keep.push_back(HostArray::zeros(DType::kFloat32, {3, 4})); f.logits = &keep.back(); }, "logits.shape[0] = 3 but response_length R = 2"},
+      {"float tokens", [](SampleFields& f, auto& keep) { keep.push_back(floats({1, 2, 3, 4, 5})); f.tokens = &keep.back(); }, "field 'tokens' has dtype float64"},
+      {"missing R", [](SampleFields& f, auto&) { f.response_length.reset(); }, "field 'response_length' is missing"},
+  };
+  for (const auto& c : cases) {
+    std::vector<HostArray> keep;
+    keep.reserve(4);
+    HostArray t = ints({1, 2, 3, 4, 5}), m = ints({1, 1});
+    SampleFields good;
+    good.tokens = &t;
+    good.response_length = 2;
+    good.loss_mask = &m;
+    SampleFields bad = good;
+    c.mutate(bad, keep);
+    BatchBuilder b;
+    b.begin_file("dump.json");
+    b.add_sample(0, good);
+    std::string msg;
+    try {
+      b.add_sample(7, bad);
+    } catch (const InputError& e) {
+      msg = e.what();
+    }
+    EXPECT_NE(msg.find("dump.json: sample 7: "), std::string::npos) << c.name << ": " << msg;
+    EXPECT_NE(msg.find(c.expected), std::string::npos) << c.name << ": " << msg;
+  }
+}
+
+TEST(Batch, PackedLengthsMustAddUp) {
+  HostArray tokens = ints({1, 2, 3, 4, 5, 6}), tl = ints({3, 4}), rl = ints({1, 2});
+  PackedFields f;
+  f.tokens = &tokens;
+  f.total_lengths = &tl;
+  f.response_lengths = &rl;
+  BatchBuilder b;
+  b.begin_file("p.safetensors");
+  try {
+    b.add_packed(f);
+    FAIL() << "expected an InputError";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("len(tokens) = 6 disagrees with sum(total_lengths) = 7"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Batch, ZeroLengthSampleIsLegalAndReported) {
+  HostArray empty = ints({}), t = ints({1, 2, 3});
+  SampleFields z, s;
+  z.tokens = &empty;
+  z.response_length = 0;
+  s.tokens = &t;
+  s.response_length = 1;
+  BatchBuilder b;
+  b.begin_file("z.json");
+  b.add_sample(0, s);
+  b.add_sample(1, z);
+  Batch batch = b.finish();
+  EXPECT_EQ(batch.num_samples(), 2);
+  EXPECT_EQ(batch.kind(1), SampleKind::kEmpty);
+  auto findings = batch_findings(batch);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_EQ(findings[0].kind, "zero_length_sample");
+  EXPECT_EQ(findings[0].detail["sample"], 1);
+}
+
+TEST(Batch, NonFiniteValuesAreFindingsWithCoordinates) {
+  HostArray t = ints({1, 2, 3, 4});
+  HostArray logits = HostArray::from_f64(DType::kFloat32, {2, 3}, {0, 1, 2, 3, NAN, 5});
+  HostArray lp = floats({-1, -INFINITY});
+  SampleFields f;
+  f.tokens = &t;
+  f.response_length = 2;
+  f.logits = &logits;
+  f.per_token["log_probs"] = &lp;
+  BatchBuilder b;
+  b.begin_file("n.pt");
+  b.add_sample(0, f);
+  Batch batch = b.finish();
+  auto findings = batch_findings(batch);
+  ASSERT_EQ(findings.size(), 2u);
+  EXPECT_EQ(findings[0].detail["field"], "logits");
+  EXPECT_EQ(findings[0].detail["response_index"], 1);
+  EXPECT_EQ(findings[0].detail["vocab_index"], 1);
+  EXPECT_EQ(findings[1].detail["field"], "log_probs");
+  EXPECT_EQ(findings[1].detail["value"], "-inf");
+}
+
+TEST(DType, HalfAndBFloat16RoundTripEveryBitPattern) {
+  // Every finite 16-bit pattern must survive float conversion and back (round to nearest even is exact
+  // for representable values); NaNs stay NaN.
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const auto h = static_cast<uint16_t>(bits);
+    const float fh = half_to_float(h), fb = bfloat16_to_float(h);
+    if (std::isnan(fh)) {
+      EXPECT_TRUE(std::isnan(half_to_float(float_to_half(fh))));
+    } else {
+      ASSERT_EQ(float_to_half(fh), h) << bits;
+    }
+    if (std::isnan(fb)) {
+      EXPECT_TRUE(std::isnan(bfloat16_to_float(float_to_bfloat16(fb))));
+    } else {
+      ASSERT_EQ(float_to_bfloat16(fb), h) << bits;
+    }
+  }
+  EXPECT_EQ(half_to_float(0x3c00), 1.0f);
+  EXPECT_EQ(half_to_float(0x0001), std::ldexp(1.0f, -24));
+  EXPECT_EQ(bfloat16_to_float(0x3f80), 1.0f);
+  EXPECT_EQ(float_to_bfloat16(1.00390625f), 0x3f80);  // tie rounds to even
+}
+
+TEST(Gen, EveryCaseIsValidAndSeeded) {
+  for (const auto& c : fixtures::list_cases()) {
+    fixtures::GenOptions o;
+    o.seed = 42;
+    Batch a = fixtures::make_case(c.name, o), b = fixtures::make_case(c.name, o);
+    EXPECT_GT(a.num_samples(), 0) << c.name;
+    EXPECT_EQ(a.tokens, b.tokens) << c.name;
+    EXPECT_EQ(a.loss_mask, b.loss_mask) << c.name;
+  }
+}
+
+TEST(Gen, CasesHaveTheirDefiningProperty) {
+  fixtures::GenOptions o;
+  Batch zero = fixtures::make_case("zero-token", o);
+  for (int64_t i = 0; i < zero.num_samples(); ++i) EXPECT_EQ(zero.mask_sum(i), 0);
+  Batch empty = fixtures::make_case("empty-responses", o);
+  int64_t n_empty = 0;
+  for (int64_t i = 0; i < empty.num_samples(); ++i) n_empty += empty.response_lengths[i] == 0;
+  EXPECT_GT(n_empty, 0);
+  Batch sft = fixtures::make_case("sft-not-preshifted", o);
+  for (int64_t i = 0; i < sft.num_samples(); ++i) {
+    EXPECT_EQ(sft.response_lengths[i], sft.total_lengths[i]);
+    EXPECT_EQ(sft.loss_mask[sft.response_offsets[i + 1] - 1], 1);
+  }
+  Batch pre = fixtures::make_case("sft-preshifted", o);
+  for (int64_t i = 0; i < pre.num_samples(); ++i) {
+    if (pre.response_lengths[i] == pre.total_lengths[i]) EXPECT_EQ(pre.loss_mask[pre.response_offsets[i + 1] - 1], 0);
+  }
+  Batch r = fixtures::make_case("random", o);
+  ASSERT_TRUE(r.logits.has_value());
+  EXPECT_EQ(r.per_token.size(), per_token_field_names().size());
+}
+
+}  // namespace
+}  // namespace lossguard::oracle
