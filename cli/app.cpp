@@ -46,6 +46,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   app.add_flag("--version", show_version, "Print the version, LibTorch, CUDA and NCCL build flags and the device seen");
   Commands commands;
   register_inspect(app, commands);
+  register_count(app, commands);
   register_gen(app, commands);
 
   try {

@@ -68,6 +68,7 @@ void register_gen(CLI::App& root, Commands& commands) {
   app->add_option("--max-prompt", opts->gen.max_prompt, "Longest prompt")->capture_default_str();
   app->add_option("--max-response", opts->gen.max_response, "Longest response")->capture_default_str();
   app->add_option("--vocab", opts->gen.vocab_size, "Vocabulary size of the logits (0: no logits)")->capture_default_str();
+  app->add_flag("--masks-only", opts->gen.masks_only, "Write tokens, lengths and masks only (no logits, no per-token fields)");
   app->add_option("--dtype", opts->dtype, "dtype of logits and per-token fields: float32, bfloat16, float16, float64")
       ->capture_default_str();
   add_output_options(*app, cmd->output);

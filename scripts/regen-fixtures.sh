@@ -2,7 +2,7 @@
 # Regenerates the committed fixtures: the `lossguard gen` dumps, the dumps torch.save / safetensors
 # write, and every expected/<dump>.json (what torch.load, safetensors or json read). Review the data diff.
 set -euo pipefail
-LG="$1"; PY="$2"
+LG=$(realpath "$1"); PY="$2"
 cd "$(dirname "$0")/../fixtures/data"
 rm -rf expected gen_*
 for c in cp-examples empty-responses fully-masked zero-token sft-preshifted sft-not-preshifted t-zero random; do

@@ -135,3 +135,53 @@ TEST(Cli, JunitReportIsWritten) {
 
 }  // namespace
 }  // namespace lossguard::cli
+
+namespace lossguard::cli {
+namespace {
+
+TEST(CliCount, FixedPassesLegacyFailsOnEmptyResponses) {
+  const std::string dump = fixture("gen_empty-responses.safetensors");
+  Result fixed = run_cli({"count", dump, "--cp", "1,2,4"});
+  EXPECT_EQ(fixed.code, 0) << fixed.out << fixed.err;
+  Result legacy = run_cli({"count", dump, "--cp", "1,2,4", "--policy", "legacy"});
+  EXPECT_EQ(legacy.code, 1);
+  EXPECT_NE(legacy.out.find("+1 for each empty sample (R = 0): 1, 4"), std::string::npos) << legacy.out;
+  EXPECT_NE(legacy.out.find("I1 CP-consistency           FAIL"), std::string::npos) << legacy.out;
+}
+
+TEST(CliCount, JsonFollowsTheSchema) {
+  Result r = run_cli({"count", fixture("gen_cp-examples.json"), "--cp", "2,1", "--json", "-"});
+  EXPECT_EQ(r.code, 1);  // the SFT example's mask is not pre-shifted: I1 fails, as SPEC §2 predicts
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["command"], "count");
+  EXPECT_EQ(j["verdict"], "fail");
+  EXPECT_EQ(j["policy"], "fixed");
+  EXPECT_EQ(j["cp_sizes"], nlohmann::json({1, 2}));
+  EXPECT_EQ(j["samples"][0]["per_rank"]["2"], nlohmann::json({0, 4}));
+  EXPECT_EQ(j["samples"][1]["per_rank"]["2"], nlohmann::json({3, 5}));
+  EXPECT_EQ(j["samples"][5]["per_rank"]["2"], nlohmann::json({2, 4}));
+  EXPECT_EQ(j["totals"]["1"], 28);
+  EXPECT_EQ(j["totals"]["2"], 27);
+  EXPECT_EQ(j["invariants"][0]["name"], "I1");
+  EXPECT_EQ(j["invariants"][0]["ok"], false);
+}
+
+TEST(CliCount, SplitOverDpAndMicrobatchesAndShards) {
+  Result r = run_cli({"count", fixture("gen_random.pt"), "--dp", "2", "--microbatches", "3", "--split", "round-robin", "--json", "-"});
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["invariants"][2]["values"]["parts"], 6);
+  Result s = run_cli({"count", fixture("gen_random.pt"), fixture("gen_t-zero.json"), "--dp-shards"});
+  EXPECT_EQ(s.code, 0) << s.err;
+  EXPECT_NE(s.out.find("2 DP rank(s)"), std::string::npos);
+}
+
+TEST(CliCount, BadInputsExitTwo) {
+  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--cp", "0"}).code, 2);
+  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--policy", "magic"}).code, 2);
+  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--split", "diagonal", "--dp", "2"}).code, 2);
+  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--padded-total-length", "7", "--cp", "2"}).code, 2);
+  EXPECT_EQ(run_cli({"count", fixture("hostile_eval.pt")}).code, 2);
+}
+
+}  // namespace
+}  // namespace lossguard::cli

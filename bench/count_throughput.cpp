@@ -1,0 +1,66 @@
+// Counting throughput: loads a dump, times oracle::count_owned_tokens over several CP sizes (best of N),
+// and a plain memcpy of the same number of bytes in the same process, and prints both as JSON.
+//   count_throughput DUMP [CP,CP,...] [REPEATS]
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/dump.h"
+#include "oracle/denominators.h"
+
+using Clock = std::chrono::steady_clock;
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::cerr << "usage: count_throughput DUMP [CP,CP,...] [REPEATS]\n";
+    return 2;
+  }
+  std::vector<int64_t> cps = {1, 2, 4, 8};
+  if (argc > 2) {
+    cps.clear();
+    std::stringstream ss(argv[2]);
+    for (std::string x; std::getline(ss, x, ',');) cps.push_back(std::stoll(x));
+  }
+  const int repeats = argc > 3 ? std::atoi(argv[3]) : 5;
+  const auto t0 = Clock::now();
+  auto dump = lossguard::io::read_dump(argv[1]);
+  auto batch = lossguard::io::build_batch({dump}, {});
+  const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
+
+  double best_count = 1e30;
+  int64_t checksum = 0;
+  for (int k = 0; k < repeats; ++k) {
+    const auto a = Clock::now();
+    auto counts = lossguard::oracle::count_owned_tokens(batch, cps, {});
+    best_count = std::min(best_count, std::chrono::duration<double>(Clock::now() - a).count());
+    checksum = lossguard::oracle::global_denominator(lossguard::oracle::Policy::kFixed, counts, 0);
+  }
+  // Bytes the count must read: the masks once, plus the two lengths per sample.
+  const double bytes = static_cast<double>(batch.loss_mask.size()) + 16.0 * static_cast<double>(batch.num_samples());
+  std::vector<uint8_t> src(batch.loss_mask.size()), dst(batch.loss_mask.size());
+  std::memset(src.data(), 1, src.size());
+  std::memset(dst.data(), 0, dst.size());
+  double best_copy = 1e30;
+  for (int k = 0; k < repeats; ++k) {
+    const auto a = Clock::now();
+    std::memcpy(dst.data(), src.data(), src.size());
+    best_copy = std::min(best_copy, std::chrono::duration<double>(Clock::now() - a).count());
+  }
+  nlohmann::json j = {{"samples", batch.num_samples()},
+                      {"response_tokens", batch.num_response_tokens()},
+                      {"cp_sizes", cps},
+                      {"load_and_validate_s", load_s},
+                      {"count_s", best_count},
+                      {"count_bytes_per_s", bytes / best_count},
+                      {"memcpy_bytes_per_s", static_cast<double>(src.size()) / best_copy},
+                      {"count_vs_memcpy", (bytes / best_count) / (static_cast<double>(src.size()) / best_copy)},
+                      {"denominator_cp1", checksum},
+                      {"dst_probe", static_cast<int>(dst[dst.size() / 2])}};
+  std::cout << j.dump() << "\n";
+  return 0;
+}

@@ -1,0 +1,47 @@
+// CP layout and placement options.
+#include "cli/placement_options.h"
+
+#include "oracle/errors.h"
+
+namespace lossguard::cli {
+
+oracle::ShardLayout LayoutOptions::layout() const {
+  oracle::ShardLayout l;
+  if (max_seq_len > 0 && padded_total_length > 0) {
+    throw InputError("--max-seq-len (bshd) and --padded-total-length (thd) exclude each other");
+  }
+  l.packing = max_seq_len > 0 ? oracle::Packing::kBshd : oracle::Packing::kThd;
+  l.max_seq_len = max_seq_len;
+  l.padded_total_length = padded_total_length;
+  return l;
+}
+
+void add_layout_options(CLI::App& app, LayoutOptions& o) {
+  app.add_option("--padded-total-length", o.padded_total_length,
+                 "thd packing with every sample padded to this length (a multiple of 2*cp); default: ceil(T / 2cp) chunks");
+  app.add_option("--max-seq-len", o.max_seq_len, "bshd packing: chunks of ceil(max_seq_len / 2cp)");
+}
+
+oracle::Placement PlacementOptions::placement(const oracle::Batch& batch, bool dp_shards) const {
+  oracle::Split s;
+  if (split == "contiguous") s = oracle::Split::kContiguous;
+  else if (split == "round-robin") s = oracle::Split::kRoundRobin;
+  else throw_input_error("--split must be contiguous or round-robin, got '{}'", split);
+  if (dp_shards) {
+    const auto shards = static_cast<int64_t>(batch.files.size());
+    if (dp != 1 && dp != shards) throw_input_error("--dp-shards: {} dumps given but --dp {}", shards, dp);
+    std::vector<int> shard_of(batch.origins.size());
+    for (std::size_t i = 0; i < shard_of.size(); ++i) shard_of[i] = batch.origins[i].file_index;
+    return oracle::place_shards(shard_of, shards, microbatches);
+  }
+  return oracle::place_samples(batch.num_samples(), dp, microbatches, s);
+}
+
+void add_placement_options(CLI::App& app, PlacementOptions& o, bool dp_required) {
+  auto* d = app.add_option("--dp", o.dp, "Data-parallel size: the global batch is split over DP ranks");
+  if (dp_required) d->required();
+  app.add_option("--microbatches", o.microbatches, "Micro-batches per DP rank (contiguous)")->capture_default_str();
+  app.add_option("--split", o.split, "How samples go to DP ranks: contiguous or round-robin")->capture_default_str();
+}
+
+}  // namespace lossguard::cli

@@ -1,0 +1,45 @@
+// SPEC §2 ownership rule, literally: logits_k = [max(chunk.start, P-1), min(chunk.end, T-1)).
+#include "oracle/cp_shard.h"
+
+#include <algorithm>
+
+#include "oracle/errors.h"
+
+namespace lossguard::oracle {
+
+int64_t chunk_size(int64_t t, int64_t cp, const ShardLayout& layout) {
+  if (cp < 1) throw_input_error("CP size must be >= 1, got {}", cp);
+  const int64_t parts = 2 * cp;
+  if (layout.packing == Packing::kBshd) {
+    if (layout.max_seq_len <= 0) throw_input_error("bshd packing needs --max-seq-len > 0");
+    if (t > layout.max_seq_len) throw_input_error("a sample of length {} exceeds --max-seq-len {}", t, layout.max_seq_len);
+    return (layout.max_seq_len + parts - 1) / parts;
+  }
+  if (layout.padded_total_length > 0) {
+    if (layout.padded_total_length % parts != 0) {
+      throw_input_error("--padded-total-length {} is not a multiple of 2*cp = {}", layout.padded_total_length, parts);
+    }
+    if (t > layout.padded_total_length) {
+      throw_input_error("a sample of length {} exceeds --padded-total-length {}", t, layout.padded_total_length);
+    }
+    return layout.padded_total_length / parts;
+  }
+  return (t + parts - 1) / parts;
+}
+
+std::array<IndexRange, 2> owned_mask_ranges(int64_t t, int64_t r, int64_t cp, int64_t rank, int64_t cs) {
+  const int64_t p = t - r;
+  const bool sft = r == t;
+  const int64_t chunks[2] = {rank, 2 * cp - 1 - rank};
+  std::array<IndexRange, 2> out{};
+  for (int k = 0; k < 2; ++k) {
+    const int64_t start = chunks[k] * cs, end = (chunks[k] + 1) * cs;
+    const int64_t lo = std::max(start, p - 1), hi = std::min(end, t - 1);  // logit positions
+    if (lo >= hi) continue;
+    // RL: the predicted tokens are lo+1 .. hi, i.e. response indices lo+1-P .. hi-P.
+    out[k] = sft ? IndexRange{lo, hi} : IndexRange{lo + 1 - p, hi + 1 - p};
+  }
+  return out;
+}
+
+}  // namespace lossguard::oracle

@@ -1,0 +1,33 @@
+// Zig-zag context-parallel sharding (SPEC §2): which CP rank owns which response tokens of a sample.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <string>
+
+namespace lossguard::oracle {
+
+enum class Packing { kThd, kBshd };
+
+struct ShardLayout {
+  Packing packing = Packing::kThd;
+  int64_t padded_total_length = 0;  // thd: pad every sample to this length (0: ceil(T / 2cp) chunks)
+  int64_t max_seq_len = 0;          // bshd: chunks of ceil(max_seq_len / 2cp)
+};
+
+// Chunk size for a sample of length T on `cp` ranks; throws InputError when the layout cannot hold T.
+int64_t chunk_size(int64_t total_length, int64_t cp, const ShardLayout& layout);
+
+// A half-open range of loss-mask indices.
+struct IndexRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end > begin ? end - begin : 0; }
+};
+
+// The mask indices owned by CP rank `rank` through each of its two chunks (chunk r, then 2cp-1-r).
+// The owner of a response token is the rank holding the logit that predicts it (position t-1). For an
+// RL sample (R < T) indices are response indices; for an SFT sample (R == T) predictor indices, so index
+// T-1 is never owned. Valid for cp >= 1 (cp = 1 owns everything the two chunks cover).
+std::array<IndexRange, 2> owned_mask_ranges(int64_t total_length, int64_t response_length, int64_t cp, int64_t rank,
+                                            int64_t chunk_size);
+
+}  // namespace lossguard::oracle
