@@ -70,7 +70,8 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     NullBuffer null_buffer;
     std::ostream null_stream(&null_buffer);
     const bool json_to_stdout = cmd->output.json_path == "-";
-    Context ctx{json_to_stdout ? null_stream : out, err, &err == &std::cerr && isatty(STDERR_FILENO) == 1};
+    Context ctx{json_to_stdout ? null_stream : out, err, &err == &std::cerr && isatty(STDERR_FILENO) == 1,
+                !cmd->output.json_path.empty()};
     try {
       cmd->run(report, ctx);
     } catch (const InputError& e) {

@@ -72,6 +72,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
       notes.push_back(b.loss_mask[b.response_offsets[i + 1] - 1] ? "SFT, mask not pre-shifted" : "SFT");
     }
     nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
+    const bool print_row = o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows;
     std::string row = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, oracle::sample_kind_name(b.kind(i)));
     bool straddles = false;
     for (std::size_t c = 0; c < cps.size(); ++c) {
@@ -83,19 +84,19 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
         ranks.push_back(oracle::policy_rank_count(policy, owned, m, cps[c]));
       }
       straddles |= ranks_with_tokens > 1;
-      if (cps[c] != 1 || cp1_requested) per_rank[std::to_string(cps[c])] = ranks;
-      row += fmt::format(" | {:<{}}", fmt::format("{}", fmt::join(ranks, " ")), widths[c]);
+      if (ctx.want_json && (cps[c] != 1 || cp1_requested)) per_rank[std::to_string(cps[c])] = ranks;
+      if (print_row) row += fmt::format(" | {:<{}}", fmt::format("{}", fmt::join(ranks, " ")), widths[c]);
     }
     if (straddles) {
       straddling.push_back(i);
       notes.push_back("straddles CP ranks");
     }
-    if (o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows) {
+    if (print_row) {
       out << row << " | " << fmt::format("{}", fmt::join(notes, ", ")) << "\n";
     } else if (static_cast<int64_t>(k) == o.max_rows) {
       out << fmt::format("{:>6} ... {} more samples (--max-rows 0 shows all)\n", "", counts.samples.size() - k);
     }
-    samples_json.push_back({{"index", i}, {"total_length", t}, {"response_length", r}, {"mask_sum", m},
+    if (ctx.want_json) samples_json.push_back({{"index", i}, {"total_length", t}, {"response_length", r}, {"mask_sum", m},
                             {"kind", oracle::sample_kind_name(b.kind(i))}, {"per_rank", per_rank}});
   }
 

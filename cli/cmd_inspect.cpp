@@ -76,7 +76,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
     } else if (i == o.max_rows) {
       out << fmt::format("{:>6}  ... {} more samples (--max-rows 0 shows all)\n", "", b.num_samples() - o.max_rows);
     }
-    samples.push_back({{"index", i}, {"file", b.files[b.origins[i].file_index]}, {"index_in_file", b.origins[i].index_in_file},
+    if (ctx.want_json) samples.push_back({{"index", i}, {"file", b.files[b.origins[i].file_index]}, {"index_in_file", b.origins[i].index_in_file},
                        {"total_length", t}, {"response_length", r}, {"prompt_length", t - r}, {"mask_sum", m},
                        {"kind", oracle::sample_kind_name(kind)}, {"fully_masked", r > 0 && m == 0}});
   }

@@ -17,6 +17,7 @@ struct Context {
   std::ostream& out;  // text report (a null stream when --json - takes stdout)
   std::ostream& err;  // diagnostics, progress
   bool err_is_terminal = false;
+  bool want_json = false;  // --json given: build the per-sample parts of the document (costly for big batches)
 };
 
 struct Command {

@@ -155,6 +155,40 @@ int64_t HostArray::get_i64(int64_t i) const {
   }
 }
 
+namespace {
+template <typename T, typename Out>
+void copy_as(const std::byte* base, int64_t start, int64_t n, Out* dst) {
+  const std::byte* p = base + static_cast<std::size_t>(start) * sizeof(T);
+  for (int64_t k = 0; k < n; ++k) {
+    T v;
+    std::memcpy(&v, p + static_cast<std::size_t>(k) * sizeof(T), sizeof(T));
+    dst[k] = static_cast<Out>(v);
+  }
+}
+}  // namespace
+
+void HostArray::copy_i64(int64_t start, int64_t n, int64_t* dst) const {
+  switch (dtype) {
+    case DType::kBool: case DType::kUInt8: copy_as<uint8_t>(data, start, n, dst); return;
+    case DType::kInt8: copy_as<int8_t>(data, start, n, dst); return;
+    case DType::kInt16: copy_as<int16_t>(data, start, n, dst); return;
+    case DType::kInt32: copy_as<int32_t>(data, start, n, dst); return;
+    case DType::kInt64: std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8); return;
+    default: for (int64_t k = 0; k < n; ++k) dst[k] = get_i64(start + k);
+  }
+}
+
+void HostArray::copy_f64(int64_t start, int64_t n, double* dst) const {
+  switch (dtype) {
+    case DType::kFloat32: copy_as<float>(data, start, n, dst); return;
+    case DType::kFloat64: std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8); return;
+    case DType::kInt64: copy_as<int64_t>(data, start, n, dst); return;
+    case DType::kInt32: copy_as<int32_t>(data, start, n, dst); return;
+    case DType::kBool: case DType::kUInt8: copy_as<uint8_t>(data, start, n, dst); return;
+    default: for (int64_t k = 0; k < n; ++k) dst[k] = get_f64(start + k);
+  }
+}
+
 HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {
   HostArray a;
   a.dtype = dtype;

@@ -34,6 +34,9 @@ struct HostArray {
 
   double get_f64(int64_t flat_index) const;  // any dtype, exact for floats and ints below 2^53
   int64_t get_i64(int64_t flat_index) const; // integer and bool dtypes; floats truncated
+  // Bulk forms of the two above (the dtype switch outside the loop), for elements [start, start + n).
+  void copy_i64(int64_t start, int64_t n, int64_t* dst) const;
+  void copy_f64(int64_t start, int64_t n, double* dst) const;
 
   // Fresh arrays owning their memory.
   static HostArray zeros(DType dtype, std::vector<int64_t> shape);

@@ -125,12 +125,28 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
     }
     any_mask_ = true;
     batch_.loss_mask.resize(mask_start + r);
-    for (int64_t j = 0; j < r; ++j) {
-      const double v = f.loss_mask->get_f64(j);
-      if (v != 0.0 && v != 1.0) {
-        fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
+    uint8_t* dst = batch_.loss_mask.data() + mask_start;
+    const HostArray& m = *f.loss_mask;
+    if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
+      std::memcpy(dst, m.data, static_cast<std::size_t>(r));
+    } else if (dtype_is_float(m.dtype)) {
+      for (int64_t j = 0; j < r; ++j) {
+        const double v = m.get_f64(j);
+        dst[j] = v == 1.0 ? 1 : (v == 0.0 ? 0 : 2);
       }
-      batch_.loss_mask[mask_start + j] = static_cast<uint8_t>(v);
+    } else {
+      thread_local std::vector<int64_t> buf;
+      buf.resize(static_cast<std::size_t>(r));
+      m.copy_i64(0, r, buf.data());
+      for (int64_t j = 0; j < r; ++j) dst[j] = buf[j] == 0 ? 0 : (buf[j] == 1 ? 1 : 2);
+    }
+    uint8_t bad = 0;
+    for (int64_t j = 0; j < r; ++j) bad |= dst[j] & 0xfe;
+    if (bad != 0) {
+      for (int64_t j = 0; j < r; ++j) {
+        const double v = m.get_f64(j);
+        if (v != 0.0 && v != 1.0) fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
+      }
     }
   } else {
     any_missing_mask_ = true;
@@ -176,8 +192,9 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   batch_.origins.push_back({static_cast<int>(batch_.files.size()) - 1, idx});
   batch_.total_lengths.push_back(t);
   batch_.response_lengths.push_back(r);
-  batch_.tokens.reserve(batch_.tokens.size() + t);
-  for (int64_t k = 0; k < t; ++k) batch_.tokens.push_back(f.tokens->get_i64(k));
+  const std::size_t tok_start = batch_.tokens.size();
+  batch_.tokens.resize(tok_start + static_cast<std::size_t>(t));
+  f.tokens->copy_i64(0, t, batch_.tokens.data() + tok_start);
   batch_.token_offsets.push_back(batch_.token_offsets.back() + t);
   batch_.response_offsets.push_back(rows_before + r);
 }

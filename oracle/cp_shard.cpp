@@ -27,19 +27,4 @@ int64_t chunk_size(int64_t t, int64_t cp, const ShardLayout& layout) {
   return (t + parts - 1) / parts;
 }
 
-std::array<IndexRange, 2> owned_mask_ranges(int64_t t, int64_t r, int64_t cp, int64_t rank, int64_t cs) {
-  const int64_t p = t - r;
-  const bool sft = r == t;
-  const int64_t chunks[2] = {rank, 2 * cp - 1 - rank};
-  std::array<IndexRange, 2> out{};
-  for (int k = 0; k < 2; ++k) {
-    const int64_t start = chunks[k] * cs, end = (chunks[k] + 1) * cs;
-    const int64_t lo = std::max(start, p - 1), hi = std::min(end, t - 1);  // logit positions
-    if (lo >= hi) continue;
-    // RL: the predicted tokens are lo+1 .. hi, i.e. response indices lo+1-P .. hi-P.
-    out[k] = sft ? IndexRange{lo, hi} : IndexRange{lo + 1 - p, hi + 1 - p};
-  }
-  return out;
-}
-
 }  // namespace lossguard::oracle

@@ -52,54 +52,30 @@ OwnedCounts count_owned_tokens(const Batch& b, const std::vector<int64_t>& cp_si
     if (cp_sizes[c] < 1) throw_input_error("--cp sizes must be >= 1, got {}", cp_sizes[c]);
     out.per_rank[c].assign(n * static_cast<std::size_t>(cp_sizes[c]), 0);
   }
-  // One pass over the mask per sample: cumulative sums at the union of every CP size's range boundaries.
-  std::vector<int64_t> bounds, cum;
-  std::vector<IndexRange> ranges;
+  // Per sample: one pass over the mask into prefix sums (a few hundred bytes, in L1), then every CP
+  // size's owned ranges by two lookups each.
+  std::vector<int64_t> prefix;
   for (std::size_t k = 0; k < n; ++k) {
     const int64_t i = out.samples[k];
     const int64_t t = b.total_lengths[i], r = b.response_lengths[i];
     const uint8_t* m = b.loss_mask.data() + b.response_offsets[i];
-    ranges.clear();
-    bounds.assign({0, r});
-    for (int64_t cp : cp_sizes) {
-      if (cp == 1) continue;
-      const int64_t cs = chunk_size(t, cp, layout);
-      for (int64_t rank = 0; rank < cp; ++rank) {
-        for (const IndexRange& ir : owned_mask_ranges(t, r, cp, rank, cs)) {
-          ranges.push_back(ir);
-          if (ir.size() > 0) {
-            bounds.push_back(ir.begin);
-            bounds.push_back(ir.end);
-          }
-        }
-      }
-    }
-    std::sort(bounds.begin(), bounds.end());
-    bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
-    cum.assign(bounds.size(), 0);
-    for (std::size_t q = 0; q + 1 < bounds.size(); ++q) {
-      int64_t s = 0;
-      for (int64_t j = bounds[q]; j < bounds[q + 1]; ++j) s += m[j];
-      cum[q + 1] = cum[q] + s;
-    }
-    auto cum_at = [&](int64_t pos) {
-      return cum[static_cast<std::size_t>(std::lower_bound(bounds.begin(), bounds.end(), pos) - bounds.begin())];
-    };
-    const int64_t mask_sum = cum.back();
-    out.mask_sums[k] = mask_sum;
-    std::size_t next_range = 0;
+    prefix.resize(static_cast<std::size_t>(r) + 1);
+    int64_t acc = 0;
+    prefix[0] = 0;
+    for (int64_t j = 0; j < r; ++j) prefix[j + 1] = (acc += m[j]);
+    out.mask_sums[k] = acc;
     for (std::size_t c = 0; c < cp_sizes.size(); ++c) {
       const int64_t cp = cp_sizes[c];
       int64_t* dst = out.per_rank[c].data() + k * static_cast<std::size_t>(cp);
       if (cp == 1) {
-        dst[0] = mask_sum;
+        dst[0] = acc;
         continue;
       }
+      const int64_t cs = chunk_size(t, cp, layout);
       for (int64_t rank = 0; rank < cp; ++rank) {
         int64_t owned = 0;
-        for (int q = 0; q < 2; ++q) {
-          const IndexRange& ir = ranges[next_range++];
-          if (ir.size() > 0) owned += cum_at(ir.end) - cum_at(ir.begin);
+        for (const IndexRange& ir : owned_mask_ranges(t, r, cp, rank, cs)) {
+          if (ir.size() > 0) owned += prefix[ir.end] - prefix[ir.begin];
         }
         dst[rank] = owned;
       }
