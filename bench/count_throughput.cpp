@@ -29,7 +29,7 @@ int main(int argc, char** argv) {
   const int repeats = argc > 3 ? std::atoi(argv[3]) : 5;
   const auto t0 = Clock::now();
   auto dump = lossguard::io::read_dump(argv[1]);
-  auto batch = lossguard::io::build_batch({dump}, {});
+  auto batch = lossguard::io::build_batch({dump}, {}, lossguard::oracle::LoadNeeds{false, false, false});
   const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
 
   double best_count = 1e30;

@@ -38,7 +38,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   if (!cp1_requested) cps.insert(cps.begin(), 1);  // I1 compares against the unsharded count
   const oracle::ShardLayout layout = o.layout.layout();
 
-  LoadedBatch loaded = load_batch(o.dumps, report, ctx);
+  LoadedBatch loaded = load_batch(o.dumps, report, ctx, oracle::LoadNeeds{false, false, false});
   const oracle::Batch& b = loaded.batch;
   const oracle::OwnedCounts counts = oracle::count_owned_tokens(b, cps, layout);
   const bool split_given = o.placement.given(app) || o.dumps.dp_shards;

@@ -46,7 +46,7 @@ class Progress {
 
 }  // namespace
 
-LoadedBatch load_batch(const DumpOptions& o, Report& report, Context& ctx) {
+LoadedBatch load_batch(const DumpOptions& o, Report& report, Context& ctx, oracle::LoadNeeds needs) {
   io::FieldMap fields;
   for (const auto& spec : o.field_maps) fields.add(spec);
   LoadedBatch out;
@@ -58,7 +58,7 @@ LoadedBatch load_batch(const DumpOptions& o, Report& report, Context& ctx) {
     report.add_input(paths[k], io::dump_format_name(out.dumps.back().format));
   }
   progress.at(paths.size(), "validating");
-  out.batch = io::build_batch(out.dumps, fields);
+  out.batch = io::build_batch(out.dumps, fields, needs);
   return out;
 }
 

@@ -21,6 +21,6 @@ struct LoadedBatch {
 };
 // Reads, validates and concatenates the dumps; records them as the report's inputs. Shows progress on a
 // terminal when loading takes more than a moment.
-LoadedBatch load_batch(const DumpOptions& options, Report& report, Context& ctx);
+LoadedBatch load_batch(const DumpOptions& options, Report& report, Context& ctx, oracle::LoadNeeds needs = {});
 
 }  // namespace lossguard::cli

@@ -440,8 +440,8 @@ Dump read_dump(const std::string& path) {
   return d;
 }
 
-oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields) {
-  oracle::BatchBuilder builder;
+oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, oracle::LoadNeeds needs) {
+  oracle::BatchBuilder builder(needs);
   for (const auto& d : dumps) {
     builder.begin_file(d.path);
     add_tree(builder, *d.tree, d.path, fields);

@@ -37,7 +37,7 @@ std::vector<std::string> expand_dump_paths(const std::vector<std::string>& paths
 DumpFormat detect_format(const std::string& path);  // by content first, then extension
 Dump read_dump(const std::string& path);
 // Validates and concatenates the dumps, in order, into one global batch.
-oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields);
+oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, oracle::LoadNeeds needs = {});
 
 // Writers, chosen by the extension of `path` (.safetensors, .pt, .json).
 void write_batch(const oracle::Batch& batch, const std::string& path);

@@ -1,14 +1,15 @@
-// torch.save zip archives through caffe2::serialize (LibTorch's zip reader and writer).
+// torch.save zip archives: layout, storages and the restricted unpickler; the zip itself is read and
+// written by LibTorch's caffe2::serialize through the plugin (io/zip_plugin.h).
 #include "io/torch_zip.h"
 
 #include <cstring>
 #include <fstream>
 #include <map>
 
-#include <caffe2/serialize/inline_container.h>
 #include <fmt/format.h>
 
 #include "io/pickle.h"
+#include "io/zip_plugin.h"
 #include "oracle/errors.h"
 
 namespace lossguard::io {
@@ -52,66 +53,78 @@ ValuePtr read_torch_save(const std::string& path) {
     }
     throw_input_error("{}: not a torch.save archive (no zip signature)", path);
   }
-  try {
-    auto reader = std::make_shared<caffe2::serialize::PyTorchStreamReader>(path);
-    if (!reader->hasRecord("data.pkl")) {
-      if (reader->hasRecord("constants.pkl") || reader->hasRecord("code/__torch__.py")) {
-        throw_input_error("{}: a TorchScript archive (torch.jit.save), not a torch.save batch", path);
-      }
-      throw_input_error("{}: zip archive without data.pkl: not a torch.save file", path);
+  const TorchZipApi& zip = torch_zip_api();
+  std::string error;
+  std::shared_ptr<void> archive(zip.open(path.c_str(), &error), [&zip](void* a) {
+    if (a != nullptr) zip.close(a);
+  });
+  if (!archive) throw_input_error("{}: malformed torch.save archive: {}", path, error);
+  auto read = [&](const std::string& name) {
+    ZipRecord rec;
+    if (!zip.read_record(archive.get(), name.c_str(), &rec, &error)) {
+      throw_input_error("{}: malformed torch.save archive: record '{}': {}", path, name, error);
     }
-    if (reader->hasRecord("byteorder")) {
-      auto [ptr, n] = reader->getRecord("byteorder");
-      std::string order(static_cast<const char*>(ptr.get()), n);
-      if (order != "little") throw_input_error("{}: byteorder '{}' is not supported (little-endian only)", path, order);
+    return rec;
+  };
+  if (!zip.has_record(archive.get(), "data.pkl")) {
+    if (zip.has_record(archive.get(), "constants.pkl") || zip.has_record(archive.get(), "code/__torch__.py")) {
+      throw_input_error("{}: a TorchScript archive (torch.jit.save), not a torch.save batch", path);
     }
-    auto [pkl_ptr, pkl_size] = reader->getRecord("data.pkl");
-    std::string_view pkl(static_cast<const char*>(pkl_ptr.get()), pkl_size);
-    std::map<std::string, ValuePtr> storages;
-    PersistentLoad load = [&](const ValuePtr& pid) -> ValuePtr {
-      // ('storage', storage_type, key, location, numel)
-      if (!pid->is_sequence() || pid->items.size() < 5 || pid->items[0]->kind != Value::Kind::kString ||
-          pid->items[0]->s != "storage") {
-        throw_input_error("{}: data.pkl: unsupported persistent id ({})", path, pid->type_name());
-      }
-      const ValuePtr& type = pid->items[1];
-      const ValuePtr& key = pid->items[2];
-      const ValuePtr& numel = pid->items[4];
-      if (key->kind != Value::Kind::kString || numel->kind != Value::Kind::kInt || numel->i < 0) {
-        throw_input_error("{}: data.pkl: malformed storage id", path);
-      }
-      if (auto it = storages.find(key->s); it != storages.end()) return it->second;
-      const StorageType* st = nullptr;
-      for (const auto& s : kStorageTypes) {
-        if (type->kind == Value::Kind::kGlobal && type->s == s.name) st = &s;
-      }
-      if (st == nullptr) {
-        throw_input_error("{}: storage '{}' has unsupported type {}", path, key->s, type->type_name());
-      }
-      const std::string record = "data/" + key->s;
-      if (!reader->hasRecord(record)) throw_input_error("{}: storage record '{}' is missing from the archive", path, record);
-      const std::size_t want = static_cast<std::size_t>(numel->i) * dtype_size_bytes(st->dtype);
-      const std::size_t have = reader->getRecordSize(record);
-      if (have != want) {
-        throw_input_error("{}: storage record '{}' has {} bytes but {} elements of {} need {}", path, record, have,
-                          numel->i, dtype_name(st->dtype), want);
-      }
-      auto [ptr, n] = reader->getRecord(record);
-      auto holder = std::make_shared<at::DataPtr>(std::move(ptr));
-      auto v = std::make_shared<Value>();
-      v->kind = Value::Kind::kStorage;
-      v->array.dtype = st->dtype;
-      v->array.shape = {numel->i};
-      v->array.data = static_cast<const std::byte*>(holder->get());
-      v->array.owner = holder;
-      storages[key->s] = v;
-      return v;
-    };
-    return unpickle(pkl, path + ": data.pkl", load);
-  } catch (const c10::Error& e) {
-    std::string msg = e.what_without_backtrace();
-    throw_input_error("{}: malformed torch.save archive: {}", path, msg.substr(0, msg.find('\n')));
+    throw_input_error("{}: zip archive without data.pkl: not a torch.save file", path);
   }
+  if (zip.has_record(archive.get(), "byteorder")) {
+    ZipRecord rec = read("byteorder");
+    std::string order(static_cast<const char*>(rec.data.get()), rec.size);
+    if (order != "little") throw_input_error("{}: byteorder '{}' is not supported (little-endian only)", path, order);
+  }
+  ZipRecord pkl_rec = read("data.pkl");
+  std::string_view pkl(static_cast<const char*>(pkl_rec.data.get()), pkl_rec.size);
+  std::map<std::string, ValuePtr> storages;
+  PersistentLoad load = [&](const ValuePtr& pid) -> ValuePtr {
+    // ('storage', storage_type, key, location, numel)
+    if (!pid->is_sequence() || pid->items.size() < 5 || pid->items[0]->kind != Value::Kind::kString ||
+        pid->items[0]->s != "storage") {
+      throw_input_error("{}: data.pkl: unsupported persistent id ({})", path, pid->type_name());
+    }
+    const ValuePtr& type = pid->items[1];
+    const ValuePtr& key = pid->items[2];
+    const ValuePtr& numel = pid->items[4];
+    if (key->kind != Value::Kind::kString || numel->kind != Value::Kind::kInt || numel->i < 0) {
+      throw_input_error("{}: data.pkl: malformed storage id", path);
+    }
+    if (auto it = storages.find(key->s); it != storages.end()) return it->second;
+    const StorageType* st = nullptr;
+    for (const auto& s : kStorageTypes) {
+      if (type->kind == Value::Kind::kGlobal && type->s == s.name) st = &s;
+    }
+    if (st == nullptr) throw_input_error("{}: storage '{}' has unsupported type {}", path, key->s, type->type_name());
+    const std::string record = "data/" + key->s;
+    if (!zip.has_record(archive.get(), record.c_str())) {
+      throw_input_error("{}: storage record '{}' is missing from the archive", path, record);
+    }
+    if (static_cast<uint64_t>(numel->i) > (uint64_t{1} << 40)) {
+      throw_input_error("{}: storage '{}' declares {} elements", path, key->s, numel->i);
+    }
+    const std::size_t want = static_cast<std::size_t>(numel->i) * dtype_size_bytes(st->dtype);
+    std::size_t have = 0;
+    if (!zip.record_size(archive.get(), record.c_str(), &have, &error)) {
+      throw_input_error("{}: malformed torch.save archive: record '{}': {}", path, record, error);
+    }
+    if (have != want) {
+      throw_input_error("{}: storage record '{}' has {} bytes but {} elements of {} need {}", path, record, have,
+                        numel->i, dtype_name(st->dtype), want);
+    }
+    ZipRecord rec = read(record);
+    auto v = std::make_shared<Value>();
+    v->kind = Value::Kind::kStorage;
+    v->array.dtype = st->dtype;
+    v->array.shape = {numel->i};
+    v->array.data = static_cast<const std::byte*>(rec.data.get());
+    v->array.owner = rec.data;
+    storages[key->s] = v;
+    return v;
+  };
+  return unpickle(pkl, path + ": data.pkl", load);
 }
 
 void write_torch_save(const std::string& path, const std::vector<TorchSaveEntry>& entries) {
@@ -175,16 +188,15 @@ void write_torch_save(const std::string& path, const std::vector<TorchSaveEntry>
 }
 
 void write_torch_archive(const std::string& path, const std::string& pickle, const std::vector<const HostArray*>& storages) {
-  try {
-    caffe2::serialize::PyTorchStreamWriter writer(path);
-    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
-    writer.writeRecord("byteorder", "little", 6);
-    for (std::size_t k = 0; k < storages.size(); ++k) {
-      writer.writeRecord("data/" + std::to_string(k), storages[k]->data, storages[k]->size_bytes());
-    }
-    writer.writeEndOfFile();
-  } catch (const c10::Error& e) {
-    throw_input_error("{}: cannot write torch.save archive: {}", path, e.what_without_backtrace());
+  std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>> records;
+  records.push_back({"data.pkl", {pickle.data(), pickle.size()}});
+  records.push_back({"byteorder", {"little", 6}});
+  for (std::size_t k = 0; k < storages.size(); ++k) {
+    records.push_back({"data/" + std::to_string(k), {storages[k]->data, storages[k]->size_bytes()}});
+  }
+  std::string error;
+  if (!torch_zip_api().write_archive(path.c_str(), &records, &error)) {
+    throw_input_error("{}: cannot write torch.save archive: {}", path, error);
   }
 }
 

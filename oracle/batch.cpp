@@ -1,6 +1,7 @@
 // Batch validation (SPEC §1): every rule names the file, the sample, the field and the values.
 #include "oracle/batch.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -164,7 +165,7 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
     }
     if (logits_rows_ != rows_before) fail_sample(idx, "has logits but an earlier sample with a response has none");
     vocab_size_ = l.shape[1];
-    append_float_rows("logits", l, idx);
+    if (needs_.logits) append_float_rows("logits", l, idx);
     logits_rows_ += r;
   } else if (vocab_size_ >= 0 && r > 0) {
     fail_sample(idx, "field 'logits' is missing (earlier samples have it)");
@@ -180,7 +181,7 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
     if (per_token_rows_[name] != rows_before) {
       fail_sample(idx, fmt::format("has '{}' but an earlier sample with a response has none", name));
     }
-    append_float_rows(name, *arr, idx);
+    if (needs_.per_token) append_float_rows(name, *arr, idx);
     per_token_rows_[name] += r;
   }
   for (const auto& [name, rows] : per_token_rows_) {
@@ -192,9 +193,11 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   batch_.origins.push_back({static_cast<int>(batch_.files.size()) - 1, idx});
   batch_.total_lengths.push_back(t);
   batch_.response_lengths.push_back(r);
-  const std::size_t tok_start = batch_.tokens.size();
-  batch_.tokens.resize(tok_start + static_cast<std::size_t>(t));
-  f.tokens->copy_i64(0, t, batch_.tokens.data() + tok_start);
+  if (needs_.tokens) {
+    const std::size_t tok_start = batch_.tokens.size();
+    batch_.tokens.resize(tok_start + static_cast<std::size_t>(t));
+    f.tokens->copy_i64(0, t, batch_.tokens.data() + tok_start);
+  }
   batch_.token_offsets.push_back(batch_.token_offsets.back() + t);
   batch_.response_offsets.push_back(rows_before + r);
 }
@@ -242,34 +245,80 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file, f.loss_masks->shape_string());
   }
 
-  // Slice into per-sample views that borrow the packed arrays, and validate each as a sample.
-  auto view = [](const HostArray& a, int64_t start_row, int64_t rows) {
-    HostArray v = a;
-    int64_t row_elems = 1;
-    for (std::size_t d = 1; d < a.shape.size(); ++d) row_elems *= a.shape[d];
-    v.shape[0] = rows;
-    v.data = a.data + static_cast<std::size_t>(start_row * row_elems) * dtype_size_bytes(a.dtype);
-    return v;
-  };
-  int64_t tok = 0, resp = 0;
-  for (int64_t i = 0; i < s; ++i) {
-    const int64_t t = tl.get_i64(i), r = rl.get_i64(i);
-    HostArray tv = view(tokens, tok, t);
-    std::optional<HostArray> mv, lv;
-    std::map<std::string, HostArray> pv;
-    SampleFields sf;
-    sf.tokens = &tv;
-    sf.total_length = t;
-    sf.response_length = r;
-    if (f.loss_masks) { mv = view(*f.loss_masks, resp, r); sf.loss_mask = &*mv; }
-    if (f.logits) { lv = view(*f.logits, resp, r); sf.logits = &*lv; }
-    for (const auto& [name, a] : f.per_token) {
-      if (a) pv.emplace(name, view(*a, resp, r));
+  // Bulk append: the lengths are known to add up, so every per-sample rule left is the mask values'.
+  const int64_t rows_before = batch_.response_offsets.back();
+  if (logits_rows_ != rows_before && f.logits != nullptr) throw_input_error("{}: has logits but earlier dumps have none", file);
+  if (vocab_size_ >= 0 && f.logits == nullptr && sum_r > 0) throw_input_error("{}: field 'logits' is missing (earlier dumps have it)", file);
+  for (const auto& [name, rows] : per_token_rows_) {
+    if (sum_r > 0 && !f.per_token.count(name)) throw_input_error("{}: field '{}' is missing (earlier dumps have it)", file, name);
+  }
+  for (const auto& [name, a] : f.per_token) {
+    if (a == nullptr) continue;
+    if (a->shape.size() != 1) throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
+    if (per_token_rows_[name] != rows_before) throw_input_error("{}: has '{}' but earlier dumps have none", file, name);
+  }
+  if (f.logits != nullptr) {
+    const HostArray& l = *f.logits;
+    if (l.shape.size() != 2) throw_input_error("{}: logits must be 2-D [sum R, V], has shape {}", file, l.shape_string());
+    if (!dtype_is_float(l.dtype)) throw_input_error("{}: field 'logits' has dtype {}, must be a float dtype", file, dtype_name(l.dtype));
+    if (vocab_size_ >= 0 && l.shape[1] != vocab_size_) {
+      throw_input_error("{}: logits vocabulary size {} differs from earlier dumps' {}", file, l.shape[1], vocab_size_);
     }
-    for (auto& [name, a] : pv) sf.per_token[name] = &a;
-    add_sample(i, sf);
-    tok += t;
-    resp += r;
+  }
+  const int file_index = static_cast<int>(batch_.files.size()) - 1;
+  for (int64_t i = 0; i < s; ++i) batch_.origins.push_back({file_index, i});
+  const std::size_t s0 = batch_.total_lengths.size();
+  batch_.total_lengths.resize(s0 + static_cast<std::size_t>(s));
+  batch_.response_lengths.resize(s0 + static_cast<std::size_t>(s));
+  tl.copy_i64(0, s, batch_.total_lengths.data() + s0);
+  rl.copy_i64(0, s, batch_.response_lengths.data() + s0);
+  for (int64_t i = 0; i < s; ++i) {
+    batch_.token_offsets.push_back(batch_.token_offsets.back() + batch_.total_lengths[s0 + i]);
+    batch_.response_offsets.push_back(batch_.response_offsets.back() + batch_.response_lengths[s0 + i]);
+  }
+  if (needs_.tokens) {
+    const std::size_t t0 = batch_.tokens.size();
+    batch_.tokens.resize(t0 + static_cast<std::size_t>(sum_t));
+    tokens.copy_i64(0, sum_t, batch_.tokens.data() + t0);
+  }
+  const std::size_t m0 = batch_.loss_mask.size();
+  batch_.loss_mask.resize(m0 + static_cast<std::size_t>(sum_r), 1);
+  if (f.loss_masks != nullptr) {
+    any_mask_ = true;
+    const HostArray& m = *f.loss_masks;
+    uint8_t* dst = batch_.loss_mask.data() + m0;
+    if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
+      std::memcpy(dst, m.data, static_cast<std::size_t>(sum_r));
+    } else {
+      std::vector<double> buf(static_cast<std::size_t>(std::min<int64_t>(sum_r, 1 << 16)));
+      for (int64_t j0 = 0; j0 < sum_r; j0 += static_cast<int64_t>(buf.size())) {
+        const int64_t n = std::min<int64_t>(sum_r - j0, static_cast<int64_t>(buf.size()));
+        m.copy_f64(j0, n, buf.data());
+        for (int64_t j = 0; j < n; ++j) dst[j0 + j] = buf[j] == 1.0 ? 1 : (buf[j] == 0.0 ? 0 : 2);
+      }
+    }
+    uint8_t bad = 0;
+    for (int64_t j = 0; j < sum_r; ++j) bad |= dst[j] & 0xfe;
+    if (bad != 0) {
+      for (int64_t j = 0; j < sum_r; ++j) {
+        const double v = m.get_f64(j);
+        if (v == 0.0 || v == 1.0) continue;
+        const auto it = std::upper_bound(batch_.response_offsets.end() - s - 1, batch_.response_offsets.end(), rows_before + j);
+        const int64_t sample = static_cast<int64_t>(it - (batch_.response_offsets.end() - s - 1)) - 1;
+        const int64_t start = batch_.response_offsets[s0 + static_cast<std::size_t>(sample)] - rows_before;
+        throw_input_error("{}: sample {}: loss_mask[{}] = {} (must be 0 or 1)", file, sample, j - start, v);
+      }
+    }
+  }
+  if (f.logits != nullptr) {
+    vocab_size_ = f.logits->shape[1];
+    if (needs_.logits) append_float_rows("logits", *f.logits, 0);
+    logits_rows_ += sum_r;
+  }
+  for (const auto& [name, a] : f.per_token) {
+    if (a == nullptr) continue;
+    if (needs_.per_token) append_float_rows(name, *a, 0);
+    per_token_rows_[name] += sum_r;
   }
 }
 
@@ -280,12 +329,18 @@ Batch BatchBuilder::finish() {
   }
   batch_.loss_mask_given = any_mask_;
   const int64_t rows = batch_.num_response_tokens();
-  if (logits_dtype_) {
+  if (logits_dtype_ && needs_.logits) {
     HostArray a = HostArray::zeros(*logits_dtype_, {rows, vocab_size_});
     LG_CHECK(a.size_bytes() == logits_bytes_.size(), "logits bytes {} vs {}", logits_bytes_.size(), a.size_bytes());
     if (!logits_bytes_.empty()) std::memcpy(a.mutable_data(), logits_bytes_.data(), logits_bytes_.size());
     batch_.logits = std::move(a);
     logits_bytes_ = {};
+  }
+  for (const auto& [name, covered] : per_token_rows_) {
+    if (covered != rows) {
+      throw_input_error("field '{}' covers {} response tokens of {}: the samples after the last that has it lack it",
+                        name, covered, rows);
+    }
   }
   for (auto& [name, bytes] : per_token_bytes_) {
     if (per_token_rows_[name] != rows) {
@@ -296,7 +351,7 @@ Batch BatchBuilder::finish() {
     if (!bytes.empty()) std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
     batch_.per_token[name] = std::move(a);
   }
-  if (logits_dtype_ && logits_rows_ != rows) {
+  if (vocab_size_ >= 0 && logits_rows_ != rows) {
     throw_input_error("logits cover {} response tokens of {}: the samples after the last that has them lack them",
                       logits_rows_, rows);
   }

@@ -35,7 +35,7 @@ struct Batch {
   std::vector<int64_t> response_lengths;  // [S] R
   std::vector<int64_t> token_offsets;     // [S+1] into tokens
   std::vector<int64_t> response_offsets;  // [S+1] into loss_mask, logits rows and per-token fields
-  std::vector<int64_t> tokens;            // [sum T]
+  std::vector<int64_t> tokens;            // [sum T]; empty when loaded without LoadNeeds::tokens
   std::vector<uint8_t> loss_mask;         // [sum R], 0/1; all ones where the dump had none
   bool loss_mask_given = false;           // false when no dump stated a loss mask
   std::optional<HostArray> logits;        // [sum R, V]
@@ -72,10 +72,19 @@ struct PackedFields {
   std::map<std::string, const HostArray*> per_token;
 };
 
+// Which data a command needs. Everything is always validated; what is not needed is not copied (counting
+// a 10M-token dump needs the masks, not 140 MB of token ids or gigabytes of logits).
+struct LoadNeeds {
+  bool tokens = true;
+  bool logits = true;
+  bool per_token = true;
+};
+
 // Validates and appends samples, one dump after another, into one global batch. Every violation of
 // SPEC §1 throws InputError naming the file, the sample (index within its dump), the field and values.
 class BatchBuilder {
  public:
+  explicit BatchBuilder(LoadNeeds needs = {}) : needs_(needs) {}
   void begin_file(const std::string& path);
   void add_sample(int64_t index_in_file, const SampleFields& fields);
   void add_packed(const PackedFields& fields);
@@ -86,6 +95,7 @@ class BatchBuilder {
   void append_float_rows(const std::string& field, const HostArray& src, int64_t index_in_file);
   [[noreturn]] void fail_sample(int64_t index_in_file, const std::string& what) const;
 
+  LoadNeeds needs_;
   Batch batch_;
   bool any_mask_ = false;
   bool any_missing_mask_ = false;

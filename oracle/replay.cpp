@@ -185,7 +185,7 @@ RankResult RankProgram::result() const {
   r.update_successful = optimizer_;
   if (skip_ && *skip_) r.grad_norm = 0.0;
   std::string flag_note;
-  if (own_flag_ >= 0 && bcast_src_ >= 0 && flag_ != own_flag_ && phase_ != Phase::kFailed) {
+  if (own_flag_ >= 0 && bcast_src_ >= 0 && flag_ != own_flag_) {
     flag_note = fmt::format("received skip flag {} from rank {} (pipeline stage {}), but its own token count said {}",
                             flag_, bcast_src_, in_->topo.coord(bcast_src_).pp, own_flag_ ? "skip" : "step");
   }
@@ -196,9 +196,11 @@ RankResult RankProgram::result() const {
   } else {
     LG_CHECK(phase_ == Phase::kDone && skip_, "rank {}: result() before the program finished", rank_);
     r.outcome = *skip_ ? Outcome::kSkip : Outcome::kStep;
-    r.summary = *skip_ ? "skip: optimizer and LR scheduler not called" : "step: optimizer and LR scheduler stepped";
-    r.detail = flag_note;
-    if (!flag_note.empty()) r.summary += " (wrong flag received)";
+    r.summary = *skip_ ? "optimizer and LR scheduler not called" : "optimizer and LR scheduler stepped";
+  }
+  if (!flag_note.empty()) {
+    r.summary += " (wrong flag received)";
+    r.detail = r.detail.empty() ? flag_note : r.detail + "; " + flag_note;
   }
   return r;
 }
@@ -235,7 +237,7 @@ std::string format_rank_set(const std::vector<int64_t>& r, std::size_t max_runs)
     ++i;
   }
   std::string s = fmt::format("{}", fmt::join(runs, ", "));
-  if (shown > max_runs) s += fmt::format(", ... ({} ranks in all)", r.size());
+  if (shown > max_runs) s += ", ...";
   return s;
 }
 
@@ -306,7 +308,7 @@ ReplayResult simulate(const ReplayInputs& in) {
     std::optional<CollectiveCall> call = prog.next();
     if (!call) continue;
     if (auto err = check_call(t, r, *call)) {
-      prog.fail(Outcome::kError, fmt::format("error in {} on the pipeline group: src not in group", op_name(call->op)), *err);
+      prog.fail(Outcome::kError, fmt::format("{} on the {} group: src not in group", op_name(call->op), group_kind_name(call->group.kind)), *err);
       continue;
     }
     const int kind = static_cast<int>(call->group.kind);
@@ -339,7 +341,7 @@ ReplayResult simulate(const ReplayInputs& in) {
                                              fmt::join(seen, " / "));
       for (int64_t m = 0; m < size; ++m) {
         progs[t.member(call->group, m)].fail(Outcome::kMismatch,
-                                             fmt::format("mismatched collectives on the {} group", group_kind_name(call->group.kind)),
+                                             fmt::format("collective #{} on the {} group does not match", seq + 1, group_kind_name(call->group.kind)),
                                              detail);
       }
     } else {
@@ -371,7 +373,7 @@ ReplayResult simulate(const ReplayInputs& in) {
       }
       const CollectiveCall& mine = s.calls[t.index_in_group(w.group, r)];
       progs[r].fail(Outcome::kBlocked,
-                    fmt::format("blocked in {} ({}) on the {} group, collective #{} there", op_name(mine.op), mine.purpose,
+                    fmt::format("in {} ({}) on the {} group, collective #{} there", op_name(mine.op), mine.purpose,
                                 group_kind_name(w.group.kind), w.seq + 1),
                     fmt::format("waiting in {} for rank(s) {} that never issue it", t.describe(w.group),
                                 format_rank_set(missing, 4)));
@@ -379,6 +381,36 @@ ReplayResult simulate(const ReplayInputs& in) {
     results.push_back(progs[r].result());
   }
   return summarize(in, std::move(results));
+}
+
+}  // namespace lossguard::oracle
+
+namespace lossguard::oracle {
+
+std::optional<std::vector<double>> loss_metric_values(const Batch& b, ReduceMode reduce, int64_t global_tokens) {
+  const HostArray* loss = nullptr;
+  double sign = 1.0;
+  if (auto it = b.per_token.find("token_loss"); it != b.per_token.end()) {
+    loss = &it->second;
+  } else if (auto lp = b.per_token.find("log_probs"); lp != b.per_token.end()) {
+    loss = &lp->second;
+    sign = -1.0;
+  }
+  if (loss == nullptr) return std::nullopt;
+  double numerator = 0.0;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    double sample = 0.0;
+    int64_t m = 0;
+    for (int64_t j = b.response_offsets[i]; j < b.response_offsets[i + 1]; ++j) {
+      if (b.loss_mask[j]) {
+        sample += sign * loss->get_f64(j);
+        ++m;
+      }
+    }
+    numerator += reduce == ReduceMode::kPerToken ? sample : sample / static_cast<double>(std::max<int64_t>(m, 1));
+  }
+  const double denominator = reduce == ReduceMode::kPerToken ? static_cast<double>(global_tokens) : static_cast<double>(b.num_samples());
+  return std::vector<double>{denominator, numerator};
 }
 
 }  // namespace lossguard::oracle

@@ -116,3 +116,12 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks);
 std::string format_rank_set(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs = 8);
 
 }  // namespace lossguard::oracle
+
+namespace lossguard::oracle {
+
+// The last stage's reported loss metric, values = [denominator, loss numerator] (SPEC §6): the global
+// token count under per-token, the global batch size under sample-mean; the numerator from the batch's
+// `token_loss` (or -log_probs). nullopt when the batch has neither field.
+std::optional<std::vector<double>> loss_metric_values(const Batch& batch, ReduceMode reduce, int64_t global_tokens);
+
+}  // namespace lossguard::oracle

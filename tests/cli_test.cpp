@@ -185,3 +185,64 @@ TEST(CliCount, BadInputsExitTwo) {
 
 }  // namespace
 }  // namespace lossguard::cli
+
+namespace lossguard::cli {
+namespace {
+
+TEST(CliTopo, JsonGroupsFollowTheSchema) {
+  Result r = run_cli({"topo", "--tp", "2", "--pp", "2", "--cp", "2", "--dp", "2", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["world"], 16);
+  EXPECT_EQ(j["ranks"][9]["pipeline_last_rank"], 9);
+  EXPECT_EQ(j["ranks"][1]["pipeline_last_rank"], 9);
+  EXPECT_EQ(j["groups"]["dp_cp"][1], nlohmann::json({1, 3, 5, 7}));
+  EXPECT_EQ(j["groups"]["pp"][0], nlohmann::json({0, 8}));
+  EXPECT_EQ(run_cli({"topo", "--tp", "0"}).code, 2);
+}
+
+TEST(CliReplay, ExitCodesPerProtocol) {
+  const std::string zero = fixture("gen_zero-token.safetensors");
+  const std::string tokens = fixture("gen_random.safetensors");
+  EXPECT_EQ(run_cli({"replay", zero, "--tp", "2", "--pp", "2", "--protocol", "pr285"}).code, 0);
+  EXPECT_EQ(run_cli({"replay", tokens, "--tp", "2", "--pp", "2", "--protocol", "pr285"}).code, 0);
+  Result src = run_cli({"replay", zero, "--tp", "2", "--pp", "2", "--protocol", "pr285-src-local"});
+  EXPECT_EQ(src.code, 3);
+  EXPECT_NE(src.out.find("ranks 0, 2 (2): error"), std::string::npos) << src.out;
+  EXPECT_EQ(run_cli({"replay", tokens, "--dp", "4", "--protocol", "pr285-always-broadcast"}).code, 3);
+  EXPECT_EQ(run_cli({"replay", zero, "--dp", "2", "--protocol", "values0", "--reduce", "sample-mean"}).code, 1);
+  EXPECT_EQ(run_cli({"replay", zero, "--dp", "2", "--protocol", "values0", "--reduce", "per-token"}).code, 0);
+  EXPECT_EQ(run_cli({"replay", zero, "--protocol", "no-skip"}).code, 1);
+  EXPECT_EQ(run_cli({"replay", zero, "--protocol", "nonsense"}).code, 2);
+  EXPECT_EQ(run_cli({"replay", zero, "--backend", "mpi"}).code, 2);
+}
+
+TEST(CliReplay, JsonAndSvgReports) {
+  const auto dir = testing::temp_dir("cli-replay");
+  const std::string svg = (dir / "grid.svg").string();
+  Result r = run_cli({"replay", fixture("gen_zero-token.pt"), "--tp", "2", "--pp", "2", "--protocol", "pr285-src-local",
+                      "--json", "-", "--svg", svg});
+  EXPECT_EQ(r.code, 3);
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["verdict"], "fault");
+  EXPECT_EQ(j["expected"], "skip");
+  EXPECT_EQ(j["global_tokens"], 0);
+  ASSERT_EQ(j["ranks"].size(), 4u);
+  EXPECT_EQ(j["ranks"][0]["outcome"], "error");
+  EXPECT_EQ(j["ranks"][0]["decision"], nullptr);
+  EXPECT_EQ(j["ranks"][3]["decision"], "step");
+  EXPECT_EQ(j["ranks"][3]["outcome"], "blocked");
+  EXPECT_EQ(j["metrics"]["no_signal"], true);
+  const std::string s = testing::read_file(svg);
+  EXPECT_NE(s.find("<svg"), std::string::npos);
+  EXPECT_NE(s.find("rank 3: blocked (wrong decision)"), std::string::npos);
+}
+
+TEST(CliReplay, DpShardsPlaceEachDumpOnItsRank) {
+  Result r = run_cli({"replay", fixture("gen_zero-token.json"), fixture("gen_random.json"), "--dp", "2", "--dp-shards", "--pp", "2"});
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_EQ(run_cli({"replay", fixture("gen_zero-token.json"), "--dp", "2", "--dp-shards"}).code, 2);
+}
+
+}  // namespace
+}  // namespace lossguard::cli

@@ -1,0 +1,208 @@
+// `lossguard replay`: the skip decision at the end of a step, replayed over a TP x PP x CP x DP topology
+// with a protocol (SPEC §7): expected decision, every rank's outcome (grouped), findings, verdict.
+#include <fstream>
+#include <map>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli/command.h"
+#include "cli/inputs.h"
+#include "cli/placement_options.h"
+#include "cli/replay_svg.h"
+#include "oracle/errors.h"
+#include "oracle/metrics.h"
+#include "oracle/replay.h"
+
+namespace lossguard::cli {
+
+namespace {
+
+struct ReplayOptions {
+  DumpOptions dumps;
+  int64_t tp = 1, pp = 1, cp = 1, dp = 1;
+  PlacementOptions placement;
+  LayoutOptions layout;
+  std::string protocol = "pr285";
+  std::string reduce = "per-token";
+  std::string policy = "fixed";
+  std::string backend = "sim";
+  double timeout_s = 20.0;
+  std::string svg_path;
+  int64_t max_lines = 40;
+};
+
+void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t max_lines) {
+  // Group ranks by what happened to them, in order of first appearance.
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<int64_t>> members;
+  std::map<std::string, const oracle::RankResult*> example;
+  for (const auto& rr : r.ranks) {
+    const bool wrong = rr.skip && *rr.skip != r.expected_skip;
+    std::string key = fmt::format("{}: {}{}", oracle::outcome_name(rr.outcome), rr.summary, wrong ? " [WRONG DECISION]" : "");
+    if (!members.count(key)) {
+      order.push_back(key);
+      example[key] = &rr;
+    }
+    members[key].push_back(rr.rank);
+  }
+  out << "outcomes:\n";
+  int64_t lines = 0;
+  for (const auto& key : order) {
+    if (max_lines > 0 && lines++ >= max_lines) {
+      out << fmt::format("  ... {} more kinds of outcome (--max-lines 0 shows all)\n", order.size() - static_cast<std::size_t>(max_lines));
+      break;
+    }
+    const auto& ranks = members[key];
+    out << fmt::format("  rank{} {} ({}): {}\n", ranks.size() == 1 ? "" : "s", oracle::format_rank_set(ranks), ranks.size(), key);
+    if (!example[key]->detail.empty()) out << fmt::format("      e.g. rank {}: {}\n", example[key]->rank, example[key]->detail);
+  }
+}
+
+void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Context& ctx) {
+  oracle::Protocol protocol;
+  if (!oracle::parse_protocol(o.protocol, &protocol)) {
+    std::vector<std::string> names;
+    for (auto p : oracle::all_protocols()) names.push_back(oracle::protocol_name(p));
+    throw_input_error("--protocol must be one of {}, got '{}'", fmt::join(names, ", "), o.protocol);
+  }
+  oracle::ReduceMode reduce;
+  if (o.reduce == "per-token") reduce = oracle::ReduceMode::kPerToken;
+  else if (o.reduce == "sample-mean") reduce = oracle::ReduceMode::kSampleMean;
+  else throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
+  oracle::Policy policy;
+  if (!oracle::parse_policy(o.policy, &policy)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", o.policy);
+  if (o.backend != "sim") {
+    throw_input_error("--backend {}: this build replays on the simulator only (--backend sim)", o.backend);
+  }
+  const oracle::Topology topo(o.tp, o.pp, o.cp, o.dp);
+  PlacementOptions placement_options = o.placement;
+  placement_options.dp = o.dp;
+  if (o.dumps.dp_shards && static_cast<int64_t>(io::expand_dump_paths(o.dumps.paths).size()) != o.dp) {
+    throw_input_error("--dp-shards: {} dump(s) given for DP = {}", io::expand_dump_paths(o.dumps.paths).size(), o.dp);
+  }
+  LoadedBatch loaded = load_batch(o.dumps, report, ctx, oracle::LoadNeeds{false, false, true});
+  const oracle::Batch& b = loaded.batch;
+  const oracle::Placement placement = placement_options.placement(b, o.dumps.dp_shards);
+  const oracle::ReplayInputs in = oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
+  const oracle::ReplayResult result = oracle::simulate(in);
+  (void)app;
+
+  std::ostream& out = ctx.out;
+  out << fmt::format("lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{} (world {}), {} samples, {} micro-batch(es) "
+                     "per DP rank, reduce {}{}\n",
+                     oracle::protocol_name(protocol), o.backend, o.tp, o.pp, o.cp, o.dp, topo.world(), b.num_samples(),
+                     in.microbatches, oracle::reduce_mode_name(reduce),
+                     policy == oracle::Policy::kFixed ? "" : fmt::format(", counting policy {}", oracle::policy_name(policy)));
+  out << fmt::format("global effective tokens (fixed): {} -> expected decision: {}\n\n", in.global_tokens,
+                     result.expected_skip ? "skip (a zero-token step: no training signal)" : "step");
+  print_outcomes(out, result, o.max_lines);
+
+  // The last stage's loss metrics, normalised as SPEC §6 says.
+  nlohmann::ordered_json metrics = nullptr;
+  if (auto values = oracle::loss_metric_values(b, reduce, in.global_tokens)) {
+    metrics = {{"keys", {"loss"}}, {"values", *values}, {"denominator", reduce == oracle::ReduceMode::kPerToken ? "global tokens" : "global batch size"}};
+    try {
+      const auto m = oracle::normalize_metrics(*values, {"loss"});
+      metrics["normalized"] = {{"loss", m.values[0].second}};
+      metrics["no_signal"] = m.no_signal;
+      out << fmt::format("\nlast-stage metrics ({}): loss = {:.6g}{}\n", oracle::reduce_mode_name(reduce), m.values[0].second,
+                         m.no_signal ? " (no-signal step: reported as 0.0)" : "");
+    } catch (const oracle::MetricsError& e) {
+      metrics["error"] = e.what();
+      report.add_findings({{"metrics_fail_fast", e.what(), nlohmann::json::object()}});
+      out << fmt::format("\nlast-stage metrics: FAIL FAST: {}\n", e.what());
+      report.fault();
+    }
+  }
+  report.add_findings(result.findings);
+  print_findings(out, result.findings);
+
+  const bool pass = !result.fault && !result.wrong_decision;
+  out << fmt::format("\nverdict: {}\n", pass ? "pass: every rank reached the expected decision"
+                                              : result.fault ? "FAULT: a real job would crash or hang (exit 3)"
+                                                             : "FAIL: wrong decision (exit 1)");
+  if (!o.svg_path.empty()) {
+    std::ofstream svg(o.svg_path, std::ios::trunc);
+    svg << replay_svg(in, result, fmt::format("lossguard replay: {} on TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.tp,
+                                              o.pp, o.cp, o.dp));
+    if (!svg) throw_input_error("{}: cannot write the SVG", o.svg_path);
+    out << fmt::format("rank grid: {}\n", o.svg_path);
+  }
+
+  auto& res = report.results();
+  res["protocol"] = oracle::protocol_name(protocol);
+  res["backend"] = o.backend;
+  res["tp"] = o.tp;
+  res["pp"] = o.pp;
+  res["cp"] = o.cp;
+  res["dp"] = o.dp;
+  res["world"] = topo.world();
+  res["microbatches"] = in.microbatches;
+  res["reduce"] = oracle::reduce_mode_name(reduce);
+  res["policy"] = oracle::policy_name(policy);
+  res["global_tokens"] = in.global_tokens;
+  res["expected"] = result.expected_skip ? "skip" : "step";
+  res["metrics"] = metrics;
+  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
+  if (ctx.want_json) {
+    for (const auto& r : result.ranks) {
+      ranks.push_back({{"rank", r.rank},
+                       {"decision", r.skip ? nlohmann::ordered_json(*r.skip ? "skip" : "step") : nlohmann::ordered_json(nullptr)},
+                       {"outcome", oracle::outcome_name(r.outcome)},
+                       {"optimizer_stepped", r.optimizer_stepped},
+                       {"scheduler_stepped", r.scheduler_stepped},
+                       {"grad_norm", r.grad_norm ? nlohmann::ordered_json(*r.grad_norm) : nlohmann::ordered_json(nullptr)},
+                       {"update_successful", r.update_successful},
+                       {"detail", r.detail.empty() ? r.summary : r.summary + ": " + r.detail}});
+    }
+  }
+  res["ranks"] = ranks;
+  const std::string name = fmt::format("{} TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.tp, o.pp, o.cp, o.dp);
+  report.add_case({"lossguard.replay", name + ": expected decision on every rank", !result.wrong_decision,
+                   result.wrong_decision ? "some ranks decided differently from the expected decision" : "", false});
+  report.add_case({"lossguard.replay", name + ": no error, deadlock or mismatch", !result.fault,
+                   result.fault ? "some ranks errored, blocked or mismatched" : "", false});
+  if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  report.verified();
+  if (result.fault) report.fault();
+  if (result.wrong_decision) report.fail();
+}
+
+}  // namespace
+
+void register_replay(CLI::App& root, Commands& commands) {
+  auto cmd = std::make_unique<Command>();
+  auto opts = std::make_shared<ReplayOptions>();
+  CLI::App* app = root.add_subcommand("replay", "Replay the zero-token skip decision over a TP x PP x CP x DP topology");
+  cmd->app = app;
+  app->footer(
+      "Protocols (SPEC §7): pr285 (Relax after PR #285, correct); pr285-src-local (broadcast src = PP-1, a stage\n"
+      "index used as a global rank); pr285-always-broadcast (broadcasts even when PP = 1); values0 (reads values[0],\n"
+      "a sample count when per-token loss is off); no-skip (Megatron baseline: never skips).\n"
+      "Exit codes: 0 every rank reached the expected decision; 1 a wrong decision or parameter drift;\n"
+      "3 an error, deadlock or mismatch.\n"
+      "Examples:\n  lossguard replay zero.pt --tp 2 --pp 2 --protocol pr285-src-local\n"
+      "  lossguard replay batch.safetensors --tp 8 --pp 16 --cp 8 --dp 128 --svg grid.svg");
+  add_dump_options(*app, opts->dumps, true);
+  app->add_option("--tp", opts->tp, "Tensor-parallel size")->capture_default_str();
+  app->add_option("--pp", opts->pp, "Pipeline-parallel size")->capture_default_str();
+  app->add_option("--cp", opts->cp, "Context-parallel size")->capture_default_str();
+  app->add_option("--dp", opts->dp, "Data-parallel size")->capture_default_str();
+  app->add_option("--microbatches", opts->placement.microbatches, "Micro-batches per DP rank")->capture_default_str();
+  app->add_option("--split", opts->placement.split, "How samples go to DP ranks: contiguous or round-robin")->capture_default_str();
+  app->add_option("--protocol", opts->protocol, "Skip-decision protocol")->capture_default_str();
+  app->add_option("--reduce", opts->reduce, "per-token (per-token loss on) or sample-mean (off): what values[0] holds")
+      ->capture_default_str();
+  app->add_option("--policy", opts->policy, "Token counting policy on each rank: fixed, legacy or slime")->capture_default_str();
+  app->add_option("--backend", opts->backend, "sim (simulated collectives)")->capture_default_str();
+  app->add_option("--timeout", opts->timeout_s, "Seconds any real collective may wait (real backends)")->capture_default_str();
+  app->add_option("--svg", opts->svg_path, "Draw the rank grid, coloured by outcome, to FILE")->type_name("FILE");
+  app->add_option("--max-lines", opts->max_lines, "Outcome groups shown in text (0: all)")->capture_default_str();
+  add_layout_options(*app, opts->layout);
+  add_output_options(*app, cmd->output);
+  cmd->run = [opts, app](Report& r, Context& c) { run_replay(*opts, *app, r, c); };
+  commands.push_back(std::move(cmd));
+}
+
+}  // namespace lossguard::cli
