@@ -4,14 +4,32 @@ set -uo pipefail
 LG="$1"
 cd "$(dirname "$0")/.."
 EX=fixtures/data
-step() { printf '\n\033[1m== %s\033[0m\n$ %s\n' "$1" "$2"; }
+step() { printf '\n\033[1m== %s\033[0m\n' "$1"; }
+run() {
+  printf '$ lossguard %s\n' "$*"
+  "$LG" "$@"
+  printf '(exit code %d)\n' $?
+}
 
-step "What is in a dumped batch" "lossguard inspect $EX/gen_empty-responses.safetensors"
-"$LG" inspect "$EX/gen_empty-responses.safetensors"; echo "(exit code $?)"
+step "What is in a dumped batch (a Relax rollout dump written by real torch.save; no pickled code is run)"
+run inspect "$EX/torch_relax_rollout.pt" --max-rows 10
 
-step "A Relax rollout dump, written by real torch.save (loaded without running pickled code)" \
-     "lossguard inspect $EX/torch_relax_rollout.pt"
-"$LG" inspect "$EX/torch_relax_rollout.pt"; echo "(exit code $?)"
+step "Bug 1: CP=1 counted an empty response as 1 token, CP>1 as 0 -- the same batch, two denominators"
+run count "$EX/gen_empty-responses.safetensors" --cp 1,2,4 --policy legacy --max-rows 8
+step "Bug 1, fixed (Relax after PR #285): one denominator for every CP size"
+run count "$EX/gen_empty-responses.safetensors" --cp 1,2,4 --max-rows 0 | tail -8
 
-step "A hostile pickle is refused, nothing executed" "lossguard inspect $EX/hostile_os_system.pt"
-"$LG" inspect "$EX/hostile_os_system.pt"; echo "(exit code $?)"
+step "Bug 2: a zero-token global batch still ran optimizer.step() (Megatron baseline: never skips)"
+run replay "$EX/gen_zero-token.safetensors" --tp 2 --pp 2 --dp 2 --protocol no-skip
+step "Bug 2, fixed: every rank skips optimizer and LR scheduler"
+run replay "$EX/gen_zero-token.safetensors" --tp 2 --pp 2 --dp 2 --protocol pr285
+
+step "Bug 3: the skip flag broadcast from a pipeline-local source rank: errors and a deadlock on TP2 PP2"
+run replay "$EX/gen_zero-token.safetensors" --tp 2 --pp 2 --protocol pr285-src-local --svg /tmp/lossguard-demo-grid.svg
+step "Bug 3: broadcasting even when PP=1 (8 ranks)"
+run replay "$EX/gen_zero-token.safetensors" --dp 4 --cp 2 --protocol pr285-always-broadcast --max-lines 3
+step "Bug 3: reading the decision from values[0], a sample count when per-token loss is off"
+run replay "$EX/gen_zero-token.safetensors" --dp 2 --protocol values0 --reduce sample-mean
+
+step "And a hostile pickle is refused by name; nothing is executed"
+run inspect "$EX/hostile_os_system.pt"

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Replay simulator scale: wall time and peak memory of `lossguard replay --backend sim` for growing
+# topologies up to TP8 PP16 CP8 DP128 (131,072 ranks), every protocol, on a zero-token batch (the case
+# that exercises the broadcast and the deadlocking paths). Time per rank shows the cost stays linear.
+#   bench/replay_bench.sh BUILD_DIR
+set -euo pipefail
+LG="$1/cli/lossguard"
+dir=$(mktemp -d); trap 'rm -rf "$dir"' EXIT
+"$LG" gen --case zero-token --samples 256 --out "$dir/zero.safetensors" >/dev/null
+printf '%-24s %-8s %9s %9s %12s %10s\n' protocol ranks wall_s rss_MiB us_per_rank exit
+for topo in "8 16 8 16" "8 16 8 32" "8 16 8 64" "8 16 8 128"; do
+  read -r tp pp cp dp <<<"$topo"
+  for p in pr285 pr285-src-local pr285-always-broadcast values0 no-skip; do
+    set +e
+    /usr/bin/time -f '%e %M' -o "$dir/t" "$LG" replay "$dir/zero.safetensors" --tp $tp --pp $pp --cp $cp --dp $dp \
+      --protocol $p >/dev/null 2>&1
+    rc=$?
+    set -e
+    read -r wall rss < <(tail -n 1 "$dir/t")
+    ranks=$((tp * pp * cp * dp))
+    printf '%-24s %-8s %9s %9.0f %12.2f %10s\n' $p $ranks $wall $((rss / 1024)) \
+      "$(echo "$wall * 1000000 / $ranks" | bc -l)" $rc
+  done
+done
