@@ -83,6 +83,7 @@ def main():
         "lossguard_end_to_end_s": round(lg_s, 3),
         "lossguard_end_to_end_text_only_s": round(lg_text_s, 3),
         "speedup_end_to_end": round(ref_s / lg_s, 1),
+        "speedup_end_to_end_text_only": round(ref_s / lg_text_s, 1),
         "count_pass_s": round(tp["count_s"], 4),
         "count_GB_per_s": round(tp["count_bytes_per_s"] / 1e9, 2),
         "memcpy_GB_per_s": round(tp["memcpy_bytes_per_s"] / 1e9, 2),

@@ -1,9 +1,7 @@
 // Finds and loads liblossguard_torchzip.so once per process.
-#include <dlfcn.h>
-
-#include <cstdlib>
 #include <mutex>
 
+#include "io/plugin_loader.h"
 #include "io/zip_plugin.h"
 #include "lossguard/build_config.h"
 #include "oracle/errors.h"
@@ -15,26 +13,13 @@ const TorchZipApi& torch_zip_api() {
   static std::string failure;
   static std::once_flag once;
   std::call_once(once, [] {
-    const char* env = std::getenv("LOSSGUARD_TORCHZIP");
-    std::vector<std::string> candidates;
-    if (env != nullptr && *env != '\0') candidates.push_back(env);
-    candidates.push_back(LOSSGUARD_TORCHZIP_PLUGIN);  // the build tree
-    std::string errors;
-    for (const auto& path : candidates) {
-      void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (handle == nullptr) {
-        errors += std::string("\n  ") + dlerror();
-        continue;
-      }
-      auto fn = reinterpret_cast<const TorchZipApi* (*)()>(dlsym(handle, "lossguard_torchzip_api"));
-      if (fn != nullptr && fn()->abi_version == kTorchZipAbiVersion) {
-        api = fn();
-        return;
-      }
-      errors += "\n  " + path + ": not a matching lossguard plugin";
+    try {
+      api = static_cast<const TorchZipApi*>(load_plugin_table(
+          "LibTorch's zip reader (liblossguard_torchzip.so), needed for torch.save files", "LOSSGUARD_TORCHZIP",
+          LOSSGUARD_TORCHZIP_PLUGIN, "lossguard_torchzip_api", kTorchZipAbiVersion));
+    } catch (const InputError& e) {
+      failure = e.what();
     }
-    failure = "cannot load LibTorch's zip reader (liblossguard_torchzip.so), needed for torch.save files; set "
-              "LOSSGUARD_TORCHZIP to its path:" + errors;
   });
   if (api == nullptr) throw InputError(failure);
   return *api;

@@ -1,0 +1,198 @@
+// Float64 oracle. Every reduction of SPEC §4 is linear in the per-token losses, loss = sum_t c_t * l_t,
+// so the gradient w.r.t. any input is c_t times the per-token derivative.
+#include "oracle/loss.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "oracle/errors.h"
+
+namespace lossguard::oracle {
+
+const char* loss_kind_name(LossKind k) {
+  switch (k) {
+    case LossKind::kNll: return "nll";
+    case LossKind::kPpoClip: return "ppo-clip";
+    case LossKind::kGiven: return "given";
+  }
+  return "?";
+}
+
+bool parse_loss_kind(const std::string& s, LossKind* out) {
+  for (LossKind k : {LossKind::kNll, LossKind::kPpoClip, LossKind::kGiven}) {
+    if (s == loss_kind_name(k)) {
+      *out = k;
+      return true;
+    }
+  }
+  return false;
+}
+
+const std::vector<Reduction>& all_reductions() {
+  static const std::vector<Reduction> kAll = {Reduction::kPerToken, Reduction::kSampleMean, Reduction::kTokenMean,
+                                              Reduction::kSeqMeanTokenSum, Reduction::kSeqMeanTokenMean,
+                                              Reduction::kSeqMeanTokenSumNorm};
+  return kAll;
+}
+
+const char* reduction_name(Reduction r) {
+  switch (r) {
+    case Reduction::kPerToken: return "per-token";
+    case Reduction::kSampleMean: return "sample-mean";
+    case Reduction::kTokenMean: return "token-mean";
+    case Reduction::kSeqMeanTokenSum: return "seq-mean-token-sum";
+    case Reduction::kSeqMeanTokenMean: return "seq-mean-token-mean";
+    case Reduction::kSeqMeanTokenSumNorm: return "seq-mean-token-sum-norm";
+  }
+  return "?";
+}
+
+bool parse_reduction(const std::string& s, Reduction* out) {
+  for (Reduction r : all_reductions()) {
+    if (s == reduction_name(r)) {
+      *out = r;
+      return true;
+    }
+  }
+  return false;
+}
+
+const char* loss_input_name(LossInput i) {
+  switch (i) {
+    case LossInput::kLogits: return "logits";
+    case LossInput::kLogProbs: return "log_probs";
+    case LossInput::kTokenLoss: return "token_loss";
+  }
+  return "?";
+}
+
+void CompensatedSum::add(double x) {
+  const double t = sum_ + x;
+  if (std::fabs(sum_) >= std::fabs(x)) {
+    c_ += (sum_ - t) + x;
+  } else {
+    c_ += (x - t) + sum_;
+  }
+  sum_ = t;
+}
+
+LossInput loss_input(const Batch& b, LossKind loss) {
+  auto need = [&](const char* field) {
+    if (!b.per_token.count(field)) {
+      throw_input_error("--loss {} needs the per-token field '{}', which the dump lacks", loss_kind_name(loss), field);
+    }
+  };
+  switch (loss) {
+    case LossKind::kNll:
+      if (b.logits) return LossInput::kLogits;
+      need("log_probs");
+      return LossInput::kLogProbs;
+    case LossKind::kPpoClip:
+      need("log_probs");
+      need("old_log_probs");
+      need("advantages");
+      return LossInput::kLogProbs;
+    case LossKind::kGiven:
+      need("token_loss");
+      return LossInput::kTokenLoss;
+  }
+  return LossInput::kLogits;
+}
+
+OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
+  OracleLoss o;
+  o.input = loss_input(b, spec.loss);
+  const int64_t rows = b.num_response_tokens();
+  const int64_t v = o.input == LossInput::kLogits ? b.vocab_size() : 1;
+  o.grad_cols = v;
+  o.coeff.assign(static_cast<std::size_t>(rows), 0.0);
+  o.token_loss.assign(static_cast<std::size_t>(rows), 0.0);
+  o.grad.assign(static_cast<std::size_t>(rows * v), 0.0);
+  o.near_clip_boundary.assign(static_cast<std::size_t>(rows), 0);
+
+  // Per-sample mask sums, and the reduction's coefficient for each token (SPEC §4 table).
+  const int64_t s = b.num_samples();
+  std::vector<int64_t> m(static_cast<std::size_t>(s));
+  int64_t n_tokens = 0, k_nonempty = 0, max_r = 0;
+  for (int64_t i = 0; i < s; ++i) {
+    m[i] = b.mask_sum(i);
+    n_tokens += m[i];
+    k_nonempty += m[i] > 0;
+    max_r = std::max(max_r, b.response_lengths[i]);
+  }
+  const double batch_size = static_cast<double>(std::max<int64_t>(s, 1));
+  const double l_norm = spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
+  switch (spec.reduce) {
+    case Reduction::kPerToken: case Reduction::kTokenMean: o.denominator = n_tokens; break;
+    case Reduction::kSampleMean: case Reduction::kSeqMeanTokenSum: o.denominator = s; break;
+    case Reduction::kSeqMeanTokenMean: o.denominator = k_nonempty; break;
+    case Reduction::kSeqMeanTokenSumNorm: o.denominator = static_cast<int64_t>(l_norm); break;
+  }
+  o.no_signal = n_tokens == 0;
+
+  CompensatedSum loss, magnitude;
+  for (int64_t i = 0; i < s; ++i) {
+    const int64_t p = b.prompt_length(i);
+    for (int64_t j = 0; j < b.response_lengths[i]; ++j) {
+      const int64_t row = b.response_offsets[i] + j;
+      if (!b.loss_mask[row]) continue;
+      double c = 0.0;
+      switch (spec.reduce) {
+        case Reduction::kPerToken: case Reduction::kTokenMean: c = 1.0 / static_cast<double>(std::max<int64_t>(n_tokens, 1)); break;
+        case Reduction::kSampleMean: c = 1.0 / (static_cast<double>(std::max<int64_t>(m[i], 1)) * batch_size); break;
+        case Reduction::kSeqMeanTokenSum: c = 1.0 / batch_size; break;
+        case Reduction::kSeqMeanTokenMean: c = 1.0 / (static_cast<double>(m[i]) * static_cast<double>(k_nonempty)); break;
+        case Reduction::kSeqMeanTokenSumNorm: c = 1.0 / l_norm; break;
+      }
+      // Per-token loss and its derivative w.r.t. the input.
+      double l = 0.0, scale = 0.0;
+      if (o.input == LossInput::kLogits) {
+        const int64_t y = b.tokens[b.token_offsets[i] + p + j];
+        if (y < 0 || y >= v) throw_input_error("{}: response token {} = {} is outside the vocabulary [0, {})", b.describe_sample(i), j, y, v);
+        double mx = -INFINITY;
+        for (int64_t k = 0; k < v; ++k) mx = std::max(mx, b.logits->get_f64(row * v + k));
+        CompensatedSum se;
+        for (int64_t k = 0; k < v; ++k) se.add(std::exp(b.logits->get_f64(row * v + k) - mx));
+        const double lse = mx + std::log(se.value());
+        l = lse - b.logits->get_f64(row * v + y);
+        double max_abs = 0.0;
+        for (int64_t k = 0; k < v; ++k) max_abs = std::max(max_abs, std::fabs(b.logits->get_f64(row * v + k)));
+        scale = 2.0 * max_abs;
+        for (int64_t k = 0; k < v; ++k) {
+          const double softmax = std::exp(b.logits->get_f64(row * v + k) - lse);
+          o.grad[row * v + k] = c * (softmax - (k == y ? 1.0 : 0.0));
+        }
+      } else if (spec.loss == LossKind::kNll) {
+        l = -b.per_token.at("log_probs").get_f64(row);
+        o.grad[row] = -c;
+      } else if (spec.loss == LossKind::kPpoClip) {
+        const double lp = b.per_token.at("log_probs").get_f64(row);
+        const double old = b.per_token.at("old_log_probs").get_f64(row);
+        const double a = b.per_token.at("advantages").get_f64(row);
+        const double rho = std::exp(lp - old);
+        const double clipped = std::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
+        const double unclipped_term = -rho * a, clipped_term = -clipped * a;
+        l = std::max(unclipped_term, clipped_term);
+        scale = rho * std::fabs(a) * std::fabs(lp - old);
+        const double slack = spec.rho_rel_error * rho * (1.0 + std::fabs(lp - old));
+        if (std::fabs(rho - (1.0 - spec.eps_low)) <= slack || std::fabs(rho - (1.0 + spec.eps_high)) <= slack) {
+          o.near_clip_boundary[row] = 1;
+        }
+        const bool inside = rho >= 1.0 - spec.eps_low && rho <= 1.0 + spec.eps_high;
+        o.grad[row] = (unclipped_term >= clipped_term || inside) ? c * (-rho * a) : 0.0;
+      } else {
+        l = b.per_token.at("token_loss").get_f64(row);
+        o.grad[row] = c;
+      }
+      o.coeff[row] = c;
+      o.token_loss[row] = l;
+      loss.add(c * l);
+      magnitude.add(std::fabs(c) * (std::fabs(l) + scale));
+    }
+  }
+  o.loss = loss.value();
+  o.term_scale = magnitude.value();
+  return o;
+}
+
+}  // namespace lossguard::oracle

@@ -1,0 +1,207 @@
+// The candidate, as a CP-sharded trainer computes it: each CP rank takes its zig-zag token chunks, keeps
+// the logits it holds, counts the effective tokens they predict, and computes its partial loss in the
+// dump's dtype with LibTorch ops; denominators are summed over ranks (the all-reduce), the loss is the SUM
+// of the partials, and each rank's autograd gradient is scattered back into the full gradient.
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "trainer/candidate.h"
+
+namespace lossguard::trainer {
+
+namespace {
+
+using oracle::LossInput;
+using oracle::LossKind;
+using oracle::Policy;
+using oracle::Reduction;
+
+at::ScalarType scalar_type(DType d) {
+  switch (d) {
+    case DType::kFloat16: return at::kHalf;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kFloat32: return at::kFloat;
+    case DType::kFloat64: return at::kDouble;
+    default: return at::kFloat;
+  }
+}
+
+at::Tensor to_tensor(const HostArray& a) {
+  std::vector<int64_t> shape(a.shape.begin(), a.shape.end());
+  return at::from_blob(const_cast<std::byte*>(a.data), shape, at::TensorOptions().dtype(scalar_type(a.dtype))).clone();
+}
+
+// The trainer's own zig-zag split: rank r holds token positions [r*cs, (r+1)*cs) and
+// [(2cp-1-r)*cs, (2cp-r)*cs); the logit at position q predicts token q+1.
+int64_t trainer_chunk_size(int64_t t, int64_t cp, const oracle::ShardLayout& layout) {
+  if (layout.packing == oracle::Packing::kBshd) return (layout.max_seq_len + 2 * cp - 1) / (2 * cp);
+  if (layout.padded_total_length > 0) return layout.padded_total_length / (2 * cp);
+  return (t + 2 * cp - 1) / (2 * cp);
+}
+
+struct OwnedRow {
+  int64_t row;      // global response row
+  int64_t sample;
+  int8_t chunk;
+};
+
+void run(const CandidateInput* in, CandidateOutput* out) {
+  try {
+    c10::AutoGradMode outer_no_grad(false);  // re-enabled per rank below
+    const oracle::Batch& b = *in->batch;
+    const oracle::LossSpec& spec = in->spec;
+    const int64_t cp = in->cp;
+    const LossInput input = oracle::loss_input(b, spec.loss);
+    const HostArray& x_host = input == LossInput::kLogits ? *b.logits
+                              : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
+                                                              : b.per_token.at("token_loss");
+    const at::Tensor x = to_tensor(x_host);
+    const at::ScalarType dt = x.scalar_type();
+    out->dtype = std::string(dtype_name(x_host.dtype));
+    const int64_t rows = b.num_response_tokens(), s = b.num_samples();
+
+    // 1. Each rank's rows.
+    std::vector<std::vector<OwnedRow>> owned(static_cast<std::size_t>(cp));
+    out->row_rank.assign(static_cast<std::size_t>(rows), -1);
+    out->row_chunk.assign(static_cast<std::size_t>(rows), -1);
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t t = b.total_lengths[i], r = b.response_lengths[i], p = t - r;
+      const bool sft = r == t;
+      if (cp == 1) {  // an unsharded trainer uses every row
+        for (int64_t j = 0; j < r; ++j) owned[0].push_back({b.response_offsets[i] + j, i, 0});
+        continue;
+      }
+      const int64_t cs = trainer_chunk_size(t, cp, in->layout);
+      for (int64_t rank = 0; rank < cp; ++rank) {
+        const int64_t chunks[2] = {rank, 2 * cp - 1 - rank};
+        for (int8_t c = 0; c < 2; ++c) {
+          for (int64_t q = chunks[c] * cs; q < (chunks[c] + 1) * cs; ++q) {
+            if (q >= t - 1) break;  // padding, or the last token's logit (it predicts nothing)
+            const int64_t index = sft ? q : q + 1 - p;  // SFT masks are in predictor coordinates
+            if (!sft && q + 1 < p) continue;            // predicts a prompt token
+            owned[rank].push_back({b.response_offsets[i] + index, i, c});
+          }
+        }
+      }
+    }
+    for (int64_t rank = 0; rank < cp; ++rank) {
+      for (const auto& o : owned[rank]) {
+        if (out->row_rank[o.row] != -1) {
+          out->error = "a response row is owned by two CP ranks";
+          return;
+        }
+        out->row_rank[o.row] = static_cast<int32_t>(rank);
+        out->row_chunk[o.row] = o.chunk;
+      }
+    }
+
+    // 2. Counts: every rank counts its own effective tokens; the all-reduce sums them.
+    const at::Tensor mask = at::from_blob(const_cast<uint8_t*>(b.loss_mask.data()), {rows}, at::kByte).to(at::kLong);
+    std::vector<int64_t> m(static_cast<std::size_t>(s), 0);  // per-sample effective tokens, summed over ranks
+    int64_t n_fixed = 0;
+    for (int64_t rank = 0; rank < cp; ++rank) {
+      std::vector<int64_t> idx;
+      for (const auto& o : owned[rank]) idx.push_back(o.row);
+      const at::Tensor rank_rows = at::tensor(idx, at::kLong);
+      const at::Tensor w = idx.empty() ? at::zeros({0}, at::kLong) : mask.index_select(0, rank_rows);
+      n_fixed += w.sum().item<int64_t>();
+      auto wa = w.accessor<int64_t, 1>();
+      for (std::size_t k = 0; k < idx.size(); ++k) m[owned[rank][k].sample] += wa[static_cast<int64_t>(k)];
+    }
+    int64_t n_max1 = 0, k_nonempty = 0, max_r = 0;
+    for (int64_t i = 0; i < s; ++i) {
+      n_max1 += std::max<int64_t>(m[i], 1);
+      k_nonempty += m[i] > 0;
+      max_r = std::max(max_r, b.response_lengths[i]);
+    }
+    int64_t n = n_fixed;
+    double cp_scale = 1.0;
+    if (spec.policy == Policy::kLegacy && cp == 1) n = n_max1;  // Relax before PR #285
+    if (spec.policy == Policy::kSlime) {                          // every rank counts full samples
+      n = cp * n_max1;
+      cp_scale = static_cast<double>(cp);
+    }
+    const double batch_size = static_cast<double>(std::max<int64_t>(s, 1));
+    const double l_norm = spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
+    switch (spec.reduce) {
+      case Reduction::kPerToken: case Reduction::kTokenMean: out->denominator = n; break;
+      case Reduction::kSampleMean: case Reduction::kSeqMeanTokenSum: out->denominator = s; break;
+      case Reduction::kSeqMeanTokenMean: out->denominator = k_nonempty; break;
+      case Reduction::kSeqMeanTokenSumNorm: out->denominator = static_cast<int64_t>(l_norm); break;
+    }
+
+    // 3. Each rank's partial loss in the working dtype, and its gradient by autograd.
+    at::Tensor grad = at::zeros_like(x);
+    double total = 0.0;
+    const at::Tensor tokens = b.tokens.empty() ? at::zeros({0}, at::kLong)
+                                               : at::from_blob(const_cast<int64_t*>(b.tokens.data()), {static_cast<int64_t>(b.tokens.size())}, at::kLong);
+    for (int64_t rank = 0; rank < cp; ++rank) {
+      if (owned[rank].empty()) continue;
+      std::vector<int64_t> idx, targets;
+      std::vector<double> coeff;
+      for (const auto& o : owned[rank]) {
+        idx.push_back(o.row);
+        const int64_t i = o.sample;
+        const int64_t j = o.row - b.response_offsets[i];
+        const double w = b.loss_mask[o.row];
+        double c = 0.0;
+        switch (spec.reduce) {
+          case Reduction::kPerToken: case Reduction::kTokenMean: c = cp_scale / static_cast<double>(std::max<int64_t>(n, 1)); break;
+          case Reduction::kSampleMean: c = 1.0 / (static_cast<double>(std::max<int64_t>(m[i], 1)) * batch_size); break;
+          case Reduction::kSeqMeanTokenSum: c = 1.0 / batch_size; break;
+          case Reduction::kSeqMeanTokenMean: c = m[i] > 0 ? 1.0 / (static_cast<double>(m[i]) * static_cast<double>(k_nonempty)) : 0.0; break;
+          case Reduction::kSeqMeanTokenSumNorm: c = 1.0 / l_norm; break;
+        }
+        coeff.push_back(w * c);
+        if (input == LossInput::kLogits) targets.push_back(b.tokens[b.token_offsets[i] + b.prompt_length(i) + j]);
+      }
+      const at::Tensor rows_idx = at::tensor(idx, at::kLong);
+      const at::Tensor leaf = x.index_select(0, rows_idx).detach().requires_grad_(true);
+      const at::Tensor c = at::tensor(coeff, at::kDouble).to(dt);
+      at::Tensor partial;
+      {
+        c10::AutoGradMode enable(true);
+        at::Tensor l;
+        if (input == LossInput::kLogits) {
+          const at::Tensor y = at::tensor(targets, at::kLong).unsqueeze(1);
+          l = -at::log_softmax(leaf, -1).gather(1, y).squeeze(1);
+        } else if (spec.loss == LossKind::kNll) {
+          l = -leaf;
+        } else if (spec.loss == LossKind::kPpoClip) {
+          const at::Tensor old = to_tensor(b.per_token.at("old_log_probs")).to(dt).index_select(0, rows_idx);
+          const at::Tensor adv = to_tensor(b.per_token.at("advantages")).to(dt).index_select(0, rows_idx);
+          const at::Tensor rho = at::exp(leaf - old);
+          const at::Tensor clipped = at::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
+          l = at::maximum(-rho * adv, -clipped * adv);
+        } else {
+          l = leaf;
+        }
+        partial = (l * c).sum();
+        partial.backward();
+      }
+      total += partial.to(at::kDouble).item<double>();
+      grad.index_copy_(0, rows_idx, leaf.grad());
+    }
+    out->loss = total;
+    out->grad = HostArray::zeros(x_host.dtype, x_host.shape);
+    const at::Tensor g = grad.contiguous();
+    std::memcpy(out->grad.mutable_data(), g.data_ptr(), out->grad.size_bytes());
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    out->error = msg.substr(0, msg.find('\n'));
+  }
+}
+
+const TrainerApi kApi = {kTrainerAbiVersion, run};
+
+}  // namespace
+
+}  // namespace lossguard::trainer
+
+extern "C" __attribute__((visibility("default"))) const lossguard::trainer::TrainerApi* lossguard_trainer_api() {
+  return &lossguard::trainer::kApi;
+}
