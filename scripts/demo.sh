@@ -18,6 +18,10 @@ step "Bug 1: CP=1 counted an empty response as 1 token, CP>1 as 0 -- the same ba
 run count "$EX/gen_empty-responses.safetensors" --cp 1,2,4 --policy legacy --max-rows 8
 step "Bug 1, fixed (Relax after PR #285): one denominator for every CP size"
 run count "$EX/gen_empty-responses.safetensors" --cp 1,2,4 --max-rows 0 | tail -8
+step "Bug 1 in the loss and gradient: the legacy CP=1 trainer against the float64 oracle"
+run check "$EX/gen_empty-responses.safetensors" --cp 1,2,4 --policy legacy
+step "Bug 1, fixed: the CP-sharded LibTorch trainer matches the oracle for every loss and reduction"
+run check "$EX/gen_random.safetensors" --cp 1,2,4,8 --loss nll,ppo-clip --reduce per-token,sample-mean
 
 step "Bug 2: a zero-token global batch still ran optimizer.step() (Megatron baseline: never skips)"
 run replay "$EX/gen_zero-token.safetensors" --tp 2 --pp 2 --dp 2 --protocol no-skip
