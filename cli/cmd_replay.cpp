@@ -10,6 +10,8 @@
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
 #include "cli/replay_svg.h"
+#include "dist/real_replay.h"
+#include "kernels/device_info.h"
 #include "oracle/errors.h"
 #include "oracle/metrics.h"
 #include "oracle/replay.h"
@@ -72,9 +74,10 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   else throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
   oracle::Policy policy;
   if (!oracle::parse_policy(o.policy, &policy)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", o.policy);
-  if (o.backend != "sim") {
-    throw_input_error("--backend {}: this build replays on the simulator only (--backend sim)", o.backend);
+  if (o.backend != "sim" && o.backend != "gloo" && o.backend != "nccl") {
+    throw_input_error("--backend must be sim, gloo or nccl, got '{}'", o.backend);
   }
+  if (!(o.timeout_s > 0)) throw_input_error("--timeout must be > 0 seconds, got {}", o.timeout_s);
   const oracle::Topology topo(o.tp, o.pp, o.cp, o.dp);
   PlacementOptions placement_options = o.placement;
   placement_options.dp = o.dp;
@@ -85,8 +88,47 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   const oracle::Batch& b = loaded.batch;
   const oracle::Placement placement = placement_options.placement(b, o.dumps.dp_shards);
   const oracle::ReplayInputs in = oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
-  const oracle::ReplayResult result = oracle::simulate(in);
   (void)app;
+  oracle::ReplayResult result;
+  dist::RealReplayInput real;
+  if (o.backend == "sim") {
+    result = oracle::simulate(in);
+  } else {
+    real.env = dist::launch_env_from_environment();
+    real.inputs = &in;
+    real.timeout_s = o.timeout_s;
+    if (real.env.world_size != topo.world()) {
+      throw_input_error("the launcher started {} processes ($WORLD_SIZE) but TP{} PP{} CP{} DP{} has {} ranks",
+                        real.env.world_size, o.tp, o.pp, o.cp, o.dp, topo.world());
+    }
+    if (o.backend == "nccl") {
+      const kernels::DeviceInfo d = kernels::query_device_info();
+      if (!d.nccl_compiled || d.device_count == 0) {
+        throw UnverifiedError(fmt::format("--backend nccl needs NCCL and a CUDA device, one per local rank; this process has {}",
+                                          d.nccl_compiled ? "no device (" + d.status + ")" : "a build without NCCL"));
+      }
+      real.backend = dist::Backend::kNccl;
+    }
+    dist::RealReplayOutput got;
+    dist::dist_api().run(&real, &got);
+    if (!got.error.empty()) {
+      report.fault();
+      throw InputError(fmt::format("rank {}: {}", real.env.rank, got.error));
+    }
+    if (real.env.rank != 0) {  // rank 0 alone reports; every rank exits with its verdict
+      const int code = dist::dist_api().agree_exit_code(&real, -1);
+      report.verified();
+      report.suppress_outputs();
+      report.force_exit_code(code < 0 ? kExitFault : code);
+      if (code != 0) {
+        dist::write_error_file(real.env, fmt::format("lossguard replay rank {}: the job's verdict is exit code {}{}", real.env.rank,
+                                                     code < 0 ? kExitFault : code, code < 0 ? " (no verdict from rank 0)" : ""));
+      }
+      if (code < 0) ctx.err << fmt::format("lossguard: rank {}: no verdict from rank 0 within the deadline\n", real.env.rank);
+      return;
+    }
+    result = oracle::summarize(in, got.ranks);
+  }
 
   std::ostream& out = ctx.out;
   out << fmt::format("lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{} (world {}), {} samples, {} micro-batch(es) "
@@ -167,6 +209,14 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   report.verified();
   if (result.fault) report.fault();
   if (result.wrong_decision) report.fail();
+  if (o.backend != "sim") {
+    ctx.out << std::flush;  // a launcher may stop the other ranks once one exits non-zero
+    dist::dist_api().agree_exit_code(&real, report.exit_code());
+    if (report.exit_code() != 0) {
+      dist::write_error_file(real.env, fmt::format("lossguard replay: verdict {} (exit code {}): {}", verdict_name(report.verdict()),
+                                                   report.exit_code(), result.findings.empty() ? "" : result.findings.back().message));
+    }
+  }
 }
 
 }  // namespace
@@ -195,7 +245,9 @@ void register_replay(CLI::App& root, Commands& commands) {
   app->add_option("--reduce", opts->reduce, "per-token (per-token loss on) or sample-mean (off): what values[0] holds")
       ->capture_default_str();
   app->add_option("--policy", opts->policy, "Token counting policy on each rank: fixed, legacy or slime")->capture_default_str();
-  app->add_option("--backend", opts->backend, "sim (simulated collectives)")->capture_default_str();
+  app->add_option("--backend", opts->backend,
+                  "sim (simulated collectives), gloo (real, CPU; launch under torchrun) or nccl (real, one GPU per rank)")
+      ->capture_default_str();
   app->add_option("--timeout", opts->timeout_s, "Seconds any real collective may wait (real backends)")->capture_default_str();
   app->add_option("--svg", opts->svg_path, "Draw the rank grid, coloured by outcome, to FILE")->type_name("FILE");
   app->add_option("--max-lines", opts->max_lines, "Outcome groups shown in text (0: all)")->capture_default_str();

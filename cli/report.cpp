@@ -48,6 +48,7 @@ Verdict Report::verdict() const {
 }
 
 int Report::exit_code() const {
+  if (forced_exit_code_ >= 0) return forced_exit_code_;
   switch (verdict()) {
     case Verdict::kPass: return kExitPass;
     case Verdict::kFail: return kExitFail;
@@ -132,6 +133,7 @@ std::string Report::to_junit() const {
 }
 
 void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostream& err) {
+  if (suppress_outputs_) return;
   if (!o.json_path.empty()) {
     const std::string text = to_json().dump(2) + "\n";
     if (o.json_path == "-") {

@@ -43,6 +43,9 @@ class Report {
   void error(const std::string& message);
   void unverified(const std::string& reason);
   void verified() { verified_ = true; }  // at least one check ran
+  // A real-mode replay rank other than 0 exits with the code rank 0 decided, whatever it saw itself.
+  void force_exit_code(int code) { forced_exit_code_ = code; }
+  void suppress_outputs() { suppress_outputs_ = true; }  // --json/--junit are rank 0's to write
 
   Verdict verdict() const;
   int exit_code() const;
@@ -60,6 +63,8 @@ class Report {
 
  private:
   std::string command_;
+  int forced_exit_code_ = -1;
+  bool suppress_outputs_ = false;
   bool failed_ = false, faulted_ = false, errored_ = false, unverified_ = false, verified_ = false;
   std::vector<std::string> errors_;
   std::string unverified_reason_;

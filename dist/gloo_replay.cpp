@@ -1,0 +1,182 @@
+// The real-mode backends: TCPStore rendezvous and one Gloo process group per topology group this rank is
+// in, then the rank's protocol program (oracle/replay.h) over real collectives with deadlines.
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "dist/real_replay.h"
+
+namespace lossguard::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using oracle::GroupKind;
+
+// Kept for the life of the process: rank 0 serves the store until every rank has read the exit code, and
+// process groups whose peers hang are never destroyed (their destructors would wait on those peers).
+c10::intrusive_ptr<c10d::Store>* g_store = nullptr;
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::shared_ptr<::gloo::transport::Device> make_device(const LaunchEnv& env) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  }
+  if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost") {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+void run(const RealReplayInput* in, RealReplayOutput* out) {
+  const LaunchEnv& env = in->env;
+  const oracle::ReplayInputs& ri = *in->inputs;
+  const oracle::Topology& t = ri.topo;
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000));
+  if (in->backend != Backend::kGloo) {
+    out->error = "this backend is not built into liblossguard_dist.so";
+    return;
+  }
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(env.port);
+    so.isServer = !env.agent_store && env.rank == 0;
+    if (so.isServer) so.numWorkers = static_cast<std::size_t>(env.world_size);
+    so.waitWorkers = false;
+    so.timeout = timeout;
+    auto base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    g_store = new c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(env.run_id, base));
+  } catch (const std::exception& e) {
+    out->error = fmt::format("rendezvous with the store at {}:{} failed: {}", env.master_addr, env.port, first_line(e.what()));
+    return;
+  }
+  c10d::Store& store = **g_store;
+
+  oracle::RankProgram prog(&ri, env.rank);
+  std::map<GroupKind, c10::intrusive_ptr<c10d::ProcessGroupGloo>> groups;
+  bool ready = true;
+  try {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices = {make_device(env)};
+    // Every rank builds its groups in the same kind order; groups of one kind are disjoint, so this
+    // cannot deadlock.
+    for (GroupKind kind : {GroupKind::kWorld, GroupKind::kDpCp, GroupKind::kPp, GroupKind::kMp}) {
+      const oracle::GroupRef g = t.group_of(kind, env.rank);
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), *g_store);
+      groups[kind] = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(t.index_in_group(g, env.rank)),
+                                                                 static_cast<int>(t.group_size(kind)), options);
+    }
+  } catch (const std::exception& e) {
+    prog.fail(oracle::Outcome::kBlocked, "in process-group rendezvous",
+              fmt::format("building the Gloo groups: {} (gave up after {} s)", first_line(e.what()), in->timeout_s));
+    ready = false;
+  }
+
+  std::map<GroupKind, int> issued;
+  while (ready) {
+    std::optional<oracle::CollectiveCall> call = prog.next();
+    if (!call) break;
+    if (auto err = oracle::check_call(t, env.rank, *call)) {  // where torch.distributed checks it
+      prog.fail(oracle::Outcome::kError,
+                fmt::format("{} on the {} group: src not in group", oracle::op_name(call->op), oracle::group_kind_name(call->group.kind)),
+                *err);
+      break;
+    }
+    const int seq = ++issued[call->group.kind];
+    auto& pg = groups.at(call->group.kind);
+    std::vector<at::Tensor> tensors = {at::tensor({call->value}, at::kLong)};
+    try {
+      c10::intrusive_ptr<c10d::Work> work;
+      if (call->op == oracle::Op::kAllReduceSum) {
+        work = pg->allreduce(tensors);
+      } else if (call->op == oracle::Op::kBroadcast) {
+        c10d::BroadcastOptions bo;
+        bo.rootRank = t.index_in_group(call->group, call->src);
+        work = pg->broadcast(tensors, bo);
+      } else {
+        work = pg->barrier();
+      }
+      work->wait(timeout);
+      prog.complete(call->op == oracle::Op::kBarrier ? 0 : tensors[0].item<int64_t>());
+    } catch (const std::exception& e) {
+      prog.fail(oracle::Outcome::kBlocked,
+                fmt::format("in {} ({}) on the {} group, collective #{} there", oracle::op_name(call->op), call->purpose,
+                            oracle::group_kind_name(call->group.kind), seq),
+                fmt::format("waiting in {}: {} (gave up after {} s)", t.describe(call->group), first_line(e.what()), in->timeout_s));
+      break;
+    }
+  }
+  for (auto& [kind, pg] : groups) pg.release();  // never destroyed, see g_store
+
+  try {
+    store.set(fmt::format("outcome/{}", env.rank), rank_result_to_json(prog.result()));
+  } catch (const std::exception& e) {
+    out->error = fmt::format("posting the outcome to the store failed: {}", first_line(e.what()));
+    return;
+  }
+  if (env.rank != 0) return;
+  // Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived.
+  const auto deadline = Clock::now() + timeout + std::chrono::seconds(5);
+  for (int64_t r = 0; r < env.world_size; ++r) {
+    const std::string key = fmt::format("outcome/{}", r);
+    try {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
+      const std::vector<uint8_t> bytes = store.get(key);
+      out->ranks.push_back(rank_result_from_json(std::string(bytes.begin(), bytes.end())));
+    } catch (const std::exception&) {
+      out->missing_ranks.push_back(r);
+      oracle::RankResult missing;
+      missing.rank = r;
+      missing.outcome = oracle::Outcome::kError;
+      missing.summary = "never reported an outcome (the process died or never arrived)";
+      missing.detail = fmt::format("no outcome in the store after waiting {} s past the collective deadline", 5);
+      out->ranks.push_back(missing);
+    }
+  }
+}
+
+int agree_exit_code(const RealReplayInput* in, int code) {
+  if (g_store == nullptr) return code;
+  c10d::Store& store = **g_store;
+  const auto wait = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000) + 15000);
+  try {
+    if (in->env.rank == 0) {
+      store.set("exit_code", std::to_string(code));
+      // Serve the store until every rank has read the code (or a few seconds pass).
+      const auto until = Clock::now() + std::chrono::seconds(5);
+      while (store.add("exit_code_read", 0) < in->env.world_size - 1 && Clock::now() < until) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      return code;
+    }
+    store.wait({"exit_code"}, wait);
+    const std::vector<uint8_t> bytes = store.get("exit_code");
+    store.add("exit_code_read", 1);
+    const int agreed = std::stoi(std::string(bytes.begin(), bytes.end()));
+    // Let rank 0, which holds the report, exit first: a launcher such as torchrun stops the remaining
+    // ranks when the first one exits non-zero, and names that one as the root cause.
+    if (agreed != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    return agreed;
+  } catch (const std::exception&) {
+    return -1;
+  }
+}
+
+const DistApi kApi = {kDistAbiVersion, run, agree_exit_code};
+
+}  // namespace
+
+}  // namespace lossguard::dist
+
+extern "C" __attribute__((visibility("default"))) const lossguard::dist::DistApi* lossguard_dist_api() {
+  return &lossguard::dist::kApi;
+}

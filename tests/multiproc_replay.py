@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""Real multi-process replay against the simulator: for one topology and every protocol, run
+`lossguard replay --backend sim` and the same replay under real `torchrun --no-python` (Gloo on CPU), and
+assert that every rank's outcome is the one the simulator predicts; deadlocking protocols must end within
+--timeout + 10 s with exit code 3 and leave no process behind. With --plain, launch the ranks with only
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as a plain launcher would.
+
+    multiproc_replay.py LOSSGUARD TORCHRUN DUMP_DIR --tp 2 --pp 2 [--cp 1] [--dp 1] [--plain]
+"""
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+PROTOCOLS = ["pr285", "pr285-src-local", "pr285-always-broadcast", "values0", "no-skip"]
+FIELDS = ["decision", "outcome", "optimizer_stepped", "scheduler_stepped", "update_successful"]
+TIMEOUT_S = 4
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def leftover(tag):
+    out = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split()
+    return [p for p in out if int(p) != os.getpid()]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("lossguard")
+    ap.add_argument("torchrun")
+    ap.add_argument("dumps")
+    for k in ("tp", "pp", "cp", "dp"):
+        ap.add_argument("--" + k, type=int, default=1)
+    ap.add_argument("--plain", action="store_true")
+    args = ap.parse_args()
+    world = args.tp * args.pp * args.cp * args.dp
+    topo = ["--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--dp", str(args.dp)]
+    failures = []
+    checked = 0
+    with tempfile.TemporaryDirectory(prefix="lossguard-mp-") as tmp:
+        for batch in ("gen_zero-token.safetensors", "gen_random.safetensors"):
+            dump = os.path.join(args.dumps, batch)
+            for protocol in PROTOCOLS:
+                common = [dump] + topo + ["--protocol", protocol, "--reduce", "sample-mean"]
+                sim_json = os.path.join(tmp, "sim.json")
+                sim = subprocess.run([args.lossguard, "replay"] + common + ["--backend", "sim", "--json", sim_json],
+                                     capture_output=True, text=True)
+                want = json.load(open(sim_json))
+                real_json = os.path.join(tmp, "real.json")
+                if os.path.exists(real_json):
+                    os.remove(real_json)
+                cmd = [args.lossguard, "replay"] + common + ["--backend", "gloo", "--timeout", str(TIMEOUT_S), "--json", real_json]
+                start = time.monotonic()
+                if args.plain:
+                    port = str(free_port())
+                    procs = []
+                    for rank in range(world):
+                        env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "LOCAL_"))}
+                        env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+                        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                    codes = [p.wait(timeout=TIMEOUT_S + 60) for p in procs]
+                    out0 = procs[0].stdout.read()
+                else:
+                    run = subprocess.run([args.torchrun, "--standalone", "--nproc-per-node", str(world), "--no-python"] + cmd,
+                                         capture_output=True, text=True, timeout=TIMEOUT_S + 60)
+                    codes = None
+                    out0 = run.stdout
+                elapsed = time.monotonic() - start
+                name = f"{batch} {protocol} TP{args.tp} PP{args.pp} CP{args.cp} DP{args.dp}{' plain' if args.plain else ''}"
+                if not os.path.exists(real_json):
+                    failures.append(f"{name}: rank 0 wrote no report; stdout: {out0[-2000:]}")
+                    continue
+                got = json.load(open(real_json))
+                checked += 1
+                if got["backend"] != "gloo" or len(got["ranks"]) != world:
+                    failures.append(f"{name}: backend {got['backend']}, {len(got['ranks'])} ranks")
+                for w, g in zip(want["ranks"], got["ranks"]):
+                    diff = {f: (w[f], g[f]) for f in FIELDS if w[f] != g[f]}
+                    if diff:
+                        failures.append(f"{name}: rank {w['rank']}: simulator vs real {diff}; real detail: {g['detail']}")
+                if got["verdict"] != want["verdict"] or got["exit_code"] != want["exit_code"]:
+                    failures.append(f"{name}: verdict {got['verdict']}/{got['exit_code']} vs simulated {want['verdict']}/{want['exit_code']}")
+                if want["exit_code"] == 3 and elapsed > TIMEOUT_S + 10:
+                    failures.append(f"{name}: a deadlocking replay took {elapsed:.1f} s (> --timeout {TIMEOUT_S} + 10 s)")
+                if codes is not None and len(set(codes)) != 1:
+                    failures.append(f"{name}: ranks exited with different codes {codes}")
+                if codes is not None and codes[0] != want["exit_code"]:
+                    failures.append(f"{name}: exit code {codes[0]}, simulated {want['exit_code']}")
+                if leftover(real_json):
+                    failures.append(f"{name}: processes left behind: {leftover(real_json)}")
+                print(f"{name}: {got['verdict']} (exit {got['exit_code']}) in {elapsed:.1f} s, every rank as simulated"
+                      if not failures else f"{name}: checked", flush=True)
+    for f in failures:
+        print("FAIL:", f, file=sys.stderr)
+    print(f"{checked - len({f.split(':')[0] for f in failures})} passed, {len({f.split(':')[0] for f in failures})} failed")
+    return 1 if failures or checked == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
