@@ -1,5 +1,6 @@
-// The real-mode backends: TCPStore rendezvous and one Gloo process group per topology group this rank is
-// in, then the rank's protocol program (oracle/replay.h) over real collectives with deadlines.
+// The real-mode backends: TCPStore rendezvous, one Gloo process group (or NCCL communicator, see
+// nccl_collectives.cpp) per topology group this rank is in, then the rank's protocol program
+// (oracle/replay.h) over real collectives with deadlines.
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -11,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "dist/collectives.h"
 #include "dist/real_replay.h"
 
 namespace lossguard::dist {
@@ -36,15 +38,53 @@ std::shared_ptr<::gloo::transport::Device> make_device(const LaunchEnv& env) {
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+class GlooCollectives : public Collectives {
+ public:
+  GlooCollectives(const LaunchEnv& env, const oracle::Topology& t, const c10::intrusive_ptr<c10d::Store>& store,
+                  std::chrono::milliseconds timeout)
+      : t_(t), timeout_(timeout) {
+    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+    options->devices = {make_device(env)};
+    // Every rank builds its groups in the same kind order; groups of one kind are disjoint, so this
+    // cannot deadlock.
+    for (GroupKind kind : kRealGroupKinds) {
+      const oracle::GroupRef g = t.group_of(kind, env.rank);
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), store);
+      groups_[kind] = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(t.index_in_group(g, env.rank)),
+                                                                  static_cast<int>(t.group_size(kind)), options);
+    }
+  }
+  ~GlooCollectives() override {
+    for (auto& [kind, pg] : groups_) pg.release();  // never destroyed: peers may hang
+  }
+  int64_t run(const oracle::CollectiveCall& call) override {
+    auto& pg = groups_.at(call.group.kind);
+    std::vector<at::Tensor> tensors = {at::tensor({call.value}, at::kLong)};
+    c10::intrusive_ptr<c10d::Work> work;
+    if (call.op == oracle::Op::kAllReduceSum) {
+      work = pg->allreduce(tensors);
+    } else if (call.op == oracle::Op::kBroadcast) {
+      c10d::BroadcastOptions bo;
+      bo.rootRank = t_.index_in_group(call.group, call.src);
+      work = pg->broadcast(tensors, bo);
+    } else {
+      work = pg->barrier();
+    }
+    work->wait(timeout_);
+    return call.op == oracle::Op::kBarrier ? 0 : tensors[0].item<int64_t>();
+  }
+
+ private:
+  const oracle::Topology& t_;
+  std::chrono::milliseconds timeout_;
+  std::map<GroupKind, c10::intrusive_ptr<c10d::ProcessGroupGloo>> groups_;
+};
+
 void run(const RealReplayInput* in, RealReplayOutput* out) {
   const LaunchEnv& env = in->env;
   const oracle::ReplayInputs& ri = *in->inputs;
   const oracle::Topology& t = ri.topo;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000));
-  if (in->backend != Backend::kGloo) {
-    out->error = "this backend is not built into liblossguard_dist.so";
-    return;
-  }
   try {
     c10d::TCPStoreOptions so;
     so.port = static_cast<std::uint16_t>(env.port);
@@ -61,22 +101,14 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   c10d::Store& store = **g_store;
 
   oracle::RankProgram prog(&ri, env.rank);
-  std::map<GroupKind, c10::intrusive_ptr<c10d::ProcessGroupGloo>> groups;
+  std::unique_ptr<Collectives> coll;
   bool ready = true;
   try {
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    options->devices = {make_device(env)};
-    // Every rank builds its groups in the same kind order; groups of one kind are disjoint, so this
-    // cannot deadlock.
-    for (GroupKind kind : {GroupKind::kWorld, GroupKind::kDpCp, GroupKind::kPp, GroupKind::kMp}) {
-      const oracle::GroupRef g = t.group_of(kind, env.rank);
-      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), *g_store);
-      groups[kind] = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(t.index_in_group(g, env.rank)),
-                                                                 static_cast<int>(t.group_size(kind)), options);
-    }
+    coll = in->backend == Backend::kNccl ? make_nccl_collectives(env, t, *g_store, timeout) : make_gloo_collectives(env, t, *g_store, timeout);
   } catch (const std::exception& e) {
     prog.fail(oracle::Outcome::kBlocked, "in process-group rendezvous",
-              fmt::format("building the Gloo groups: {} (gave up after {} s)", first_line(e.what()), in->timeout_s));
+              fmt::format("building the {} groups: {} (gave up after {} s)", in->backend == Backend::kNccl ? "NCCL" : "Gloo",
+                          first_line(e.what()), in->timeout_s));
     ready = false;
   }
 
@@ -91,21 +123,8 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       break;
     }
     const int seq = ++issued[call->group.kind];
-    auto& pg = groups.at(call->group.kind);
-    std::vector<at::Tensor> tensors = {at::tensor({call->value}, at::kLong)};
     try {
-      c10::intrusive_ptr<c10d::Work> work;
-      if (call->op == oracle::Op::kAllReduceSum) {
-        work = pg->allreduce(tensors);
-      } else if (call->op == oracle::Op::kBroadcast) {
-        c10d::BroadcastOptions bo;
-        bo.rootRank = t.index_in_group(call->group, call->src);
-        work = pg->broadcast(tensors, bo);
-      } else {
-        work = pg->barrier();
-      }
-      work->wait(timeout);
-      prog.complete(call->op == oracle::Op::kBarrier ? 0 : tensors[0].item<int64_t>());
+      prog.complete(coll->run(*call));
     } catch (const std::exception& e) {
       prog.fail(oracle::Outcome::kBlocked,
                 fmt::format("in {} ({}) on the {} group, collective #{} there", oracle::op_name(call->op), call->purpose,
@@ -114,7 +133,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       break;
     }
   }
-  for (auto& [kind, pg] : groups) pg.release();  // never destroyed, see g_store
+  (void)coll.release();  // never destroyed, see g_store
 
   try {
     store.set(fmt::format("outcome/{}", env.rank), rank_result_to_json(prog.result()));
@@ -174,6 +193,11 @@ int agree_exit_code(const RealReplayInput* in, int code) {
 const DistApi kApi = {kDistAbiVersion, run, agree_exit_code};
 
 }  // namespace
+
+std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env, const oracle::Topology& t,
+                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+  return std::make_unique<GlooCollectives>(env, t, store, timeout);
+}
 
 }  // namespace lossguard::dist
 

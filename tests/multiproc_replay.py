@@ -5,7 +5,7 @@ assert that every rank's outcome is the one the simulator predicts; deadlocking 
 --timeout + 10 s with exit code 3 and leave no process behind. With --plain, launch the ranks with only
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as a plain launcher would.
 
-    multiproc_replay.py LOSSGUARD TORCHRUN DUMP_DIR --tp 2 --pp 2 [--cp 1] [--dp 1] [--plain]
+    multiproc_replay.py LOSSGUARD TORCHRUN DUMP_DIR --tp 2 --pp 2 [--cp 1] [--dp 1] [--plain] [--backend nccl]
 """
 import argparse
 import json
@@ -40,6 +40,7 @@ def main():
     for k in ("tp", "pp", "cp", "dp"):
         ap.add_argument("--" + k, type=int, default=1)
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
     world = args.tp * args.pp * args.cp * args.dp
     topo = ["--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--dp", str(args.dp)]
@@ -57,7 +58,7 @@ def main():
                 real_json = os.path.join(tmp, "real.json")
                 if os.path.exists(real_json):
                     os.remove(real_json)
-                cmd = [args.lossguard, "replay"] + common + ["--backend", "gloo", "--timeout", str(TIMEOUT_S), "--json", real_json]
+                cmd = [args.lossguard, "replay"] + common + ["--backend", args.backend, "--timeout", str(TIMEOUT_S), "--json", real_json]
                 start = time.monotonic()
                 if args.plain:
                     port = str(free_port())
@@ -80,7 +81,7 @@ def main():
                     continue
                 got = json.load(open(real_json))
                 checked += 1
-                if got["backend"] != "gloo" or len(got["ranks"]) != world:
+                if got["backend"] != args.backend or len(got["ranks"]) != world:
                     failures.append(f"{name}: backend {got['backend']}, {len(got['ranks'])} ranks")
                 for w, g in zip(want["ranks"], got["ranks"]):
                     diff = {f: (w[f], g[f]) for f in FIELDS if w[f] != g[f]}

@@ -1,0 +1,135 @@
+// NCCL collectives for real-mode replay: one communicator per topology group (unique ids exchanged through
+// the store), one GPU per local rank, non-blocking communicators polled against the deadline and aborted
+// when it passes, so a hang becomes a `blocked` outcome.
+#include <cstring>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "dist/collectives.h"
+#include "lossguard/build_config.h"
+
+#if LOSSGUARD_HAVE_NCCL
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace lossguard::dist {
+
+#if LOSSGUARD_HAVE_NCCL
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
+}
+
+class NcclCollectives : public Collectives {
+ public:
+  NcclCollectives(const LaunchEnv& env, const oracle::Topology& t, const c10::intrusive_ptr<c10d::Store>& store,
+                  std::chrono::milliseconds timeout)
+      : t_(t), timeout_(timeout) {
+    int devices = 0;
+    check_cuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
+    if (devices == 0) throw std::runtime_error("no CUDA device");
+    check_cuda(cudaSetDevice(static_cast<int>(env.local_rank % devices)), "cudaSetDevice");
+    check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_cuda(cudaMalloc(&buffer_, sizeof(int64_t)), "cudaMalloc");
+    const auto deadline = Clock::now() + timeout;
+    for (oracle::GroupKind kind : kRealGroupKinds) {
+      const oracle::GroupRef g = t.group_of(kind, env.rank);
+      const int index = static_cast<int>(t.index_in_group(g, env.rank));
+      const std::string key = fmt::format("nccl/{}/{}", oracle::group_kind_name(kind), g.id);
+      ncclUniqueId id;
+      if (index == 0) {
+        if (ncclGetUniqueId(&id) != ncclSuccess) throw std::runtime_error("ncclGetUniqueId failed");
+        store->set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+      } else {
+        store->wait({key}, timeout);
+        const std::vector<uint8_t> bytes = store->get(key);
+        if (bytes.size() != sizeof(id)) throw std::runtime_error("malformed NCCL unique id in the store");
+        std::memcpy(&id, bytes.data(), sizeof(id));
+      }
+      ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+      config.blocking = 0;
+      ncclComm_t comm = nullptr;
+      ncclResult_t r = ncclCommInitRankConfig(&comm, static_cast<int>(t.group_size(kind)), id, index, &config);
+      if (r != ncclSuccess && r != ncclInProgress) throw std::runtime_error(fmt::format("ncclCommInitRank: {}", ncclGetErrorString(r)));
+      wait_comm(comm, deadline, "ncclCommInitRank");
+      comms_[kind] = comm;
+    }
+  }
+
+  int64_t run(const oracle::CollectiveCall& call) override {
+    ncclComm_t comm = comms_.at(call.group.kind);
+    check_cuda(cudaMemcpyAsync(buffer_, &call.value, sizeof(int64_t), cudaMemcpyHostToDevice, stream_), "cudaMemcpy");
+    ncclResult_t r;
+    if (call.op == oracle::Op::kBroadcast) {
+      r = ncclBroadcast(buffer_, buffer_, 1, ncclInt64, static_cast<int>(t_.index_in_group(call.group, call.src)), comm, stream_);
+    } else {  // all_reduce; a barrier is an all_reduce of a dummy value
+      r = ncclAllReduce(buffer_, buffer_, 1, ncclInt64, ncclSum, comm, stream_);
+    }
+    if (r != ncclSuccess && r != ncclInProgress) throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(r)));
+    const auto deadline = Clock::now() + timeout_;
+    while (true) {
+      const cudaError_t q = cudaStreamQuery(stream_);
+      if (q == cudaSuccess) break;
+      if (q != cudaErrorNotReady) throw std::runtime_error(fmt::format("CUDA: {}", cudaGetErrorString(q)));
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm, &async);
+      if (async != ncclSuccess && async != ncclInProgress) throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(async)));
+      if (Clock::now() > deadline) {
+        ncclCommAbort(comm);  // frees the stream's pending work so the process can report and exit
+        throw std::runtime_error("Operation timed out!");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    int64_t result = 0;
+    check_cuda(cudaMemcpy(&result, buffer_, sizeof(int64_t), cudaMemcpyDeviceToHost), "cudaMemcpy");
+    return call.op == oracle::Op::kBarrier ? 0 : result;
+  }
+
+ private:
+  static void wait_comm(ncclComm_t comm, Clock::time_point deadline, const char* what) {
+    while (true) {
+      ncclResult_t state = ncclInProgress;
+      ncclCommGetAsyncError(comm, &state);
+      if (state == ncclSuccess) return;
+      if (state != ncclInProgress) throw std::runtime_error(fmt::format("{}: {}", what, ncclGetErrorString(state)));
+      if (Clock::now() > deadline) {
+        ncclCommAbort(comm);
+        throw std::runtime_error(fmt::format("{}: timed out", what));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
+  const oracle::Topology& t_;
+  std::chrono::milliseconds timeout_;
+  cudaStream_t stream_ = nullptr;
+  void* buffer_ = nullptr;
+  std::map<oracle::GroupKind, ncclComm_t> comms_;
+};
+
+}  // namespace
+
+std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv& env, const oracle::Topology& t,
+                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+  return std::make_unique<NcclCollectives>(env, t, store, timeout);
+}
+
+#else
+
+std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv&, const oracle::Topology&, const c10::intrusive_ptr<c10d::Store>&,
+                                                   std::chrono::milliseconds) {
+  throw std::runtime_error("this build has no NCCL (configure with a CUDA toolkit that has NCCL)");
+}
+
+#endif
+
+}  // namespace lossguard::dist
