@@ -9,7 +9,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 export LOSSGUARD_VENV := $(VENV)
 
-.PHONY: all setup configure build demo test test-cpu clean regen-fixtures
+.PHONY: all setup configure build demo test test-fuzz test-cpu clean regen-fixtures
 
 all: build
 
@@ -26,8 +26,17 @@ build: configure
 demo: build
 	@scripts/demo.sh $(BUILD)/cli/lossguard
 
-test: build
+test: build test-fuzz
 	@cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900
+
+# The loaders and the validator under libFuzzer with ASan + UBSan (a short smoke run of every target),
+# and the oracle's unit tests under the same sanitizers: a separate clang build in $(BUILD)-fuzz.
+test-fuzz: setup
+	@if [ ! -f $(BUILD)-fuzz/build.ninja ]; then \
+	  CC=clang CXX=clang++ cmake -S . -B $(BUILD)-fuzz -G Ninja -DLOSSGUARD_FUZZ=ON -DLOSSGUARD_PYTHON=$(PYTHON) \
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo; fi
+	@cmake --build $(BUILD)-fuzz
+	@cd $(BUILD)-fuzz && ctest --output-on-failure -j2
 
 # The tests that need neither LibTorch at run time nor several processes.
 test-cpu: build
@@ -37,4 +46,4 @@ regen-fixtures: build
 	@scripts/regen-fixtures.sh $(BUILD)/cli/lossguard $(PYTHON)
 
 clean:
-	rm -rf $(BUILD)
+	rm -rf $(BUILD) $(BUILD)-fuzz

@@ -5,6 +5,7 @@
 #include <array>
 #include <cstring>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -50,7 +51,58 @@ class Unpickler {
   Unpickler(std::string_view bytes, const std::string& what, const PersistentLoad& pl, const UnpickleLimits& lim)
       : in_(bytes), what_(what), persistent_load_(pl), limits_(lim) {}
 
+  // Memo references let a pickle build reference cycles, which shared_ptr cannot free. Every container is
+  // kept here; those not reachable from the result (all of them after an error) are emptied at the end.
+  ~Unpickler() {
+    for (auto& c : containers_) {
+      if (!reachable_.count(c.get())) {
+        c->items.clear();
+        c->entries.clear();
+      }
+    }
+  }
+
   ValuePtr run() {
+    ValuePtr result = run_opcodes();
+    check_acyclic(result);
+    return result;
+  }
+
+ private:
+  // Marks what the result reaches, and refuses a result that contains a cycle (no batch has one).
+  void check_acyclic(const ValuePtr& root) {
+    std::unordered_map<const Value*, int> state;  // 1: on the path, 2: done
+    std::vector<std::pair<const Value*, std::size_t>> path = {{root.get(), 0}};
+    state[root.get()] = 1;
+    auto children = [](const Value* v) { return v->items.size() + 2 * v->entries.size(); };
+    auto child = [](const Value* v, std::size_t k) -> const Value* {
+      if (k < v->items.size()) return v->items[k].get();
+      k -= v->items.size();
+      return k % 2 == 0 ? v->entries[k / 2].first.get() : v->entries[k / 2].second.get();
+    };
+    while (!path.empty()) {
+      auto& [v, next] = path.back();
+      if (next == children(v)) {
+        state[v] = 2;
+        reachable_.insert(v);
+        path.pop_back();
+        continue;
+      }
+      const Value* c = child(v, next++);
+      if (c == nullptr || !(c->is_sequence() || c->is_dict())) continue;
+      const int s = state[c];
+      if (s == 1) {
+        reachable_.clear();
+        throw InputError(fmt::format("{}: malformed pickle: a container contains itself (a reference cycle)", what_));
+      }
+      if (s == 0) {
+        state[c] = 1;
+        path.emplace_back(c, 0);
+      }
+    }
+  }
+
+  ValuePtr run_opcodes() {
     while (true) {
       if (pos_ >= in_.size()) fail("ends before the STOP opcode (truncated pickle)");
       op_pos_ = pos_;
@@ -62,7 +114,6 @@ class Unpickler {
     return stack_.back();
   }
 
- private:
   [[noreturn]] void fail(const std::string& why) const {
     throw InputError(fmt::format("{}: malformed pickle at byte {} (opcode 0x{:02x}): {}", what_, op_pos_, op_, why));
   }
@@ -111,6 +162,7 @@ class Unpickler {
   }
   void push(ValuePtr v) {
     if (++created_ > limits_.max_items) fail(fmt::format("more than {} values", limits_.max_items));
+    if ((v->is_sequence() || v->is_dict()) && v.use_count() == 1) containers_.push_back(v);  // a new container
     stack_.push_back(std::move(v));
   }
   void note_child(Value& parent, const ValuePtr& child) {
@@ -185,6 +237,8 @@ class Unpickler {
   std::vector<ValuePtr> stack_;
   std::vector<std::size_t> marks_;
   std::unordered_map<uint64_t, ValuePtr> memo_;
+  std::vector<ValuePtr> containers_;
+  std::unordered_set<const Value*> reachable_;
 };
 
 ValuePtr Unpickler::rebuild_tensor(const std::vector<ValuePtr>& a, bool) {

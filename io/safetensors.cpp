@@ -65,7 +65,14 @@ SafetensorsFile read_safetensors(const std::string& path) {
   mapping->addr = mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   if (mapping->addr == MAP_FAILED) throw_input_error("{}: cannot map: {}", path, std::strerror(errno));
-  const auto* base = static_cast<const std::byte*>(mapping->addr);
+  return parse_safetensors(mapping, static_cast<const std::byte*>(mapping->addr), file_size, path);
+}
+
+SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std::byte* base, uint64_t file_size,
+                                  const std::string& path) {
+  if (file_size < 8) {
+    throw_input_error("{}: safetensors file of {} bytes is shorter than its 8-byte header size", path, file_size);
+  }
 
   uint64_t header_size = 0;
   for (int k = 0; k < 8; ++k) header_size |= static_cast<uint64_t>(std::to_integer<uint8_t>(base[k])) << (8 * k);

@@ -168,6 +168,7 @@ void copy_as(const std::byte* base, int64_t start, int64_t n, Out* dst) {
 }  // namespace
 
 void HostArray::copy_i64(int64_t start, int64_t n, int64_t* dst) const {
+  if (n <= 0) return;
   switch (dtype) {
     case DType::kBool: case DType::kUInt8: copy_as<uint8_t>(data, start, n, dst); return;
     case DType::kInt8: copy_as<int8_t>(data, start, n, dst); return;
@@ -179,6 +180,7 @@ void HostArray::copy_i64(int64_t start, int64_t n, int64_t* dst) const {
 }
 
 void HostArray::copy_f64(int64_t start, int64_t n, double* dst) const {
+  if (n <= 0) return;
   switch (dtype) {
     case DType::kFloat32: copy_as<float>(data, start, n, dst); return;
     case DType::kFloat64: std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8); return;

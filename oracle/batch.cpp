@@ -225,7 +225,9 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     if (t < 0) throw_input_error("{}: sample {}: total_length = {} is negative", file, i, t);
     if (r < 0) throw_input_error("{}: sample {}: response_length = {} is negative", file, i, r);
     if (r > t) throw_input_error("{}: sample {}: response_length R = {} exceeds total_length T = {}", file, i, r, t);
+    if (t > (int64_t{1} << 40)) throw_input_error("{}: sample {}: total_length = {} is implausibly large", file, i, t);
     sum_t += t;
+    if (sum_t > (int64_t{1} << 62)) throw_input_error("{}: sum(total_lengths) exceeds 2^62 by sample {}", file, i);
     sum_r += r;
   }
   if (tokens.numel() != sum_t) {

@@ -170,6 +170,11 @@ std::vector<MalformedDump> write_malformed_catalog(const std::filesystem::path& 
     c.push_back({"pickle reads a memo key never stored", (dir / "memo.pt").string(), "memo key 5 was never stored"});
   }
   {
+    // A list appended to itself through the memo: a reference cycle.
+    io::write_torch_archive((dir / "cycle.pt").string(), std::string("\x80\x02]q\x00h\x00a.", 9), {});
+    c.push_back({"pickle reference cycle", (dir / "cycle.pt").string(), "reference cycle"});
+  }
+  {
     std::string pk = "\x80\x02" "}" "\x82\x01" ".";
     io::write_torch_archive((dir / "ext.pt").string(), pk, {});
     c.push_back({"pickle extension opcode", (dir / "ext.pt").string(), "EXT1/2/4"});

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Seed corpus for a fuzz target from the committed fixtures: safetensors files, the data.pkl of every
+# torch.save archive, JSON batches. The batch target starts from nothing.
+set -euo pipefail
+target="$1"; fixtures="$2"; out="$3"
+mkdir -p "$out"
+case "$target" in
+  safetensors) cp "$fixtures"/*.safetensors "$out"/ ;;
+  json) cp "$fixtures"/*.json "$out"/ ;;
+  pickle)
+    python3 - "$fixtures" "$out" <<'PY'
+import pathlib, sys, zipfile
+src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+for p in sorted(src.glob("*.pt")):
+    with zipfile.ZipFile(p) as z:
+        for n in z.namelist():
+            if n.endswith("/data.pkl"):
+                (dst / (p.stem + ".pkl")).write_bytes(z.read(n))
+PY
+    ;;
+  batch) ;;
+esac
