@@ -171,7 +171,7 @@ std::vector<MalformedDump> write_malformed_catalog(const std::filesystem::path& 
   }
   {
     // A list appended to itself through the memo: a reference cycle.
-    io::write_torch_archive((dir / "cycle.pt").string(), std::string("\x80\x02]q\x00h\x00a.", 9), {});
+    io::write_torch_archive((dir / "cycle.pt").string(), std::string("\x80\x02]q\x00h\x00" "a.", 9), {});
     c.push_back({"pickle reference cycle", (dir / "cycle.pt").string(), "reference cycle"});
   }
   {
