@@ -43,8 +43,7 @@ std::string location_text(const oracle::GradLocation& l) {
 }
 
 void run_check(const CheckOptions& o, Report& report, Context& ctx) {
-  oracle::Policy policy;
-  if (!oracle::parse_policy(o.policy, &policy)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", o.policy);
+  const oracle::Policy policy = policy_from_option(o.policy);
   std::vector<oracle::LossKind> losses;
   for (const auto& l : o.losses) {
     oracle::LossKind k;

@@ -26,8 +26,7 @@ struct CountOptions {
 };
 
 void run_count(const CountOptions& o, const CLI::App& app, Report& report, Context& ctx) {
-  oracle::Policy policy;
-  if (!oracle::parse_policy(o.policy, &policy)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", o.policy);
+  const oracle::Policy policy = policy_from_option(o.policy);
   std::vector<int64_t> cps = o.cp_sizes;
   for (int64_t c : cps) {
     if (c < 1) throw_input_error("--cp sizes must be >= 1, got {}", c);

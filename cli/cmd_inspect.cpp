@@ -7,6 +7,7 @@
 
 #include "cli/command.h"
 #include "cli/inputs.h"
+#include "oracle/denominators.h"
 #include "oracle/errors.h"
 #include "oracle/findings.h"
 
@@ -18,13 +19,6 @@ struct InspectOptions {
   DumpOptions dumps;
   int64_t max_rows = 40;
 };
-
-std::string list_indices(const std::vector<int64_t>& v, std::size_t max_shown = 12) {
-  std::string s;
-  for (std::size_t k = 0; k < v.size() && k < max_shown; ++k) s += (k ? ", " : "") + std::to_string(v[k]);
-  if (v.size() > max_shown) s += fmt::format(", ... ({} in all)", v.size());
-  return s;
-}
 
 void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
@@ -84,9 +78,9 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
                      b.num_samples(), kinds[0], kinds[1], kinds[2], b.tokens.size(), b.num_response_tokens(), effective);
   if (b.logits) out << fmt::format("logits: [{}, {}] {}\n", b.logits->shape[0], b.logits->shape[1], dtype_name(b.logits->dtype));
   if (!b.loss_mask_given) out << "no loss mask in the dump: every response token counts\n";
-  if (!empty_r.empty()) out << fmt::format("empty responses (R = 0): samples {}\n", list_indices(empty_r));
-  if (!fully_masked.empty()) out << fmt::format("fully masked responses: samples {}\n", list_indices(fully_masked));
-  if (!sft.empty()) out << fmt::format("SFT samples (R = T): samples {}\n", list_indices(sft));
+  if (!empty_r.empty()) out << fmt::format("empty responses (R = 0): samples {}\n", oracle::format_index_list(empty_r));
+  if (!fully_masked.empty()) out << fmt::format("fully masked responses: samples {}\n", oracle::format_index_list(fully_masked));
+  if (!sft.empty()) out << fmt::format("SFT samples (R = T): samples {}\n", oracle::format_index_list(sft));
   if (effective == 0 && b.num_samples() > 0) {
     out << "the batch has ZERO effective tokens: a trainer must skip optimizer.step() for it (SPEC §7)\n";
   }

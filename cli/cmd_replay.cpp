@@ -22,7 +22,7 @@ namespace {
 
 struct ReplayOptions {
   DumpOptions dumps;
-  int64_t tp = 1, pp = 1, cp = 1, dp = 1;
+  TopologySizes sizes;
   PlacementOptions placement;
   LayoutOptions layout;
   std::string protocol = "pr285";
@@ -72,17 +72,16 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   if (o.reduce == "per-token") reduce = oracle::ReduceMode::kPerToken;
   else if (o.reduce == "sample-mean") reduce = oracle::ReduceMode::kSampleMean;
   else throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
-  oracle::Policy policy;
-  if (!oracle::parse_policy(o.policy, &policy)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", o.policy);
+  const oracle::Policy policy = policy_from_option(o.policy);
   if (o.backend != "sim" && o.backend != "gloo" && o.backend != "nccl") {
     throw_input_error("--backend must be sim, gloo or nccl, got '{}'", o.backend);
   }
   if (!(o.timeout_s > 0)) throw_input_error("--timeout must be > 0 seconds, got {}", o.timeout_s);
-  const oracle::Topology topo(o.tp, o.pp, o.cp, o.dp);
+  const oracle::Topology topo(o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
   PlacementOptions placement_options = o.placement;
-  placement_options.dp = o.dp;
-  if (o.dumps.dp_shards && static_cast<int64_t>(io::expand_dump_paths(o.dumps.paths).size()) != o.dp) {
-    throw_input_error("--dp-shards: {} dump(s) given for DP = {}", io::expand_dump_paths(o.dumps.paths).size(), o.dp);
+  placement_options.dp = o.sizes.dp;
+  if (o.dumps.dp_shards && static_cast<int64_t>(io::expand_dump_paths(o.dumps.paths).size()) != o.sizes.dp) {
+    throw_input_error("--dp-shards: {} dump(s) given for DP = {}", io::expand_dump_paths(o.dumps.paths).size(), o.sizes.dp);
   }
   LoadedBatch loaded = load_batch(o.dumps, report, ctx, oracle::LoadNeeds{false, false, true});
   const oracle::Batch& b = loaded.batch;
@@ -99,7 +98,7 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
     real.timeout_s = o.timeout_s;
     if (real.env.world_size != topo.world()) {
       throw_input_error("the launcher started {} processes ($WORLD_SIZE) but TP{} PP{} CP{} DP{} has {} ranks",
-                        real.env.world_size, o.tp, o.pp, o.cp, o.dp, topo.world());
+                        real.env.world_size, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, topo.world());
     }
     if (o.backend == "nccl") {
       const kernels::DeviceInfo d = kernels::query_device_info();
@@ -133,7 +132,7 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   std::ostream& out = ctx.out;
   out << fmt::format("lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{} (world {}), {} samples, {} micro-batch(es) "
                      "per DP rank, reduce {}{}\n",
-                     oracle::protocol_name(protocol), o.backend, o.tp, o.pp, o.cp, o.dp, topo.world(), b.num_samples(),
+                     oracle::protocol_name(protocol), o.backend, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, topo.world(), b.num_samples(),
                      in.microbatches, oracle::reduce_mode_name(reduce),
                      policy == oracle::Policy::kFixed ? "" : fmt::format(", counting policy {}", oracle::policy_name(policy)));
   out << fmt::format("global effective tokens (fixed): {} -> expected decision: {}\n\n", in.global_tokens,
@@ -166,8 +165,8 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
                                                              : "FAIL: wrong decision (exit 1)");
   if (!o.svg_path.empty()) {
     std::ofstream svg(o.svg_path, std::ios::trunc);
-    svg << replay_svg(in, result, fmt::format("lossguard replay: {} on TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.tp,
-                                              o.pp, o.cp, o.dp));
+    svg << replay_svg(in, result, fmt::format("lossguard replay: {} on TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.sizes.tp,
+                                              o.sizes.pp, o.sizes.cp, o.sizes.dp));
     if (!svg) throw_input_error("{}: cannot write the SVG", o.svg_path);
     out << fmt::format("rank grid: {}\n", o.svg_path);
   }
@@ -175,10 +174,10 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   auto& res = report.results();
   res["protocol"] = oracle::protocol_name(protocol);
   res["backend"] = o.backend;
-  res["tp"] = o.tp;
-  res["pp"] = o.pp;
-  res["cp"] = o.cp;
-  res["dp"] = o.dp;
+  res["tp"] = o.sizes.tp;
+  res["pp"] = o.sizes.pp;
+  res["cp"] = o.sizes.cp;
+  res["dp"] = o.sizes.dp;
   res["world"] = topo.world();
   res["microbatches"] = in.microbatches;
   res["reduce"] = oracle::reduce_mode_name(reduce);
@@ -200,7 +199,7 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
     }
   }
   res["ranks"] = ranks;
-  const std::string name = fmt::format("{} TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.tp, o.pp, o.cp, o.dp);
+  const std::string name = fmt::format("{} TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
   report.add_case({"lossguard.replay", name + ": expected decision on every rank", !result.wrong_decision,
                    result.wrong_decision ? "some ranks decided differently from the expected decision" : "", false});
   report.add_case({"lossguard.replay", name + ": no error, deadlock or mismatch", !result.fault,
@@ -235,10 +234,7 @@ void register_replay(CLI::App& root, Commands& commands) {
       "Examples:\n  lossguard replay zero.pt --tp 2 --pp 2 --protocol pr285-src-local\n"
       "  lossguard replay batch.safetensors --tp 8 --pp 16 --cp 8 --dp 128 --svg grid.svg");
   add_dump_options(*app, opts->dumps, true);
-  app->add_option("--tp", opts->tp, "Tensor-parallel size")->capture_default_str();
-  app->add_option("--pp", opts->pp, "Pipeline-parallel size")->capture_default_str();
-  app->add_option("--cp", opts->cp, "Context-parallel size")->capture_default_str();
-  app->add_option("--dp", opts->dp, "Data-parallel size")->capture_default_str();
+  add_topology_options(*app, opts->sizes);
   app->add_option("--microbatches", opts->placement.microbatches, "Micro-batches per DP rank")->capture_default_str();
   app->add_option("--split", opts->placement.split, "How samples go to DP ranks: contiguous or round-robin")->capture_default_str();
   app->add_option("--protocol", opts->protocol, "Skip-decision protocol")->capture_default_str();

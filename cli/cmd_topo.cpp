@@ -3,14 +3,14 @@
 #include <fmt/ranges.h>
 
 #include "cli/command.h"
+#include "cli/placement_options.h"
 #include "oracle/topology.h"
 
 namespace lossguard::cli {
 
 namespace {
 
-struct TopoOptions {
-  int64_t tp = 1, pp = 1, cp = 1, dp = 1;
+struct TopoOptions : TopologySizes {
   int64_t max_rows = 64;
 };
 
@@ -68,10 +68,7 @@ void register_topo(CLI::App& root, Commands& commands) {
   cmd->app = app;
   app->footer("Groups: tp, cp, dp, pp (pipeline), dp_cp (DP+CP: fixed tp and pp), mp (model-parallel: all tp and pp "
               "for fixed cp, dp).\nExample: lossguard topo --tp 2 --pp 2 --cp 2 --dp 2 --json -");
-  app->add_option("--tp", opts->tp, "Tensor-parallel size")->capture_default_str();
-  app->add_option("--pp", opts->pp, "Pipeline-parallel size")->capture_default_str();
-  app->add_option("--cp", opts->cp, "Context-parallel size")->capture_default_str();
-  app->add_option("--dp", opts->dp, "Data-parallel size")->capture_default_str();
+  add_topology_options(*app, *opts);
   app->add_option("--max-rows", opts->max_rows, "Rank rows in the text table (0: all)")->capture_default_str();
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_topo(*opts, r, c); };

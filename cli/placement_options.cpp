@@ -5,6 +5,19 @@
 
 namespace lossguard::cli {
 
+oracle::Policy policy_from_option(const std::string& value) {
+  oracle::Policy p;
+  if (!oracle::parse_policy(value, &p)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", value);
+  return p;
+}
+
+void add_topology_options(CLI::App& app, TopologySizes& s) {
+  app.add_option("--tp", s.tp, "Tensor-parallel size")->capture_default_str();
+  app.add_option("--pp", s.pp, "Pipeline-parallel size")->capture_default_str();
+  app.add_option("--cp", s.cp, "Context-parallel size")->capture_default_str();
+  app.add_option("--dp", s.dp, "Data-parallel size")->capture_default_str();
+}
+
 oracle::ShardLayout LayoutOptions::layout() const {
   oracle::ShardLayout l;
   if (max_seq_len > 0 && padded_total_length > 0) {

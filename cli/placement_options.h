@@ -8,7 +8,17 @@
 #include "oracle/cp_shard.h"
 #include "oracle/placement.h"
 
+#include "oracle/denominators.h"
+
 namespace lossguard::cli {
+
+// --policy fixed|legacy|slime; throws InputError naming the bad value.
+oracle::Policy policy_from_option(const std::string& value);
+
+struct TopologySizes {
+  int64_t tp = 1, pp = 1, cp = 1, dp = 1;
+};
+void add_topology_options(CLI::App& app, TopologySizes& sizes);
 
 struct LayoutOptions {
   int64_t padded_total_length = 0;

@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <thread>
@@ -25,6 +27,7 @@ using oracle::GroupKind;
 // Kept for the life of the process: rank 0 serves the store until every rank has read the exit code, and
 // process groups whose peers hang are never destroyed (their destructors would wait on those peers).
 c10::intrusive_ptr<c10d::Store>* g_store = nullptr;
+int64_t g_live_ranks = 0;  // rank 0: ranks that posted an outcome (and so will read the exit code)
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -80,8 +83,20 @@ class GlooCollectives : public Collectives {
   std::map<GroupKind, c10::intrusive_ptr<c10d::ProcessGroupGloo>> groups_;
 };
 
+// LOSSGUARD_INJECT_FAULT=kill:RANK:N makes rank RANK kill itself (SIGKILL) before its N-th collective
+// (N = 0: before the rendezvous): how the fault-injection tests lose a rank, or the store, mid-protocol.
+int injected_kill_point(int64_t rank) {
+  const char* spec = std::getenv("LOSSGUARD_INJECT_FAULT");
+  long long r = -1, n = -1;
+  if (spec == nullptr || std::sscanf(spec, "kill:%lld:%lld", &r, &n) != 2 || r != rank) return -1;
+  return static_cast<int>(n);
+}
+
 void run(const RealReplayInput* in, RealReplayOutput* out) {
+  const auto run_start = Clock::now();
   const LaunchEnv& env = in->env;
+  const int kill_before = injected_kill_point(env.rank);
+  if (kill_before == 0) std::raise(SIGKILL);
   const oracle::ReplayInputs& ri = *in->inputs;
   const oracle::Topology& t = ri.topo;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000));
@@ -113,6 +128,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   }
 
   std::map<GroupKind, int> issued;
+  int calls = 0;
   while (ready) {
     std::optional<oracle::CollectiveCall> call = prog.next();
     if (!call) break;
@@ -123,6 +139,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       break;
     }
     const int seq = ++issued[call->group.kind];
+    if (++calls == kill_before) std::raise(SIGKILL);
     try {
       prog.complete(coll->run(*call));
     } catch (const std::exception& e) {
@@ -142,8 +159,10 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
     return;
   }
   if (env.rank != 0) return;
-  // Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived.
-  const auto deadline = Clock::now() + timeout + std::chrono::seconds(5);
+  g_live_ranks = env.world_size;
+  // Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived. A live rank
+  // posts within one deadline of the start (its program blocks at most once), plus start-up skew.
+  const auto deadline = run_start + timeout + std::chrono::seconds(5);
   for (int64_t r = 0; r < env.world_size; ++r) {
     const std::string key = fmt::format("outcome/{}", r);
     try {
@@ -153,11 +172,12 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       out->ranks.push_back(rank_result_from_json(std::string(bytes.begin(), bytes.end())));
     } catch (const std::exception&) {
       out->missing_ranks.push_back(r);
+      --g_live_ranks;
       oracle::RankResult missing;
       missing.rank = r;
       missing.outcome = oracle::Outcome::kError;
       missing.summary = "never reported an outcome (the process died or never arrived)";
-      missing.detail = fmt::format("no outcome in the store after waiting {} s past the collective deadline", 5);
+      missing.detail = fmt::format("no outcome in the store {} s after the start (the --timeout plus 5 s)", in->timeout_s);
       out->ranks.push_back(missing);
     }
   }
@@ -166,13 +186,13 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
 int agree_exit_code(const RealReplayInput* in, int code) {
   if (g_store == nullptr) return code;
   c10d::Store& store = **g_store;
-  const auto wait = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000) + 15000);
+  const auto wait = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000) + 7000);
   try {
     if (in->env.rank == 0) {
       store.set("exit_code", std::to_string(code));
-      // Serve the store until every rank has read the code (or a few seconds pass).
+      // Serve the store until every live rank has read the code (or a few seconds pass).
       const auto until = Clock::now() + std::chrono::seconds(5);
-      while (store.add("exit_code_read", 0) < in->env.world_size - 1 && Clock::now() < until) {
+      while (store.add("exit_code_read", 0) < g_live_ranks - 1 && Clock::now() < until) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       return code;

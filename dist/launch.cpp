@@ -2,7 +2,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
-#include <mutex>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -93,19 +92,8 @@ oracle::RankResult rank_result_from_json(const std::string& text) {
 }
 
 const DistApi& dist_api() {
-  static const DistApi* api = nullptr;
-  static std::string failure;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    try {
-      api = static_cast<const DistApi*>(io::load_plugin_table("the real-mode backends (liblossguard_dist.so)", "LOSSGUARD_DIST",
-                                                              LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
-    } catch (const InputError& e) {
-      failure = e.what();
-    }
-  });
-  if (api == nullptr) throw InputError(failure);
-  return *api;
+  return *static_cast<const DistApi*>(io::load_plugin_table("the real-mode backends (liblossguard_dist.so)", "LOSSGUARD_DIST",
+                                                            LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
 }
 
 }  // namespace lossguard::dist

@@ -4,14 +4,18 @@
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "oracle/errors.h"
 
 namespace lossguard::io {
 
-const void* load_plugin_table(const std::string& what, const char* env_var, const std::string& default_path,
-                              const char* symbol, int abi_version) {
+namespace {
+
+const void* load_once(const std::string& what, const char* env_var, const std::string& default_path, const char* symbol,
+                      int abi_version) {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv(env_var); env != nullptr && *env != '\0') candidates.push_back(env);
   candidates.push_back(default_path);
@@ -27,6 +31,28 @@ const void* load_plugin_table(const std::string& what, const char* env_var, cons
     errors += "\n  " + path + ": not a matching lossguard plugin (" + symbol + ")";
   }
   throw InputError("cannot load " + what + "; set " + env_var + " to its path:" + errors);
+}
+
+}  // namespace
+
+const void* load_plugin_table(const std::string& what, const char* env_var, const std::string& default_path,
+                              const char* symbol, int abi_version) {
+  // Loaded once per process; a failure is remembered and reported again on every use.
+  static std::mutex mutex;
+  static std::map<std::string, std::pair<const void*, std::string>> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = loaded.find(symbol);
+  if (it == loaded.end()) {
+    std::pair<const void*, std::string> entry{nullptr, ""};
+    try {
+      entry.first = load_once(what, env_var, default_path, symbol, abi_version);
+    } catch (const InputError& e) {
+      entry.second = e.what();
+    }
+    it = loaded.emplace(symbol, entry).first;
+  }
+  if (it->second.first == nullptr) throw InputError(it->second.second);
+  return it->second.first;
 }
 
 }  // namespace lossguard::io

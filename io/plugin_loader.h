@@ -5,7 +5,7 @@
 
 namespace lossguard::io {
 
-// Returns the table that `symbol` (an extern "C" function returning a pointer) gives, from the first of
+// Returns (and remembers, once per process) the table that `symbol` (an extern "C" function returning a pointer) gives, from the first of
 // $env_var and `default_path` that loads and whose table starts with `abi_version`. Throws InputError
 // naming `what` and every path tried.
 const void* load_plugin_table(const std::string& what, const char* env_var, const std::string& default_path,

@@ -150,7 +150,6 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
       }
     }
   } else {
-    any_missing_mask_ = true;
     batch_.loss_mask.resize(mask_start + r, 1);
   }
 
@@ -357,7 +356,6 @@ Batch BatchBuilder::finish() {
     throw_input_error("logits cover {} response tokens of {}: the samples after the last that has them lack them",
                       logits_rows_, rows);
   }
-  (void)any_missing_mask_;
   return std::move(batch_);
 }
 

@@ -98,7 +98,6 @@ class BatchBuilder {
   LoadNeeds needs_;
   Batch batch_;
   bool any_mask_ = false;
-  bool any_missing_mask_ = false;
   std::vector<std::byte> logits_bytes_;
   std::map<std::string, std::vector<std::byte>> per_token_bytes_;
   std::map<std::string, DType> per_token_dtype_;

@@ -147,7 +147,7 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
 
   // I1: the same (effective) denominator for every CP size.
   {
-    InvariantResult r{"I1", "CP-consistency"};
+    InvariantResult r{"I1", "CP-consistency", true, "", nlohmann::json::object()};
     const int64_t n1 = effective_total(c1);
     std::vector<std::string> bad;
     for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
@@ -172,7 +172,7 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
   }
   // I2: every owned response token counted exactly once over the CP group (RL samples, cp > 1).
   {
-    InvariantResult r{"I2", "Exactly-once"};
+    InvariantResult r{"I2", "Exactly-once", true, "", nlohmann::json::object()};
     std::vector<std::string> bad;
     for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
       if (counts.cp_sizes[c] == 1) continue;
@@ -193,7 +193,7 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
   }
   // I3: the denominator does not depend on the DP / micro-batch split (recounted part by part).
   {
-    InvariantResult r{"I3", "Partition invariance"};
+    InvariantResult r{"I3", "Partition invariance", true, "", nlohmann::json::object()};
     if (placement == nullptr) {
       r.detail = "one part (no --dp / --microbatches split given)";
       r.data["parts"] = 1;
@@ -224,7 +224,7 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
   }
   // I4: samples without effective tokens add nothing.
   {
-    InvariantResult r{"I4", "Empty contributes zero"};
+    InvariantResult r{"I4", "Empty contributes zero", true, "", nlohmann::json::object()};
     std::vector<std::string> bad;
     for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
       std::map<std::size_t, int64_t> diff;

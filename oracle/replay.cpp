@@ -205,13 +205,12 @@ RankResult RankProgram::result() const {
   return r;
 }
 
-std::optional<std::string> check_call(const Topology& t, int64_t rank, const CollectiveCall& call) {
+std::optional<std::string> check_call(const Topology& t, int64_t /*rank*/, const CollectiveCall& call) {
   if (call.op != Op::kBroadcast) return std::nullopt;
   if (t.index_in_group(call.group, call.src) < 0) {
     return fmt::format("broadcast src = {} is not in its {} (torch.distributed: src not in group)", call.src,
                        t.describe(call.group));
   }
-  (void)rank;
   return std::nullopt;
 }
 

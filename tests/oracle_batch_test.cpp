@@ -186,7 +186,9 @@ TEST(Gen, CasesHaveTheirDefiningProperty) {
   }
   Batch pre = fixtures::make_case("sft-preshifted", o);
   for (int64_t i = 0; i < pre.num_samples(); ++i) {
-    if (pre.response_lengths[i] == pre.total_lengths[i]) EXPECT_EQ(pre.loss_mask[pre.response_offsets[i + 1] - 1], 0);
+    if (pre.response_lengths[i] == pre.total_lengths[i]) {
+      EXPECT_EQ(pre.loss_mask[pre.response_offsets[i + 1] - 1], 0);
+    }
   }
   Batch r = fixtures::make_case("random", o);
   ASSERT_TRUE(r.logits.has_value());

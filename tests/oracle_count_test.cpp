@@ -101,7 +101,9 @@ TEST(Denominators, PropertyOwnershipMatchesPerTokenFormulationAndInvariantsHold)
     for (const auto& r : inv) EXPECT_TRUE(r.ok) << r.name << ": " << r.detail;  // pre-shifted SFT masks only
     const auto legacy = check_invariants(b, c, Policy::kLegacy, {}, nullptr);
     EXPECT_EQ(legacy[0].ok, num_zero == 0) << legacy[0].detail;
-    if (num_zero > 0) EXPECT_NE(legacy[0].detail.find(fmt::format("N(cp=2) = ")), std::string::npos);
+    if (num_zero > 0) {
+      EXPECT_NE(legacy[0].detail.find(fmt::format("N(cp=2) = ")), std::string::npos);
+    }
   }
 }
 

@@ -40,7 +40,9 @@ TEST(Replay, Pr285PassesOnZeroTokenAndNonZeroBatchesForEveryTopology) {
         for (const auto& rr : r.ranks) {
           EXPECT_EQ(rr.optimizer_stepped, !r.expected_skip);
           EXPECT_EQ(rr.scheduler_stepped, !r.expected_skip);
-          if (r.expected_skip) EXPECT_EQ(rr.grad_norm, 0.0);
+          if (r.expected_skip) {
+            EXPECT_EQ(rr.grad_norm, 0.0);
+          }
           EXPECT_EQ(rr.update_successful, !r.expected_skip);
         }
       }
