@@ -2,7 +2,9 @@
 #include "oracle/batch.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -66,6 +68,33 @@ void BatchBuilder::add_metadata(const std::string& key, const nlohmann::json& va
   batch_.metadata[key] = value;
 }
 
+namespace {
+std::string format_bytes(uint64_t n) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(n);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", n) : fmt::format("{:.1f} {}", v, units[u]);
+}
+}  // namespace
+
+uint64_t memory_budget_bytes() {
+  if (const char* env = std::getenv("LOSSGUARD_MEMORY_LIMIT"); env != nullptr && *env != '\0') {
+    return std::strtoull(env, nullptr, 10);
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  while (meminfo >> key >> kib) {
+    if (key == "MemAvailable:") return kib * 1024;
+    meminfo.ignore(64, '\n');
+  }
+  return 0;  // unknown: no limit
+}
+
 void BatchBuilder::append_float_rows(const std::string& field, const HostArray& src,
                                      int64_t index_in_file) {
   if (!dtype_is_float(src.dtype)) {
@@ -73,6 +102,17 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
     if (field == "logits") fail_sample(index_in_file, fmt::format("field 'logits' has dtype {}, must be a float dtype", dtype_name(src.dtype)));
   }
   const bool is_logits = field == "logits";
+  if (is_logits) {
+    // The logits are staged and then copied into the batch: twice their size at the peak.
+    const uint64_t need = 2 * (static_cast<uint64_t>(logits_bytes_.size()) + src.size_bytes());
+    const uint64_t budget = memory_budget_bytes();
+    if (budget > 0 && need > budget) {
+      throw_input_error("{}: field 'logits': {} rows of {} x {} need {} of memory but only {} are available "
+                        "(MemAvailable, or $LOSSGUARD_MEMORY_LIMIT); count and replay do not load the logits",
+                        batch_.files.back(), logits_rows_ + src.shape[0], src.shape[1], dtype_name(src.dtype),
+                        format_bytes(need), format_bytes(budget));
+    }
+  }
   std::vector<std::byte>& bytes = is_logits ? logits_bytes_ : per_token_bytes_[field];
   DType target;
   if (is_logits) {

@@ -72,6 +72,10 @@ struct PackedFields {
   std::map<std::string, const HostArray*> per_token;
 };
 
+// Memory lossguard may use for batch data: $LOSSGUARD_MEMORY_LIMIT (bytes) if set, else MemAvailable
+// from /proc/meminfo, else 0 (unknown: no limit).
+uint64_t memory_budget_bytes();
+
 // Which data a command needs. Everything is always validated; what is not needed is not copied (counting
 // a 10M-token dump needs the masks, not 140 MB of token ids or gigabytes of logits).
 struct LoadNeeds {

@@ -246,3 +246,24 @@ TEST(CliReplay, DpShardsPlaceEachDumpOnItsRank) {
 
 }  // namespace
 }  // namespace lossguard::cli
+
+namespace lossguard::cli {
+namespace {
+
+TEST(CliLimits, LogitsLargerThanTheMemoryBudgetAreRefusedWithTheSizeNeeded) {
+  ::setenv("LOSSGUARD_MEMORY_LIMIT", "100", 1);
+  Result r = run_cli({"inspect", fixture("gen_random.safetensors")});
+  ::unsetenv("LOSSGUARD_MEMORY_LIMIT");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("gen_random.safetensors"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("need 832 B of memory but only 100 B are available"), std::string::npos) << r.err;
+  // Counting does not load the logits, so the same budget is enough for it.
+  ::setenv("LOSSGUARD_MEMORY_LIMIT", "100", 1);
+  Result c = run_cli({"count", fixture("gen_random.safetensors")});
+  ::unsetenv("LOSSGUARD_MEMORY_LIMIT");
+  EXPECT_EQ(c.code, 0) << c.err;
+  EXPECT_EQ(run_cli({"inspect", fixture("gen_random.safetensors")}).code, 0);
+}
+
+}  // namespace
+}  // namespace lossguard::cli
