@@ -30,11 +30,12 @@ test: build test-fuzz
 	@cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900
 
 # The loaders and the validator under libFuzzer with ASan + UBSan (a short smoke run of every target),
-# and the oracle's unit tests under the same sanitizers: a separate clang build in $(BUILD)-fuzz.
-test-fuzz: setup
+# and the oracle's and loaders' unit tests under the same sanitizers: a separate clang build in
+# $(BUILD)-fuzz (the loader tests use the main build's LibTorch zip plugin).
+test-fuzz: build
 	@if [ ! -f $(BUILD)-fuzz/build.ninja ]; then \
 	  CC=clang CXX=clang++ cmake -S . -B $(BUILD)-fuzz -G Ninja -DLOSSGUARD_FUZZ=ON -DLOSSGUARD_PYTHON=$(PYTHON) \
-	    -DCMAKE_BUILD_TYPE=RelWithDebInfo; fi
+	    -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOSSGUARD_PLUGIN_DIR=$(CURDIR)/$(BUILD)/lib; fi
 	@cmake --build $(BUILD)-fuzz
 	@cd $(BUILD)-fuzz && ctest --output-on-failure -j2
 

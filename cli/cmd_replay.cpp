@@ -232,12 +232,15 @@ void register_replay(CLI::App& root, Commands& commands) {
       "Exit codes: 0 every rank reached the expected decision; 1 a wrong decision or parameter drift;\n"
       "3 an error, deadlock or mismatch.\n"
       "Examples:\n  lossguard replay zero.pt --tp 2 --pp 2 --protocol pr285-src-local\n"
-      "  lossguard replay batch.safetensors --tp 8 --pp 16 --cp 8 --dp 128 --svg grid.svg");
+      "  lossguard replay batch.safetensors --tp 8 --pp 16 --cp 8 --dp 128 --svg grid.svg\n"
+      "  torchrun --nproc-per-node 4 --no-python lossguard replay batch.safetensors --tp 2 --pp 2 --backend gloo");
   add_dump_options(*app, opts->dumps, true);
   add_topology_options(*app, opts->sizes);
   app->add_option("--microbatches", opts->placement.microbatches, "Micro-batches per DP rank")->capture_default_str();
   app->add_option("--split", opts->placement.split, "How samples go to DP ranks: contiguous or round-robin")->capture_default_str();
-  app->add_option("--protocol", opts->protocol, "Skip-decision protocol")->capture_default_str();
+  app->add_option("--protocol", opts->protocol,
+                  "Skip-decision protocol: pr285, pr285-src-local, pr285-always-broadcast, values0, no-skip")
+      ->capture_default_str();
   app->add_option("--reduce", opts->reduce, "per-token (per-token loss on) or sample-mean (off): what values[0] holds")
       ->capture_default_str();
   app->add_option("--policy", opts->policy, "Token counting policy on each rank: fixed, legacy or slime")->capture_default_str();
