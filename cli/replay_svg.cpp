@@ -32,7 +32,7 @@ std::string replay_svg(const oracle::ReplayInputs& in, const oracle::ReplayResul
       "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"20\" font-size=\"14\" font-weight=\"bold\">{}</text>\n"
       "<text x=\"10\" y=\"40\">expected decision: {} ({} effective tokens); columns: ranks of a stage (tp, cp, dp); rows: "
       "pipeline stages</text>\n",
-      std::max(width, 640.0), height, title, result.expected_skip ? "skip" : "step", result.global_tokens);
+      std::max(width, 780.0), height, title, result.expected_skip ? "skip" : "step", result.global_tokens);
   for (int64_t pp = 0; pp < rows; ++pp) {
     s += fmt::format("<text x=\"10\" y=\"{:.1f}\">stage {}</text>\n", top + cell * (static_cast<double>(pp) + 0.5) + 4, pp);
   }
