@@ -1,8 +1,7 @@
-// The real-mode backends: TCPStore rendezvous, one Gloo process group (or NCCL communicator, see
-// nccl_collectives.cpp) per topology group this rank is in, then the rank's protocol program
-// (oracle/replay.h) over real collectives with deadlines.
+// Real-mode replay: TCPStore rendezvous, the backend's collectives on every topology group this rank is
+// in (gloo_collectives.cpp, nccl_collectives.cpp), the rank's protocol program (oracle/replay.h) over
+// them with deadlines, and the outcomes through the store to rank 0.
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
@@ -30,58 +29,6 @@ c10::intrusive_ptr<c10d::Store>* g_store = nullptr;
 int64_t g_live_ranks = 0;  // rank 0: ranks that posted an outcome (and so will read the exit code)
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-
-std::shared_ptr<::gloo::transport::Device> make_device(const LaunchEnv& env) {
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
-  }
-  if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost") {
-    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
-  }
-  return c10d::ProcessGroupGloo::createDefaultDevice();
-}
-
-class GlooCollectives : public Collectives {
- public:
-  GlooCollectives(const LaunchEnv& env, const oracle::Topology& t, const c10::intrusive_ptr<c10d::Store>& store,
-                  std::chrono::milliseconds timeout)
-      : t_(t), timeout_(timeout) {
-    auto options = c10d::ProcessGroupGloo::Options::create(timeout);
-    options->devices = {make_device(env)};
-    // Every rank builds its groups in the same kind order; groups of one kind are disjoint, so this
-    // cannot deadlock.
-    for (GroupKind kind : kRealGroupKinds) {
-      const oracle::GroupRef g = t.group_of(kind, env.rank);
-      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), store);
-      groups_[kind] = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(t.index_in_group(g, env.rank)),
-                                                                  static_cast<int>(t.group_size(kind)), options);
-    }
-  }
-  ~GlooCollectives() override {
-    for (auto& [kind, pg] : groups_) pg.release();  // never destroyed: peers may hang
-  }
-  int64_t run(const oracle::CollectiveCall& call) override {
-    auto& pg = groups_.at(call.group.kind);
-    std::vector<at::Tensor> tensors = {at::tensor({call.value}, at::kLong)};
-    c10::intrusive_ptr<c10d::Work> work;
-    if (call.op == oracle::Op::kAllReduceSum) {
-      work = pg->allreduce(tensors);
-    } else if (call.op == oracle::Op::kBroadcast) {
-      c10d::BroadcastOptions bo;
-      bo.rootRank = t_.index_in_group(call.group, call.src);
-      work = pg->broadcast(tensors, bo);
-    } else {
-      work = pg->barrier();
-    }
-    work->wait(timeout_);
-    return call.op == oracle::Op::kBarrier ? 0 : tensors[0].item<int64_t>();
-  }
-
- private:
-  const oracle::Topology& t_;
-  std::chrono::milliseconds timeout_;
-  std::map<GroupKind, c10::intrusive_ptr<c10d::ProcessGroupGloo>> groups_;
-};
 
 // LOSSGUARD_INJECT_FAULT=kill:RANK:N makes rank RANK kill itself (SIGKILL) before its N-th collective
 // (N = 0: before the rendezvous): how the fault-injection tests lose a rank, or the store, mid-protocol.
@@ -213,11 +160,6 @@ int agree_exit_code(const RealReplayInput* in, int code) {
 const DistApi kApi = {kDistAbiVersion, run, agree_exit_code};
 
 }  // namespace
-
-std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env, const oracle::Topology& t,
-                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
-  return std::make_unique<GlooCollectives>(env, t, store, timeout);
-}
 
 }  // namespace lossguard::dist
 
