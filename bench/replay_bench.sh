@@ -19,6 +19,6 @@ for topo in "8 16 8 16" "8 16 8 32" "8 16 8 64" "8 16 8 128"; do
     read -r wall rss < <(tail -n 1 "$dir/t")
     ranks=$((tp * pp * cp * dp))
     printf '%-24s %-8s %9s %9.0f %12.2f %10s\n' $p $ranks $wall $((rss / 1024)) \
-      "$(echo "$wall * 1000000 / $ranks" | bc -l)" $rc
+      "$(awk -v w="$wall" -v n="$ranks" 'BEGIN { print w * 1000000 / n }')" $rc
   done
 done
