@@ -72,7 +72,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
     }
     nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
     const bool print_row = o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows;
-    std::string row = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, oracle::sample_kind_name(b.kind(i)));
+    std::string row = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, oracle::sample_kind_name(b.kind(i, m)));
     bool straddles = false;
     for (std::size_t c = 0; c < cps.size(); ++c) {
       std::vector<int64_t> ranks;
@@ -96,7 +96,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
       out << fmt::format("{:>6} ... {} more samples (--max-rows 0 shows all)\n", "", counts.samples.size() - k);
     }
     if (ctx.want_json) samples_json.push_back({{"index", i}, {"total_length", t}, {"response_length", r}, {"mask_sum", m},
-                            {"kind", oracle::sample_kind_name(b.kind(i))}, {"per_rank", per_rank}});
+                            {"kind", oracle::sample_kind_name(b.kind(i, m))}, {"per_rank", per_rank}});
   }
 
   out << "\ndenominator N (summed over the DP x CP group):";

@@ -53,7 +53,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
                      "kind", "notes");
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     const int64_t m = b.mask_sum(i), r = b.response_lengths[i], t = b.total_lengths[i];
-    const oracle::SampleKind kind = b.kind(i);
+    const oracle::SampleKind kind = b.kind(i, m);
     kinds[static_cast<int>(kind)]++;
     effective += m;
     std::string notes;

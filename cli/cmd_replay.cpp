@@ -61,7 +61,7 @@ void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t ma
   }
 }
 
-void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Context& ctx) {
+void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   oracle::Protocol protocol;
   if (!oracle::parse_protocol(o.protocol, &protocol)) {
     std::vector<std::string> names;
@@ -87,7 +87,6 @@ void run_replay(const ReplayOptions& o, const CLI::App& app, Report& report, Con
   const oracle::Batch& b = loaded.batch;
   const oracle::Placement placement = placement_options.placement(b, o.dumps.dp_shards);
   const oracle::ReplayInputs in = oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
-  (void)app;
   oracle::ReplayResult result;
   dist::RealReplayInput real;
   if (o.backend == "sim") {
@@ -252,7 +251,7 @@ void register_replay(CLI::App& root, Commands& commands) {
   app->add_option("--max-lines", opts->max_lines, "Outcome groups shown in text (0: all)")->capture_default_str();
   add_layout_options(*app, opts->layout);
   add_output_options(*app, cmd->output);
-  cmd->run = [opts, app](Report& r, Context& c) { run_replay(*opts, *app, r, c); };
+  cmd->run = [opts](Report& r, Context& c) { run_replay(*opts, r, c); };
   commands.push_back(std::move(cmd));
 }
 

@@ -34,8 +34,8 @@ struct RealReplayInput {
 };
 
 struct RealReplayOutput {
-  std::vector<oracle::RankResult> ranks;  // rank 0: every rank's outcome, in rank order; others: empty
-  std::vector<int64_t> missing_ranks;     // rank 0: ranks that never posted an outcome (died, never arrived)
+  std::vector<oracle::RankResult> ranks;  // rank 0: every rank's outcome in rank order (an error for a rank
+                                          // that never posted one); others: empty
   std::string error;                      // could not take part at all (rendezvous failed, bad env)
 };
 

@@ -28,8 +28,8 @@ int64_t Batch::mask_sum(int64_t i) const {
   return sum;
 }
 
-SampleKind Batch::kind(int64_t i) const {
-  if (mask_sum(i) == 0) return SampleKind::kEmpty;
+SampleKind Batch::kind(int64_t i, int64_t mask_sum) const {
+  if (mask_sum == 0) return SampleKind::kEmpty;
   return response_lengths[i] == total_lengths[i] ? SampleKind::kSft : SampleKind::kRl;
 }
 

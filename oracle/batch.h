@@ -46,7 +46,8 @@ struct Batch {
   int64_t num_response_tokens() const { return response_offsets.empty() ? 0 : response_offsets.back(); }
   int64_t prompt_length(int64_t i) const { return total_lengths[i] - response_lengths[i]; }
   int64_t mask_sum(int64_t i) const;
-  SampleKind kind(int64_t i) const;
+  SampleKind kind(int64_t i) const { return kind(i, mask_sum(i)); }
+  SampleKind kind(int64_t i, int64_t mask_sum) const;  // when the mask sum is already known
   int64_t vocab_size() const { return logits ? logits->shape[1] : 0; }
   // "file.pt sample 3" (the index within its own dump) for messages.
   std::string describe_sample(int64_t i) const;

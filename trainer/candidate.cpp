@@ -137,8 +137,12 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     // 3. Each rank's partial loss in the working dtype, and its gradient by autograd.
     at::Tensor grad = at::zeros_like(x);
     double total = 0.0;
-    const at::Tensor tokens = b.tokens.empty() ? at::zeros({0}, at::kLong)
-                                               : at::from_blob(const_cast<int64_t*>(b.tokens.data()), {static_cast<int64_t>(b.tokens.size())}, at::kLong);
+    // ppo-clip's other inputs, in the working dtype, once for every rank.
+    at::Tensor old_all, adv_all;
+    if (input == LossInput::kLogProbs && spec.loss == LossKind::kPpoClip) {
+      old_all = to_tensor(b.per_token.at("old_log_probs")).to(dt);
+      adv_all = to_tensor(b.per_token.at("advantages")).to(dt);
+    }
     for (int64_t rank = 0; rank < cp; ++rank) {
       if (owned[rank].empty()) continue;
       std::vector<int64_t> idx, targets;
@@ -172,8 +176,8 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         } else if (spec.loss == LossKind::kNll) {
           l = -leaf;
         } else if (spec.loss == LossKind::kPpoClip) {
-          const at::Tensor old = to_tensor(b.per_token.at("old_log_probs")).to(dt).index_select(0, rows_idx);
-          const at::Tensor adv = to_tensor(b.per_token.at("advantages")).to(dt).index_select(0, rows_idx);
+          const at::Tensor old = old_all.index_select(0, rows_idx);
+          const at::Tensor adv = adv_all.index_select(0, rows_idx);
           const at::Tensor rho = at::exp(leaf - old);
           const at::Tensor clipped = at::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
           l = at::maximum(-rho * adv, -clipped * adv);
