@@ -13,6 +13,8 @@
 #include "oracle/errors.h"
 #include "oracle/findings.h"
 #include "oracle/loss.h"
+#include "kernels/device.h"
+#include "kernels/device_info.h"
 #include "trainer/candidate.h"
 
 namespace lossguard::cli {
@@ -27,6 +29,8 @@ struct CheckOptions {
   std::string policy = "fixed";
   double rtol = -1, atol = -1;
   double eps_low = 0.2, eps_high = 0.2;
+  std::vector<std::string> impls = {"torch"};
+  std::string device = "cpu";
   LayoutOptions layout;
 };
 
@@ -63,13 +67,26 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   for (int64_t c : o.cp_sizes) {
     if (c < 1) throw_input_error("--cp sizes must be >= 1, got {}", c);
   }
+  std::vector<trainer::Impl> impls;
+  for (const auto& name : o.impls) {
+    trainer::Impl i;
+    if (!trainer::parse_impl(name, &i)) throw_input_error("--impl must be torch or kernels, got '{}'", name);
+    impls.push_back(i);
+  }
+  kernels::Device device;
+  if (!kernels::parse_device(o.device, &device)) throw_input_error("--device must be cpu or cuda, got '{}'", o.device);
+  if (device == kernels::Device::kCuda && !kernels::cuda_available()) {
+    const kernels::DeviceInfo info = kernels::query_device_info();
+    throw_input_error("--device cuda: {}", info.status.empty() ? "no CUDA device" : info.status);
+  }
   const oracle::ShardLayout layout = o.layout.layout();
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
   const oracle::Batch& b = loaded.batch;
   if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
   std::ostream& out = ctx.out;
-  out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}\n", b.num_samples(), oracle::policy_name(policy),
-                     fmt::join(o.cp_sizes, ", "));
+  out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}, candidate {}{}\n", b.num_samples(),
+                     oracle::policy_name(policy), fmt::join(o.cp_sizes, ", "), fmt::join(o.impls, " and "),
+                     device == kernels::Device::kCuda ? " (kernels on CUDA)" : "");
 
   // Samples without effective tokens: what `legacy` and `slime` over-count, and the old slicing bug.
   std::vector<int64_t> zero_samples, empty_r;
@@ -112,63 +129,79 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                          oracle::loss_input_name(want.input), fmt::join(input.shape, ", "), dtype_name(input.dtype),
                          oracle::reduction_name(reduce), want.loss, want.denominator,
                          want.no_signal ? " (zero effective tokens: a no-signal step; loss and gradient must be exactly 0)" : "");
-      out << fmt::format("  {:>3}  {:<22} {:<34} {:<28} {}\n", "cp", "denominator got/want", "loss got (|diff| <= bound)",
+      out << fmt::format("  {:>3}  {:<7} {:<22} {:<34} {:<28} {}\n", "cp", "impl", "denominator got/want", "loss got (|diff| <= bound)",
                          "grad mismatched/checked", "max |diff|");
       for (int64_t cp : o.cp_sizes) {
-        trainer::CandidateInput in;
-        in.batch = &b;
-        in.spec = spec;
-        in.cp = cp;
-        in.layout = layout;
-        const trainer::CandidateOutput got = trainer::run_candidate(in);
-        const bool den_ok = got.denominator == want.denominator;
-        const double bound = oracle::loss_tolerance(want.loss, want.term_scale, terms, input.dtype,
-                                                    input.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, tol);
-        const double loss_diff = std::fabs(got.loss - want.loss);
-        const bool loss_ok = loss_diff <= bound && (!want.no_signal || got.loss == 0.0);
-        const oracle::Tolerance grad_tol = o.rtol >= 0 ? tol : oracle::gradient_tolerance(input.dtype, static_cast<int>(loss), tol);
-        const oracle::GradComparison g =
-            oracle::compare_gradients(b, want.grad, got.grad, want.grad_cols, got.row_rank, got.row_chunk, grad_tol,
-                                      loss == oracle::LossKind::kPpoClip ? &want.near_clip_boundary : nullptr,
-                                      want.input == oracle::LossInput::kLogits && o.rtol < 0 ? &want.coeff : nullptr,
-                                      oracle::unit_roundoff(input.dtype));
-        const bool ok = den_ok && loss_ok && g.ok();
-        all_ok &= ok;
-        out << fmt::format("  {:>3}  {:<22} {:<34} {:<28} {:<10.3g} {}\n", cp,
-                           fmt::format("{} / {} {}", got.denominator, want.denominator, den_ok ? "ok" : "WRONG"),
-                           fmt::format("{:.10g} ({:.2g} {} {:.2g})", got.loss, loss_diff, loss_ok ? "<=" : ">", bound),
-                           fmt::format("{}/{} ({:.2f}%)", g.mismatched, g.checked, g.checked ? 100.0 * g.mismatched / g.checked : 0.0),
-                           g.max_abs_diff, ok ? "pass" : "FAIL");
-        std::vector<std::string> why;
-        if (!den_ok) {
-          std::string reason;
-          if (got.denominator - want.denominator == static_cast<int64_t>(zero_samples.size()) && !zero_samples.empty()) {
-            reason = fmt::format(": +1 for each sample without effective tokens (policy {} counts max(m, 1)): {}",
-                                 oracle::policy_name(policy), oracle::format_index_list(zero_samples));
+        for (trainer::Impl impl : impls) {
+          trainer::CandidateInput in;
+          in.batch = &b;
+          in.spec = spec;
+          in.cp = cp;
+          in.layout = layout;
+          in.impl = impl;
+          in.device = device == kernels::Device::kCuda ? 1 : 0;
+          const trainer::CandidateOutput got = trainer::run_candidate(in);
+          const bool den_ok = got.denominator == want.denominator;
+          const double bound = oracle::loss_tolerance(want.loss, want.term_scale, terms, input.dtype,
+                                                      input.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, tol);
+          const double loss_diff = std::fabs(got.loss - want.loss);
+          const bool loss_ok = loss_diff <= bound && (!want.no_signal || got.loss == 0.0);
+          const oracle::Tolerance grad_tol = o.rtol >= 0 ? tol : oracle::gradient_tolerance(input.dtype, static_cast<int>(loss), tol);
+          const oracle::GradComparison g =
+              oracle::compare_gradients(b, want.grad, got.grad, want.grad_cols, got.row_rank, got.row_chunk, grad_tol,
+                                        loss == oracle::LossKind::kPpoClip ? &want.near_clip_boundary : nullptr,
+                                        want.input == oracle::LossInput::kLogits && o.rtol < 0 ? &want.coeff : nullptr,
+                                        oracle::unit_roundoff(input.dtype));
+          // The kernels' zero-token flag, reduced on the device, must say what the oracle says.
+          const bool flag_ok = got.skip_flag < 0 || (got.skip_flag == 1) == want.no_signal;
+          const bool ok = den_ok && loss_ok && g.ok() && flag_ok;
+          all_ok &= ok;
+          out << fmt::format("  {:>3}  {:<7} {:<22} {:<34} {:<28} {:<10.3g} {}\n", cp, trainer::impl_name(impl),
+                             fmt::format("{} / {} {}", got.denominator, want.denominator, den_ok ? "ok" : "WRONG"),
+                             fmt::format("{:.10g} ({:.2g} {} {:.2g})", got.loss, loss_diff, loss_ok ? "<=" : ">", bound),
+                             fmt::format("{}/{} ({:.2f}%)", g.mismatched, g.checked, g.checked ? 100.0 * g.mismatched / g.checked : 0.0),
+                             g.max_abs_diff, ok ? "pass" : "FAIL");
+          std::vector<std::string> why;
+          if (!den_ok) {
+            std::string reason;
+            if (got.denominator - want.denominator == static_cast<int64_t>(zero_samples.size()) && !zero_samples.empty()) {
+              reason = fmt::format(": +1 for each sample without effective tokens (policy {} counts max(m, 1)): {}",
+                                   oracle::policy_name(policy), oracle::format_index_list(zero_samples));
+            }
+            why.push_back(fmt::format("denominator {} differs from the oracle's {}{}", got.denominator, want.denominator, reason));
           }
-          why.push_back(fmt::format("denominator {} differs from the oracle's {}{}", got.denominator, want.denominator, reason));
+          if (g.mismatched > 0) why.push_back("worst gradient: " + location_text(g.worst));
+          if (g.not_compared > 0) {
+            why.push_back(fmt::format("note: {} token(s) with rho within rounding of a clip boundary: gradient not compared", g.not_compared));
+          }
+          if (g.masked_nonzero > 0) why.push_back(fmt::format("{} gradient entries of masked tokens are not exactly zero", g.masked_nonzero));
+          if (want.no_signal && got.loss != 0.0) why.push_back(fmt::format("a zero-token batch must give loss 0, got {}", got.loss));
+          if (!flag_ok) {
+            why.push_back(fmt::format("the device zero-token flag says {} but the batch has {} effective tokens",
+                                      got.skip_flag == 1 ? "skip" : "step", want.no_signal ? "no" : "some"));
+          }
+          for (const auto& w : why) out << "       " << w << "\n";
+          const std::string name = fmt::format("cp={} {} {} {}{}", cp, oracle::loss_kind_name(loss), oracle::reduction_name(reduce), got.dtype,
+                                               impl == trainer::Impl::kTorch ? "" : fmt::format(" [{}]", trainer::impl_name(impl)));
+          report.add_case({"lossguard.check", name + " denominator", den_ok, den_ok ? "" : why.front(), false});
+          report.add_case({"lossguard.check", name + " loss", loss_ok,
+                           loss_ok ? "" : fmt::format("|{} - {}| = {} > {}", got.loss, want.loss, loss_diff, bound), false});
+          report.add_case({"lossguard.check", name + " gradient", g.ok(),
+                           g.ok() ? "" : fmt::format("{}/{} mismatched; {}", g.mismatched, g.checked, location_text(g.worst)), false});
+          if (got.skip_flag >= 0) {
+            report.add_case({"lossguard.check", name + " skip flag", flag_ok, flag_ok ? "" : why.back(), false});
+          }
+          cases.push_back({{"cp", cp}, {"impl", trainer::impl_name(impl)}, {"loss", oracle::loss_kind_name(loss)}, {"reduce", oracle::reduction_name(reduce)},
+                           {"dtype", got.dtype}, {"input", oracle::loss_input_name(want.input)},
+                           {"denominator", {{"want", want.denominator}, {"got", got.denominator}, {"ok", den_ok}}},
+                           {"loss_value", {{"want", want.loss}, {"got", got.loss}, {"abs_diff", loss_diff}, {"bound", bound}, {"ok", loss_ok}}},
+                           {"grad", {{"checked", g.checked}, {"mismatched", g.mismatched}, {"masked_nonzero", g.masked_nonzero}, {"not_compared", g.not_compared},
+                                     {"max_abs_diff", g.max_abs_diff}, {"max_rel_diff", g.max_rel_diff},
+                                     {"worst", location_json(g.worst)}, {"worst_relative", location_json(g.worst_relative)}, {"rtol", grad_tol.rtol}, {"atol", grad_tol.atol}, {"ok", g.ok()}}},
+                           {"no_signal", want.no_signal},
+                           {"skip_flag", got.skip_flag < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(got.skip_flag == 1)},
+                           {"ok", ok}});
         }
-        if (g.mismatched > 0) why.push_back("worst gradient: " + location_text(g.worst));
-        if (g.not_compared > 0) {
-          why.push_back(fmt::format("note: {} token(s) with rho within rounding of a clip boundary: gradient not compared", g.not_compared));
-        }
-        if (g.masked_nonzero > 0) why.push_back(fmt::format("{} gradient entries of masked tokens are not exactly zero", g.masked_nonzero));
-        if (want.no_signal && got.loss != 0.0) why.push_back(fmt::format("a zero-token batch must give loss 0, got {}", got.loss));
-        for (const auto& w : why) out << "       " << w << "\n";
-        const std::string name = fmt::format("cp={} {} {} {}", cp, oracle::loss_kind_name(loss), oracle::reduction_name(reduce), got.dtype);
-        report.add_case({"lossguard.check", name + " denominator", den_ok, den_ok ? "" : why.front(), false});
-        report.add_case({"lossguard.check", name + " loss", loss_ok,
-                         loss_ok ? "" : fmt::format("|{} - {}| = {} > {}", got.loss, want.loss, loss_diff, bound), false});
-        report.add_case({"lossguard.check", name + " gradient", g.ok(),
-                         g.ok() ? "" : fmt::format("{}/{} mismatched; {}", g.mismatched, g.checked, location_text(g.worst)), false});
-        cases.push_back({{"cp", cp}, {"loss", oracle::loss_kind_name(loss)}, {"reduce", oracle::reduction_name(reduce)},
-                         {"dtype", got.dtype}, {"input", oracle::loss_input_name(want.input)},
-                         {"denominator", {{"want", want.denominator}, {"got", got.denominator}, {"ok", den_ok}}},
-                         {"loss_value", {{"want", want.loss}, {"got", got.loss}, {"abs_diff", loss_diff}, {"bound", bound}, {"ok", loss_ok}}},
-                         {"grad", {{"checked", g.checked}, {"mismatched", g.mismatched}, {"masked_nonzero", g.masked_nonzero}, {"not_compared", g.not_compared},
-                                   {"max_abs_diff", g.max_abs_diff}, {"max_rel_diff", g.max_rel_diff},
-                                   {"worst", location_json(g.worst)}, {"worst_relative", location_json(g.worst_relative)}, {"rtol", grad_tol.rtol}, {"atol", grad_tol.atol}, {"ok", g.ok()}}},
-                         {"no_signal", want.no_signal}, {"ok", ok}});
       }
     }
   }
@@ -179,6 +212,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   auto& res = report.results();
   res["policy"] = oracle::policy_name(policy);
   res["cp_sizes"] = o.cp_sizes;
+  res["impls"] = o.impls;
+  res["device"] = o.device;
   res["cases"] = cases;
   report.verified();
   if (!all_ok) report.fail();
@@ -197,7 +232,8 @@ void register_check(CLI::App& root, Commands& commands) {
       "Reductions: per-token, sample-mean, token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm,\n"
       "or all. Default tolerances per dtype (SPEC §5): fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 1.3e-6/1e-5, fp64 1e-7/1e-7.\n"
       "Examples:\n  lossguard check batch.safetensors --cp 1,2,4,8 --loss nll,ppo-clip --reduce all\n"
-      "  lossguard check batch.safetensors --policy legacy     # CP=1 and CP>1 disagree on empty responses");
+      "  lossguard check batch.safetensors --policy legacy     # CP=1 and CP>1 disagree on empty responses\n"
+      "  lossguard check batch.safetensors --impl torch,kernels # both candidates against the oracle");
   add_dump_options(*app, opts->dumps, false);
   app->add_option("--cp", opts->cp_sizes, "CP sizes (comma-separated)")->delimiter(',')->capture_default_str();
   app->add_option("--loss", opts->losses, "Losses (comma-separated)")->delimiter(',')->capture_default_str();
@@ -207,6 +243,13 @@ void register_check(CLI::App& root, Commands& commands) {
   app->add_option("--atol", opts->atol, "Absolute tolerance (default: per dtype)");
   app->add_option("--eps-low", opts->eps_low, "ppo-clip lower clip")->capture_default_str();
   app->add_option("--eps-high", opts->eps_high, "ppo-clip upper clip")->capture_default_str();
+  app->add_option("--impl", opts->impls,
+                  "Candidate implementations (comma-separated): torch (LibTorch autograd in the dump's dtype), "
+                  "kernels (lossguard's counting and fused log-prob/loss/gradient kernels, float arithmetic, "
+                  "and the zero-token flag reduced on the device)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--device", opts->device, "Where the kernels run: cpu or cuda")->capture_default_str();
   add_layout_options(*app, opts->layout);
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_check(*opts, r, c); };

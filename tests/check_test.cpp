@@ -11,6 +11,7 @@
 #include "cli/app.h"
 #include "fixtures/cases.h"
 #include "io/dump.h"
+#include "kernels/device.h"
 #include "oracle/compare.h"
 #include "oracle/loss.h"
 #include "test_util.h"
@@ -99,13 +100,13 @@ CheckRun check(const std::string& dump, std::vector<std::string> extra) {
   return {code, code == 2 ? nlohmann::json() : nlohmann::json::parse(out.str()), err.str()};
 }
 
-TEST(Candidate, MatchesTheOracleForEveryLossReductionAndCpSize) {
-  const auto dir = testing::temp_dir("check");
-  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    for (const char* c : {"random", "empty-responses", "fully-masked", "zero-token", "sft-preshifted"}) {
+void expect_candidate_matches_oracle(const std::string& impl, const std::vector<DType>& dtypes) {
+  const auto dir = testing::temp_dir("check-" + impl);
+  for (DType dtype : dtypes) {
+    for (const char* c : {"random", "empty-responses", "fully-masked", "zero-token", "sft-preshifted", "t-zero"}) {
       const std::string path = (dir / (std::string(c) + "-" + std::string(dtype_name(dtype)) + ".safetensors")).string();
       io::write_batch(make(c, dtype, 5, 12, 11), path);
-      const CheckRun r = check(path, {"--cp", "1,2,4,8", "--loss", "nll,ppo-clip,given", "--reduce", "all"});
+      const CheckRun r = check(path, {"--cp", "1,2,4,8", "--loss", "nll,ppo-clip,given", "--reduce", "all", "--impl", impl});
       std::string failing;
       if (r.code == 1) {
         for (const auto& k : r.doc["cases"]) {
@@ -117,13 +118,69 @@ TEST(Candidate, MatchesTheOracleForEveryLossReductionAndCpSize) {
       for (const auto& k : r.doc["cases"]) {
         EXPECT_TRUE(k["ok"].get<bool>()) << k.dump();
         EXPECT_EQ(k["dtype"], dtype_name(dtype));
-        if (std::string(c) == "zero-token") {
+        EXPECT_EQ(k["impl"], impl);
+        const bool zero = std::string(c) == "zero-token";
+        if (zero) {
           EXPECT_EQ(k["loss_value"]["got"], 0.0);
           EXPECT_EQ(k["grad"]["max_abs_diff"], 0.0);
           EXPECT_TRUE(k["no_signal"].get<bool>());
         }
+        // The kernels' device-side zero-token flag; torch reports none.
+        if (impl == "kernels") {
+          EXPECT_EQ(k["skip_flag"].get<bool>(), k["no_signal"].get<bool>()) << c;
+        } else {
+          EXPECT_TRUE(k["skip_flag"].is_null());
+        }
       }
     }
+  }
+}
+
+TEST(Candidate, MatchesTheOracleForEveryLossReductionAndCpSize) {
+  expect_candidate_matches_oracle("torch", {DType::kFloat32, DType::kBFloat16});
+}
+
+TEST(Candidate, KernelsMatchTheOracleForEveryLossReductionAndCpSize) {
+  expect_candidate_matches_oracle("kernels", {DType::kFloat32, DType::kBFloat16, DType::kFloat16});
+}
+
+TEST(Candidate, KernelsAndTorchAgreeOnDenominatorsExactly) {
+  const auto dir = testing::temp_dir("check-both");
+  for (uint64_t seed = 1; seed <= 4; ++seed) {
+    const std::string path = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
+    io::write_batch(make("random", DType::kFloat32, seed, 16, 9), path);
+    for (const char* policy : {"fixed", "legacy", "slime"}) {
+      const CheckRun r = check(path, {"--cp", "1,2,3", "--impl", "torch,kernels", "--policy", policy, "--reduce", "all"});
+      ASSERT_TRUE(r.doc.is_object()) << r.err;
+      const auto& cases = r.doc["cases"];
+      ASSERT_EQ(cases.size() % 2, 0u);
+      for (std::size_t k = 0; k < cases.size(); k += 2) {
+        EXPECT_EQ(cases[k]["impl"], "torch");
+        EXPECT_EQ(cases[k + 1]["impl"], "kernels");
+        EXPECT_EQ(cases[k]["denominator"]["got"], cases[k + 1]["denominator"]["got"]) << policy << " " << cases[k].dump();
+      }
+    }
+  }
+}
+
+TEST(Candidate, KernelsRefuseFloat64LogitsByName) {
+  const auto dir = testing::temp_dir("check-f64");
+  const std::string path = (dir / "b.json").string();  // JSON dumps load as float64
+  io::write_batch(make("random", DType::kFloat32, 3, 4, 5), path);
+  const CheckRun r = check(path, {"--impl", "kernels"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("float64"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--impl torch"), std::string::npos) << r.err;
+}
+
+TEST(Candidate, KernelsOnCudaNeedADevice) {
+  const std::string path = (std::filesystem::path(testing::fixture_dir()) / "gen_random.safetensors").string();
+  const CheckRun r = check(path, {"--impl", "kernels", "--device", "cuda"});
+  if (kernels::cuda_available()) {
+    EXPECT_EQ(r.code, 0) << r.err;
+  } else {
+    EXPECT_EQ(r.code, 2);
+    EXPECT_NE(r.err.find("--device cuda"), std::string::npos) << r.err;
   }
 }
 
@@ -141,14 +198,16 @@ TEST(Candidate, LegacyPolicyFailsExactlyOnBatchesWithZeroTokenSamples) {
     bool has_zero = false;
     for (int64_t i = 0; i < b.num_samples(); ++i) has_zero |= b.mask_sum(i) == 0;
     (has_zero ? with : without)++;
-    const std::string path = (dir / ("b" + std::to_string(seed) + ".json")).string();
+    const std::string path = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
     io::write_batch(b, path);
-    const CheckRun r = check(path, {"--cp", "1,2", "--policy", "legacy"});
-    EXPECT_EQ(r.code, has_zero ? 1 : 0) << "seed " << seed;
-    EXPECT_TRUE(r.doc["cases"][1]["ok"].get<bool>()) << "cp=2 counts like fixed";
-    if (has_zero) {
-      EXPECT_FALSE(r.doc["cases"][0]["denominator"]["ok"].get<bool>());
-      EXPECT_GT(r.doc["cases"][0]["denominator"]["got"].get<int64_t>(), r.doc["cases"][0]["denominator"]["want"].get<int64_t>());
+    for (const char* impl : {"torch", "kernels"}) {
+      const CheckRun r = check(path, {"--cp", "1,2", "--policy", "legacy", "--impl", impl});
+      EXPECT_EQ(r.code, has_zero ? 1 : 0) << "seed " << seed << " " << impl;
+      EXPECT_TRUE(r.doc["cases"][1]["ok"].get<bool>()) << "cp=2 counts like fixed";
+      if (has_zero) {
+        EXPECT_FALSE(r.doc["cases"][0]["denominator"]["ok"].get<bool>());
+        EXPECT_GT(r.doc["cases"][0]["denominator"]["got"].get<int64_t>(), r.doc["cases"][0]["denominator"]["want"].get<int64_t>());
+      }
     }
   }
   EXPECT_GT(with, 0);

@@ -5,11 +5,10 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstring>
 
 #include "trainer/candidate.h"
+#include "trainer/shard_plan.h"
 
 namespace lossguard::trainer {
 
@@ -17,8 +16,6 @@ namespace {
 
 using oracle::LossInput;
 using oracle::LossKind;
-using oracle::Policy;
-using oracle::Reduction;
 
 at::ScalarType scalar_type(DType d) {
   switch (d) {
@@ -34,20 +31,6 @@ at::Tensor to_tensor(const HostArray& a) {
   std::vector<int64_t> shape(a.shape.begin(), a.shape.end());
   return at::from_blob(const_cast<std::byte*>(a.data), shape, at::TensorOptions().dtype(scalar_type(a.dtype))).clone();
 }
-
-// The trainer's own zig-zag split: rank r holds token positions [r*cs, (r+1)*cs) and
-// [(2cp-1-r)*cs, (2cp-r)*cs); the logit at position q predicts token q+1.
-int64_t trainer_chunk_size(int64_t t, int64_t cp, const oracle::ShardLayout& layout) {
-  if (layout.packing == oracle::Packing::kBshd) return (layout.max_seq_len + 2 * cp - 1) / (2 * cp);
-  if (layout.padded_total_length > 0) return layout.padded_total_length / (2 * cp);
-  return (t + 2 * cp - 1) / (2 * cp);
-}
-
-struct OwnedRow {
-  int64_t row;      // global response row
-  int64_t sample;
-  int8_t chunk;
-};
 
 void run(const CandidateInput* in, CandidateOutput* out) {
   try {
@@ -65,39 +48,10 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const int64_t rows = b.num_response_tokens(), s = b.num_samples();
 
     // 1. Each rank's rows.
-    std::vector<std::vector<OwnedRow>> owned(static_cast<std::size_t>(cp));
-    out->row_rank.assign(static_cast<std::size_t>(rows), -1);
-    out->row_chunk.assign(static_cast<std::size_t>(rows), -1);
-    for (int64_t i = 0; i < s; ++i) {
-      const int64_t t = b.total_lengths[i], r = b.response_lengths[i], p = t - r;
-      const bool sft = r == t;
-      if (cp == 1) {  // an unsharded trainer uses every row
-        for (int64_t j = 0; j < r; ++j) owned[0].push_back({b.response_offsets[i] + j, i, 0});
-        continue;
-      }
-      const int64_t cs = trainer_chunk_size(t, cp, in->layout);
-      for (int64_t rank = 0; rank < cp; ++rank) {
-        const int64_t chunks[2] = {rank, 2 * cp - 1 - rank};
-        for (int8_t c = 0; c < 2; ++c) {
-          for (int64_t q = chunks[c] * cs; q < (chunks[c] + 1) * cs; ++q) {
-            if (q >= t - 1) break;  // padding, or the last token's logit (it predicts nothing)
-            const int64_t index = sft ? q : q + 1 - p;  // SFT masks are in predictor coordinates
-            if (!sft && q + 1 < p) continue;            // predicts a prompt token
-            owned[rank].push_back({b.response_offsets[i] + index, i, c});
-          }
-        }
-      }
-    }
-    for (int64_t rank = 0; rank < cp; ++rank) {
-      for (const auto& o : owned[rank]) {
-        if (out->row_rank[o.row] != -1) {
-          out->error = "a response row is owned by two CP ranks";
-          return;
-        }
-        out->row_rank[o.row] = static_cast<int32_t>(rank);
-        out->row_chunk[o.row] = o.chunk;
-      }
-    }
+    ShardPlan plan = plan_shards(b, cp, in->layout);
+    const auto& owned = plan.owned;
+    out->row_rank = std::move(plan.row_rank);
+    out->row_chunk = std::move(plan.row_chunk);
 
     // 2. Counts: every rank counts its own effective tokens; the all-reduce sums them.
     const at::Tensor mask = at::from_blob(const_cast<uint8_t*>(b.loss_mask.data()), {rows}, at::kByte).to(at::kLong);
@@ -112,27 +66,8 @@ void run(const CandidateInput* in, CandidateOutput* out) {
       auto wa = w.accessor<int64_t, 1>();
       for (std::size_t k = 0; k < idx.size(); ++k) m[owned[rank][k].sample] += wa[static_cast<int64_t>(k)];
     }
-    int64_t n_max1 = 0, k_nonempty = 0, max_r = 0;
-    for (int64_t i = 0; i < s; ++i) {
-      n_max1 += std::max<int64_t>(m[i], 1);
-      k_nonempty += m[i] > 0;
-      max_r = std::max(max_r, b.response_lengths[i]);
-    }
-    int64_t n = n_fixed;
-    double cp_scale = 1.0;
-    if (spec.policy == Policy::kLegacy && cp == 1) n = n_max1;  // Relax before PR #285
-    if (spec.policy == Policy::kSlime) {                          // every rank counts full samples
-      n = cp * n_max1;
-      cp_scale = static_cast<double>(cp);
-    }
-    const double batch_size = static_cast<double>(std::max<int64_t>(s, 1));
-    const double l_norm = spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
-    switch (spec.reduce) {
-      case Reduction::kPerToken: case Reduction::kTokenMean: out->denominator = n; break;
-      case Reduction::kSampleMean: case Reduction::kSeqMeanTokenSum: out->denominator = s; break;
-      case Reduction::kSeqMeanTokenMean: out->denominator = k_nonempty; break;
-      case Reduction::kSeqMeanTokenSumNorm: out->denominator = static_cast<int64_t>(l_norm); break;
-    }
+    const TrainerDenominators d = trainer_denominators(b, spec, cp, std::move(m), n_fixed);
+    out->denominator = d.denominator;
 
     // 3. Each rank's partial loss in the working dtype, and its gradient by autograd.
     at::Tensor grad = at::zeros_like(x);
@@ -151,16 +86,7 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         idx.push_back(o.row);
         const int64_t i = o.sample;
         const int64_t j = o.row - b.response_offsets[i];
-        const double w = b.loss_mask[o.row];
-        double c = 0.0;
-        switch (spec.reduce) {
-          case Reduction::kPerToken: case Reduction::kTokenMean: c = cp_scale / static_cast<double>(std::max<int64_t>(n, 1)); break;
-          case Reduction::kSampleMean: c = 1.0 / (static_cast<double>(std::max<int64_t>(m[i], 1)) * batch_size); break;
-          case Reduction::kSeqMeanTokenSum: c = 1.0 / batch_size; break;
-          case Reduction::kSeqMeanTokenMean: c = m[i] > 0 ? 1.0 / (static_cast<double>(m[i]) * static_cast<double>(k_nonempty)) : 0.0; break;
-          case Reduction::kSeqMeanTokenSumNorm: c = 1.0 / l_norm; break;
-        }
-        coeff.push_back(w * c);
+        coeff.push_back(token_coefficient(d, spec, i, b.loss_mask[o.row]));
         if (input == LossInput::kLogits) targets.push_back(b.tokens[b.token_offsets[i] + b.prompt_length(i) + j]);
       }
       const at::Tensor rows_idx = at::tensor(idx, at::kLong);

@@ -1,6 +1,7 @@
-// The candidate: what a CP-sharded trainer computes (SPEC §4, §5), in the dump's dtype with LibTorch ops
-// and autograd, each CP rank on its own shard with global denominators. Implemented in the plugin
-// liblossguard_trainer.so; this header carries only plain types across that boundary.
+// The candidate: what a CP-sharded trainer computes (SPEC §4, §5), each CP rank on its own shard with
+// global denominators, in one of two implementations: `torch` (the dump's dtype, LibTorch ops and
+// autograd, in the plugin liblossguard_trainer.so; this header carries only plain types across that
+// boundary) or `kernels` (kernels/: counting, fused log-prob/loss/gradient, the skip flag on the device).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -13,11 +14,17 @@
 
 namespace lossguard::trainer {
 
+enum class Impl { kTorch, kKernels };
+const char* impl_name(Impl i);
+bool parse_impl(const std::string& s, Impl* out);
+
 struct CandidateInput {
   const oracle::Batch* batch = nullptr;
   oracle::LossSpec spec;
   int64_t cp = 1;
   oracle::ShardLayout layout;
+  Impl impl = Impl::kTorch;
+  int device = 0;  // kernels only: kernels::Device (0 cpu, 1 cuda)
 };
 
 struct CandidateOutput {
@@ -27,6 +34,7 @@ struct CandidateOutput {
   std::vector<int32_t> row_rank;    // per response row: the CP rank that owns it (-1: none)
   std::vector<int8_t> row_chunk;    // per response row: which of the owner's two chunks (0, 1; -1: none)
   std::string dtype;                // working dtype
+  int64_t skip_flag = -1;           // kernels: the zero-token flag as reduced on the device (1 skip); -1: not computed
   std::string error;                // non-empty: the candidate could not run
 };
 
@@ -34,10 +42,14 @@ struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 1;
+inline constexpr int kTrainerAbiVersion = 2;
 
-// Loads the plugin (LOSSGUARD_TRAINER overrides its path) and runs the candidate; throws InputError.
+// Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels` runs in
+// process. Throws InputError when it cannot run.
 CandidateOutput run_candidate(const CandidateInput& in);
+
+// The kernels implementation (candidate_kernels.cpp), in process.
+void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out);
 
 }  // namespace lossguard::trainer
 

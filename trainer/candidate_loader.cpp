@@ -1,4 +1,5 @@
-// Loads liblossguard_trainer.so on first use.
+// The candidate's switch: the LibTorch plugin (liblossguard_trainer.so, loaded on first use) or the
+// kernels, in process.
 #include "io/plugin_loader.h"
 #include "lossguard/build_config.h"
 #include "oracle/errors.h"
@@ -6,13 +7,26 @@
 
 namespace lossguard::trainer {
 
+const char* impl_name(Impl i) { return i == Impl::kKernels ? "kernels" : "torch"; }
+
+bool parse_impl(const std::string& s, Impl* out) {
+  if (s == "torch") *out = Impl::kTorch;
+  else if (s == "kernels") *out = Impl::kKernels;
+  else return false;
+  return true;
+}
+
 CandidateOutput run_candidate(const CandidateInput& in) {
-  const auto* api = static_cast<const TrainerApi*>(io::load_plugin_table(
-      "the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER", LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api",
-      kTrainerAbiVersion));
   CandidateOutput out;
-  api->run(&in, &out);
-  if (!out.error.empty()) throw InputError("trainer: " + out.error);
+  if (in.impl == Impl::kKernels) {
+    run_kernels_candidate(in, &out);
+  } else {
+    const auto* api = static_cast<const TrainerApi*>(io::load_plugin_table(
+        "the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER", LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api",
+        kTrainerAbiVersion));
+    api->run(&in, &out);
+  }
+  if (!out.error.empty()) throw InputError(std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
   return out;
 }
 

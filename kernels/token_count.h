@@ -1,0 +1,54 @@
+// Masked token counting (SPEC §2, §3): every sample's effective tokens owned by every rank of several CP
+// sizes, in one pass over the loss masks. Counts are int64 end to end; CPU and CUDA agree exactly.
+//
+// Shared parameters (pointers in the memory of the Device the op runs on):
+//   loss_mask         [sum R] uint8, 0 or 1, the samples' masks concatenated
+//   mask_offsets      [S + 1] int64, sample i's mask is loss_mask[mask_offsets[i], mask_offsets[i+1])
+//   total_lengths     [S] int64, T_i;   response_lengths [S] int64, R_i (R_i == T_i: an SFT sample)
+//   cp_sizes          host array of CP sizes (each >= 1), num_cp of them
+//   chunk             how each sample's chunk size is chosen for a CP size (the layout, validated by the
+//                     caller: oracle::chunk_size throws on layouts that cannot hold a sample)
+//   counts            out, int64, for CP size c at offset sum_{c' < c} S * cp_{c'}: [S, cp_c] row-major,
+//                     counts[i * cp + r] = effective tokens of sample i whose predicting logit rank r holds
+#pragma once
+#include <cstdint>
+
+#include "kernels/device.h"
+
+namespace lossguard::kernels {
+
+struct ChunkRule {
+  int64_t padded_total_length = 0;  // > 0: every sample padded to this (thd with padding)
+  int64_t max_seq_len = 0;          // > 0: bshd, chunks of ceil(max_seq_len / 2cp)
+  // neither: chunks of ceil(T / 2cp)
+};
+
+struct TokenCountArgs {
+  const uint8_t* loss_mask = nullptr;
+  const int64_t* mask_offsets = nullptr;
+  const int64_t* total_lengths = nullptr;
+  const int64_t* response_lengths = nullptr;
+  int64_t num_samples = 0;
+  const int64_t* cp_sizes = nullptr;  // host memory
+  int num_cp = 0;
+  ChunkRule chunk;
+  int64_t* counts = nullptr;
+};
+
+// Total int64 entries of `counts`: S * sum of cp sizes.
+int64_t token_count_size(const TokenCountArgs& a);
+
+// The chunk size of a sample of length t on cp ranks under `rule` (no validation).
+inline int64_t chunk_size_of(int64_t t, int64_t cp, const ChunkRule& rule) {
+  if (rule.max_seq_len > 0) return (rule.max_seq_len + 2 * cp - 1) / (2 * cp);
+  if (rule.padded_total_length > 0) return rule.padded_total_length / (2 * cp);
+  return (t + 2 * cp - 1) / (2 * cp);
+}
+
+void count_tokens(const TokenCountArgs& a, Device device);
+
+// The twins, for tests and benchmarks that compare them; count_tokens is the switch.
+void count_tokens_cpu(const TokenCountArgs& a);
+void count_tokens_cuda(const TokenCountArgs& a);  // throws when the build has no CUDA
+
+}  // namespace lossguard::kernels

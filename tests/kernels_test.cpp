@@ -1,0 +1,201 @@
+// The CPU twins of kernels/ against plain float64 reference loops and the oracle: token counts exactly
+// (every fixture case, random batches, every layout), the fused cross entropy under argued bounds on every
+// instruction-set build this CPU runs (awkward vocabulary sizes, inactive rows, zero coefficients), and the
+// skip decision.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "fixtures/cases.h"
+#include "kernels/cpu/fused_xent_rows.h"
+#include "kernels/fused_xent.h"
+#include "kernels/token_count.h"
+#include "kernels/zero_flag.h"
+#include "kernels_reference.h"
+#include "oracle/denominators.h"
+
+namespace lossguard::kernels {
+namespace {
+
+std::vector<int64_t> kernel_counts(const oracle::Batch& b, const std::vector<int64_t>& cps, const ChunkRule& rule) {
+  TokenCountArgs a;
+  a.loss_mask = b.loss_mask.data();
+  a.mask_offsets = b.response_offsets.data();
+  a.total_lengths = b.total_lengths.data();
+  a.response_lengths = b.response_lengths.data();
+  a.num_samples = b.num_samples();
+  a.cp_sizes = cps.data();
+  a.num_cp = static_cast<int>(cps.size());
+  a.chunk = rule;
+  std::vector<int64_t> out(static_cast<std::size_t>(token_count_size(a)), -1);
+  a.counts = out.data();
+  count_tokens(a, Device::kCpu);
+  return out;
+}
+
+// Compares the kernel's counts with the oracle's count_owned_tokens, entry by entry.
+void expect_counts_match_oracle(const oracle::Batch& b, const std::vector<int64_t>& cps, const oracle::ShardLayout& layout,
+                                const std::string& what) {
+  ChunkRule rule;
+  if (layout.packing == oracle::Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
+  else rule.padded_total_length = layout.padded_total_length;
+  const std::vector<int64_t> got = kernel_counts(b, cps, rule);
+  const oracle::OwnedCounts want = oracle::count_owned_tokens(b, cps, layout);
+  std::size_t offset = 0;
+  for (std::size_t c = 0; c < cps.size(); ++c) {
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      for (int64_t r = 0; r < cps[c]; ++r) {
+        ASSERT_EQ(got[offset + static_cast<std::size_t>(i * cps[c] + r)], want.count(c, static_cast<std::size_t>(i), r))
+            << what << ": cp " << cps[c] << ", sample " << i << " (T " << b.total_lengths[i] << ", R "
+            << b.response_lengths[i] << "), rank " << r;
+      }
+    }
+    offset += static_cast<std::size_t>(b.num_samples() * cps[c]);
+  }
+}
+
+TEST(TokenCount, MatchesTheOracleOnEveryFixtureCase) {
+  const std::vector<int64_t> cps = {1, 2, 3, 4, 8, 16};
+  for (const auto& c : fixtures::list_cases()) {
+    fixtures::GenOptions o;
+    o.seed = test_seed();
+    o.masks_only = true;
+    expect_counts_match_oracle(fixtures::make_case(c.name, o), cps, {}, c.name);
+  }
+}
+
+TEST(TokenCount, MatchesTheOracleOnRandomBatchesAndEveryLayout) {
+  fixtures::Rng rng(test_seed());
+  for (int trial = 0; trial < 40; ++trial) {
+    fixtures::GenOptions o;
+    o.seed = rng.next();
+    o.masks_only = true;
+    o.num_samples = rng.uniform_int(0, 40);
+    o.max_prompt = rng.uniform_int(1, 64);
+    o.max_response = rng.uniform_int(1, 300);
+    o.empty_fraction = 0.2;
+    o.masked_fraction = 0.2;
+    const oracle::Batch b = fixtures::make_case(trial % 3 == 0 ? "long-random" : "random", o);
+    int64_t longest = 0;
+    for (int64_t t : b.total_lengths) longest = std::max(longest, t);
+    const std::vector<int64_t> cps = {1, 2, 4, 8};
+    expect_counts_match_oracle(b, cps, {}, fmt::format("trial {} thd", trial));
+    oracle::ShardLayout padded;
+    padded.padded_total_length = (longest / 16 + 1) * 16;
+    expect_counts_match_oracle(b, cps, padded, fmt::format("trial {} padded", trial));
+    oracle::ShardLayout bshd;
+    bshd.packing = oracle::Packing::kBshd;
+    bshd.max_seq_len = longest + static_cast<int64_t>(rng.uniform_int(0, 9));
+    expect_counts_match_oracle(b, {1, 3, 5}, bshd, fmt::format("trial {} bshd", trial));
+  }
+}
+
+TEST(TokenCount, NoSamplesWritesNothing) {
+  oracle::Batch b;
+  b.response_offsets = {0};
+  b.token_offsets = {0};
+  EXPECT_TRUE(kernel_counts(b, {1, 2}, {}).empty());
+}
+
+TEST(SkipDecision, FlagIsSetExactlyWhenTheCountsSumToZero) {
+  SkipDecision d;
+  const std::vector<int64_t> zeros = {0, 0, 0}, some = {0, 3, 0};
+  reduce_skip_decision(zeros.data(), 3, &d, Device::kCpu);
+  EXPECT_EQ(read_skip_decision(&d, Device::kCpu).skip, 1);
+  EXPECT_EQ(d.num_tokens, 0);
+  reduce_skip_decision(some.data(), 3, &d, Device::kCpu);
+  EXPECT_EQ(read_skip_decision(&d, Device::kCpu).skip, 0);
+  EXPECT_EQ(d.num_tokens, 3);
+  reduce_skip_decision(nullptr, 0, &d, Device::kCpu);  // no ranks' counts: nothing to train on
+  EXPECT_EQ(d.skip, 1);
+}
+
+TEST(FusedXent, EveryInstructionSetMatchesTheFloat64Reference) {
+  struct Isa {
+    const char* name;
+    void (*fn)(const XentArgs&, int64_t, int64_t);
+    bool runs;
+  };
+  __builtin_cpu_init();
+  const std::vector<Isa> isas = {
+      {"generic", generic::xent_rows, true},
+#if defined(__x86_64__) && defined(LOSSGUARD_XENT_X86)
+      {"avx2", avx2::xent_rows, __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")},
+      {"avx512", avx512::xent_rows, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")},
+#endif
+  };
+  int ran = 0;
+  for (const Isa& isa : isas) {
+    if (!isa.runs) continue;
+    ++ran;
+    for (const XentCase& c : xent_cases()) {
+      const auto fn = isa.fn;
+      expect_xent_matches_reference(c, make_data(c, test_seed() + static_cast<uint64_t>(c.vocab)),
+                                    [fn](const XentArgs& a) { fn(a, 0, a.rows); }, isa.name);
+    }
+  }
+  EXPECT_GE(ran, 1);
+  std::printf("instruction sets checked: %d (this process dispatches to %s)\n", ran, xent_cpu_isa());
+}
+
+TEST(FusedXent, ThreadedDispatchMatchesTheReference) {
+  const XentCase c{DType::kBFloat16, 64, 3001, 4.0};
+  expect_xent_matches_reference(c, make_data(c, test_seed()), [](const XentArgs& a) { fused_xent(a, Device::kCpu); }, "dispatch");
+}
+
+TEST(FusedXent, ExtremeLogitsStayFinite) {
+  // One dominant logit (p = 1 exactly in float) and -inf entries (masked vocabulary).
+  const int64_t v = 37;
+  std::vector<float> z(static_cast<std::size_t>(v), -INFINITY);
+  z[3] = 1e4f;
+  z[5] = 0.0f;
+  const int64_t target = 5;
+  const float scale = 0.5f;
+  float lse = 0, loss = 0;
+  std::vector<float> g(static_cast<std::size_t>(v), NAN);
+  XentArgs a;
+  a.logits = z.data();
+  a.rows = 1;
+  a.vocab = v;
+  a.row_stride = v;
+  a.targets = &target;
+  a.grad_scale = &scale;
+  a.lse = &lse;
+  a.token_loss = &loss;
+  a.grad = g.data();
+  fused_xent(a, Device::kCpu);
+  EXPECT_FLOAT_EQ(lse, 1e4f);
+  EXPECT_FLOAT_EQ(loss, 1e4f);
+  EXPECT_FLOAT_EQ(g[3], 0.5f);
+  EXPECT_FLOAT_EQ(g[5], -0.5f);
+  for (int64_t k = 0; k < v; ++k) {
+    if (k != 3 && k != 5) {
+      EXPECT_EQ(g[k], 0.0f) << k;
+    }
+  }
+}
+
+TEST(FusedXent, RejectsTargetsOutsideTheVocabularyAndUnsupportedDtypes) {
+  const std::vector<float> z(8, 0.0f);
+  const int64_t target = 8;
+  float lse, loss;
+  XentArgs a;
+  a.logits = z.data();
+  a.rows = 1;
+  a.vocab = 8;
+  a.row_stride = 8;
+  a.targets = &target;
+  a.lse = &lse;
+  a.token_loss = &loss;
+  EXPECT_THROW(fused_xent(a, Device::kCpu), std::out_of_range);
+  a.dtype = DType::kFloat64;
+  EXPECT_THROW(fused_xent(a, Device::kCpu), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace lossguard::kernels

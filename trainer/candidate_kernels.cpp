@@ -1,0 +1,197 @@
+// The candidate through kernels/ (check --impl kernels): every CP rank's effective tokens counted by the
+// token-count kernel, the global zero-token flag reduced on the device and read once at the end, and the
+// nll from logits by the fused log-prob/loss/gradient kernel (float arithmetic, gradient in the logits'
+// dtype). Log-prob inputs need no fused kernel: an elementwise loop in float (double for float64).
+// No LibTorch: this runs in process.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "kernels/device_buffer.h"
+#include "kernels/fused_xent.h"
+#include "kernels/token_count.h"
+#include "kernels/zero_flag.h"
+#include "oracle/errors.h"
+#include "trainer/candidate.h"
+#include "trainer/shard_plan.h"
+
+namespace lossguard::trainer {
+
+namespace {
+
+using kernels::Device;
+using kernels::DeviceBuffer;
+
+// A host array's bytes where the kernels run: the host memory itself on the CPU, a copy on a GPU.
+template <typename T>
+const T* on_device(const T* host, std::size_t count, Device device, std::vector<DeviceBuffer>& keep) {
+  if (device == Device::kCpu) return host;
+  keep.emplace_back(device, count * sizeof(T));
+  keep.back().upload(host, count * sizeof(T));
+  return keep.back().as<T>();
+}
+
+// log-prob and token-loss inputs: loss and gradient element by element in Acc.
+template <typename Acc>
+double elementwise(const oracle::Batch& b, const oracle::LossSpec& spec, const HostArray& x_host,
+                   const std::vector<double>& coeff, const std::vector<int32_t>& row_rank, HostArray* grad) {
+  const int64_t rows = b.num_response_tokens();
+  std::vector<double> x(static_cast<std::size_t>(rows)), old, adv, g(static_cast<std::size_t>(rows), 0.0);
+  x_host.copy_f64(0, rows, x.data());
+  if (spec.loss == oracle::LossKind::kPpoClip) {
+    old.resize(static_cast<std::size_t>(rows));
+    adv.resize(static_cast<std::size_t>(rows));
+    b.per_token.at("old_log_probs").copy_f64(0, rows, old.data());
+    b.per_token.at("advantages").copy_f64(0, rows, adv.data());
+  }
+  const Acc lo = static_cast<Acc>(1.0 - spec.eps_low), hi = static_cast<Acc>(1.0 + spec.eps_high);
+  double total = 0.0;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (row_rank[r] < 0 || coeff[r] == 0.0) continue;
+    const Acc c = static_cast<Acc>(coeff[r]), v = static_cast<Acc>(x[r]);
+    Acc l, dl;
+    if (spec.loss == oracle::LossKind::kNll) {
+      l = -v;
+      dl = -1;
+    } else if (spec.loss == oracle::LossKind::kPpoClip) {
+      const Acc a = static_cast<Acc>(adv[r]);
+      const Acc rho = std::exp(v - static_cast<Acc>(old[r]));
+      const Acc unclipped = -rho * a, clipped = -std::clamp(rho, lo, hi) * a;
+      l = std::max(unclipped, clipped);
+      dl = (unclipped >= clipped || (rho >= lo && rho <= hi)) ? -rho * a : Acc(0);
+    } else {
+      l = v;
+      dl = 1;
+    }
+    total += static_cast<double>(c * l);
+    g[r] = static_cast<double>(c * dl);
+  }
+  *grad = HostArray::from_f64(x_host.dtype, x_host.shape, g);
+  return total;
+}
+
+}  // namespace
+
+void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
+  try {
+    const oracle::Batch& b = *in.batch;
+    const oracle::LossSpec& spec = in.spec;
+    const int64_t cp = in.cp, s = b.num_samples(), rows = b.num_response_tokens();
+    const Device device = in.device == 1 ? Device::kCuda : Device::kCpu;
+    const oracle::LossInput input = oracle::loss_input(b, spec.loss);
+    const HostArray& x_host = input == oracle::LossInput::kLogits ? *b.logits
+                              : input == oracle::LossInput::kLogProbs ? b.per_token.at("log_probs")
+                                                                      : b.per_token.at("token_loss");
+    out->dtype = std::string(dtype_name(x_host.dtype));
+    ShardPlan plan = plan_shards(b, cp, in.layout);
+
+    // 1. Counts: every rank's effective tokens for every sample, one pass over the masks on the device.
+    kernels::ChunkRule rule;
+    if (in.layout.packing == oracle::Packing::kBshd) rule.max_seq_len = in.layout.max_seq_len;
+    else rule.padded_total_length = in.layout.padded_total_length;
+    for (int64_t i = 0; i < s; ++i) oracle::chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
+    std::vector<DeviceBuffer> keep;
+    kernels::TokenCountArgs ca;
+    ca.loss_mask = on_device(b.loss_mask.data(), b.loss_mask.size(), device, keep);
+    ca.mask_offsets = on_device(b.response_offsets.data(), b.response_offsets.size(), device, keep);
+    ca.total_lengths = on_device(b.total_lengths.data(), b.total_lengths.size(), device, keep);
+    ca.response_lengths = on_device(b.response_lengths.data(), b.response_lengths.size(), device, keep);
+    ca.num_samples = s;
+    ca.cp_sizes = &cp;
+    ca.num_cp = 1;
+    ca.chunk = rule;
+    const std::size_t num_counts = static_cast<std::size_t>(s * cp);
+    DeviceBuffer counts(device, std::max<std::size_t>(num_counts, 1) * sizeof(int64_t));
+    ca.counts = counts.as<int64_t>();
+    kernels::count_tokens(ca, device);
+    // 2. The skip decision stays on the device until the end.
+    DeviceBuffer decision(device, sizeof(kernels::SkipDecision));
+    kernels::reduce_skip_decision(counts.as<int64_t>(), static_cast<int64_t>(num_counts), decision.as<kernels::SkipDecision>(), device);
+
+    // 3. Coefficients (the verifier needs the per-sample counts on the host; the trainer's step does not).
+    std::vector<int64_t> host_counts(num_counts);
+    counts.download(host_counts.data(), num_counts * sizeof(int64_t));
+    std::vector<int64_t> m(static_cast<std::size_t>(s), 0);
+    int64_t n_fixed = 0;
+    for (int64_t i = 0; i < s; ++i) {
+      for (int64_t r = 0; r < cp; ++r) m[i] += host_counts[static_cast<std::size_t>(i * cp + r)];
+      n_fixed += m[i];
+    }
+    const TrainerDenominators d = trainer_denominators(b, spec, cp, std::move(m), n_fixed);
+    out->denominator = d.denominator;
+    std::vector<double> coeff(static_cast<std::size_t>(rows), 0.0);
+    for (const auto& rank_rows : plan.owned) {
+      for (const OwnedRow& o : rank_rows) coeff[o.row] = token_coefficient(d, spec, o.sample, b.loss_mask[o.row]);
+    }
+
+    // 4. Loss and gradient.
+    double total = 0.0;
+    if (input == oracle::LossInput::kLogits) {
+      if (x_host.dtype != DType::kFloat32 && x_host.dtype != DType::kFloat16 && x_host.dtype != DType::kBFloat16) {
+        throw InputError(fmt::format("the kernels take float32, float16 or bfloat16 logits; these are {} (JSON dumps "
+                                     "load as float64): use --impl torch", dtype_name(x_host.dtype)));
+      }
+      const int64_t v = x_host.shape.at(1);
+      std::vector<int64_t> targets(static_cast<std::size_t>(rows), 0);
+      std::vector<float> scale(static_cast<std::size_t>(rows), 0.0f);
+      std::vector<uint8_t> active(static_cast<std::size_t>(rows), 0);
+      for (int64_t i = 0; i < s; ++i) {
+        for (int64_t j = 0; j < b.response_lengths[i]; ++j) {
+          const int64_t row = b.response_offsets[i] + j;
+          targets[row] = b.tokens[b.token_offsets[i] + b.prompt_length(i) + j];
+          scale[row] = static_cast<float>(coeff[row]);
+          active[row] = plan.row_rank[row] >= 0 && coeff[row] != 0.0;
+          if (active[row] && (targets[row] < 0 || targets[row] >= v)) {
+            throw InputError(fmt::format("{}: target token {} at response index {} is outside the vocabulary [0, {})",
+                                         b.describe_sample(i), targets[row], j, v));
+          }
+        }
+      }
+      out->grad = HostArray::zeros(x_host.dtype, x_host.shape);
+      DeviceBuffer grad_dev, lse(device, static_cast<std::size_t>(std::max<int64_t>(rows, 1)) * 4),
+          loss(device, static_cast<std::size_t>(std::max<int64_t>(rows, 1)) * 4);
+      kernels::XentArgs xa;
+      xa.logits = on_device(x_host.data, x_host.size_bytes(), device, keep);
+      xa.dtype = x_host.dtype;
+      xa.rows = rows;
+      xa.vocab = v;
+      xa.row_stride = v;
+      xa.targets = on_device(targets.data(), targets.size(), device, keep);
+      xa.grad_scale = on_device(scale.data(), scale.size(), device, keep);
+      xa.active = on_device(active.data(), active.size(), device, keep);
+      xa.lse = lse.as<float>();
+      xa.token_loss = loss.as<float>();
+      if (device == Device::kCpu) {
+        xa.grad = out->grad.mutable_data();
+      } else {
+        grad_dev = DeviceBuffer(device, out->grad.size_bytes());
+        xa.grad = grad_dev.data();
+      }
+      kernels::fused_xent(xa, device);
+      std::vector<float> token_loss(static_cast<std::size_t>(rows));
+      loss.download(token_loss.data(), token_loss.size() * 4);
+      if (device != Device::kCpu) grad_dev.download(out->grad.mutable_data(), out->grad.size_bytes());
+      // The SUM over CP ranks of each rank's partial loss.
+      for (const auto& rank_rows : plan.owned) {
+        double partial = 0.0;
+        for (const OwnedRow& o : rank_rows) partial += coeff[o.row] * token_loss[o.row];
+        total += partial;
+      }
+    } else if (x_host.dtype == DType::kFloat64) {
+      total = elementwise<double>(b, spec, x_host, coeff, plan.row_rank, &out->grad);
+    } else {
+      total = elementwise<float>(b, spec, x_host, coeff, plan.row_rank, &out->grad);
+    }
+    out->loss = total;
+    out->row_rank = std::move(plan.row_rank);
+    out->row_chunk = std::move(plan.row_chunk);
+    out->skip_flag = kernels::read_skip_decision(decision.as<kernels::SkipDecision>(), device).skip;  // the one sync
+  } catch (const std::exception& e) {
+    std::string msg = e.what();
+    out->error = msg.substr(0, msg.find('\n'));
+  }
+}
+
+}  // namespace lossguard::trainer
