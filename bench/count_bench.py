@@ -6,7 +6,8 @@
 Generates a large masks-only dump with `lossguard gen`, then measures in this one run:
   * the Python reference (torch, per sample, per CP rank, zig-zag slices, as Relax/slime do it) end to end,
   * `lossguard count` end to end (process start, load, validation, counting, report),
-  * the counting pass alone against a plain memcpy of the same bytes (bench/count_throughput).
+  * the counting pass alone (the oracle's, and the token-count kernel's CPU twin, checked equal) against a
+    plain memcpy of the same bytes (bench/count_throughput).
 and checks that both give the same denominators. Prints a JSON summary.
 """
 import argparse
@@ -88,6 +89,10 @@ def main():
         "count_GB_per_s": round(tp["count_bytes_per_s"] / 1e9, 2),
         "memcpy_GB_per_s": round(tp["memcpy_bytes_per_s"] / 1e9, 2),
         "count_vs_memcpy": round(tp["count_vs_memcpy"], 2),
+        "kernel_count_pass_s": round(tp["kernel_count_s"], 4),
+        "kernel_count_GB_per_s": round(tp["kernel_count_bytes_per_s"] / 1e9, 2),
+        "kernel_count_vs_memcpy": round(tp["kernel_count_vs_memcpy"], 2),
+        "kernel_threads": tp["kernel_threads"],
         "denominators_agree": True,
         "torch": torch.__version__,
     }

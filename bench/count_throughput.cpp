@@ -1,5 +1,6 @@
-// Counting throughput: loads a dump, times oracle::count_owned_tokens over several CP sizes (best of N),
-// and a plain memcpy of the same number of bytes in the same process, and prints both as JSON.
+// Counting throughput: loads a dump, times oracle::count_owned_tokens and the token-count kernel (CPU twin)
+// over several CP sizes (best of N), checks they agree exactly, and times a plain memcpy of the same number
+// of bytes in the same process; prints all three as JSON.
 //   count_throughput DUMP [CP,CP,...] [REPEATS]
 #include <algorithm>
 #include <chrono>
@@ -11,9 +12,11 @@
 #include <nlohmann/json.hpp>
 
 #include "io/dump.h"
+#include "kernels/token_count.h"
 #include "oracle/denominators.h"
 
 using Clock = std::chrono::steady_clock;
+using namespace lossguard;
 
 int main(int argc, char** argv) {
   if (argc < 2) {
@@ -40,6 +43,33 @@ int main(int argc, char** argv) {
     best_count = std::min(best_count, std::chrono::duration<double>(Clock::now() - a).count());
     checksum = lossguard::oracle::global_denominator(lossguard::oracle::Policy::kFixed, counts, 0);
   }
+  kernels::TokenCountArgs ka;
+  ka.loss_mask = batch.loss_mask.data();
+  ka.mask_offsets = batch.response_offsets.data();
+  ka.total_lengths = batch.total_lengths.data();
+  ka.response_lengths = batch.response_lengths.data();
+  ka.num_samples = batch.num_samples();
+  ka.cp_sizes = cps.data();
+  ka.num_cp = static_cast<int>(cps.size());
+  std::vector<int64_t> kernel_counts(static_cast<std::size_t>(kernels::token_count_size(ka)));
+  ka.counts = kernel_counts.data();
+  double best_kernel = 1e30;
+  for (int k = 0; k < repeats; ++k) {
+    const auto a = Clock::now();
+    kernels::count_tokens(ka, kernels::Device::kCpu);
+    best_kernel = std::min(best_kernel, std::chrono::duration<double>(Clock::now() - a).count());
+  }
+  const auto oracle_counts = lossguard::oracle::count_owned_tokens(batch, cps, {});
+  std::size_t offset = 0;
+  for (std::size_t c = 0; c < cps.size(); ++c) {
+    for (std::size_t e = 0; e < oracle_counts.per_rank[c].size(); ++e) {
+      if (kernel_counts[offset + e] != oracle_counts.per_rank[c][e]) {
+        std::cerr << "count_throughput: the kernel and the oracle disagree at cp " << cps[c] << ", entry " << e << "\n";
+        return 1;
+      }
+    }
+    offset += oracle_counts.per_rank[c].size();
+  }
   // Bytes the count must read: the masks once, plus the two lengths per sample.
   const double bytes = static_cast<double>(batch.loss_mask.size()) + 16.0 * static_cast<double>(batch.num_samples());
   std::vector<uint8_t> src(batch.loss_mask.size()), dst(batch.loss_mask.size());
@@ -59,6 +89,10 @@ int main(int argc, char** argv) {
                       {"count_bytes_per_s", bytes / best_count},
                       {"memcpy_bytes_per_s", static_cast<double>(src.size()) / best_copy},
                       {"count_vs_memcpy", (bytes / best_count) / (static_cast<double>(src.size()) / best_copy)},
+                      {"kernel_count_s", best_kernel},
+                      {"kernel_threads", kernels::cpu_threads()},
+                      {"kernel_count_bytes_per_s", bytes / best_kernel},
+                      {"kernel_count_vs_memcpy", (bytes / best_kernel) / (static_cast<double>(src.size()) / best_copy)},
                       {"denominator_cp1", checksum},
                       {"dst_probe", static_cast<int>(dst[dst.size() / 2])}};
   std::cout << j.dump() << "\n";

@@ -3,6 +3,8 @@
 // process (threaded like the kernel). The kernel must read the logits and write a gradient of the same
 // size, exactly the copy's traffic, so kernel_vs_copy is how far it is from the memory-traffic limit.
 //   xent_throughput [--rows R] [--vocab V] [--dtype float32|bfloat16|float16] [--repeats N] [--device cpu|cuda]
+//                   [--logits FILE --targets FILE]   (raw row-major logits in --dtype, raw int64 targets:
+//                                                     bench/xent_bench.py hands PyTorch's inputs over this way)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -25,7 +27,7 @@ using namespace lossguard;
 int main(int argc, char** argv) {
   int64_t rows = 8192, vocab = 32768;
   int repeats = 5;
-  std::string dtype_s = "float32", device_s = "cpu";
+  std::string dtype_s = "float32", device_s = "cpu", logits_path, targets_path;
   for (int k = 1; k + 1 < argc; k += 2) {
     const std::string f = argv[k], v = argv[k + 1];
     if (f == "--rows") rows = std::stoll(v);
@@ -33,6 +35,8 @@ int main(int argc, char** argv) {
     else if (f == "--dtype") dtype_s = v;
     else if (f == "--repeats") repeats = std::stoi(v);
     else if (f == "--device") device_s = v;
+    else if (f == "--logits") logits_path = v;
+    else if (f == "--targets") targets_path = v;
     else {
       std::cerr << "unknown option " << f << "\n";
       return 2;
@@ -47,6 +51,20 @@ int main(int argc, char** argv) {
   const std::size_t elem = dtype_size_bytes(dtype), n = static_cast<std::size_t>(rows * vocab), bytes = n * elem;
   // Seeded logits ~ N(0, 4): a cheap LCG per thread range (the generator is not what is measured).
   kernels::DeviceBuffer host_logits(kernels::Device::kCpu, bytes);
+  std::vector<int64_t> targets(static_cast<std::size_t>(rows));
+  auto read_raw = [](const std::string& path, void* dst, std::size_t n) {
+    std::FILE* f = std::fopen(path.c_str(), "rb");
+    const bool ok = f != nullptr && std::fread(dst, 1, n, f) == n;
+    if (f != nullptr) std::fclose(f);
+    if (!ok) {
+      std::cerr << "xent_throughput: cannot read " << n << " bytes from " << path << "\n";
+      std::exit(2);
+    }
+  };
+  if (!logits_path.empty()) {
+    read_raw(logits_path, host_logits.data(), bytes);
+    read_raw(targets_path, targets.data(), targets.size() * sizeof(int64_t));
+  } else {
   kernels::parallel_ranges(static_cast<int64_t>(n), 1 << 20, [&](int64_t b, int64_t e, int) {
     uint64_t s = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(b + 1);
     for (int64_t k = b; k < e; ++k) {
@@ -56,10 +74,10 @@ int main(int argc, char** argv) {
       else host_logits.as<uint16_t>()[k] = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bfloat16(x);
     }
   });
-  std::vector<int64_t> targets(static_cast<std::size_t>(rows));
-  std::vector<float> scale(static_cast<std::size_t>(rows), 1.0f / static_cast<float>(rows));
   fixtures::Rng rng(7);
   for (auto& t : targets) t = rng.uniform_int(0, vocab - 1);
+  }
+  std::vector<float> scale(static_cast<std::size_t>(rows), 1.0f / static_cast<float>(rows));
 
   kernels::DeviceBuffer logits(device, bytes), grad(device, bytes), copy_dst(device, bytes);
   kernels::DeviceBuffer d_targets(device, rows * 8), d_scale(device, rows * 4), d_lse(device, rows * 4), d_loss(device, rows * 4);
@@ -102,16 +120,15 @@ int main(int argc, char** argv) {
   const double xent_s = best_of([&] { kernels::fused_xent(a, device); });
   std::vector<float> loss(static_cast<std::size_t>(rows));
   d_loss.download(loss.data(), rows * 4);
-  double mean_loss = 0;
-  for (float l : loss) mean_loss += l;
-  mean_loss /= static_cast<double>(std::max<int64_t>(rows, 1));
+  double loss_sum = 0;  // sum_r c_r l_r with c_r = 1 / rows: the mean token loss
+  for (std::size_t r = 0; r < loss.size(); ++r) loss_sum += static_cast<double>(scale[r]) * loss[r];
   const double traffic = 2.0 * static_cast<double>(bytes);  // read logits + write gradient (= a copy's)
   nlohmann::json j = {{"rows", rows}, {"vocab", vocab}, {"dtype", dtype_s}, {"device", device_s},
                       {"isa", device == kernels::Device::kCpu ? kernels::xent_cpu_isa() : "cuda"},
                       {"threads", kernels::cpu_threads()}, {"repeats", repeats},
                       {"fused_xent_s", xent_s}, {"copy_s", copy_s},
                       {"fused_xent_traffic_bytes_per_s", traffic / xent_s}, {"copy_traffic_bytes_per_s", traffic / copy_s},
-                      {"kernel_vs_copy", xent_s / copy_s}, {"mean_token_loss", mean_loss}};
+                      {"kernel_vs_copy", xent_s / copy_s}, {"loss", loss_sum}};
   std::cout << j.dump() << "\n";
   return 0;
 }

@@ -179,6 +179,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           if (!flag_ok) {
             why.push_back(fmt::format("the device zero-token flag says {} but the batch has {} effective tokens",
                                       got.skip_flag == 1 ? "skip" : "step", want.no_signal ? "no" : "some"));
+          } else if (got.skip_flag == 1) {
+            why.push_back("zero-token flag, reduced on the device and read once: skip (no optimizer.step(), no LR step)");
           }
           for (const auto& w : why) out << "       " << w << "\n";
           const std::string name = fmt::format("cp={} {} {} {}{}", cp, oracle::loss_kind_name(loss), oracle::reduction_name(reduce), got.dtype,

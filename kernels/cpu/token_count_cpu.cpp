@@ -1,6 +1,7 @@
-// CPU twin of the masked token counter: per sample, the chunk boundaries of every requested CP size cut
-// the mask into segments, one pass sums the segments (16 bytes at a time), and each rank's count is a
-// difference of segment prefix sums.
+// CPU twin of the masked token counter: per sample, one pass over the mask gives the prefix sums each
+// rank's count is a difference of. Short masks keep every prefix (a few cycles a token, no sorting); long
+// ones only those at the chunk boundaries of the requested CP sizes, summing the segments between them
+// 16 bytes at a time.
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -49,7 +50,9 @@ void count_tokens_cpu(const TokenCountArgs& a) {
   }
   std::memset(a.counts, 0, static_cast<std::size_t>(token_count_size(a)) * sizeof(int64_t));
   parallel_ranges(a.num_samples, 4096, [&](int64_t begin, int64_t end, int) {
+    constexpr int64_t kShort = 2048;  // below this, a full prefix array is cheaper than sorting cuts
     std::vector<int64_t> cuts, prefix;
+    std::vector<int32_t> full_prefix(static_cast<std::size_t>(kShort + 1));
     cuts.reserve(static_cast<std::size_t>(max_cuts));
     prefix.reserve(static_cast<std::size_t>(max_cuts));
     for (int64_t i = begin; i < end; ++i) {
@@ -61,6 +64,22 @@ void count_tokens_cpu(const TokenCountArgs& a) {
       const int64_t owned_len = sft ? std::max<int64_t>(t - 1, 0) : r;
       const uint8_t* mask = a.loss_mask + a.mask_offsets[i];
       auto clip = [&](int64_t position) { return std::clamp<int64_t>(position - off, 0, owned_len); };
+      if (r <= kShort) {
+        full_prefix[0] = 0;
+        for (int64_t k = 0; k < r; ++k) full_prefix[k + 1] = full_prefix[k] + mask[k];
+        for (int c = 0; c < a.num_cp; ++c) {
+          const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk);
+          int64_t* out = a.counts + out_offset[c] + i * cp;
+          if (cp == 1) {
+            out[0] = full_prefix[r];
+            continue;
+          }
+          for (int64_t b = 0; b < 2 * cp; ++b) {
+            out[b < cp ? b : 2 * cp - 1 - b] += full_prefix[clip((b + 1) * cs)] - full_prefix[clip(b * cs)];
+          }
+        }
+        continue;
+      }
       cuts.assign({0, owned_len, r});
       for (int c = 0; c < a.num_cp; ++c) {
         const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk);
