@@ -30,8 +30,8 @@ test: build test-fuzz
 	@cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900
 
 # The loaders and the validator under libFuzzer with ASan + UBSan (a short smoke run of every target),
-# and the oracle's and loaders' unit tests under the same sanitizers: a separate clang build in
-# $(BUILD)-fuzz (the loader tests use the main build's LibTorch zip plugin).
+# and the oracle, loader, kernel, CLI and check unit tests under the same sanitizers: a separate clang
+# build in $(BUILD)-fuzz (the tests load the main build's LibTorch plugins).
 test-fuzz: build
 	@if [ ! -f $(BUILD)-fuzz/build.ninja ]; then \
 	  CC=clang CXX=clang++ cmake -S . -B $(BUILD)-fuzz -G Ninja -DLOSSGUARD_FUZZ=ON -DLOSSGUARD_PYTHON=$(PYTHON) \

@@ -5,6 +5,10 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <chrono>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -32,16 +36,42 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 
 // LOSSGUARD_INJECT_FAULT=kill:RANK:N makes rank RANK kill itself (SIGKILL) before its N-th collective
 // (N = 0: before the rendezvous): how the fault-injection tests lose a rank, or the store, mid-protocol.
+// LOSSGUARD_INJECT_FAULT=hang:RANK makes rank RANK never arrive (it sleeps until it is killed).
 int injected_kill_point(int64_t rank) {
   const char* spec = std::getenv("LOSSGUARD_INJECT_FAULT");
   long long r = -1, n = -1;
+  if (spec != nullptr && std::sscanf(spec, "hang:%lld", &r) == 1 && r == rank) {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(60));
+  }
   if (spec == nullptr || std::sscanf(spec, "kill:%lld:%lld", &r, &n) != 2 || r != rank) return -1;
   return static_cast<int>(n);
+}
+
+// A launcher that stops the job (torchrun, once one worker has failed, sends SIGTERM to the others) finds a
+// rank blocked in a collective: it says so and exits 3 (a distributed fault), not with a signal. Only
+// async-signal-safe calls in the handler; the message is formatted before it is installed.
+char g_term_message[160];
+std::size_t g_term_message_size = 0;
+extern "C" void on_sigterm(int) {
+  if (::write(2, g_term_message, g_term_message_size) < 0) {
+  }
+  ::_exit(3);
+}
+void exit_3_on_sigterm(int64_t rank) {
+  const int n = std::snprintf(g_term_message, sizeof g_term_message,
+                              "lossguard: rank %lld: stopped by the launcher (SIGTERM) before the replay finished; exit 3\n",
+                              static_cast<long long>(rank));
+  g_term_message_size = n > 0 ? std::min<std::size_t>(static_cast<std::size_t>(n), sizeof g_term_message - 1) : 0;
+  struct sigaction sa {};
+  sa.sa_handler = on_sigterm;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGTERM, &sa, nullptr);
 }
 
 void run(const RealReplayInput* in, RealReplayOutput* out) {
   const auto run_start = Clock::now();
   const LaunchEnv& env = in->env;
+  exit_3_on_sigterm(env.rank);
   const int kill_before = injected_kill_point(env.rank);
   if (kill_before == 0) std::raise(SIGKILL);
   const oracle::ReplayInputs& ri = *in->inputs;

@@ -3,10 +3,17 @@
 disappearing (rank 0, which serves it, killed). Every surviving rank must exit 3 within --timeout + 10 s,
 rank 0's report (when rank 0 survives) must name the missing ranks, and nothing may be left running.
 
-    multiproc_faults.py LOSSGUARD DUMP
+Each fault runs under a plain launcher (this script starts the ranks, so it sees every exit code and no
+launcher intervenes) and, given TORCHRUN, under real `torchrun --standalone`, whose agent stops the other
+workers (SIGTERM) once one fails: there every survivor must still exit 3 (torchrun's failure summary lists
+each rank's exit code), torchrun must name the lost rank as the root cause, and when the lost rank never
+arrived rank 0's report must name it. (Under torchrun the store is the agent's, so it cannot vanish.)
+
+    multiproc_faults.py LOSSGUARD DUMP [TORCHRUN]
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,8 +46,57 @@ def launch(lossguard, dump, report, ranks, fault=None):
     return codes, time.monotonic() - start, {r: p.stdout.read() + p.stderr.read() for r, p in procs.items()}
 
 
+def launch_torchrun(torchrun, lossguard, dump, report, fault):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC", "LOCAL_", "MASTER_"))}
+    env["LOSSGUARD_INJECT_FAULT"] = fault
+    cmd = [torchrun, "--standalone", "--nproc-per-node", str(WORLD), "--no-python", lossguard, "replay", dump, "--tp", "2",
+           "--pp", "2", "--backend", "gloo", "--timeout", str(TIMEOUT_S), "--json", report]
+    start = time.monotonic()
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S + 120)
+    elapsed = time.monotonic() - start
+    out = p.stdout + p.stderr
+    # torchrun's summary: "rank : R (local_rank: L)" then "exitcode : C" for every failed worker; the root
+    # cause comes after "Root Cause".
+    codes = {int(r): int(c) for r, c in re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", out)}
+    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", out, re.S)
+    return p.returncode, codes, (int(root.group(1)), int(root.group(2))) if root else None, elapsed, out
+
+
+def torchrun_scenarios(torchrun, lossguard, dump, tmp):
+    failures = []
+    scenarios = [
+        ("torchrun: rank 2 killed after the token-count all-reduce", "kill:2:2", 2, -9),
+        ("torchrun: rank 0 (the report's writer) killed before its first collective", "kill:0:1", 0, -9),
+        ("torchrun: rank 3 never arrives", "hang:3", 3, None),
+    ]
+    for name, fault, lost, lost_code in scenarios:
+        report = os.path.join(tmp, f"torchrun-{time.monotonic_ns()}.json")
+        rc, codes, root, elapsed, out = launch_torchrun(torchrun, lossguard, dump, report, fault)
+        survivors = [r for r in range(WORLD) if r != lost]
+        if rc == 0:
+            failures.append(f"{name}: torchrun exited 0")
+        bad = {r: codes.get(r) for r in survivors if codes.get(r) != 3}
+        if bad:
+            failures.append(f"{name}: surviving ranks exited {bad} (torchrun's summary), expected 3; output: {out[-3000:]}")
+        if lost_code is not None and root != (lost, lost_code):
+            failures.append(f"{name}: torchrun's root cause is {root}, expected rank {lost} with exit code {lost_code}")
+        if elapsed > TIMEOUT_S + 10:
+            failures.append(f"{name}: took {elapsed:.1f} s > --timeout {TIMEOUT_S} + 10 s")
+        if lost_code is None:  # nobody failed before the deadline: rank 0 reports, naming the absent rank
+            doc = json.load(open(report))
+            if doc["ranks"][lost]["outcome"] != "error" or "never reported" not in doc["ranks"][lost]["detail"]:
+                failures.append(f"{name}: rank 0's report does not name rank {lost} as missing: {doc['ranks'][lost]}")
+        left = subprocess.run(["pgrep", "-f", report], capture_output=True, text=True).stdout.split()
+        if left:
+            failures.append(f"{name}: processes left behind: {left}")
+        print(f"{name}: survivors {survivors} exited {[codes.get(r) for r in survivors]}, root cause {root}, "
+              f"in {elapsed:.1f} s", flush=True)
+    return len(scenarios), failures
+
+
 def main():
     lossguard, dump = sys.argv[1], sys.argv[2]
+    torchrun = sys.argv[3] if len(sys.argv) > 3 else None
     failures = []
     scenarios = [
         ("rank 3 killed before its first collective", [0, 1, 2, 3], "kill:3:1", [3]),
@@ -70,6 +126,10 @@ def main():
             if left:
                 failures.append(f"{name}: processes left behind: {left}")
             print(f"{name}: surviving ranks {survivors} exited {[codes[r] for r in survivors]} in {elapsed:.1f} s", flush=True)
+        if torchrun:
+            n, more = torchrun_scenarios(torchrun, lossguard, dump, tmp)
+            scenarios += [None] * n
+            failures += more
     for f in failures:
         print("FAIL:", f, file=sys.stderr)
     print(f"{len(scenarios) - len({f.split(':')[0] for f in failures})} passed, {len({f.split(':')[0] for f in failures})} failed")

@@ -1,6 +1,10 @@
 // CPU twin of the fused cross entropy: rows split over the worker threads, each running the row kernel
 // built for the best instruction set this CPU has.
 #include <cstdlib>
+
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 #include <stdexcept>
 #include <string>
 
@@ -20,17 +24,31 @@ struct Isa {
   RowsFn rows;
 };
 
+}  // namespace
+
+bool xent_isa_runs(const std::string& name) {
+  if (name == "generic") return true;
+#if defined(__x86_64__) && defined(LOSSGUARD_XENT_X86)
+  __builtin_cpu_init();
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;  // not every compiler's builtin knows it
+  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi2") && f16c;
+  const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (name == "avx2") return v3;
+  if (name == "avx512") return v4;
+#endif
+  return false;
+}
+
+namespace {
+
 Isa pick_isa() {
   const char* forced = std::getenv("LOSSGUARD_CPU_ISA");
   const std::string want = forced != nullptr ? forced : "";
 #if defined(__x86_64__) && defined(LOSSGUARD_XENT_X86)
-  __builtin_cpu_init();
-  const bool v4 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-                  __builtin_cpu_supports("bmi2");
-  if (v4 && want != "avx2" && want != "generic") return {"avx512", avx512::xent_rows};
-  if (v3 && want != "generic") return {"avx2", avx2::xent_rows};
+  if (xent_isa_runs("avx512") && want != "avx2" && want != "generic") return {"avx512", avx512::xent_rows};
+  if (xent_isa_runs("avx2") && want != "generic") return {"avx2", avx2::xent_rows};
 #endif
   return {"generic", generic::xent_rows};
 }

@@ -1,6 +1,7 @@
 // The per-ISA row kernels of the fused cross entropy (cpu/fused_xent_body.h), chosen once per process.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "kernels/fused_xent.h"
 
@@ -15,5 +16,7 @@ namespace generic { void xent_rows(const XentArgs& a, int64_t begin, int64_t end
 
 // "avx512", "avx2" or "generic": what this CPU runs (LOSSGUARD_CPU_ISA=generic|avx2 forces a lower one).
 const char* xent_cpu_isa();
+// Whether this build has the named row kernel and this CPU can run it.
+bool xent_isa_runs(const std::string& name);
 
 }  // namespace lossguard::kernels

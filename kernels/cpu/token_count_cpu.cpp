@@ -48,7 +48,9 @@ void count_tokens_cpu(const TokenCountArgs& a) {
     if (c > 0) out_offset[c] = out_offset[c - 1] + a.num_samples * a.cp_sizes[c - 1];
     max_cuts += 2 * a.cp_sizes[c];
   }
-  std::memset(a.counts, 0, static_cast<std::size_t>(token_count_size(a)) * sizeof(int64_t));
+  const int64_t total = token_count_size(a);
+  if (total == 0) return;  // no samples (counts may then be null)
+  std::memset(a.counts, 0, static_cast<std::size_t>(total) * sizeof(int64_t));
   parallel_ranges(a.num_samples, 4096, [&](int64_t begin, int64_t end, int) {
     constexpr int64_t kShort = 2048;  // below this, a full prefix array is cheaper than sorting cuts
     std::vector<int64_t> cuts, prefix;
