@@ -43,14 +43,7 @@ int main(int argc, char** argv) {
     best_count = std::min(best_count, std::chrono::duration<double>(Clock::now() - a).count());
     checksum = lossguard::oracle::global_denominator(lossguard::oracle::Policy::kFixed, counts, 0);
   }
-  kernels::TokenCountArgs ka;
-  ka.loss_mask = batch.loss_mask.data();
-  ka.mask_offsets = batch.response_offsets.data();
-  ka.total_lengths = batch.total_lengths.data();
-  ka.response_lengths = batch.response_lengths.data();
-  ka.num_samples = batch.num_samples();
-  ka.cp_sizes = cps.data();
-  ka.num_cp = static_cast<int>(cps.size());
+  kernels::TokenCountArgs ka = kernels::host_token_count_args(batch, cps);
   std::vector<int64_t> kernel_counts(static_cast<std::size_t>(kernels::token_count_size(ka)));
   ka.counts = kernel_counts.data();
   double best_kernel = 1e30;

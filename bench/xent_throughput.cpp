@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::size_t elem = dtype_size_bytes(dtype), n = static_cast<std::size_t>(rows * vocab), bytes = n * elem;
-  // Seeded logits ~ N(0, 4): a cheap LCG per thread range (the generator is not what is measured).
+  // Seeded logits, uniform in [-4, 4): a cheap LCG per thread range (the generator is not what is measured).
   kernels::DeviceBuffer host_logits(kernels::Device::kCpu, bytes);
   std::vector<int64_t> targets(static_cast<std::size_t>(rows));
   auto read_raw = [](const std::string& path, void* dst, std::size_t n) {
@@ -65,17 +65,17 @@ int main(int argc, char** argv) {
     read_raw(logits_path, host_logits.data(), bytes);
     read_raw(targets_path, targets.data(), targets.size() * sizeof(int64_t));
   } else {
-  kernels::parallel_ranges(static_cast<int64_t>(n), 1 << 20, [&](int64_t b, int64_t e, int) {
-    uint64_t s = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(b + 1);
-    for (int64_t k = b; k < e; ++k) {
-      s = s * 6364136223846793005ull + 1442695040888963407ull;
-      const float x = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 8.0f;
-      if (dtype == DType::kFloat32) host_logits.as<float>()[k] = x;
-      else host_logits.as<uint16_t>()[k] = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bfloat16(x);
-    }
-  });
-  fixtures::Rng rng(7);
-  for (auto& t : targets) t = rng.uniform_int(0, vocab - 1);
+    kernels::parallel_ranges(static_cast<int64_t>(n), 1 << 20, [&](int64_t b, int64_t e, int) {
+      uint64_t s = 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(b + 1);
+      for (int64_t k = b; k < e; ++k) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        const float x = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 8.0f;
+        if (dtype == DType::kFloat32) host_logits.as<float>()[k] = x;
+        else host_logits.as<uint16_t>()[k] = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bfloat16(x);
+      }
+    });
+    fixtures::Rng rng(7);
+    for (auto& t : targets) t = rng.uniform_int(0, vocab - 1);
   }
   std::vector<float> scale(static_cast<std::size_t>(rows), 1.0f / static_cast<float>(rows));
 

@@ -13,7 +13,11 @@
 #pragma once
 #include <cstdint>
 
+#include <vector>
+
 #include "kernels/device.h"
+#include "oracle/batch.h"
+#include "oracle/cp_shard.h"
 
 namespace lossguard::kernels {
 
@@ -34,6 +38,12 @@ struct TokenCountArgs {
   ChunkRule chunk;
   int64_t* counts = nullptr;
 };
+
+// The chunk rule of a layout (thd, thd padded, bshd).
+ChunkRule chunk_rule(const oracle::ShardLayout& layout);
+// The arguments for a batch in host memory; `counts` is left to the caller.
+TokenCountArgs host_token_count_args(const oracle::Batch& batch, const std::vector<int64_t>& cp_sizes,
+                                     const oracle::ShardLayout& layout = {});
 
 // Total int64 entries of `counts`: S * sum of cp sizes.
 int64_t token_count_size(const TokenCountArgs& a);

@@ -35,14 +35,7 @@ TEST(CudaTokenCount, AgreesExactlyWithTheCpuTwin) {
     o.max_response = rng.uniform_int(1, 5000);
     const oracle::Batch b = fixtures::make_case(trial % 2 ? "random" : "long-random", o);
     const std::vector<int64_t> cps = {1, 2, 3, 4, 8, 16};
-    TokenCountArgs a;
-    a.loss_mask = b.loss_mask.data();
-    a.mask_offsets = b.response_offsets.data();
-    a.total_lengths = b.total_lengths.data();
-    a.response_lengths = b.response_lengths.data();
-    a.num_samples = b.num_samples();
-    a.cp_sizes = cps.data();
-    a.num_cp = static_cast<int>(cps.size());
+    TokenCountArgs a = host_token_count_args(b, cps);
     std::vector<int64_t> want(static_cast<std::size_t>(token_count_size(a))), got(want.size(), -1);
     a.counts = want.data();
     count_tokens(a, Device::kCpu);

@@ -21,16 +21,8 @@
 namespace lossguard::kernels {
 namespace {
 
-std::vector<int64_t> kernel_counts(const oracle::Batch& b, const std::vector<int64_t>& cps, const ChunkRule& rule) {
-  TokenCountArgs a;
-  a.loss_mask = b.loss_mask.data();
-  a.mask_offsets = b.response_offsets.data();
-  a.total_lengths = b.total_lengths.data();
-  a.response_lengths = b.response_lengths.data();
-  a.num_samples = b.num_samples();
-  a.cp_sizes = cps.data();
-  a.num_cp = static_cast<int>(cps.size());
-  a.chunk = rule;
+std::vector<int64_t> kernel_counts(const oracle::Batch& b, const std::vector<int64_t>& cps, const oracle::ShardLayout& layout) {
+  TokenCountArgs a = host_token_count_args(b, cps, layout);
   std::vector<int64_t> out(static_cast<std::size_t>(token_count_size(a)), -1);
   a.counts = out.data();
   count_tokens(a, Device::kCpu);
@@ -40,10 +32,7 @@ std::vector<int64_t> kernel_counts(const oracle::Batch& b, const std::vector<int
 // Compares the kernel's counts with the oracle's count_owned_tokens, entry by entry.
 void expect_counts_match_oracle(const oracle::Batch& b, const std::vector<int64_t>& cps, const oracle::ShardLayout& layout,
                                 const std::string& what) {
-  ChunkRule rule;
-  if (layout.packing == oracle::Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
-  else rule.padded_total_length = layout.padded_total_length;
-  const std::vector<int64_t> got = kernel_counts(b, cps, rule);
+  const std::vector<int64_t> got = kernel_counts(b, cps, layout);
   const oracle::OwnedCounts want = oracle::count_owned_tokens(b, cps, layout);
   std::size_t offset = 0;
   for (std::size_t c = 0; c < cps.size(); ++c) {

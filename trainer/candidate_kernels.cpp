@@ -88,9 +88,6 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     ShardPlan plan = plan_shards(b, cp, in.layout);
 
     // 1. Counts: every rank's effective tokens for every sample, one pass over the masks on the device.
-    kernels::ChunkRule rule;
-    if (in.layout.packing == oracle::Packing::kBshd) rule.max_seq_len = in.layout.max_seq_len;
-    else rule.padded_total_length = in.layout.padded_total_length;
     for (int64_t i = 0; i < s; ++i) oracle::chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
     std::vector<DeviceBuffer> keep;
     kernels::TokenCountArgs ca;
@@ -101,7 +98,7 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     ca.num_samples = s;
     ca.cp_sizes = &cp;
     ca.num_cp = 1;
-    ca.chunk = rule;
+    ca.chunk = kernels::chunk_rule(in.layout);
     const std::size_t num_counts = static_cast<std::size_t>(s * cp);
     DeviceBuffer counts(device, std::max<std::size_t>(num_counts, 1) * sizeof(int64_t));
     ca.counts = counts.as<int64_t>();

@@ -35,6 +35,26 @@ int64_t sum_bytes(const uint8_t* p, int64_t n) {
 
 }  // namespace
 
+ChunkRule chunk_rule(const oracle::ShardLayout& layout) {
+  ChunkRule rule;
+  if (layout.packing == oracle::Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
+  else rule.padded_total_length = layout.padded_total_length;
+  return rule;
+}
+
+TokenCountArgs host_token_count_args(const oracle::Batch& b, const std::vector<int64_t>& cp_sizes, const oracle::ShardLayout& layout) {
+  TokenCountArgs a;
+  a.loss_mask = b.loss_mask.data();
+  a.mask_offsets = b.response_offsets.data();
+  a.total_lengths = b.total_lengths.data();
+  a.response_lengths = b.response_lengths.data();
+  a.num_samples = b.num_samples();
+  a.cp_sizes = cp_sizes.data();
+  a.num_cp = static_cast<int>(cp_sizes.size());
+  a.chunk = chunk_rule(layout);
+  return a;
+}
+
 int64_t token_count_size(const TokenCountArgs& a) {
   int64_t total = 0;
   for (int c = 0; c < a.num_cp; ++c) total += a.cp_sizes[c];
