@@ -1,4 +1,4 @@
-// `lossguard check`: the candidate (a CP-sharded trainer in LibTorch, in the dump's dtype) against the
+// `lossguard check`: the candidate (a CP-sharded trainer: LibTorch in the dump's dtype, or the kernels) against the
 // float64 oracle, for every CP size, loss and reduction: denominator (exact), loss value, gradient.
 #include <algorithm>
 #include <cmath>
@@ -226,7 +226,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
 void register_check(CLI::App& root, Commands& commands) {
   auto cmd = std::make_unique<Command>();
   auto opts = std::make_shared<CheckOptions>();
-  CLI::App* app = root.add_subcommand("check", "Candidate (CP-sharded LibTorch trainer, dump dtype) vs the float64 oracle: "
+  CLI::App* app = root.add_subcommand("check", "Candidate (a CP-sharded trainer: LibTorch in the dump dtype, or lossguard's kernels) vs the float64 oracle: "
                                                "denominators, loss, gradients");
   cmd->app = app;
   app->footer(
