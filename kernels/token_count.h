@@ -16,8 +16,11 @@
 #include <vector>
 
 #include "kernels/device.h"
-#include "oracle/batch.h"
 #include "oracle/cp_shard.h"
+
+namespace lossguard::oracle {
+struct Batch;  // oracle/batch.h (kept out of this header: CUDA translation units include it)
+}
 
 namespace lossguard::kernels {
 

@@ -12,6 +12,7 @@
 
 #include "kernels/cpu/parallel.h"
 #include "kernels/token_count.h"
+#include "oracle/batch.h"
 
 namespace lossguard::kernels {
 
