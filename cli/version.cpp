@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include "cli/command.h"
+#include "kernels/cpu/fused_xent_rows.h"
+#include "kernels/device.h"
 #include "kernels/device_info.h"
 #include "lossguard/build_config.h"
 
@@ -15,6 +17,7 @@ std::string version_text() {
   s += fmt::format("NCCL: {}\n", d.nccl_compiled ? fmt::format("compiled in ({})", d.nccl_version) : "not compiled in");
   s += fmt::format("device: {}\n", d.device_count > 0 ? fmt::format("{} CUDA device(s); device 0: {}", d.device_count, d.device_name)
                                                       : fmt::format("none ({})", d.status));
+  s += fmt::format("CPU kernels: {}, {} thread(s)\n", kernels::xent_cpu_isa(), kernels::cpu_threads());
   return s;
 }
 

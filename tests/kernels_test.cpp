@@ -12,6 +12,7 @@
 
 #include "fixtures/cases.h"
 #include "kernels/cpu/fused_xent_rows.h"
+#include "kernels/cpu/parallel.h"
 #include "kernels/fused_xent.h"
 #include "kernels/token_count.h"
 #include "kernels/zero_flag.h"
@@ -88,6 +89,19 @@ TEST(TokenCount, NoSamplesWritesNothing) {
   b.response_offsets = {0};
   b.token_offsets = {0};
   EXPECT_TRUE(kernel_counts(b, {1, 2}, {}).empty());
+}
+
+TEST(ParallelRanges, CoverEveryItemOnceAndRethrowAWorkersException) {
+  std::vector<int> hits(1000, 0);
+  parallel_ranges(1000, 10, [&](int64_t b, int64_t e, int) {
+    for (int64_t k = b; k < e; ++k) ++hits[k];
+  });
+  for (int h : hits) ASSERT_EQ(h, 1);
+  // The last range throws; with one thread or many, the caller sees it after every thread finished.
+  EXPECT_THROW(parallel_ranges(1000, 10, [](int64_t, int64_t e, int) {
+                 if (e == 1000) throw std::bad_alloc();
+               }),
+               std::bad_alloc);
 }
 
 TEST(SkipDecision, FlagIsSetExactlyWhenTheCountsSumToZero) {

@@ -1,9 +1,10 @@
 // Splits [0, n) into contiguous ranges over the CPU twins' worker threads (kernels::cpu_threads()), at
-// least `grain` items each; the calling thread takes the first range. Exceptions are not expected from
-// `fn` (the twins validate before they split).
+// least `grain` items each; the calling thread takes the first range. An exception in any range (a failed
+// allocation, say) is rethrown in the caller once every thread has finished.
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <thread>
 #include <vector>
 
@@ -20,13 +21,22 @@ void parallel_ranges(int64_t n, int64_t grain, Fn&& fn) {
     return;
   }
   std::vector<std::thread> workers;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(parts));
   workers.reserve(static_cast<std::size_t>(parts - 1));
   auto bounds = [&](int64_t p) { return p * n / parts; };
-  for (int64_t p = 1; p < parts; ++p) {
-    workers.emplace_back([&, p] { fn(bounds(p), bounds(p + 1), static_cast<int>(p)); });
-  }
-  fn(bounds(0), bounds(1), 0);
+  auto guarded = [&](int64_t p) {
+    try {
+      fn(bounds(p), bounds(p + 1), static_cast<int>(p));
+    } catch (...) {
+      errors[static_cast<std::size_t>(p)] = std::current_exception();
+    }
+  };
+  for (int64_t p = 1; p < parts; ++p) workers.emplace_back(guarded, p);
+  guarded(0);
   for (auto& w : workers) w.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
 }
 
 }  // namespace lossguard::kernels
