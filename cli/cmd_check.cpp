@@ -75,9 +75,10 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   }
   kernels::Device device;
   if (!kernels::parse_device(o.device, &device)) throw_input_error("--device must be cpu or cuda, got '{}'", o.device);
-  if (device == kernels::Device::kCuda && !kernels::cuda_available()) {
+  if (device == kernels::Device::kCuda && !kernels::cuda_available()) {  // SPEC §8: nothing verified, exit 4
     const kernels::DeviceInfo info = kernels::query_device_info();
-    throw_input_error("--device cuda: {}", info.status.empty() ? "no CUDA device" : info.status);
+    throw UnverifiedError(fmt::format("--device cuda: no CUDA device ({})",
+                                      info.status.empty() ? "none found" : info.status));
   }
   const oracle::ShardLayout layout = o.layout.layout();
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
