@@ -42,7 +42,7 @@ void count_tokens(const TokenCountArgs& a, Device device) {
 }
 
 void fused_xent(const XentArgs& a, Device device) {
-  if (a.dtype != DType::kFloat32 && a.dtype != DType::kFloat16 && a.dtype != DType::kBFloat16) {
+  if (!fused_xent_takes(a.dtype)) {
     throw std::invalid_argument("fused_xent: logits must be float32, float16 or bfloat16, got " + std::string(dtype_name(a.dtype)));
   }
   if (a.rows < 0 || a.vocab < 1 || a.row_stride < a.vocab) throw std::invalid_argument("fused_xent: inconsistent sizes");

@@ -32,7 +32,10 @@ struct XentArgs {
   void* grad = nullptr;
 };
 
-// Throws std::invalid_argument on a dtype other than float32/float16/bfloat16 or inconsistent sizes.
+// The logits dtypes the fused kernel takes: float32, float16, bfloat16.
+inline bool fused_xent_takes(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
+
+// Throws std::invalid_argument on a dtype fused_xent_takes refuses, or inconsistent sizes.
 void fused_xent(const XentArgs& a, Device device);
 
 void fused_xent_cpu(const XentArgs& a);

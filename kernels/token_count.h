@@ -43,7 +43,12 @@ struct TokenCountArgs {
 };
 
 // The chunk rule of a layout (thd, thd padded, bshd).
-ChunkRule chunk_rule(const oracle::ShardLayout& layout);
+inline ChunkRule chunk_rule(const oracle::ShardLayout& layout) {
+  ChunkRule rule;
+  if (layout.packing == oracle::Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
+  else rule.padded_total_length = layout.padded_total_length;
+  return rule;
+}
 // The arguments for a batch in host memory; `counts` is left to the caller.
 TokenCountArgs host_token_count_args(const oracle::Batch& batch, const std::vector<int64_t>& cp_sizes,
                                      const oracle::ShardLayout& layout = {});

@@ -126,7 +126,7 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     // 4. Loss and gradient.
     double total = 0.0;
     if (input == oracle::LossInput::kLogits) {
-      if (x_host.dtype != DType::kFloat32 && x_host.dtype != DType::kFloat16 && x_host.dtype != DType::kBFloat16) {
+      if (!kernels::fused_xent_takes(x_host.dtype)) {
         throw InputError(fmt::format("the kernels take float32, float16 or bfloat16 logits; these are {} (JSON dumps "
                                      "load as float64): use --impl torch", dtype_name(x_host.dtype)));
       }

@@ -3,19 +3,10 @@
 
 #include <algorithm>
 
+#include "kernels/token_count.h"
 #include "oracle/errors.h"
 
 namespace lossguard::trainer {
-
-namespace {
-
-int64_t trainer_chunk_size(int64_t t, int64_t cp, const oracle::ShardLayout& layout) {
-  if (layout.packing == oracle::Packing::kBshd) return (layout.max_seq_len + 2 * cp - 1) / (2 * cp);
-  if (layout.padded_total_length > 0) return layout.padded_total_length / (2 * cp);
-  return (t + 2 * cp - 1) / (2 * cp);
-}
-
-}  // namespace
 
 ShardPlan plan_shards(const oracle::Batch& b, int64_t cp, const oracle::ShardLayout& layout) {
   ShardPlan plan;
@@ -30,7 +21,7 @@ ShardPlan plan_shards(const oracle::Batch& b, int64_t cp, const oracle::ShardLay
       for (int64_t j = 0; j < r; ++j) plan.owned[0].push_back({b.response_offsets[i] + j, i, 0});
       continue;
     }
-    const int64_t cs = trainer_chunk_size(t, cp, layout);
+    const int64_t cs = kernels::chunk_size_of(t, cp, kernels::chunk_rule(layout));  // header-only
     for (int64_t rank = 0; rank < cp; ++rank) {
       const int64_t chunks[2] = {rank, 2 * cp - 1 - rank};
       for (int8_t c = 0; c < 2; ++c) {

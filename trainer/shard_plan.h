@@ -1,6 +1,7 @@
-// What both trainer implementations share, free of LibTorch and kernels: the trainer's own zig-zag split
-// (by token positions, independent of oracle/cp_shard.h's ownership ranges) and its loss coefficients
-// from the counts each implementation computes its own way.
+// What both trainer implementations share, free of LibTorch and of kernel code (only the kernels' inline
+// chunk-size rule): the trainer's own zig-zag split, by token positions and independent of
+// oracle/cp_shard.h's ownership ranges, and its loss coefficients from the counts each implementation
+// computes its own way.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -36,13 +36,6 @@ int64_t sum_bytes(const uint8_t* p, int64_t n) {
 
 }  // namespace
 
-ChunkRule chunk_rule(const oracle::ShardLayout& layout) {
-  ChunkRule rule;
-  if (layout.packing == oracle::Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
-  else rule.padded_total_length = layout.padded_total_length;
-  return rule;
-}
-
 TokenCountArgs host_token_count_args(const oracle::Batch& b, const std::vector<int64_t>& cp_sizes, const oracle::ShardLayout& layout) {
   TokenCountArgs a;
   a.loss_mask = b.loss_mask.data();
