@@ -27,9 +27,11 @@ at::ScalarType scalar_type(DType d) {
   }
 }
 
-at::Tensor to_tensor(const HostArray& a) {
+// A view of the batch's memory, not a copy (logits can be GiBs): the candidate only reads it
+// (index_select, dtype conversions), never writes in place, and the batch outlives the run.
+at::Tensor borrowed_tensor(const HostArray& a) {
   std::vector<int64_t> shape(a.shape.begin(), a.shape.end());
-  return at::from_blob(const_cast<std::byte*>(a.data), shape, at::TensorOptions().dtype(scalar_type(a.dtype))).clone();
+  return at::from_blob(const_cast<std::byte*>(a.data), shape, at::TensorOptions().dtype(scalar_type(a.dtype)));
 }
 
 void run(const CandidateInput* in, CandidateOutput* out) {
@@ -42,7 +44,7 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const HostArray& x_host = input == LossInput::kLogits ? *b.logits
                               : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
                                                               : b.per_token.at("token_loss");
-    const at::Tensor x = to_tensor(x_host);
+    const at::Tensor x = borrowed_tensor(x_host);
     const at::ScalarType dt = x.scalar_type();
     out->dtype = std::string(dtype_name(x_host.dtype));
     const int64_t rows = b.num_response_tokens(), s = b.num_samples();
@@ -75,8 +77,8 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     // ppo-clip's other inputs, in the working dtype, once for every rank.
     at::Tensor old_all, adv_all;
     if (input == LossInput::kLogProbs && spec.loss == LossKind::kPpoClip) {
-      old_all = to_tensor(b.per_token.at("old_log_probs")).to(dt);
-      adv_all = to_tensor(b.per_token.at("advantages")).to(dt);
+      old_all = borrowed_tensor(b.per_token.at("old_log_probs")).to(dt);
+      adv_all = borrowed_tensor(b.per_token.at("advantages")).to(dt);
     }
     for (int64_t rank = 0; rank < cp; ++rank) {
       if (owned[rank].empty()) continue;
