@@ -34,7 +34,7 @@ int main(int argc, char** argv) {
   const int repeats = argc > 3 ? std::atoi(argv[3]) : 5;
   const auto t0 = Clock::now();
   auto dump = lossguard::io::read_dump(argv[1]);
-  auto batch = lossguard::io::build_batch({dump}, {}, lossguard::oracle::LoadNeeds{false, false, false});
+  auto batch = lossguard::io::build_batch({dump}, {}, lossguard::LoadNeeds{false, false, false});
   const double load_s = std::chrono::duration<double>(Clock::now() - t0).count();
 
   double best_count = 1e30;
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     const auto a = Clock::now();
     auto counts = lossguard::oracle::count_owned_tokens(batch, cps, {});
     best_count = std::min(best_count, std::chrono::duration<double>(Clock::now() - a).count());
-    checksum = lossguard::oracle::global_denominator(lossguard::oracle::Policy::kFixed, counts, 0);
+    checksum = lossguard::oracle::global_denominator(lossguard::Policy::kFixed, counts, 0);
   }
   kernels::TokenCountArgs ka = kernels::host_token_count_args(batch, cps);
   std::vector<int64_t> kernel_counts(static_cast<std::size_t>(kernels::token_count_size(ka)));

@@ -9,7 +9,7 @@
 #include <fmt/format.h>
 
 #include "cli/command.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::cli {
 
@@ -27,7 +27,7 @@ Examples:
   lossguard gen --case empty-responses --out batch.safetensors
   lossguard inspect batch.safetensors
   lossguard inspect rollout_0.pt --json report.json
-Run `lossguard <command> --help` for each command's options. Semantics: SPEC.md.)";
+Run `lossguard <command> --help` for each command's options. Semantics: docs/semantics.md in the repository.)";
 
 class NullBuffer : public std::streambuf {
  protected:

@@ -10,7 +10,7 @@
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
 #include "oracle/compare.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/findings.h"
 #include "oracle/loss.h"
 #include "kernels/device.h"
@@ -47,21 +47,21 @@ std::string location_text(const oracle::GradLocation& l) {
 }
 
 void run_check(const CheckOptions& o, Report& report, Context& ctx) {
-  const oracle::Policy policy = policy_from_option(o.policy);
-  std::vector<oracle::LossKind> losses;
+  const Policy policy = policy_from_option(o.policy);
+  std::vector<LossKind> losses;
   for (const auto& l : o.losses) {
-    oracle::LossKind k;
-    if (!oracle::parse_loss_kind(l, &k)) throw_input_error("--loss must be nll, ppo-clip or given, got '{}'", l);
+    LossKind k;
+    if (!parse_loss_kind(l, &k)) throw_input_error("--loss must be nll, ppo-clip or given, got '{}'", l);
     losses.push_back(k);
   }
-  std::vector<oracle::Reduction> reduces;
+  std::vector<Reduction> reduces;
   for (const auto& r : o.reduces) {
     if (r == "all") {
-      reduces = oracle::all_reductions();
+      reduces = all_reductions();
       break;
     }
-    oracle::Reduction x;
-    if (!oracle::parse_reduction(r, &x)) throw_input_error("--reduce: unknown reduction '{}'", r);
+    Reduction x;
+    if (!parse_reduction(r, &x)) throw_input_error("--reduce: unknown reduction '{}'", r);
     reduces.push_back(x);
   }
   for (int64_t c : o.cp_sizes) {
@@ -80,13 +80,13 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
     throw UnverifiedError(fmt::format("--device cuda: no CUDA device ({})",
                                       info.status.empty() ? "none found" : info.status));
   }
-  const oracle::ShardLayout layout = o.layout.layout();
+  const ShardLayout layout = o.layout.layout();
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
-  const oracle::Batch& b = loaded.batch;
+  const Batch& b = loaded.batch;
   if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
   std::ostream& out = ctx.out;
   out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}, candidate {}{}\n", b.num_samples(),
-                     oracle::policy_name(policy), fmt::join(o.cp_sizes, ", "), fmt::join(o.impls, " and "),
+                     policy_name(policy), fmt::join(o.cp_sizes, ", "), fmt::join(o.impls, " and "),
                      device == kernels::Device::kCuda ? " (kernels on CUDA)" : "");
 
   // Samples without effective tokens: what `legacy` and `slime` over-count, and the old slicing bug.
@@ -95,7 +95,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
     if (b.mask_sum(i) == 0) zero_samples.push_back(i);
     if (b.response_lengths[i] == 0 && b.total_lengths[i] > 0) empty_r.push_back(i);
   }
-  if (policy == oracle::Policy::kLegacy && !empty_r.empty()) {
+  if (policy == Policy::kLegacy && !empty_r.empty()) {
     const int64_t i = empty_r.front();
     report.add_findings({{"legacy_response_slicing",
                           fmt::format("legacy response slicing: targets taken as tokens[-R:] give {} with R = 0 all T = {} tokens "
@@ -106,17 +106,17 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
 
   nlohmann::ordered_json cases = nlohmann::ordered_json::array();
   bool all_ok = true;
-  for (oracle::LossKind loss : losses) {
-    for (oracle::Reduction reduce : reduces) {
-      oracle::LossSpec spec;
+  for (LossKind loss : losses) {
+    for (Reduction reduce : reduces) {
+      LossSpec spec;
       spec.loss = loss;
       spec.reduce = reduce;
       spec.policy = policy;
       spec.eps_low = o.eps_low;
       spec.eps_high = o.eps_high;
-      const oracle::LossInput which = oracle::loss_input(b, loss);
-      const HostArray& input = which == oracle::LossInput::kLogits ? *b.logits
-                               : which == oracle::LossInput::kLogProbs ? b.per_token.at("log_probs")
+      const LossInput which = loss_input(b, loss);
+      const HostArray& input = which == LossInput::kLogits ? *b.logits
+                               : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
                                                                        : b.per_token.at("token_loss");
       oracle::Tolerance tol = oracle::default_tolerance(input.dtype);
       if (o.rtol >= 0) tol.rtol = o.rtol;
@@ -126,9 +126,9 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       const oracle::OracleLoss want = oracle::oracle_loss(b, spec);
       int64_t terms = 0;
       for (double c : want.coeff) terms += c != 0.0;
-      out << fmt::format("\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n", oracle::loss_kind_name(loss),
-                         oracle::loss_input_name(want.input), fmt::join(input.shape, ", "), dtype_name(input.dtype),
-                         oracle::reduction_name(reduce), want.loss, want.denominator,
+      out << fmt::format("\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n", loss_kind_name(loss),
+                         loss_input_name(want.input), fmt::join(input.shape, ", "), dtype_name(input.dtype),
+                         reduction_name(reduce), want.loss, want.denominator,
                          want.no_signal ? " (zero effective tokens: a no-signal step; loss and gradient must be exactly 0)" : "");
       out << fmt::format("  {:>3}  {:<7} {:<22} {:<34} {:<28} {}\n", "cp", "impl", "denominator got/want", "loss got (|diff| <= bound)",
                          "grad mismatched/checked", "max |diff|");
@@ -140,7 +140,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           in.cp = cp;
           in.layout = layout;
           in.impl = impl;
-          in.device = device == kernels::Device::kCuda ? 1 : 0;
+          in.device = device;
           const trainer::CandidateOutput got = trainer::run_candidate(in);
           const bool den_ok = got.denominator == want.denominator;
           const double bound = oracle::loss_tolerance(want.loss, want.term_scale, terms, input.dtype,
@@ -150,8 +150,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           const oracle::Tolerance grad_tol = o.rtol >= 0 ? tol : oracle::gradient_tolerance(input.dtype, static_cast<int>(loss), tol);
           const oracle::GradComparison g =
               oracle::compare_gradients(b, want.grad, got.grad, want.grad_cols, got.row_rank, got.row_chunk, grad_tol,
-                                        loss == oracle::LossKind::kPpoClip ? &want.near_clip_boundary : nullptr,
-                                        want.input == oracle::LossInput::kLogits && o.rtol < 0 ? &want.coeff : nullptr,
+                                        loss == LossKind::kPpoClip ? &want.near_clip_boundary : nullptr,
+                                        want.input == LossInput::kLogits && o.rtol < 0 ? &want.coeff : nullptr,
                                         oracle::unit_roundoff(input.dtype));
           // The kernels' zero-token flag, reduced on the device, must say what the oracle says.
           const bool flag_ok = got.skip_flag < 0 || (got.skip_flag == 1) == want.no_signal;
@@ -167,7 +167,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
             std::string reason;
             if (got.denominator - want.denominator == static_cast<int64_t>(zero_samples.size()) && !zero_samples.empty()) {
               reason = fmt::format(": +1 for each sample without effective tokens (policy {} counts max(m, 1)): {}",
-                                   oracle::policy_name(policy), oracle::format_index_list(zero_samples));
+                                   policy_name(policy), oracle::format_index_list(zero_samples));
             }
             why.push_back(fmt::format("denominator {} differs from the oracle's {}{}", got.denominator, want.denominator, reason));
           }
@@ -184,7 +184,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
             why.push_back("zero-token flag, reduced on the device and read once: skip (no optimizer.step(), no LR step)");
           }
           for (const auto& w : why) out << "       " << w << "\n";
-          const std::string name = fmt::format("cp={} {} {} {}{}", cp, oracle::loss_kind_name(loss), oracle::reduction_name(reduce), got.dtype,
+          const std::string name = fmt::format("cp={} {} {} {}{}", cp, loss_kind_name(loss), reduction_name(reduce), got.dtype,
                                                impl == trainer::Impl::kTorch ? "" : fmt::format(" [{}]", trainer::impl_name(impl)));
           report.add_case({"lossguard.check", name + " denominator", den_ok, den_ok ? "" : why.front(), false});
           report.add_case({"lossguard.check", name + " loss", loss_ok,
@@ -194,8 +194,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           if (got.skip_flag >= 0) {
             report.add_case({"lossguard.check", name + " skip flag", flag_ok, flag_ok ? "" : why.back(), false});
           }
-          cases.push_back({{"cp", cp}, {"impl", trainer::impl_name(impl)}, {"loss", oracle::loss_kind_name(loss)}, {"reduce", oracle::reduction_name(reduce)},
-                           {"dtype", got.dtype}, {"input", oracle::loss_input_name(want.input)},
+          cases.push_back({{"cp", cp}, {"impl", trainer::impl_name(impl)}, {"loss", loss_kind_name(loss)}, {"reduce", reduction_name(reduce)},
+                           {"dtype", got.dtype}, {"input", loss_input_name(want.input)},
                            {"denominator", {{"want", want.denominator}, {"got", got.denominator}, {"ok", den_ok}}},
                            {"loss_value", {{"want", want.loss}, {"got", got.loss}, {"abs_diff", loss_diff}, {"bound", bound}, {"ok", loss_ok}}},
                            {"grad", {{"checked", g.checked}, {"mismatched", g.mismatched}, {"masked_nonzero", g.masked_nonzero}, {"not_compared", g.not_compared},
@@ -213,7 +213,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   print_findings(out, report.findings());
   out << fmt::format("\nverdict: {}\n", all_ok ? "pass: the candidate matches the oracle" : "FAIL: the candidate differs from the oracle");
   auto& res = report.results();
-  res["policy"] = oracle::policy_name(policy);
+  res["policy"] = policy_name(policy);
   res["cp_sizes"] = o.cp_sizes;
   res["impls"] = o.impls;
   res["device"] = o.device;
@@ -233,7 +233,7 @@ void register_check(CLI::App& root, Commands& commands) {
   app->footer(
       "Losses: nll (from logits, else log_probs), ppo-clip (log_probs, old_log_probs, advantages), given (token_loss).\n"
       "Reductions: per-token, sample-mean, token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm,\n"
-      "or all. Default tolerances per dtype (SPEC §5): fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 1.3e-6/1e-5, fp64 1e-7/1e-7.\n"
+      "or all. Default tolerances per dtype (docs/semantics.md §5): fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 1.3e-6/1e-5, fp64 1e-7/1e-7.\n"
       "Examples:\n  lossguard check batch.safetensors --cp 1,2,4,8 --loss nll,ppo-clip --reduce all\n"
       "  lossguard check batch.safetensors --policy legacy     # CP=1 and CP>1 disagree on empty responses\n"
       "  lossguard check batch.safetensors --impl torch,kernels # both candidates against the oracle");

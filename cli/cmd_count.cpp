@@ -9,7 +9,7 @@
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
 #include "oracle/denominators.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/findings.h"
 
 namespace lossguard::cli {
@@ -26,7 +26,7 @@ struct CountOptions {
 };
 
 void run_count(const CountOptions& o, const CLI::App& app, Report& report, Context& ctx) {
-  const oracle::Policy policy = policy_from_option(o.policy);
+  const Policy policy = policy_from_option(o.policy);
   std::vector<int64_t> cps = o.cp_sizes;
   for (int64_t c : cps) {
     if (c < 1) throw_input_error("--cp sizes must be >= 1, got {}", c);
@@ -35,10 +35,10 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   cps.erase(std::unique(cps.begin(), cps.end()), cps.end());
   const bool cp1_requested = cps.front() == 1;
   if (!cp1_requested) cps.insert(cps.begin(), 1);  // I1 compares against the unsharded count
-  const oracle::ShardLayout layout = o.layout.layout();
+  const ShardLayout layout = o.layout.layout();
 
-  LoadedBatch loaded = load_batch(o.dumps, report, ctx, oracle::LoadNeeds{false, false, false});
-  const oracle::Batch& b = loaded.batch;
+  LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, false});
+  const Batch& b = loaded.batch;
   const oracle::OwnedCounts counts = oracle::count_owned_tokens(b, cps, layout);
   const bool split_given = o.placement.given(app) || o.dumps.dp_shards;
   oracle::Placement placement;
@@ -47,7 +47,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
 
   std::ostream& out = ctx.out;
   out << fmt::format("lossguard count: {} samples from {} dump(s), policy {}, CP sizes {}\n\n", b.num_samples(),
-                     b.files.size(), oracle::policy_name(policy), fmt::join(cps, ", "));
+                     b.files.size(), policy_name(policy), fmt::join(cps, ", "));
   // Per-sample table: T, R, mask sum, the policy's count on each rank of each CP size.
   std::string head = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", "sample", "T", "R", "mask", "kind");
   std::vector<std::size_t> widths;
@@ -72,7 +72,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
     }
     nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
     const bool print_row = o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows;
-    std::string row = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, oracle::sample_kind_name(b.kind(i, m)));
+    std::string row = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, sample_kind_name(b.kind(i, m)));
     bool straddles = false;
     for (std::size_t c = 0; c < cps.size(); ++c) {
       std::vector<int64_t> ranks;
@@ -96,7 +96,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
       out << fmt::format("{:>6} ... {} more samples (--max-rows 0 shows all)\n", "", counts.samples.size() - k);
     }
     if (ctx.want_json) samples_json.push_back({{"index", i}, {"total_length", t}, {"response_length", r}, {"mask_sum", m},
-                            {"kind", oracle::sample_kind_name(b.kind(i, m))}, {"per_rank", per_rank}});
+                            {"kind", sample_kind_name(b.kind(i, m))}, {"per_rank", per_rank}});
   }
 
   out << "\ndenominator N (summed over the DP x CP group):";
@@ -116,7 +116,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
                        o.dumps.dp_shards ? " (one dump per DP rank)" : ", split " + o.placement.split);
   }
 
-  out << fmt::format("\ninvariants (policy {}):\n", oracle::policy_name(policy));
+  out << fmt::format("\ninvariants (policy {}):\n", policy_name(policy));
   nlohmann::ordered_json inv_json = nlohmann::ordered_json::array();
   bool all_ok = true;
   for (const auto& inv : invariants) {
@@ -125,7 +125,7 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
     for (std::size_t p = 0; (p = detail.find('\n', p)) != std::string::npos; p += 1) detail.insert(p + 1, 36, ' ');
     out << fmt::format("  {} {:<24} {}  {}\n", inv.name, inv.title, inv.ok ? "pass" : "FAIL", detail);
     inv_json.push_back({{"name", inv.name}, {"title", inv.title}, {"ok", inv.ok}, {"detail", inv.detail}, {"values", inv.data}});
-    report.add_case({"lossguard.count", fmt::format("{} {} ({})", inv.name, inv.title, oracle::policy_name(policy)), inv.ok,
+    report.add_case({"lossguard.count", fmt::format("{} {} ({})", inv.name, inv.title, policy_name(policy)), inv.ok,
                      inv.detail, false});
   }
   const auto findings = oracle::batch_findings(b);
@@ -134,9 +134,9 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   out << fmt::format("\nverdict: {}\n", all_ok ? "pass" : "FAIL (an invariant is broken under this policy)");
 
   auto& res = report.results();
-  res["policy"] = oracle::policy_name(policy);
+  res["policy"] = policy_name(policy);
   res["cp_sizes"] = cp1_requested ? cps : std::vector<int64_t>(cps.begin() + 1, cps.end());
-  res["layout"] = layout.packing == oracle::Packing::kBshd
+  res["layout"] = layout.packing == Packing::kBshd
                       ? nlohmann::ordered_json{{"packing", "bshd"}, {"max_seq_len", layout.max_seq_len}}
                       : nlohmann::ordered_json{{"packing", "thd"}, {"padded_total_length", layout.padded_total_length}};
   if (split_given) res["placement"] = {{"dp", placement.size()}, {"microbatches", o.placement.microbatches}};
@@ -157,7 +157,7 @@ void register_count(CLI::App& root, Commands& commands) {
                                                "invariants I1-I4");
   cmd->app = app;
   app->footer(
-      "Policies (SPEC §3): fixed = Relax after PR #285 (the truth); legacy = Relax before it (CP=1 counts an\n"
+      "Policies (docs/semantics.md §3): fixed = Relax after PR #285 (the truth); legacy = Relax before it (CP=1 counts an\n"
       "empty response as 1 token); slime = every CP rank counts full samples, loss multiplied by cp.\n"
       "Exit 1 when an invariant fails under the chosen policy.\n"
       "Examples:\n  lossguard count batch.safetensors --cp 1,2,4,8\n"

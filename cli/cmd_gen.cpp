@@ -4,7 +4,7 @@
 #include "cli/command.h"
 #include "fixtures/cases.h"
 #include "io/dump.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::cli {
 
@@ -31,7 +31,7 @@ void run_gen(GenCliOptions& o, CLI::App& app, Report& report, Context& ctx) {
     if (app.count("--max-prompt") == 0) o.gen.max_prompt = 512;
     if (app.count("--max-response") == 0) o.gen.max_response = 1024;
   }
-  oracle::Batch batch = fixtures::make_case(o.case_name, o.gen);
+  Batch batch = fixtures::make_case(o.case_name, o.gen);
   io::write_batch(batch, o.out_path);
   int64_t effective = 0;
   for (int64_t i = 0; i < batch.num_samples(); ++i) effective += batch.mask_sum(i);

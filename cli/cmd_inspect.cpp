@@ -8,7 +8,7 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "oracle/denominators.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/findings.h"
 
 namespace lossguard::cli {
@@ -22,7 +22,7 @@ struct InspectOptions {
 
 void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
-  const oracle::Batch& b = loaded.batch;
+  const Batch& b = loaded.batch;
   std::ostream& out = ctx.out;
 
   nlohmann::ordered_json dumps_json = nlohmann::ordered_json::array();
@@ -53,7 +53,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
                      "kind", "notes");
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     const int64_t m = b.mask_sum(i), r = b.response_lengths[i], t = b.total_lengths[i];
-    const oracle::SampleKind kind = b.kind(i, m);
+    const SampleKind kind = b.kind(i, m);
     kinds[static_cast<int>(kind)]++;
     effective += m;
     std::string notes;
@@ -66,13 +66,13 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
       std::string src = fmt::format("{}:{}", std::filesystem::path(b.files[origin.file_index]).filename().string(), origin.index_in_file);
       if (src.size() > 24) src = "..." + src.substr(src.size() - 21);
       out << fmt::format("{:>6}  {:<24} {:>7} {:>7} {:>7} {:>7}  {:<5}  {}\n", i, src, t, r, t - r, m,
-                         oracle::sample_kind_name(kind), notes);
+                         sample_kind_name(kind), notes);
     } else if (i == o.max_rows) {
       out << fmt::format("{:>6}  ... {} more samples (--max-rows 0 shows all)\n", "", b.num_samples() - o.max_rows);
     }
     if (ctx.want_json) samples.push_back({{"index", i}, {"file", b.files[b.origins[i].file_index]}, {"index_in_file", b.origins[i].index_in_file},
                        {"total_length", t}, {"response_length", r}, {"prompt_length", t - r}, {"mask_sum", m},
-                       {"kind", oracle::sample_kind_name(kind)}, {"fully_masked", r > 0 && m == 0}});
+                       {"kind", sample_kind_name(kind)}, {"fully_masked", r > 0 && m == 0}});
   }
   out << fmt::format("\n{} samples: {} rl, {} sft, {} empty; {} tokens, {} response tokens, {} effective (mask = 1)\n",
                      b.num_samples(), kinds[0], kinds[1], kinds[2], b.tokens.size(), b.num_response_tokens(), effective);
@@ -82,7 +82,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
   if (!fully_masked.empty()) out << fmt::format("fully masked responses: samples {}\n", oracle::format_index_list(fully_masked));
   if (!sft.empty()) out << fmt::format("SFT samples (R = T): samples {}\n", oracle::format_index_list(sft));
   if (effective == 0 && b.num_samples() > 0) {
-    out << "the batch has ZERO effective tokens: a trainer must skip optimizer.step() for it (SPEC §7)\n";
+    out << "the batch has ZERO effective tokens: a trainer must skip optimizer.step() for it (docs/semantics.md §7)\n";
   }
   const auto findings = oracle::batch_findings(b);
   report.add_findings(findings);

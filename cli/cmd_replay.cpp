@@ -10,9 +10,9 @@
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
 #include "cli/replay_svg.h"
-#include "dist/real_replay.h"
+#include "distributed/real_replay.h"
 #include "kernels/device_info.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/metrics.h"
 #include "oracle/replay.h"
 
@@ -72,7 +72,7 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   if (o.reduce == "per-token") reduce = oracle::ReduceMode::kPerToken;
   else if (o.reduce == "sample-mean") reduce = oracle::ReduceMode::kSampleMean;
   else throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
-  const oracle::Policy policy = policy_from_option(o.policy);
+  const Policy policy = policy_from_option(o.policy);
   if (o.backend != "sim" && o.backend != "gloo" && o.backend != "nccl") {
     throw_input_error("--backend must be sim, gloo or nccl, got '{}'", o.backend);
   }
@@ -83,8 +83,8 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   if (o.dumps.dp_shards && static_cast<int64_t>(io::expand_dump_paths(o.dumps.paths).size()) != o.sizes.dp) {
     throw_input_error("--dp-shards: {} dump(s) given for DP = {}", io::expand_dump_paths(o.dumps.paths).size(), o.sizes.dp);
   }
-  LoadedBatch loaded = load_batch(o.dumps, report, ctx, oracle::LoadNeeds{false, false, true});
-  const oracle::Batch& b = loaded.batch;
+  LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, true});
+  const Batch& b = loaded.batch;
   const oracle::Placement placement = placement_options.placement(b, o.dumps.dp_shards);
   const oracle::ReplayInputs in = oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
   oracle::ReplayResult result;
@@ -133,7 +133,7 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
                      "per DP rank, reduce {}{}\n",
                      oracle::protocol_name(protocol), o.backend, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, topo.world(), b.num_samples(),
                      in.microbatches, oracle::reduce_mode_name(reduce),
-                     policy == oracle::Policy::kFixed ? "" : fmt::format(", counting policy {}", oracle::policy_name(policy)));
+                     policy == Policy::kFixed ? "" : fmt::format(", counting policy {}", policy_name(policy)));
   out << fmt::format("global effective tokens (fixed): {} -> expected decision: {}\n\n", in.global_tokens,
                      result.expected_skip ? "skip (a zero-token step: no training signal)" : "step");
   print_outcomes(out, result, o.max_lines);
@@ -180,7 +180,7 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   res["world"] = topo.world();
   res["microbatches"] = in.microbatches;
   res["reduce"] = oracle::reduce_mode_name(reduce);
-  res["policy"] = oracle::policy_name(policy);
+  res["policy"] = policy_name(policy);
   res["global_tokens"] = in.global_tokens;
   res["expected"] = result.expected_skip ? "skip" : "step";
   res["metrics"] = metrics;
@@ -225,7 +225,7 @@ void register_replay(CLI::App& root, Commands& commands) {
   CLI::App* app = root.add_subcommand("replay", "Replay the zero-token skip decision over a TP x PP x CP x DP topology");
   cmd->app = app;
   app->footer(
-      "Protocols (SPEC §7): pr285 (Relax after PR #285, correct); pr285-src-local (broadcast src = PP-1, a stage\n"
+      "Protocols (docs/semantics.md §7): pr285 (Relax after PR #285, correct); pr285-src-local (broadcast src = PP-1, a stage\n"
       "index used as a global rank); pr285-always-broadcast (broadcasts even when PP = 1); values0 (reads values[0],\n"
       "a sample count when per-token loss is off); no-skip (Megatron baseline: never skips).\n"
       "Exit codes: 0 every rank reached the expected decision; 1 a wrong decision or parameter drift;\n"

@@ -46,7 +46,7 @@ class Progress {
 
 }  // namespace
 
-LoadedBatch load_batch(const DumpOptions& o, Report& report, Context& ctx, oracle::LoadNeeds needs) {
+LoadedBatch load_batch(const DumpOptions& o, Report& report, Context& ctx, LoadNeeds needs) {
   io::FieldMap fields;
   for (const auto& spec : o.field_maps) fields.add(spec);
   LoadedBatch out;

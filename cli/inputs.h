@@ -17,10 +17,10 @@ void add_dump_options(CLI::App& app, DumpOptions& options, bool with_dp_shards);
 
 struct LoadedBatch {
   std::vector<io::Dump> dumps;
-  oracle::Batch batch;
+  Batch batch;
 };
 // Reads, validates and concatenates the dumps; records them as the report's inputs. Shows progress on a
 // terminal when loading takes more than a moment.
-LoadedBatch load_batch(const DumpOptions& options, Report& report, Context& ctx, oracle::LoadNeeds needs = {});
+LoadedBatch load_batch(const DumpOptions& options, Report& report, Context& ctx, LoadNeeds needs = {});
 
 }  // namespace lossguard::cli

@@ -1,13 +1,13 @@
 // CP layout and placement options.
 #include "cli/placement_options.h"
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::cli {
 
-oracle::Policy policy_from_option(const std::string& value) {
-  oracle::Policy p;
-  if (!oracle::parse_policy(value, &p)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", value);
+Policy policy_from_option(const std::string& value) {
+  Policy p;
+  if (!parse_policy(value, &p)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", value);
   return p;
 }
 
@@ -18,12 +18,12 @@ void add_topology_options(CLI::App& app, TopologySizes& s) {
   app.add_option("--dp", s.dp, "Data-parallel size")->capture_default_str();
 }
 
-oracle::ShardLayout LayoutOptions::layout() const {
-  oracle::ShardLayout l;
+ShardLayout LayoutOptions::layout() const {
+  ShardLayout l;
   if (max_seq_len > 0 && padded_total_length > 0) {
     throw InputError("--max-seq-len (bshd) and --padded-total-length (thd) exclude each other");
   }
-  l.packing = max_seq_len > 0 ? oracle::Packing::kBshd : oracle::Packing::kThd;
+  l.packing = max_seq_len > 0 ? Packing::kBshd : Packing::kThd;
   l.max_seq_len = max_seq_len;
   l.padded_total_length = padded_total_length;
   return l;
@@ -35,10 +35,10 @@ void add_layout_options(CLI::App& app, LayoutOptions& o) {
   app.add_option("--max-seq-len", o.max_seq_len, "bshd packing: chunks of ceil(max_seq_len / 2cp)");
 }
 
-oracle::Placement PlacementOptions::placement(const oracle::Batch& batch, bool dp_shards) const {
-  oracle::Split s;
-  if (split == "contiguous") s = oracle::Split::kContiguous;
-  else if (split == "round-robin") s = oracle::Split::kRoundRobin;
+oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards) const {
+  Split s;
+  if (split == "contiguous") s = Split::kContiguous;
+  else if (split == "round-robin") s = Split::kRoundRobin;
   else throw_input_error("--split must be contiguous or round-robin, got '{}'", split);
   if (dp_shards) {
     const auto shards = static_cast<int64_t>(batch.files.size());

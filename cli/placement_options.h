@@ -4,7 +4,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "oracle/batch.h"
+#include "core/batch.h"
 #include "oracle/cp_shard.h"
 #include "oracle/placement.h"
 
@@ -13,7 +13,7 @@
 namespace lossguard::cli {
 
 // --policy fixed|legacy|slime; throws InputError naming the bad value.
-oracle::Policy policy_from_option(const std::string& value);
+Policy policy_from_option(const std::string& value);
 
 struct TopologySizes {
   int64_t tp = 1, pp = 1, cp = 1, dp = 1;
@@ -23,7 +23,7 @@ void add_topology_options(CLI::App& app, TopologySizes& sizes);
 struct LayoutOptions {
   int64_t padded_total_length = 0;
   int64_t max_seq_len = 0;
-  oracle::ShardLayout layout() const;
+  ShardLayout layout() const;
 };
 void add_layout_options(CLI::App& app, LayoutOptions& o);
 
@@ -33,7 +33,7 @@ struct PlacementOptions {
   std::string split = "contiguous";
   bool given(const CLI::App& app) const { return app.count("--dp") + app.count("--microbatches") + app.count("--split") > 0; }
   // With --dp-shards, each dump is one DP rank (and --dp, when given, must match the number of dumps).
-  oracle::Placement placement(const oracle::Batch& batch, bool dp_shards) const;
+  oracle::Placement placement(const Batch& batch, bool dp_shards) const;
 };
 void add_placement_options(CLI::App& app, PlacementOptions& o, bool dp_required);
 

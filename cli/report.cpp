@@ -140,12 +140,19 @@ void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostre
       out << text;
     } else {
       std::ofstream f(o.json_path, std::ios::trunc);
-      if (!(f << text)) err << "lossguard: error: cannot write JSON report to " << o.json_path << "\n";
+      // A CI gate reads this file: one that cannot be written is an error (exit 2), never a silent pass.
+      if (!(f << text)) {
+        error("cannot write the JSON report to " + o.json_path);
+        err << "lossguard: error: cannot write the JSON report to " << o.json_path << "\n";
+      }
     }
   }
   if (!o.junit_path.empty()) {
     std::ofstream f(o.junit_path, std::ios::trunc);
-    if (!(f << to_junit())) err << "lossguard: error: cannot write JUnit report to " << o.junit_path << "\n";
+    if (!(f << to_junit())) {
+      error("cannot write the JUnit report to " + o.junit_path);
+      err << "lossguard: error: cannot write the JUnit report to " << o.junit_path << "\n";
+    }
   }
 }
 

@@ -15,7 +15,7 @@
 
 #include "io/safetensors.h"
 #include "io/torch_zip.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::io {
 
@@ -160,14 +160,14 @@ nlohmann::json to_metadata(const Value& v) {
   }
 }
 
-void add_samples(oracle::BatchBuilder& builder, const Value& samples, const std::string& path, const FieldMap& map) {
+void add_samples(BatchBuilder& builder, const Value& samples, const std::string& path, const FieldMap& map) {
   for (std::size_t i = 0; i < samples.items.size(); ++i) {
     const Value& s = *samples.items[i];
     const std::string where_sample = fmt::format("{}: sample {}:", path, i);
     if (!s.is_dict()) throw_input_error("{} is a {}, expected a dict of fields", where_sample, s.type_name());
     std::string key;
     std::deque<HostArray> keep;
-    oracle::SampleFields f;
+    SampleFields f;
     auto array_field = [&](const std::string& name) -> const HostArray* {
       const Value* v = find_field(s, name, map, &key);
       if (v == nullptr || v->kind == Kind::kNone) return nullptr;
@@ -187,14 +187,14 @@ void add_samples(oracle::BatchBuilder& builder, const Value& samples, const std:
     }
     f.loss_mask = array_field("loss_mask");
     f.logits = array_field("logits");
-    for (const std::string& name : oracle::per_token_field_names()) {
+    for (const std::string& name : per_token_field_names()) {
       if (const HostArray* a = array_field(name)) f.per_token[name] = a;
     }
     builder.add_sample(static_cast<int64_t>(i), f);
   }
 }
 
-void add_tree(oracle::BatchBuilder& builder, const Value& root, const std::string& path, const FieldMap& map) {
+void add_tree(BatchBuilder& builder, const Value& root, const std::string& path, const FieldMap& map) {
   std::string key;
   if (root.is_sequence()) {
     add_samples(builder, root, path, map);
@@ -224,7 +224,7 @@ void add_tree(oracle::BatchBuilder& builder, const Value& root, const std::strin
                       path, fmt::join(keys, ", "));
   }
   std::deque<HostArray> keep;
-  oracle::PackedFields f;
+  PackedFields f;
   auto array_field = [&](const std::string& name) -> const HostArray* {
     const Value* v = find_field(root, name, map, &key);
     if (v == nullptr || v->kind == Kind::kNone) return nullptr;
@@ -236,7 +236,7 @@ void add_tree(oracle::BatchBuilder& builder, const Value& root, const std::strin
   f.response_lengths = array_field("response_length");
   f.loss_masks = array_field("loss_mask");
   f.logits = array_field("logits");
-  for (const std::string& name : oracle::per_token_field_names()) {
+  for (const std::string& name : per_token_field_names()) {
     if (const HostArray* a = array_field(name)) f.per_token[name] = a;
   }
   builder.add_packed(f);
@@ -440,8 +440,8 @@ Dump read_dump(const std::string& path) {
   return d;
 }
 
-oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, oracle::LoadNeeds needs) {
-  oracle::BatchBuilder builder(needs);
+Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNeeds needs) {
+  BatchBuilder builder(needs);
   for (const auto& d : dumps) {
     builder.begin_file(d.path);
     add_tree(builder, *d.tree, d.path, fields);
@@ -451,7 +451,7 @@ oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields
 
 namespace {
 
-std::vector<std::pair<std::string, HostArray>> packed_arrays(const oracle::Batch& b) {
+std::vector<std::pair<std::string, HostArray>> packed_arrays(const Batch& b) {
   std::vector<std::pair<std::string, HostArray>> t;
   t.emplace_back("tokens", HostArray::from_i64(DType::kInt64, {static_cast<int64_t>(b.tokens.size())}, b.tokens));
   t.emplace_back("total_lengths", HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.total_lengths));
@@ -467,7 +467,7 @@ std::string metadata_text(const nlohmann::json& v) { return v.is_string() ? v.ge
 
 }  // namespace
 
-void write_batch(const oracle::Batch& b, const std::string& path) {
+void write_batch(const Batch& b, const std::string& path) {
   const std::string ext = fs::path(path).extension().string();
   if (ext == ".safetensors") {
     std::map<std::string, std::string> meta = {{"lossguard.schema", "1"}};

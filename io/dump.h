@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "io/value.h"
-#include "oracle/batch.h"
+#include "core/batch.h"
 
 namespace lossguard::io {
 
@@ -37,10 +37,10 @@ std::vector<std::string> expand_dump_paths(const std::vector<std::string>& paths
 DumpFormat detect_format(const std::string& path);  // by content first, then extension
 Dump read_dump(const std::string& path);
 // Validates and concatenates the dumps, in order, into one global batch.
-oracle::Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, oracle::LoadNeeds needs = {});
+Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNeeds needs = {});
 
 // Writers, chosen by the extension of `path` (.safetensors, .pt, .json).
-void write_batch(const oracle::Batch& batch, const std::string& path);
+void write_batch(const Batch& batch, const std::string& path);
 
 // JSON text <-> Value (numbers: ints stay ints).
 ValuePtr json_to_value(const std::string& text, const std::string& what);

@@ -15,7 +15,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::io {
 

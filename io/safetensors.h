@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "oracle/array.h"
+#include "core/array.h"
 
 namespace lossguard::io {
 

@@ -10,7 +10,7 @@
 
 #include "io/pickle.h"
 #include "io/zip_plugin.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::io {
 

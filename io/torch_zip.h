@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "io/value.h"
-#include "oracle/array.h"
+#include "core/array.h"
 
 namespace lossguard::io {
 

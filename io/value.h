@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "oracle/array.h"
+#include "core/array.h"
 
 namespace lossguard::io {
 

@@ -1,5 +1,5 @@
 // Finds and loads liblossguard_torchzip.so on first use.
-#include "io/plugin_loader.h"
+#include "core/plugin_loader.h"
 #include "io/zip_plugin.h"
 #include "lossguard/build_config.h"
 

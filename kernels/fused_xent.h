@@ -16,7 +16,7 @@
 #include <cstdint>
 
 #include "kernels/device.h"
-#include "oracle/array.h"
+#include "core/array.h"
 
 namespace lossguard::kernels {
 

@@ -7,7 +7,7 @@
 //   total_lengths     [S] int64, T_i;   response_lengths [S] int64, R_i (R_i == T_i: an SFT sample)
 //   cp_sizes          host array of CP sizes (each >= 1), num_cp of them
 //   chunk             how each sample's chunk size is chosen for a CP size (the layout, validated by the
-//                     caller: oracle::chunk_size throws on layouts that cannot hold a sample)
+//                     caller: chunk_size throws on layouts that cannot hold a sample)
 //   counts            out, int64, for CP size c at offset sum_{c' < c} S * cp_{c'}: [S, cp_c] row-major,
 //                     counts[i * cp + r] = effective tokens of sample i whose predicting logit rank r holds
 #pragma once
@@ -16,10 +16,10 @@
 #include <vector>
 
 #include "kernels/device.h"
-#include "oracle/cp_shard.h"
+#include "core/modes.h"
 
-namespace lossguard::oracle {
-struct Batch;  // oracle/batch.h (kept out of this header: CUDA translation units include it)
+namespace lossguard {
+struct Batch;  // core/batch.h (kept out of this header: CUDA translation units include it)
 }
 
 namespace lossguard::kernels {
@@ -43,15 +43,15 @@ struct TokenCountArgs {
 };
 
 // The chunk rule of a layout (thd, thd padded, bshd).
-inline ChunkRule chunk_rule(const oracle::ShardLayout& layout) {
+inline ChunkRule chunk_rule(const ShardLayout& layout) {
   ChunkRule rule;
-  if (layout.packing == oracle::Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
+  if (layout.packing == Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
   else rule.padded_total_length = layout.padded_total_length;
   return rule;
 }
 // The arguments for a batch in host memory; `counts` is left to the caller.
-TokenCountArgs host_token_count_args(const oracle::Batch& batch, const std::vector<int64_t>& cp_sizes,
-                                     const oracle::ShardLayout& layout = {});
+TokenCountArgs host_token_count_args(const Batch& batch, const std::vector<int64_t>& cp_sizes,
+                                     const ShardLayout& layout = {});
 
 // Total int64 entries of `counts`: S * sum of cp sizes.
 int64_t token_count_size(const TokenCountArgs& a);

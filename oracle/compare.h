@@ -4,8 +4,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "oracle/array.h"
-#include "oracle/batch.h"
+#include "core/array.h"
+#include "core/batch.h"
 
 namespace lossguard::oracle {
 

@@ -5,18 +5,11 @@
 #include <cstdint>
 #include <string>
 
+#include "core/modes.h"
+
 namespace lossguard::oracle {
 
-enum class Packing { kThd, kBshd };
 
-struct ShardLayout {
-  Packing packing = Packing::kThd;
-  int64_t padded_total_length = 0;  // thd: pad every sample to this length (0: ceil(T / 2cp) chunks)
-  int64_t max_seq_len = 0;          // bshd: chunks of ceil(max_seq_len / 2cp)
-};
-
-// Chunk size for a sample of length T on `cp` ranks; throws InputError when the layout cannot hold T.
-int64_t chunk_size(int64_t total_length, int64_t cp, const ShardLayout& layout);
 
 // A half-open range of loss-mask indices.
 struct IndexRange {

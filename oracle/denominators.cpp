@@ -7,26 +7,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::oracle {
-
-const char* policy_name(Policy p) {
-  switch (p) {
-    case Policy::kFixed: return "fixed";
-    case Policy::kLegacy: return "legacy";
-    case Policy::kSlime: return "slime";
-  }
-  return "?";
-}
-
-bool parse_policy(const std::string& s, Policy* out) {
-  if (s == "fixed") *out = Policy::kFixed;
-  else if (s == "legacy") *out = Policy::kLegacy;
-  else if (s == "slime") *out = Policy::kSlime;
-  else return false;
-  return true;
-}
 
 std::string format_index_list(const std::vector<int64_t>& v, std::size_t max_shown) {
   std::string s;

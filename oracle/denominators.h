@@ -7,15 +7,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "oracle/batch.h"
+#include "core/batch.h"
 #include "oracle/cp_shard.h"
 #include "oracle/placement.h"
 
 namespace lossguard::oracle {
 
-enum class Policy { kFixed, kLegacy, kSlime };
-const char* policy_name(Policy p);
-bool parse_policy(const std::string& s, Policy* out);
 
 // Owned effective-token counts under the ownership rule, for every sample and CP size. cp = 1 counts
 // m_i (an unsharded trainer sums the whole mask).

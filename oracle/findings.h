@@ -6,7 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "oracle/batch.h"
+#include "core/batch.h"
 
 namespace lossguard::oracle {
 

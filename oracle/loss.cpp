@@ -5,66 +5,9 @@
 #include <algorithm>
 #include <cmath>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::oracle {
-
-const char* loss_kind_name(LossKind k) {
-  switch (k) {
-    case LossKind::kNll: return "nll";
-    case LossKind::kPpoClip: return "ppo-clip";
-    case LossKind::kGiven: return "given";
-  }
-  return "?";
-}
-
-bool parse_loss_kind(const std::string& s, LossKind* out) {
-  for (LossKind k : {LossKind::kNll, LossKind::kPpoClip, LossKind::kGiven}) {
-    if (s == loss_kind_name(k)) {
-      *out = k;
-      return true;
-    }
-  }
-  return false;
-}
-
-const std::vector<Reduction>& all_reductions() {
-  static const std::vector<Reduction> kAll = {Reduction::kPerToken, Reduction::kSampleMean, Reduction::kTokenMean,
-                                              Reduction::kSeqMeanTokenSum, Reduction::kSeqMeanTokenMean,
-                                              Reduction::kSeqMeanTokenSumNorm};
-  return kAll;
-}
-
-const char* reduction_name(Reduction r) {
-  switch (r) {
-    case Reduction::kPerToken: return "per-token";
-    case Reduction::kSampleMean: return "sample-mean";
-    case Reduction::kTokenMean: return "token-mean";
-    case Reduction::kSeqMeanTokenSum: return "seq-mean-token-sum";
-    case Reduction::kSeqMeanTokenMean: return "seq-mean-token-mean";
-    case Reduction::kSeqMeanTokenSumNorm: return "seq-mean-token-sum-norm";
-  }
-  return "?";
-}
-
-bool parse_reduction(const std::string& s, Reduction* out) {
-  for (Reduction r : all_reductions()) {
-    if (s == reduction_name(r)) {
-      *out = r;
-      return true;
-    }
-  }
-  return false;
-}
-
-const char* loss_input_name(LossInput i) {
-  switch (i) {
-    case LossInput::kLogits: return "logits";
-    case LossInput::kLogProbs: return "log_probs";
-    case LossInput::kTokenLoss: return "token_loss";
-  }
-  return "?";
-}
 
 void CompensatedSum::add(double x) {
   const double t = sum_ + x;
@@ -76,28 +19,6 @@ void CompensatedSum::add(double x) {
   sum_ = t;
 }
 
-LossInput loss_input(const Batch& b, LossKind loss) {
-  auto need = [&](const char* field) {
-    if (!b.per_token.count(field)) {
-      throw_input_error("--loss {} needs the per-token field '{}', which the dump lacks", loss_kind_name(loss), field);
-    }
-  };
-  switch (loss) {
-    case LossKind::kNll:
-      if (b.logits) return LossInput::kLogits;
-      need("log_probs");
-      return LossInput::kLogProbs;
-    case LossKind::kPpoClip:
-      need("log_probs");
-      need("old_log_probs");
-      need("advantages");
-      return LossInput::kLogProbs;
-    case LossKind::kGiven:
-      need("token_loss");
-      return LossInput::kTokenLoss;
-  }
-  return LossInput::kLogits;
-}
 
 OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
   OracleLoss o;

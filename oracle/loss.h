@@ -5,38 +5,14 @@
 #include <string>
 #include <vector>
 
-#include "oracle/batch.h"
+#include "core/batch.h"
+#include "core/modes.h"
 #include "oracle/denominators.h"
 
 namespace lossguard::oracle {
 
-enum class LossKind { kNll, kPpoClip, kGiven };
-enum class Reduction { kPerToken, kSampleMean, kTokenMean, kSeqMeanTokenSum, kSeqMeanTokenMean, kSeqMeanTokenSumNorm };
-enum class LossInput { kLogits, kLogProbs, kTokenLoss };  // what the gradient is taken with respect to
 
-const char* loss_kind_name(LossKind k);
-bool parse_loss_kind(const std::string& s, LossKind* out);
-const char* reduction_name(Reduction r);
-bool parse_reduction(const std::string& s, Reduction* out);
-const std::vector<Reduction>& all_reductions();
-const char* loss_input_name(LossInput i);
 
-struct LossSpec {
-  LossKind loss = LossKind::kNll;
-  Reduction reduce = Reduction::kPerToken;
-  Policy policy = Policy::kFixed;
-  double eps_low = 0.2, eps_high = 0.2;
-  double l_norm = 0.0;  // seq-mean-token-sum-norm; 0: the batch's maximum response length
-  // ppo-clip's gradient jumps where rho crosses 1 - eps_low or 1 + eps_high. A candidate computing rho in a
-  // low-precision dtype (inputs exact in the dtype, so relative error up to this much times 1 + |lp - old|:
-  // one rounding of the difference, one of exp) may land on the other
-  // side; such tokens are flagged `near_clip_boundary` and their gradient is not compared.
-  double rho_rel_error = 0.0;
-};
-
-// Which input the loss reads: nll uses logits when the batch has them, else log_probs. Throws InputError
-// naming the missing fields.
-LossInput loss_input(const Batch& batch, LossKind loss);
 
 struct OracleLoss {
   LossInput input = LossInput::kLogits;

@@ -1,7 +1,7 @@
 // Sample placement over DP ranks and micro-batches.
 #include "oracle/placement.h"
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::oracle {
 

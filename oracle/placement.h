@@ -3,9 +3,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/modes.h"
+
 namespace lossguard::oracle {
 
-enum class Split { kContiguous, kRoundRobin };
 
 // placement[dp][mb] = the global sample indices of micro-batch mb on DP rank dp, in order.
 using Placement = std::vector<std::vector<std::vector<int64_t>>>;

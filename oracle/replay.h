@@ -1,5 +1,5 @@
 // The zero-token skip decision at the end of a step (SPEC §7): each protocol as a per-rank program of
-// collectives, shared by the simulator (here) and the real Gloo/NCCL backends (dist/), and the step
+// collectives, shared by the simulator (here) and the real Gloo/NCCL backends (distributed/), and the step
 // model after the decision. The simulator has torch.distributed semantics: `src` is a global rank, a
 // rank whose group lacks `src` errors at that call, collectives on a group match in issue order.
 #pragma once
@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "oracle/batch.h"
+#include "core/batch.h"
 #include "oracle/cp_shard.h"
 #include "oracle/denominators.h"
 #include "oracle/findings.h"

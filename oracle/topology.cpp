@@ -4,7 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::oracle {
 

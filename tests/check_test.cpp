@@ -19,9 +19,8 @@
 namespace lossguard {
 namespace {
 
-using oracle::LossKind;
 
-oracle::Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10, int64_t vocab = 7) {
+Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10, int64_t vocab = 7) {
   fixtures::GenOptions o;
   o.seed = seed;
   o.num_samples = samples;
@@ -33,8 +32,8 @@ oracle::Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t sam
 }
 
 // A copy of `field` (logits or a per-token field) with element k moved by delta.
-oracle::Batch perturbed(const oracle::Batch& b, const std::string& field, int64_t k, double delta) {
-  oracle::Batch c = b;
+Batch perturbed(const Batch& b, const std::string& field, int64_t k, double delta) {
+  Batch c = b;
   const HostArray& src = field == "logits" ? *b.logits : b.per_token.at(field);
   std::vector<double> v(static_cast<std::size_t>(src.numel()));
   for (int64_t i = 0; i < src.numel(); ++i) v[i] = src.get_f64(i);
@@ -46,15 +45,15 @@ oracle::Batch perturbed(const oracle::Batch& b, const std::string& field, int64_
 }
 
 TEST(Oracle, AnalyticGradientsMatchCentralFiniteDifferences) {
-  const oracle::Batch b = make("random", DType::kFloat64, 11, 6, 5);
+  const Batch b = make("random", DType::kFloat64, 11, 6, 5);
   for (LossKind loss : {LossKind::kNll, LossKind::kPpoClip, LossKind::kGiven}) {
-    for (oracle::Reduction reduce : oracle::all_reductions()) {
-      oracle::LossSpec spec;
+    for (Reduction reduce : all_reductions()) {
+      LossSpec spec;
       spec.loss = loss;
       spec.reduce = reduce;
       spec.rho_rel_error = 1e-4;  // stay away from ppo-clip's kinks, where no derivative exists
       const oracle::OracleLoss o = oracle::oracle_loss(b, spec);
-      const std::string field = oracle::loss_input_name(o.input);
+      const std::string field = loss_input_name(o.input);
       const int64_t n = static_cast<int64_t>(o.grad.size());
       int checked = 0;
       for (int64_t k = 0; k < n; k += std::max<int64_t>(1, n / 40)) {
@@ -64,7 +63,7 @@ TEST(Oracle, AnalyticGradientsMatchCentralFiniteDifferences) {
         const double down = oracle::oracle_loss(perturbed(b, field, k, -h), spec).loss;
         const double fd = (up - down) / (2 * h);
         EXPECT_NEAR(o.grad[k], fd, 1e-7 + 1e-6 * std::fabs(fd))
-            << oracle::loss_kind_name(loss) << " " << oracle::reduction_name(reduce) << " element " << k;
+            << loss_kind_name(loss) << " " << reduction_name(reduce) << " element " << k;
         ++checked;
       }
       EXPECT_GT(checked, 10);
@@ -73,9 +72,9 @@ TEST(Oracle, AnalyticGradientsMatchCentralFiniteDifferences) {
 }
 
 TEST(Oracle, ZeroTokenBatchGivesZeroLossAndGradientNotNaN) {
-  const oracle::Batch b = make("zero-token", DType::kFloat32, 3);
-  for (oracle::Reduction reduce : oracle::all_reductions()) {
-    oracle::LossSpec spec;
+  const Batch b = make("zero-token", DType::kFloat32, 3);
+  for (Reduction reduce : all_reductions()) {
+    LossSpec spec;
     spec.reduce = reduce;
     const oracle::OracleLoss o = oracle::oracle_loss(b, spec);
     EXPECT_TRUE(o.no_signal);
@@ -194,7 +193,7 @@ TEST(Candidate, LegacyPolicyFailsExactlyOnBatchesWithZeroTokenSamples) {
     o.vocab_size = 6;
     o.empty_fraction = seed % 2 ? 0.3 : 0.0;
     o.masked_fraction = 0.0;
-    const oracle::Batch b = fixtures::make_case("random", o);
+    const Batch b = fixtures::make_case("random", o);
     bool has_zero = false;
     for (int64_t i = 0; i < b.num_samples(); ++i) has_zero |= b.mask_sum(i) == 0;
     (has_zero ? with : without)++;
@@ -263,8 +262,8 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
             oracle::loss_tolerance(2.0, 2.0, 1000, DType::kFloat32, DType::kFloat32, t));
   // Rows skipped near ppo-clip kinks stay few: bf16 random batches skip under 10% of tokens.
   for (uint64_t seed = 1; seed <= 4; ++seed) {
-    const oracle::Batch b = make("random", DType::kBFloat16, seed, 24, 9);
-    oracle::LossSpec spec;
+    const Batch b = make("random", DType::kBFloat16, seed, 24, 9);
+    LossSpec spec;
     spec.loss = LossKind::kPpoClip;
     spec.rho_rel_error = 1.6e-2;
     const auto o = oracle::oracle_loss(b, spec);

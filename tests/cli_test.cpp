@@ -133,6 +133,20 @@ TEST(Cli, JunitReportIsWritten) {
   EXPECT_NE(x.find("<testsuite name=\"lossguard.inspect\" tests=\"1\" failures=\"0\""), std::string::npos) << x;
 }
 
+// A CI gate reads the report file: a passing run whose report cannot be written must not exit 0.
+TEST(Cli, UnwritableReportsExitTwo) {
+  const std::string dump = fixture("gen_empty-responses.safetensors");
+  const std::string nowhere = "/nonexistent-dir/report";
+  Result json = run_cli({"count", dump, "--cp", "1,2", "--json", nowhere + ".json"});
+  EXPECT_EQ(json.code, 2) << json.err;
+  EXPECT_NE(json.err.find("cannot write the JSON report to " + nowhere + ".json"), std::string::npos) << json.err;
+  Result junit = run_cli({"count", dump, "--cp", "1,2", "--junit", nowhere + ".xml"});
+  EXPECT_EQ(junit.code, 2) << junit.err;
+  // The same run with a writable report passes: the exit code above is the report's doing.
+  const auto dir = testing::temp_dir("cli-unwritable");
+  EXPECT_EQ(run_cli({"count", dump, "--cp", "1,2", "--json", (dir / "r.json").string()}).code, 0);
+}
+
 }  // namespace
 }  // namespace lossguard::cli
 

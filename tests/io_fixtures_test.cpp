@@ -10,7 +10,7 @@
 
 #include "io/dump.h"
 #include "io/safetensors.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "test_util.h"
 
 namespace lossguard::io {
@@ -18,7 +18,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-void expect_batch_equals(const oracle::Batch& b, const nlohmann::json& expected, const std::string& what) {
+void expect_batch_equals(const Batch& b, const nlohmann::json& expected, const std::string& what) {
   const auto& samples = expected["samples"];
   ASSERT_EQ(b.num_samples(), static_cast<int64_t>(samples.size())) << what;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
@@ -41,7 +41,7 @@ void expect_batch_equals(const oracle::Batch& b, const nlohmann::json& expected,
     } else {
       EXPECT_FALSE(b.logits.has_value() && r > 0) << what;
     }
-    for (const auto& name : oracle::per_token_field_names()) {
+    for (const auto& name : per_token_field_names()) {
       if (!s.contains(name)) {
         EXPECT_EQ(b.per_token.count(name), 0u) << what << " has unexpected " << name;
         continue;
@@ -66,7 +66,7 @@ TEST(Fixtures, LoaderReadsEveryFixtureAsItsProducersReaderDoes) {
     const nlohmann::json expected = nlohmann::json::parse(testing::read_file(e.path()));
     Dump d = read_dump(dump.string());
     formats.insert(dump_format_name(d.format));
-    oracle::Batch b = build_batch({d}, {});
+    Batch b = build_batch({d}, {});
     expect_batch_equals(b, expected, dump.string());
     ++checked;
   }
@@ -83,12 +83,12 @@ TEST(Fixtures, ProducerSpecificShapesAreCovered) {
     ASSERT_TRUE(fs::exists(dir / "expected" / (std::string(f) + ".json")));
   }
   Dump d = read_dump((dir / "torch_views_params.pt").string());
-  oracle::Batch b = build_batch({d}, {});
+  Batch b = build_batch({d}, {});
   EXPECT_EQ(b.logits->dtype, DType::kFloat64);
   EXPECT_EQ(b.per_token.at("old_log_probs").dtype, DType::kFloat32);
   EXPECT_EQ(b.metadata["rollout_id"], "0x400000000000000000");  // 2**70 kept exactly, as hex
   Dump st = read_dump((dir / "torch_packed.safetensors").string());
-  oracle::Batch sb = build_batch({st}, {});
+  Batch sb = build_batch({st}, {});
   EXPECT_EQ(sb.metadata["trainer"], "relax");
   EXPECT_EQ(sb.logits->dtype, DType::kBFloat16);
 }
@@ -112,9 +112,9 @@ TEST(Fixtures, SeveralDumpsFormOneBatchInOrder) {
   const fs::path dir = testing::fixture_dir();
   Dump a = read_dump((dir / "torch_packed_fp16_proto2.pt").string());
   Dump b = read_dump((dir / "torch_packed_fp32.pt").string());
-  oracle::Batch ab = build_batch({a, b}, {});
-  oracle::Batch aa = build_batch({a}, {});
-  oracle::Batch bb = build_batch({b}, {});
+  Batch ab = build_batch({a, b}, {});
+  Batch aa = build_batch({a}, {});
+  Batch bb = build_batch({b}, {});
   EXPECT_EQ(ab.num_samples(), aa.num_samples() + bb.num_samples());
   EXPECT_EQ(ab.origins.back().file_index, 1);
   EXPECT_EQ(ab.describe_sample(aa.num_samples()), (dir / "torch_packed_fp32.pt").string() + ": sample 0 (global sample 5)");
@@ -129,7 +129,7 @@ TEST(FieldMap, MapsOtherKeyNames) {
   FieldMap map;
   map.add("tokens=ids");
   map.add("loss_mask=mask");
-  oracle::Batch b = build_batch({d}, map);
+  Batch b = build_batch({d}, map);
   EXPECT_EQ(b.mask_sum(0), 1);
   EXPECT_THROW(map.add("nonsense=x"), InputError);
   EXPECT_THROW(map.add("tokens"), InputError);
@@ -137,7 +137,7 @@ TEST(FieldMap, MapsOtherKeyNames) {
 
 TEST(Writers, EveryFormatRoundTrips) {
   auto dir = testing::temp_dir("roundtrip");
-  oracle::Batch src;
+  Batch src;
   {
     Dump d = read_dump((fs::path(testing::fixture_dir()) / "torch_packed_bf16_proto5.pt").string());
     src = build_batch({d}, {});
@@ -145,7 +145,7 @@ TEST(Writers, EveryFormatRoundTrips) {
   for (const char* ext : {".safetensors", ".pt", ".json"}) {
     const std::string p = (dir / (std::string("b") + ext)).string();
     write_batch(src, p);
-    oracle::Batch back = build_batch({read_dump(p)}, {});
+    Batch back = build_batch({read_dump(p)}, {});
     EXPECT_EQ(back.tokens, src.tokens) << ext;
     EXPECT_EQ(back.loss_mask, src.loss_mask) << ext;
     ASSERT_TRUE(back.logits.has_value()) << ext;

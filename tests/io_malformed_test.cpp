@@ -4,7 +4,7 @@
 
 #include "io/dump.h"
 #include "malformed_catalog.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "test_util.h"
 
 namespace lossguard::io {

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "io/pickle.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::io {
 namespace {

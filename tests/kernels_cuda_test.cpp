@@ -33,7 +33,7 @@ TEST(CudaTokenCount, AgreesExactlyWithTheCpuTwin) {
     o.masks_only = true;
     o.num_samples = rng.uniform_int(1, 300);
     o.max_response = rng.uniform_int(1, 5000);
-    const oracle::Batch b = fixtures::make_case(trial % 2 ? "random" : "long-random", o);
+    const Batch b = fixtures::make_case(trial % 2 ? "random" : "long-random", o);
     const std::vector<int64_t> cps = {1, 2, 3, 4, 8, 16};
     TokenCountArgs a = host_token_count_args(b, cps);
     std::vector<int64_t> want(static_cast<std::size_t>(token_count_size(a))), got(want.size(), -1);

@@ -22,7 +22,7 @@
 namespace lossguard::kernels {
 namespace {
 
-std::vector<int64_t> kernel_counts(const oracle::Batch& b, const std::vector<int64_t>& cps, const oracle::ShardLayout& layout) {
+std::vector<int64_t> kernel_counts(const Batch& b, const std::vector<int64_t>& cps, const ShardLayout& layout) {
   TokenCountArgs a = host_token_count_args(b, cps, layout);
   std::vector<int64_t> out(static_cast<std::size_t>(token_count_size(a)), -1);
   a.counts = out.data();
@@ -31,7 +31,7 @@ std::vector<int64_t> kernel_counts(const oracle::Batch& b, const std::vector<int
 }
 
 // Compares the kernel's counts with the oracle's count_owned_tokens, entry by entry.
-void expect_counts_match_oracle(const oracle::Batch& b, const std::vector<int64_t>& cps, const oracle::ShardLayout& layout,
+void expect_counts_match_oracle(const Batch& b, const std::vector<int64_t>& cps, const ShardLayout& layout,
                                 const std::string& what) {
   const std::vector<int64_t> got = kernel_counts(b, cps, layout);
   const oracle::OwnedCounts want = oracle::count_owned_tokens(b, cps, layout);
@@ -69,23 +69,23 @@ TEST(TokenCount, MatchesTheOracleOnRandomBatchesAndEveryLayout) {
     o.max_response = rng.uniform_int(1, trial % 2 ? 300 : 6000);  // both the short- and the long-mask path
     o.empty_fraction = 0.2;
     o.masked_fraction = 0.2;
-    const oracle::Batch b = fixtures::make_case(trial % 3 == 0 ? "long-random" : "random", o);
+    const Batch b = fixtures::make_case(trial % 3 == 0 ? "long-random" : "random", o);
     int64_t longest = 0;
     for (int64_t t : b.total_lengths) longest = std::max(longest, t);
     const std::vector<int64_t> cps = {1, 2, 4, 8};
     expect_counts_match_oracle(b, cps, {}, fmt::format("trial {} thd", trial));
-    oracle::ShardLayout padded;
+    ShardLayout padded;
     padded.padded_total_length = (longest / 16 + 1) * 16;
     expect_counts_match_oracle(b, cps, padded, fmt::format("trial {} padded", trial));
-    oracle::ShardLayout bshd;
-    bshd.packing = oracle::Packing::kBshd;
+    ShardLayout bshd;
+    bshd.packing = Packing::kBshd;
     bshd.max_seq_len = longest + static_cast<int64_t>(rng.uniform_int(0, 9));
     expect_counts_match_oracle(b, {1, 3, 5}, bshd, fmt::format("trial {} bshd", trial));
   }
 }
 
 TEST(TokenCount, NoSamplesWritesNothing) {
-  oracle::Batch b;
+  Batch b;
   b.response_offsets = {0};
   b.token_offsets = {0};
   EXPECT_TRUE(kernel_counts(b, {1, 2}, {}).empty());

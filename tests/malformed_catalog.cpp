@@ -9,7 +9,7 @@
 #include "io/pickle.h"
 #include "io/safetensors.h"
 #include "io/torch_zip.h"
-#include "oracle/array.h"
+#include "core/array.h"
 #include "test_util.h"
 
 namespace lossguard::testing {

@@ -5,8 +5,8 @@
 #include <functional>
 
 #include "fixtures/cases.h"
-#include "oracle/batch.h"
-#include "oracle/errors.h"
+#include "core/batch.h"
+#include "core/errors.h"
 #include "oracle/findings.h"
 
 namespace lossguard::oracle {

@@ -7,7 +7,7 @@
 #include "fixtures/cases.h"
 #include "oracle/cp_shard.h"
 #include "oracle/denominators.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::oracle {
 namespace {

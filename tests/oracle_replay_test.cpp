@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "fixtures/cases.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/metrics.h"
 #include "oracle/replay.h"
 

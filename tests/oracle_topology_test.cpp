@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <map>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/topology.h"
 
 namespace lossguard::oracle {

@@ -14,8 +14,6 @@ namespace lossguard::trainer {
 
 namespace {
 
-using oracle::LossInput;
-using oracle::LossKind;
 
 at::ScalarType scalar_type(DType d) {
   switch (d) {
@@ -37,10 +35,10 @@ at::Tensor borrowed_tensor(const HostArray& a) {
 void run(const CandidateInput* in, CandidateOutput* out) {
   try {
     c10::AutoGradMode outer_no_grad(false);  // re-enabled per rank below
-    const oracle::Batch& b = *in->batch;
-    const oracle::LossSpec& spec = in->spec;
+    const Batch& b = *in->batch;
+    const LossSpec& spec = in->spec;
     const int64_t cp = in->cp;
-    const LossInput input = oracle::loss_input(b, spec.loss);
+    const LossInput input = loss_input(b, spec.loss);
     const HostArray& x_host = input == LossInput::kLogits ? *b.logits
                               : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
                                                               : b.per_token.at("token_loss");

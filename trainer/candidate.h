@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "oracle/array.h"
-#include "oracle/batch.h"
-#include "oracle/cp_shard.h"
-#include "oracle/loss.h"
+#include "core/array.h"
+#include "core/batch.h"
+#include "core/modes.h"
+#include "kernels/device.h"
 
 namespace lossguard::trainer {
 
@@ -19,12 +19,12 @@ const char* impl_name(Impl i);
 bool parse_impl(const std::string& s, Impl* out);
 
 struct CandidateInput {
-  const oracle::Batch* batch = nullptr;
-  oracle::LossSpec spec;
+  const Batch* batch = nullptr;
+  LossSpec spec;
   int64_t cp = 1;
-  oracle::ShardLayout layout;
+  ShardLayout layout;
   Impl impl = Impl::kTorch;
-  int device = 0;  // kernels only: kernels::Device (0 cpu, 1 cuda)
+  kernels::Device device = kernels::Device::kCpu;  // kernels only
 };
 
 struct CandidateOutput {

@@ -13,7 +13,7 @@
 #include "kernels/fused_xent.h"
 #include "kernels/token_count.h"
 #include "kernels/zero_flag.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "trainer/candidate.h"
 #include "trainer/shard_plan.h"
 
@@ -35,12 +35,12 @@ const T* on_device(const T* host, std::size_t count, Device device, std::vector<
 
 // log-prob and token-loss inputs: loss and gradient element by element in Acc.
 template <typename Acc>
-double elementwise(const oracle::Batch& b, const oracle::LossSpec& spec, const HostArray& x_host,
+double elementwise(const Batch& b, const LossSpec& spec, const HostArray& x_host,
                    const std::vector<double>& coeff, const std::vector<int32_t>& row_rank, HostArray* grad) {
   const int64_t rows = b.num_response_tokens();
   std::vector<double> x(static_cast<std::size_t>(rows)), old, adv, g(static_cast<std::size_t>(rows), 0.0);
   x_host.copy_f64(0, rows, x.data());
-  if (spec.loss == oracle::LossKind::kPpoClip) {
+  if (spec.loss == LossKind::kPpoClip) {
     old.resize(static_cast<std::size_t>(rows));
     adv.resize(static_cast<std::size_t>(rows));
     b.per_token.at("old_log_probs").copy_f64(0, rows, old.data());
@@ -52,10 +52,10 @@ double elementwise(const oracle::Batch& b, const oracle::LossSpec& spec, const H
     if (row_rank[r] < 0 || coeff[r] == 0.0) continue;
     const Acc c = static_cast<Acc>(coeff[r]), v = static_cast<Acc>(x[r]);
     Acc l, dl;
-    if (spec.loss == oracle::LossKind::kNll) {
+    if (spec.loss == LossKind::kNll) {
       l = -v;
       dl = -1;
-    } else if (spec.loss == oracle::LossKind::kPpoClip) {
+    } else if (spec.loss == LossKind::kPpoClip) {
       const Acc a = static_cast<Acc>(adv[r]);
       const Acc rho = std::exp(v - static_cast<Acc>(old[r]));
       const Acc unclipped = -rho * a, clipped = -std::clamp(rho, lo, hi) * a;
@@ -76,19 +76,19 @@ double elementwise(const oracle::Batch& b, const oracle::LossSpec& spec, const H
 
 void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
   try {
-    const oracle::Batch& b = *in.batch;
-    const oracle::LossSpec& spec = in.spec;
+    const Batch& b = *in.batch;
+    const LossSpec& spec = in.spec;
     const int64_t cp = in.cp, s = b.num_samples(), rows = b.num_response_tokens();
-    const Device device = in.device == 1 ? Device::kCuda : Device::kCpu;
-    const oracle::LossInput input = oracle::loss_input(b, spec.loss);
-    const HostArray& x_host = input == oracle::LossInput::kLogits ? *b.logits
-                              : input == oracle::LossInput::kLogProbs ? b.per_token.at("log_probs")
+    const Device device = in.device;
+    const LossInput input = loss_input(b, spec.loss);
+    const HostArray& x_host = input == LossInput::kLogits ? *b.logits
+                              : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
                                                                       : b.per_token.at("token_loss");
     out->dtype = std::string(dtype_name(x_host.dtype));
     ShardPlan plan = plan_shards(b, cp, in.layout);
 
     // 1. Counts: every rank's effective tokens for every sample, one pass over the masks on the device.
-    for (int64_t i = 0; i < s; ++i) oracle::chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
+    for (int64_t i = 0; i < s; ++i) chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
     std::vector<DeviceBuffer> keep;
     kernels::TokenCountArgs ca;
     ca.loss_mask = on_device(b.loss_mask.data(), b.loss_mask.size(), device, keep);
@@ -125,7 +125,7 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
 
     // 4. Loss and gradient.
     double total = 0.0;
-    if (input == oracle::LossInput::kLogits) {
+    if (input == LossInput::kLogits) {
       if (!kernels::fused_xent_takes(x_host.dtype)) {
         throw InputError(fmt::format("the kernels take float32, float16 or bfloat16 logits; these are {} (JSON dumps "
                                      "load as float64): use --impl torch", dtype_name(x_host.dtype)));

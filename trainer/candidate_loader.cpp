@@ -1,8 +1,8 @@
 // The candidate's switch: the LibTorch plugin (liblossguard_trainer.so, loaded on first use) or the
 // kernels, in process.
-#include "io/plugin_loader.h"
+#include "core/plugin_loader.h"
 #include "lossguard/build_config.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "trainer/candidate.h"
 
 namespace lossguard::trainer {
@@ -21,7 +21,7 @@ CandidateOutput run_candidate(const CandidateInput& in) {
   if (in.impl == Impl::kKernels) {
     run_kernels_candidate(in, &out);
   } else {
-    const auto* api = static_cast<const TrainerApi*>(io::load_plugin_table(
+    const auto* api = static_cast<const TrainerApi*>(load_plugin_table(
         "the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER", LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api",
         kTrainerAbiVersion));
     api->run(&in, &out);

@@ -4,11 +4,11 @@
 #include <algorithm>
 
 #include "kernels/token_count.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::trainer {
 
-ShardPlan plan_shards(const oracle::Batch& b, int64_t cp, const oracle::ShardLayout& layout) {
+ShardPlan plan_shards(const Batch& b, int64_t cp, const ShardLayout& layout) {
   ShardPlan plan;
   plan.owned.resize(static_cast<std::size_t>(cp));
   const int64_t rows = b.num_response_tokens();
@@ -44,10 +44,8 @@ ShardPlan plan_shards(const oracle::Batch& b, int64_t cp, const oracle::ShardLay
   return plan;
 }
 
-TrainerDenominators trainer_denominators(const oracle::Batch& b, const oracle::LossSpec& spec, int64_t cp,
+TrainerDenominators trainer_denominators(const Batch& b, const LossSpec& spec, int64_t cp,
                                          std::vector<int64_t> m, int64_t n_fixed) {
-  using oracle::Policy;
-  using oracle::Reduction;
   TrainerDenominators d;
   const int64_t s = b.num_samples();
   int64_t n_max1 = 0, max_r = 0;
@@ -74,8 +72,7 @@ TrainerDenominators trainer_denominators(const oracle::Batch& b, const oracle::L
   return d;
 }
 
-double token_coefficient(const TrainerDenominators& d, const oracle::LossSpec& spec, int64_t i, double w) {
-  using oracle::Reduction;
+double token_coefficient(const TrainerDenominators& d, const LossSpec& spec, int64_t i, double w) {
   double c = 0.0;
   switch (spec.reduce) {
     case Reduction::kPerToken: case Reduction::kTokenMean: c = d.cp_scale / static_cast<double>(std::max<int64_t>(d.n, 1)); break;

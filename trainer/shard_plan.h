@@ -1,14 +1,13 @@
 // What both trainer implementations share, free of LibTorch and of kernel code (only the kernels' inline
 // chunk-size rule): the trainer's own zig-zag split, by token positions and independent of
-// oracle/cp_shard.h's ownership ranges, and its loss coefficients from the counts each implementation
+// the ownership rule of SPEC §2, and its loss coefficients from the counts each implementation
 // computes its own way.
 #pragma once
 #include <cstdint>
 #include <vector>
 
-#include "oracle/batch.h"
-#include "oracle/cp_shard.h"
-#include "oracle/loss.h"
+#include "core/batch.h"
+#include "core/modes.h"
 
 namespace lossguard::trainer {
 
@@ -26,7 +25,7 @@ struct ShardPlan {
 
 // Rank r holds token positions [r*cs, (r+1)*cs) and [(2cp-1-r)*cs, (2cp-r)*cs); the logit at position q
 // predicts token q+1. Throws InputError when a row would have two owners.
-ShardPlan plan_shards(const oracle::Batch& batch, int64_t cp, const oracle::ShardLayout& layout);
+ShardPlan plan_shards(const Batch& batch, int64_t cp, const ShardLayout& layout);
 
 // The trainer's denominators from per-sample effective-token counts m_i (summed over CP ranks) and the
 // fixed count n_fixed (their sum), under the spec's policy and reduction.
@@ -38,10 +37,10 @@ struct TrainerDenominators {
   int64_t k_nonempty = 0;
   double batch_size = 1.0, l_norm = 1.0;
 };
-TrainerDenominators trainer_denominators(const oracle::Batch& batch, const oracle::LossSpec& spec, int64_t cp,
+TrainerDenominators trainer_denominators(const Batch& batch, const LossSpec& spec, int64_t cp,
                                          std::vector<int64_t> m, int64_t n_fixed);
 
 // c_t for a token of `sample` with mask weight w: loss = sum_t c_t l_t.
-double token_coefficient(const TrainerDenominators& d, const oracle::LossSpec& spec, int64_t sample, double w);
+double token_coefficient(const TrainerDenominators& d, const LossSpec& spec, int64_t sample, double w);
 
 }  // namespace lossguard::trainer

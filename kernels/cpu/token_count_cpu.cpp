@@ -12,7 +12,7 @@
 
 #include "kernels/cpu/parallel.h"
 #include "kernels/token_count.h"
-#include "oracle/batch.h"
+#include "core/batch.h"
 
 namespace lossguard::kernels {
 
@@ -36,7 +36,7 @@ int64_t sum_bytes(const uint8_t* p, int64_t n) {
 
 }  // namespace
 
-TokenCountArgs host_token_count_args(const oracle::Batch& b, const std::vector<int64_t>& cp_sizes, const oracle::ShardLayout& layout) {
+TokenCountArgs host_token_count_args(const Batch& b, const std::vector<int64_t>& cp_sizes, const ShardLayout& layout) {
   TokenCountArgs a;
   a.loss_mask = b.loss_mask.data();
   a.mask_offsets = b.response_offsets.data();

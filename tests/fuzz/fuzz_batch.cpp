@@ -5,9 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "oracle/batch.h"
+#include "core/batch.h"
 #include "oracle/denominators.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 #include "oracle/findings.h"
 #include "oracle/replay.h"
 
@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace lossguard;
   FuzzedDataProvider in(data, size);
   try {
-    oracle::BatchBuilder b;
+    BatchBuilder b;
     b.begin_file("fuzz");
     const int samples = in.ConsumeIntegralInRange(0, 8);
     for (int i = 0; i < samples; ++i) {
@@ -23,7 +23,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       std::vector<int64_t> tokens(static_cast<std::size_t>(t));
       for (auto& x : tokens) x = in.ConsumeIntegralInRange<int64_t>(-2, 9);
       HostArray tok = HostArray::from_i64(DType::kInt64, {t}, tokens);
-      oracle::SampleFields f;
+      SampleFields f;
       f.tokens = &tok;
       f.response_length = in.ConsumeIntegralInRange<int64_t>(-1, 41);
       if (in.ConsumeBool()) f.total_length = in.ConsumeIntegralInRange<int64_t>(-1, 41);
@@ -39,16 +39,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (in.ConsumeBool()) f.per_token["log_probs"] = &lp;
       b.add_sample(i, f);
     }
-    const oracle::Batch batch = b.finish();
+    const Batch batch = b.finish();
     oracle::batch_findings(batch);
     const int64_t cp = in.ConsumeIntegralInRange<int64_t>(1, 5);
     oracle::OwnedCounts counts = oracle::count_owned_tokens(batch, {1, cp}, {});
-    oracle::check_invariants(batch, counts, oracle::Policy::kLegacy, {}, nullptr);
+    oracle::check_invariants(batch, counts, Policy::kLegacy, {}, nullptr);
     const oracle::Topology topo(in.ConsumeIntegralInRange<int64_t>(1, 2), in.ConsumeIntegralInRange<int64_t>(1, 3), cp,
                                 in.ConsumeIntegralInRange<int64_t>(1, 3));
-    const auto placement = oracle::place_samples(batch.num_samples(), topo.dp(), 2, oracle::Split::kRoundRobin);
+    const auto placement = oracle::place_samples(batch.num_samples(), topo.dp(), 2, Split::kRoundRobin);
     const auto inputs = oracle::make_replay_inputs(batch, topo, placement, oracle::all_protocols()[in.ConsumeIntegralInRange(0, 4)],
-                                                   oracle::ReduceMode::kSampleMean, oracle::Policy::kFixed, {});
+                                                   oracle::ReduceMode::kSampleMean, Policy::kFixed, {});
     oracle::simulate(inputs);
   } catch (const InputError&) {
   }

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "io/dump.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace lossguard;

@@ -6,7 +6,7 @@
 
 #include "io/dump.h"
 #include "io/pickle.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace lossguard;

@@ -4,7 +4,7 @@
 
 #include "io/dump.h"
 #include "io/safetensors.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace lossguard;

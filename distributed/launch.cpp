@@ -6,10 +6,10 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "dist/real_replay.h"
-#include "io/plugin_loader.h"
+#include "distributed/real_replay.h"
+#include "core/plugin_loader.h"
 #include "lossguard/build_config.h"
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard::dist {
 
@@ -92,7 +92,7 @@ oracle::RankResult rank_result_from_json(const std::string& text) {
 }
 
 const DistApi& dist_api() {
-  return *static_cast<const DistApi*>(io::load_plugin_table("the real-mode backends (liblossguard_dist.so)", "LOSSGUARD_DIST",
+  return *static_cast<const DistApi*>(load_plugin_table("the real-mode backends (liblossguard_distributed.so)", "LOSSGUARD_DIST",
                                                             LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
 }
 

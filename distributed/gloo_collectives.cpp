@@ -7,7 +7,7 @@
 
 #include <fmt/format.h>
 
-#include "dist/collectives.h"
+#include "distributed/collectives.h"
 
 namespace lossguard::dist {
 

@@ -9,9 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
-#include "oracle/array.h"
+#include "core/array.h"
+#include "core/modes.h"
 
-namespace lossguard::oracle {
+namespace lossguard {
 
 enum class SampleKind { kRl, kSft, kEmpty };  // empty: no effective token (R = 0 or fully masked)
 const char* sample_kind_name(SampleKind kind);
@@ -85,6 +86,10 @@ struct LoadNeeds {
   bool per_token = true;
 };
 
+// Which input the loss reads: nll uses logits when the batch has them, else log_probs. Throws InputError
+// naming the missing fields.
+LossInput loss_input(const Batch& batch, LossKind loss);
+
 // Validates and appends samples, one dump after another, into one global batch. Every violation of
 // SPEC §1 throws InputError naming the file, the sample (index within its dump), the field and values.
 class BatchBuilder {
@@ -112,4 +117,4 @@ class BatchBuilder {
   int64_t logits_rows_ = 0;
 };
 
-}  // namespace lossguard::oracle
+}  // namespace lossguard

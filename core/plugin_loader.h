@@ -3,7 +3,7 @@
 #pragma once
 #include <string>
 
-namespace lossguard::io {
+namespace lossguard {
 
 // Returns (and remembers, once per process) the table that `symbol` (an extern "C" function returning a pointer) gives, from the first of
 // $env_var and `default_path` that loads and whose table starts with `abi_version`. Throws InputError
@@ -11,4 +11,4 @@ namespace lossguard::io {
 const void* load_plugin_table(const std::string& what, const char* env_var, const std::string& default_path,
                               const char* symbol, int abi_version);
 
-}  // namespace lossguard::io
+}  // namespace lossguard

@@ -9,7 +9,7 @@
 
 #include <fmt/format.h>
 
-#include "dist/collectives.h"
+#include "distributed/collectives.h"
 #include "lossguard/build_config.h"
 
 #if LOSSGUARD_HAVE_NCCL

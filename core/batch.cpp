@@ -1,5 +1,5 @@
 // Batch validation (SPEC §1): every rule names the file, the sample, the field and the values.
-#include "oracle/batch.h"
+#include "core/batch.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -9,9 +9,9 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
-namespace lossguard::oracle {
+namespace lossguard {
 
 const char* sample_kind_name(SampleKind kind) {
   switch (kind) {
@@ -399,4 +399,32 @@ Batch BatchBuilder::finish() {
   return std::move(batch_);
 }
 
-}  // namespace lossguard::oracle
+const std::vector<Reduction>& all_reductions() {
+  static const std::vector<Reduction> kAll = all_modes<Reduction>();
+  return kAll;
+}
+
+LossInput loss_input(const Batch& b, LossKind loss) {
+  auto need = [&](const char* field) {
+    if (!b.per_token.count(field)) {
+      throw_input_error("--loss {} needs the per-token field '{}', which the dump lacks", loss_kind_name(loss), field);
+    }
+  };
+  switch (loss) {
+    case LossKind::kNll:
+      if (b.logits) return LossInput::kLogits;
+      need("log_probs");
+      return LossInput::kLogProbs;
+    case LossKind::kPpoClip:
+      need("log_probs");
+      need("old_log_probs");
+      need("advantages");
+      return LossInput::kLogProbs;
+    case LossKind::kGiven:
+      need("token_loss");
+      return LossInput::kTokenLoss;
+  }
+  return LossInput::kLogits;
+}
+
+}  // namespace lossguard

@@ -17,8 +17,8 @@
 
 #include <fmt/format.h>
 
-#include "dist/collectives.h"
-#include "dist/real_replay.h"
+#include "distributed/collectives.h"
+#include "distributed/real_replay.h"
 
 namespace lossguard::dist {
 

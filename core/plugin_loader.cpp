@@ -1,16 +1,17 @@
 // dlopen-based plugin loading shared by the torch.save zip reader and the trainer.
-#include "io/plugin_loader.h"
+#include "core/plugin_loader.h"
 
 #include <dlfcn.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <vector>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
-namespace lossguard::io {
+namespace lossguard {
 
 namespace {
 
@@ -18,6 +19,14 @@ const void* load_once(const std::string& what, const char* env_var, const std::s
                       int abi_version) {
   std::vector<std::string> candidates;
   if (const char* env = std::getenv(env_var); env != nullptr && *env != '\0') candidates.push_back(env);
+  // An installed copy (cmake --install) keeps its plugins in <prefix>/lib/lossguard beside <prefix>/bin.
+  const std::string name = std::filesystem::path(default_path).filename().string();
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (!ec) {
+    const auto installed = exe.parent_path().parent_path() / "lib" / "lossguard" / name;
+    if (std::filesystem::exists(installed, ec)) candidates.push_back(installed.string());
+  }
   candidates.push_back(default_path);
   std::string errors;
   for (const auto& path : candidates) {
@@ -55,4 +64,4 @@ const void* load_plugin_table(const std::string& what, const char* env_var, cons
   return it->second.first;
 }
 
-}  // namespace lossguard::io
+}  // namespace lossguard

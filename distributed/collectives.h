@@ -1,11 +1,11 @@
-// One real backend's collectives on the topology groups a rank belongs to (inside liblossguard_dist.so).
+// One real backend's collectives on the topology groups a rank belongs to (inside liblossguard_distributed.so).
 #pragma once
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <chrono>
 #include <memory>
 
-#include "dist/real_replay.h"
+#include "distributed/real_replay.h"
 #include "oracle/replay.h"
 
 namespace lossguard::dist {

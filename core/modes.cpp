@@ -1,11 +1,9 @@
-// SPEC §2 ownership rule, literally: logits_k = [max(chunk.start, P-1), min(chunk.end, T-1)).
-#include "oracle/cp_shard.h"
+// The layout geometry shared by the oracle and the candidates (SPEC §2).
+#include "core/modes.h"
 
-#include <algorithm>
+#include "core/errors.h"
 
-#include "oracle/errors.h"
-
-namespace lossguard::oracle {
+namespace lossguard {
 
 int64_t chunk_size(int64_t t, int64_t cp, const ShardLayout& layout) {
   if (cp < 1) throw_input_error("CP size must be >= 1, got {}", cp);
@@ -27,4 +25,4 @@ int64_t chunk_size(int64_t t, int64_t cp, const ShardLayout& layout) {
   return (t + parts - 1) / parts;
 }
 
-}  // namespace lossguard::oracle
+}  // namespace lossguard

@@ -1,5 +1,5 @@
 // HostArray element access and the half/bfloat16 conversions (bit-exact, no LibTorch).
-#include "oracle/array.h"
+#include "core/array.h"
 
 #include <cmath>
 #include <cstring>
@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "oracle/errors.h"
+#include "core/errors.h"
 
 namespace lossguard {
 

@@ -1,7 +1,7 @@
 // Real-mode replay (SPEC §7 "Real mode"): every process of a torchrun-launched job runs its own rank's
 // protocol program over real collectives (Gloo process groups built for exactly the topology's groups,
 // rendezvous through c10d::TCPStore), every wait bounded by a deadline; outcomes go through the store to
-// rank 0. Implemented in the plugin liblossguard_dist.so; this header carries only plain types.
+// rank 0. Implemented in the plugin liblossguard_distributed.so; this header carries only plain types.
 #pragma once
 #include <cstdint>
 #include <string>
