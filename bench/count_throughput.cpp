@@ -1,16 +1,15 @@
-// Counting throughput: loads a dump, times oracle::count_owned_tokens and the token-count kernel (CPU twin)
-// over several CP sizes (best of N), checks they agree exactly, and times a memcpy of the same number of
-// bytes in the same process, on one thread (the oracle's reference) and on the kernel's threads (the
-// kernel's); prints them as JSON.
+// Counting throughput: loads a dump, times oracle::count_owned_tokens and the token-count kernel
+// (CPU twin) over several CP sizes (best of N), checks they agree exactly, and times a memcpy of
+// the same number of bytes in the same process, on one thread (the oracle's reference) and on the
+// kernel's threads (the kernel's); prints them as JSON.
 //   count_throughput DUMP [CP,CP,...] [REPEATS]
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "io/dump.h"
 #include "kernels/cpu/parallel.h"
@@ -59,14 +58,16 @@ int main(int argc, char** argv) {
   for (std::size_t c = 0; c < cps.size(); ++c) {
     for (std::size_t e = 0; e < oracle_counts.per_rank[c].size(); ++e) {
       if (kernel_counts[offset + e] != oracle_counts.per_rank[c][e]) {
-        std::cerr << "count_throughput: the kernel and the oracle disagree at cp " << cps[c] << ", entry " << e << "\n";
+        std::cerr << "count_throughput: the kernel and the oracle disagree at cp " << cps[c]
+                  << ", entry " << e << "\n";
         return 1;
       }
     }
     offset += oracle_counts.per_rank[c].size();
   }
   // Bytes the count must read: the masks once, plus the two lengths per sample.
-  const double bytes = static_cast<double>(batch.loss_mask.size()) + 16.0 * static_cast<double>(batch.num_samples());
+  const double bytes =
+      static_cast<double>(batch.loss_mask.size()) + 16.0 * static_cast<double>(batch.num_samples());
   std::vector<uint8_t> src(batch.loss_mask.size()), dst(batch.loss_mask.size());
   std::memset(src.data(), 1, src.size());
   std::memset(dst.data(), 0, dst.size());
@@ -76,26 +77,30 @@ int main(int argc, char** argv) {
     std::memcpy(dst.data(), src.data(), src.size());
     best_copy = std::min(best_copy, std::chrono::duration<double>(Clock::now() - a).count());
     a = Clock::now();  // on as many threads as the kernel uses: its fair reference
-    kernels::parallel_ranges(static_cast<int64_t>(src.size()), 1 << 20, [&](int64_t b, int64_t e, int) {
-      std::memcpy(dst.data() + b, src.data() + b, static_cast<std::size_t>(e - b));
-    });
-    best_threaded_copy = std::min(best_threaded_copy, std::chrono::duration<double>(Clock::now() - a).count());
+    kernels::parallel_ranges(
+        static_cast<int64_t>(src.size()), 1 << 20, [&](int64_t b, int64_t e, int) {
+          std::memcpy(dst.data() + b, src.data() + b, static_cast<std::size_t>(e - b));
+        });
+    best_threaded_copy =
+        std::min(best_threaded_copy, std::chrono::duration<double>(Clock::now() - a).count());
   }
-  nlohmann::json j = {{"samples", batch.num_samples()},
-                      {"response_tokens", batch.num_response_tokens()},
-                      {"cp_sizes", cps},
-                      {"load_and_validate_s", load_s},
-                      {"count_s", best_count},
-                      {"count_bytes_per_s", bytes / best_count},
-                      {"memcpy_bytes_per_s", static_cast<double>(src.size()) / best_copy},
-                      {"count_vs_memcpy", (bytes / best_count) / (static_cast<double>(src.size()) / best_copy)},
-                      {"kernel_count_s", best_kernel},
-                      {"kernel_threads", kernels::cpu_threads()},
-                      {"kernel_count_bytes_per_s", bytes / best_kernel},
-                      {"memcpy_threaded_bytes_per_s", static_cast<double>(src.size()) / best_threaded_copy},
-                      {"kernel_count_vs_threaded_memcpy", (bytes / best_kernel) / (static_cast<double>(src.size()) / best_threaded_copy)},
-                      {"denominator_cp1", checksum},
-                      {"dst_probe", static_cast<int>(dst[dst.size() / 2])}};
+  nlohmann::json j = {
+      {"samples", batch.num_samples()},
+      {"response_tokens", batch.num_response_tokens()},
+      {"cp_sizes", cps},
+      {"load_and_validate_s", load_s},
+      {"count_s", best_count},
+      {"count_bytes_per_s", bytes / best_count},
+      {"memcpy_bytes_per_s", static_cast<double>(src.size()) / best_copy},
+      {"count_vs_memcpy", (bytes / best_count) / (static_cast<double>(src.size()) / best_copy)},
+      {"kernel_count_s", best_kernel},
+      {"kernel_threads", kernels::cpu_threads()},
+      {"kernel_count_bytes_per_s", bytes / best_kernel},
+      {"memcpy_threaded_bytes_per_s", static_cast<double>(src.size()) / best_threaded_copy},
+      {"kernel_count_vs_threaded_memcpy",
+       (bytes / best_kernel) / (static_cast<double>(src.size()) / best_threaded_copy)},
+      {"denominator_cp1", checksum},
+      {"dst_probe", static_cast<int>(dst[dst.size() / 2])}};
   std::cout << j.dump() << "\n";
   return 0;
 }

@@ -1,19 +1,22 @@
-// Fused cross-entropy throughput: times kernels::fused_xent (CPU twin, or CUDA with --device cuda) on
-// seeded [rows x vocab] logits, best of N, against a memory copy of the same logits buffer in the same
-// process (threaded like the kernel). The kernel must read the logits and write a gradient of the same
-// size, exactly the copy's traffic, so kernel_vs_copy is how far it is from the memory-traffic limit.
-//   xent_throughput [--rows R] [--vocab V] [--dtype float32|bfloat16|float16] [--repeats N] [--device cpu|cuda]
-//                   [--logits FILE --targets FILE]   (raw row-major logits in --dtype, raw int64 targets:
-//                                                     bench/xent_bench.py hands PyTorch's inputs over this way)
+// Fused cross-entropy throughput: times kernels::fused_xent (CPU twin, or CUDA with --device cuda)
+// on seeded [rows x vocab] logits, best of N, against a memory copy of the same logits buffer in
+// the same process (threaded like the kernel). The kernel must read the logits and write a gradient
+// of the same size, exactly the copy's traffic, so kernel_vs_copy is how far it is from the
+// memory-traffic limit.
+//   xent_throughput [--rows R] [--vocab V] [--dtype float32|bfloat16|float16] [--repeats N]
+//   [--device cpu|cuda]
+//                   [--logits FILE --targets FILE]   (raw row-major logits in --dtype, raw int64
+//                   targets:
+//                                                     bench/xent_bench.py hands PyTorch's inputs
+//                                                     over this way)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "fixtures/cases.h"
 #include "kernels/cpu/fused_xent_rows.h"
@@ -30,13 +33,20 @@ int main(int argc, char** argv) {
   std::string dtype_s = "float32", device_s = "cpu", logits_path, targets_path;
   for (int k = 1; k + 1 < argc; k += 2) {
     const std::string f = argv[k], v = argv[k + 1];
-    if (f == "--rows") rows = std::stoll(v);
-    else if (f == "--vocab") vocab = std::stoll(v);
-    else if (f == "--dtype") dtype_s = v;
-    else if (f == "--repeats") repeats = std::stoi(v);
-    else if (f == "--device") device_s = v;
-    else if (f == "--logits") logits_path = v;
-    else if (f == "--targets") targets_path = v;
+    if (f == "--rows")
+      rows = std::stoll(v);
+    else if (f == "--vocab")
+      vocab = std::stoll(v);
+    else if (f == "--dtype")
+      dtype_s = v;
+    else if (f == "--repeats")
+      repeats = std::stoi(v);
+    else if (f == "--device")
+      device_s = v;
+    else if (f == "--logits")
+      logits_path = v;
+    else if (f == "--targets")
+      targets_path = v;
     else {
       std::cerr << "unknown option " << f << "\n";
       return 2;
@@ -48,8 +58,10 @@ int main(int argc, char** argv) {
     std::cerr << "bad --dtype or --device\n";
     return 2;
   }
-  const std::size_t elem = dtype_size_bytes(dtype), n = static_cast<std::size_t>(rows * vocab), bytes = n * elem;
-  // Seeded logits, uniform in [-4, 4): a cheap LCG per thread range (the generator is not what is measured).
+  const std::size_t elem = dtype_size_bytes(dtype), n = static_cast<std::size_t>(rows * vocab),
+                    bytes = n * elem;
+  // Seeded logits, uniform in [-4, 4): a cheap LCG per thread range (the generator is not what is
+  // measured).
   kernels::DeviceBuffer host_logits(kernels::Device::kCpu, bytes);
   std::vector<int64_t> targets(static_cast<std::size_t>(rows));
   auto read_raw = [](const std::string& path, void* dst, std::size_t n) {
@@ -70,8 +82,11 @@ int main(int argc, char** argv) {
       for (int64_t k = b; k < e; ++k) {
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         const float x = (static_cast<float>(s >> 40) / 16777216.0f - 0.5f) * 8.0f;
-        if (dtype == DType::kFloat32) host_logits.as<float>()[k] = x;
-        else host_logits.as<uint16_t>()[k] = dtype == DType::kFloat16 ? float_to_half(x) : float_to_bfloat16(x);
+        if (dtype == DType::kFloat32)
+          host_logits.as<float>()[k] = x;
+        else
+          host_logits.as<uint16_t>()[k] =
+              dtype == DType::kFloat16 ? float_to_half(x) : float_to_bfloat16(x);
       }
     });
     fixtures::Rng rng(7);
@@ -80,7 +95,8 @@ int main(int argc, char** argv) {
   std::vector<float> scale(static_cast<std::size_t>(rows), 1.0f / static_cast<float>(rows));
 
   kernels::DeviceBuffer logits(device, bytes), grad(device, bytes), copy_dst(device, bytes);
-  kernels::DeviceBuffer d_targets(device, rows * 8), d_scale(device, rows * 4), d_lse(device, rows * 4), d_loss(device, rows * 4);
+  kernels::DeviceBuffer d_targets(device, rows * 8), d_scale(device, rows * 4),
+      d_lse(device, rows * 4), d_loss(device, rows * 4);
   logits.upload(host_logits.data(), bytes);
   d_targets.upload(targets.data(), rows * 8);
   d_scale.upload(scale.data(), rows * 4);
@@ -101,9 +117,11 @@ int main(int argc, char** argv) {
     if (device == kernels::Device::kCuda) {
       kernels::cuda_copy_device(copy_dst.data(), logits.data(), bytes);
     } else {
-      kernels::parallel_ranges(static_cast<int64_t>(bytes), 1 << 22, [&](int64_t b, int64_t e, int) {
-        std::memcpy(copy_dst.as<std::byte>() + b, logits.as<std::byte>() + b, static_cast<std::size_t>(e - b));
-      });
+      kernels::parallel_ranges(
+          static_cast<int64_t>(bytes), 1 << 22, [&](int64_t b, int64_t e, int) {
+            std::memcpy(copy_dst.as<std::byte>() + b, logits.as<std::byte>() + b,
+                        static_cast<std::size_t>(e - b));
+          });
     }
   });
   kernels::XentArgs a;
@@ -122,13 +140,21 @@ int main(int argc, char** argv) {
   d_loss.download(loss.data(), rows * 4);
   double loss_sum = 0;  // sum_r c_r l_r with c_r = 1 / rows: the mean token loss
   for (std::size_t r = 0; r < loss.size(); ++r) loss_sum += static_cast<double>(scale[r]) * loss[r];
-  const double traffic = 2.0 * static_cast<double>(bytes);  // read logits + write gradient (= a copy's)
-  nlohmann::json j = {{"rows", rows}, {"vocab", vocab}, {"dtype", dtype_s}, {"device", device_s},
+  const double traffic =
+      2.0 * static_cast<double>(bytes);  // read logits + write gradient (= a copy's)
+  nlohmann::json j = {{"rows", rows},
+                      {"vocab", vocab},
+                      {"dtype", dtype_s},
+                      {"device", device_s},
                       {"isa", device == kernels::Device::kCpu ? kernels::xent_cpu_isa() : "cuda"},
-                      {"threads", kernels::cpu_threads()}, {"repeats", repeats},
-                      {"fused_xent_s", xent_s}, {"copy_s", copy_s},
-                      {"fused_xent_traffic_bytes_per_s", traffic / xent_s}, {"copy_traffic_bytes_per_s", traffic / copy_s},
-                      {"kernel_vs_copy", xent_s / copy_s}, {"loss", loss_sum}};
+                      {"threads", kernels::cpu_threads()},
+                      {"repeats", repeats},
+                      {"fused_xent_s", xent_s},
+                      {"copy_s", copy_s},
+                      {"fused_xent_traffic_bytes_per_s", traffic / xent_s},
+                      {"copy_traffic_bytes_per_s", traffic / copy_s},
+                      {"kernel_vs_copy", xent_s / copy_s},
+                      {"loss", loss_sum}};
   std::cout << j.dump() << "\n";
   return 0;
 }

@@ -1,12 +1,11 @@
 // Root command, option parsing and the one catch site that maps failures to exit codes.
 #include "cli/app.h"
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <iostream>
 #include <sstream>
-
-#include <fmt/format.h>
 
 #include "cli/command.h"
 #include "core/errors.h"
@@ -15,7 +14,8 @@ namespace lossguard::cli {
 
 namespace {
 
-constexpr const char* kFooter = R"(Exit codes: 0 all checks passed; 1 a check failed (mismatch, broken invariant, wrong decision);
+constexpr const char* kFooter =
+    R"(Exit codes: 0 all checks passed; 1 a check failed (mismatch, broken invariant, wrong decision);
 2 bad input or invocation; 3 distributed fault (error, deadlock, mismatch, timeout); 4 nothing verified.
 When several apply: 3 > 1 > 2 > 4.
 
@@ -37,13 +37,16 @@ class NullBuffer : public std::streambuf {
 }  // namespace
 
 int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err) {
-  CLI::App app{"lossguard: verifies loss denominators, losses, gradients and the zero-token skip decision of "
-               "context-parallel LLM training against an independent float64 oracle.",
-               "lossguard"};
+  CLI::App app{
+      "lossguard: verifies loss denominators, losses, gradients and the zero-token skip decision "
+      "of "
+      "context-parallel LLM training against an independent float64 oracle.",
+      "lossguard"};
   app.footer(kFooter);
   app.require_subcommand(0, 1);
   bool show_version = false;
-  app.add_flag("--version", show_version, "Print the version, LibTorch, CUDA and NCCL build flags and the device seen");
+  app.add_flag("--version", show_version,
+               "Print the version, LibTorch, CUDA and NCCL build flags and the device seen");
   Commands commands;
   register_inspect(app, commands);
   register_count(app, commands);
@@ -73,8 +76,8 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
     NullBuffer null_buffer;
     std::ostream null_stream(&null_buffer);
     const bool json_to_stdout = cmd->output.json_path == "-";
-    Context ctx{json_to_stdout ? null_stream : out, err, &err == &std::cerr && isatty(STDERR_FILENO) == 1,
-                !cmd->output.json_path.empty()};
+    Context ctx{json_to_stdout ? null_stream : out, err,
+                &err == &std::cerr && isatty(STDERR_FILENO) == 1, !cmd->output.json_path.empty()};
     try {
       cmd->run(report, ctx);
     } catch (const InputError& e) {

@@ -1,15 +1,15 @@
 // `lossguard count`: per-sample and per-CP-rank effective token counts, global denominators per CP
 // size, and invariants I1-I4 under a counting policy (SPEC §2, §3).
-#include <algorithm>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <algorithm>
 
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
-#include "oracle/denominators.h"
 #include "core/errors.h"
+#include "oracle/denominators.h"
 #include "oracle/findings.h"
 
 namespace lossguard::cli {
@@ -43,13 +43,15 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   const bool split_given = o.placement.given(app) || o.dumps.dp_shards;
   oracle::Placement placement;
   if (split_given) placement = o.placement.placement(b, o.dumps.dp_shards);
-  const auto invariants = oracle::check_invariants(b, counts, policy, layout, split_given ? &placement : nullptr);
+  const auto invariants =
+      oracle::check_invariants(b, counts, policy, layout, split_given ? &placement : nullptr);
 
   std::ostream& out = ctx.out;
-  out << fmt::format("lossguard count: {} samples from {} dump(s), policy {}, CP sizes {}\n\n", b.num_samples(),
-                     b.files.size(), policy_name(policy), fmt::join(cps, ", "));
+  out << fmt::format("lossguard count: {} samples from {} dump(s), policy {}, CP sizes {}\n\n",
+                     b.num_samples(), b.files.size(), policy_name(policy), fmt::join(cps, ", "));
   // Per-sample table: T, R, mask sum, the policy's count on each rank of each CP size.
-  std::string head = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", "sample", "T", "R", "mask", "kind");
+  std::string head =
+      fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", "sample", "T", "R", "mask", "kind");
   std::vector<std::size_t> widths;
   for (int64_t cp : cps) {
     const std::size_t w = std::max<std::size_t>(static_cast<std::size_t>(cp) * 4, 6);
@@ -63,16 +65,24 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
     const int64_t i = counts.samples[k];
     const int64_t t = b.total_lengths[i], r = b.response_lengths[i], m = counts.mask_sums[k];
     std::vector<std::string> notes;
-    if (t == 0) notes.push_back("T = 0");
-    else if (r == 0) { empty.push_back(i); notes.push_back("empty response"); }
-    else if (m == 0) { masked.push_back(i); notes.push_back("fully masked"); }
+    if (t == 0)
+      notes.push_back("T = 0");
+    else if (r == 0) {
+      empty.push_back(i);
+      notes.push_back("empty response");
+    } else if (m == 0) {
+      masked.push_back(i);
+      notes.push_back("fully masked");
+    }
     if (r == t && t > 0) {
       sft.push_back(i);
-      notes.push_back(b.loss_mask[b.response_offsets[i + 1] - 1] ? "SFT, mask not pre-shifted" : "SFT");
+      notes.push_back(b.loss_mask[b.response_offsets[i + 1] - 1] ? "SFT, mask not pre-shifted"
+                                                                 : "SFT");
     }
     nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
     const bool print_row = o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows;
-    std::string row = fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, sample_kind_name(b.kind(i, m)));
+    std::string row =
+        fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, sample_kind_name(b.kind(i, m)));
     bool straddles = false;
     for (std::size_t c = 0; c < cps.size(); ++c) {
       std::vector<int64_t> ranks;
@@ -84,7 +94,8 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
       }
       straddles |= ranks_with_tokens > 1;
       if (ctx.want_json && (cps[c] != 1 || cp1_requested)) per_rank[std::to_string(cps[c])] = ranks;
-      if (print_row) row += fmt::format(" | {:<{}}", fmt::format("{}", fmt::join(ranks, " ")), widths[c]);
+      if (print_row)
+        row += fmt::format(" | {:<{}}", fmt::format("{}", fmt::join(ranks, " ")), widths[c]);
     }
     if (straddles) {
       straddling.push_back(i);
@@ -93,10 +104,16 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
     if (print_row) {
       out << row << " | " << fmt::format("{}", fmt::join(notes, ", ")) << "\n";
     } else if (static_cast<int64_t>(k) == o.max_rows) {
-      out << fmt::format("{:>6} ... {} more samples (--max-rows 0 shows all)\n", "", counts.samples.size() - k);
+      out << fmt::format("{:>6} ... {} more samples (--max-rows 0 shows all)\n", "",
+                         counts.samples.size() - k);
     }
-    if (ctx.want_json) samples_json.push_back({{"index", i}, {"total_length", t}, {"response_length", r}, {"mask_sum", m},
-                            {"kind", sample_kind_name(b.kind(i, m))}, {"per_rank", per_rank}});
+    if (ctx.want_json)
+      samples_json.push_back({{"index", i},
+                              {"total_length", t},
+                              {"response_length", r},
+                              {"mask_sum", m},
+                              {"kind", sample_kind_name(b.kind(i, m))},
+                              {"per_rank", per_rank}});
   }
 
   out << "\ndenominator N (summed over the DP x CP group):";
@@ -107,13 +124,18 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
     if (cps[c] != 1 || cp1_requested) totals[std::to_string(cps[c])] = n;
   }
   out << "\n";
-  if (!empty.empty()) out << fmt::format("empty responses (R = 0): samples {}\n", oracle::format_index_list(empty));
-  if (!masked.empty()) out << fmt::format("fully masked responses: samples {}\n", oracle::format_index_list(masked));
+  if (!empty.empty())
+    out << fmt::format("empty responses (R = 0): samples {}\n", oracle::format_index_list(empty));
+  if (!masked.empty())
+    out << fmt::format("fully masked responses: samples {}\n", oracle::format_index_list(masked));
   if (!sft.empty()) out << fmt::format("SFT samples: {}\n", oracle::format_index_list(sft));
-  if (!straddling.empty()) out << fmt::format("samples straddling CP ranks: {}\n", oracle::format_index_list(straddling));
+  if (!straddling.empty())
+    out << fmt::format("samples straddling CP ranks: {}\n", oracle::format_index_list(straddling));
   if (split_given) {
-    out << fmt::format("placement: {} DP rank(s) x {} micro-batch(es){}\n", placement.size(), o.placement.microbatches,
-                       o.dumps.dp_shards ? " (one dump per DP rank)" : ", split " + o.placement.split);
+    out << fmt::format(
+        "placement: {} DP rank(s) x {} micro-batch(es){}\n", placement.size(),
+        o.placement.microbatches,
+        o.dumps.dp_shards ? " (one dump per DP rank)" : ", split " + o.placement.split);
   }
 
   out << fmt::format("\ninvariants (policy {}):\n", policy_name(policy));
@@ -122,24 +144,35 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   for (const auto& inv : invariants) {
     all_ok &= inv.ok;
     std::string detail = inv.detail;
-    for (std::size_t p = 0; (p = detail.find('\n', p)) != std::string::npos; p += 1) detail.insert(p + 1, 36, ' ');
-    out << fmt::format("  {} {:<24} {}  {}\n", inv.name, inv.title, inv.ok ? "pass" : "FAIL", detail);
-    inv_json.push_back({{"name", inv.name}, {"title", inv.title}, {"ok", inv.ok}, {"detail", inv.detail}, {"values", inv.data}});
-    report.add_case({"lossguard.count", fmt::format("{} {} ({})", inv.name, inv.title, policy_name(policy)), inv.ok,
+    for (std::size_t p = 0; (p = detail.find('\n', p)) != std::string::npos; p += 1)
+      detail.insert(p + 1, 36, ' ');
+    out << fmt::format("  {} {:<24} {}  {}\n", inv.name, inv.title, inv.ok ? "pass" : "FAIL",
+                       detail);
+    inv_json.push_back({{"name", inv.name},
+                        {"title", inv.title},
+                        {"ok", inv.ok},
+                        {"detail", inv.detail},
+                        {"values", inv.data}});
+    report.add_case({"lossguard.count",
+                     fmt::format("{} {} ({})", inv.name, inv.title, policy_name(policy)), inv.ok,
                      inv.detail, false});
   }
   const auto findings = oracle::batch_findings(b);
   report.add_findings(findings);
   print_findings(out, findings);
-  out << fmt::format("\nverdict: {}\n", all_ok ? "pass" : "FAIL (an invariant is broken under this policy)");
+  out << fmt::format("\nverdict: {}\n",
+                     all_ok ? "pass" : "FAIL (an invariant is broken under this policy)");
 
   auto& res = report.results();
   res["policy"] = policy_name(policy);
   res["cp_sizes"] = cp1_requested ? cps : std::vector<int64_t>(cps.begin() + 1, cps.end());
-  res["layout"] = layout.packing == Packing::kBshd
-                      ? nlohmann::ordered_json{{"packing", "bshd"}, {"max_seq_len", layout.max_seq_len}}
-                      : nlohmann::ordered_json{{"packing", "thd"}, {"padded_total_length", layout.padded_total_length}};
-  if (split_given) res["placement"] = {{"dp", placement.size()}, {"microbatches", o.placement.microbatches}};
+  res["layout"] =
+      layout.packing == Packing::kBshd
+          ? nlohmann::ordered_json{{"packing", "bshd"}, {"max_seq_len", layout.max_seq_len}}
+          : nlohmann::ordered_json{{"packing", "thd"},
+                                   {"padded_total_length", layout.padded_total_length}};
+  if (split_given)
+    res["placement"] = {{"dp", placement.size()}, {"microbatches", o.placement.microbatches}};
   res["samples"] = samples_json;
   res["totals"] = totals;
   res["invariants"] = inv_json;
@@ -153,22 +186,31 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
 void register_count(CLI::App& root, Commands& commands) {
   auto cmd = std::make_unique<Command>();
   auto opts = std::make_shared<CountOptions>();
-  CLI::App* app = root.add_subcommand("count", "Per-sample and per-CP-rank token counts, denominators per CP size, "
-                                               "invariants I1-I4");
+  CLI::App* app =
+      root.add_subcommand("count",
+                          "Per-sample and per-CP-rank token counts, denominators per CP size, "
+                          "invariants I1-I4");
   cmd->app = app;
   app->footer(
-      "Policies (docs/semantics.md §3): fixed = Relax after PR #285 (the truth); legacy = Relax before it (CP=1 counts an\n"
-      "empty response as 1 token); slime = every CP rank counts full samples, loss multiplied by cp.\n"
+      "Policies (docs/semantics.md §3): fixed = Relax after PR #285 (the truth); legacy = Relax "
+      "before it (CP=1 counts an\n"
+      "empty response as 1 token); slime = every CP rank counts full samples, loss multiplied by "
+      "cp.\n"
       "Exit 1 when an invariant fails under the chosen policy.\n"
       "Examples:\n  lossguard count batch.safetensors --cp 1,2,4,8\n"
-      "  lossguard count batch.safetensors --policy legacy     # shows the CP=1 vs CP>1 denominator bug\n"
+      "  lossguard count batch.safetensors --policy legacy     # shows the CP=1 vs CP>1 "
+      "denominator bug\n"
       "  lossguard count rank0.pt rank1.pt --dp-shards --microbatches 4 --json -");
   add_dump_options(*app, opts->dumps, true);
-  app->add_option("--cp", opts->cp_sizes, "CP sizes to count for (comma-separated)")->delimiter(',')->capture_default_str();
-  app->add_option("--policy", opts->policy, "Counting policy: fixed, legacy or slime")->capture_default_str();
+  app->add_option("--cp", opts->cp_sizes, "CP sizes to count for (comma-separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--policy", opts->policy, "Counting policy: fixed, legacy or slime")
+      ->capture_default_str();
   add_layout_options(*app, opts->layout);
   add_placement_options(*app, opts->placement, false);
-  app->add_option("--max-rows", opts->max_rows, "Sample rows in the text table (0: all)")->capture_default_str();
+  app->add_option("--max-rows", opts->max_rows, "Sample rows in the text table (0: all)")
+      ->capture_default_str();
   add_output_options(*app, cmd->output);
   cmd->run = [opts, app](Report& r, Context& c) { run_count(*opts, *app, r, c); };
   commands.push_back(std::move(cmd));

@@ -1,18 +1,19 @@
-// `lossguard replay`: the skip decision at the end of a step, replayed over a TP x PP x CP x DP topology
-// with a protocol (SPEC §7): expected decision, every rank's outcome (grouped), findings, verdict.
-#include <fstream>
-#include <map>
-
+// `lossguard replay`: the skip decision at the end of a step, replayed over a TP x PP x CP x DP
+// topology with a protocol (SPEC §7): expected decision, every rank's outcome (grouped), findings,
+// verdict.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <fstream>
+#include <map>
 
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
 #include "cli/replay_svg.h"
+#include "core/errors.h"
 #include "distributed/real_replay.h"
 #include "kernels/device_info.h"
-#include "core/errors.h"
 #include "oracle/metrics.h"
 #include "oracle/replay.h"
 
@@ -41,7 +42,8 @@ void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t ma
   std::map<std::string, const oracle::RankResult*> example;
   for (const auto& rr : r.ranks) {
     const bool wrong = rr.skip && *rr.skip != r.expected_skip;
-    std::string key = fmt::format("{}: {}{}", oracle::outcome_name(rr.outcome), rr.summary, wrong ? " [WRONG DECISION]" : "");
+    std::string key = fmt::format("{}: {}{}", oracle::outcome_name(rr.outcome), rr.summary,
+                                  wrong ? " [WRONG DECISION]" : "");
     if (!members.count(key)) {
       order.push_back(key);
       example[key] = &rr;
@@ -52,12 +54,15 @@ void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t ma
   int64_t lines = 0;
   for (const auto& key : order) {
     if (max_lines > 0 && lines++ >= max_lines) {
-      out << fmt::format("  ... {} more kinds of outcome (--max-lines 0 shows all)\n", order.size() - static_cast<std::size_t>(max_lines));
+      out << fmt::format("  ... {} more kinds of outcome (--max-lines 0 shows all)\n",
+                         order.size() - static_cast<std::size_t>(max_lines));
       break;
     }
     const auto& ranks = members[key];
-    out << fmt::format("  rank{} {} ({}): {}\n", ranks.size() == 1 ? "" : "s", oracle::format_rank_set(ranks), ranks.size(), key);
-    if (!example[key]->detail.empty()) out << fmt::format("      e.g. rank {}: {}\n", example[key]->rank, example[key]->detail);
+    out << fmt::format("  rank{} {} ({}): {}\n", ranks.size() == 1 ? "" : "s",
+                       oracle::format_rank_set(ranks), ranks.size(), key);
+    if (!example[key]->detail.empty())
+      out << fmt::format("      e.g. rank {}: {}\n", example[key]->rank, example[key]->detail);
   }
 }
 
@@ -69,9 +74,12 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
     throw_input_error("--protocol must be one of {}, got '{}'", fmt::join(names, ", "), o.protocol);
   }
   oracle::ReduceMode reduce;
-  if (o.reduce == "per-token") reduce = oracle::ReduceMode::kPerToken;
-  else if (o.reduce == "sample-mean") reduce = oracle::ReduceMode::kSampleMean;
-  else throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
+  if (o.reduce == "per-token")
+    reduce = oracle::ReduceMode::kPerToken;
+  else if (o.reduce == "sample-mean")
+    reduce = oracle::ReduceMode::kSampleMean;
+  else
+    throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
   const Policy policy = policy_from_option(o.policy);
   if (o.backend != "sim" && o.backend != "gloo" && o.backend != "nccl") {
     throw_input_error("--backend must be sim, gloo or nccl, got '{}'", o.backend);
@@ -80,13 +88,16 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   const oracle::Topology topo(o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
   PlacementOptions placement_options = o.placement;
   placement_options.dp = o.sizes.dp;
-  if (o.dumps.dp_shards && static_cast<int64_t>(io::expand_dump_paths(o.dumps.paths).size()) != o.sizes.dp) {
-    throw_input_error("--dp-shards: {} dump(s) given for DP = {}", io::expand_dump_paths(o.dumps.paths).size(), o.sizes.dp);
+  if (o.dumps.dp_shards &&
+      static_cast<int64_t>(io::expand_dump_paths(o.dumps.paths).size()) != o.sizes.dp) {
+    throw_input_error("--dp-shards: {} dump(s) given for DP = {}",
+                      io::expand_dump_paths(o.dumps.paths).size(), o.sizes.dp);
   }
   LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, true});
   const Batch& b = loaded.batch;
   const oracle::Placement placement = placement_options.placement(b, o.dumps.dp_shards);
-  const oracle::ReplayInputs in = oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
+  const oracle::ReplayInputs in =
+      oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
   oracle::ReplayResult result;
   dist::RealReplayInput real;
   if (o.backend == "sim") {
@@ -96,14 +107,16 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
     real.inputs = &in;
     real.timeout_s = o.timeout_s;
     if (real.env.world_size != topo.world()) {
-      throw_input_error("the launcher started {} processes ($WORLD_SIZE) but TP{} PP{} CP{} DP{} has {} ranks",
-                        real.env.world_size, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, topo.world());
+      throw_input_error(
+          "the launcher started {} processes ($WORLD_SIZE) but TP{} PP{} CP{} DP{} has {} ranks",
+          real.env.world_size, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, topo.world());
     }
     if (o.backend == "nccl") {
       const kernels::DeviceInfo d = kernels::query_device_info();
       if (!d.nccl_compiled || d.device_count == 0) {
-        throw UnverifiedError(fmt::format("--backend nccl needs NCCL and a CUDA device, one per local rank; this process has {}",
-                                          d.nccl_compiled ? "no device (" + d.status + ")" : "a build without NCCL"));
+        throw UnverifiedError(fmt::format(
+            "--backend nccl needs NCCL and a CUDA device, one per local rank; this process has {}",
+            d.nccl_compiled ? "no device (" + d.status + ")" : "a build without NCCL"));
       }
       real.backend = dist::Backend::kNccl;
     }
@@ -119,34 +132,45 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
       report.suppress_outputs();
       report.force_exit_code(code < 0 ? kExitFault : code);
       if (code != 0) {
-        dist::write_error_file(real.env, fmt::format("lossguard replay rank {}: the job's verdict is exit code {}{}", real.env.rank,
-                                                     code < 0 ? kExitFault : code, code < 0 ? " (no verdict from rank 0)" : ""));
+        dist::write_error_file(
+            real.env, fmt::format("lossguard replay rank {}: the job's verdict is exit code {}{}",
+                                  real.env.rank, code < 0 ? kExitFault : code,
+                                  code < 0 ? " (no verdict from rank 0)" : ""));
       }
-      if (code < 0) ctx.err << fmt::format("lossguard: rank {}: no verdict from rank 0 within the deadline\n", real.env.rank);
+      if (code < 0)
+        ctx.err << fmt::format("lossguard: rank {}: no verdict from rank 0 within the deadline\n",
+                               real.env.rank);
       return;
     }
     result = oracle::summarize(in, got.ranks);
   }
 
   std::ostream& out = ctx.out;
-  out << fmt::format("lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{} (world {}), {} samples, {} micro-batch(es) "
-                     "per DP rank, reduce {}{}\n",
-                     oracle::protocol_name(protocol), o.backend, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, topo.world(), b.num_samples(),
-                     in.microbatches, oracle::reduce_mode_name(reduce),
-                     policy == Policy::kFixed ? "" : fmt::format(", counting policy {}", policy_name(policy)));
-  out << fmt::format("global effective tokens (fixed): {} -> expected decision: {}\n\n", in.global_tokens,
-                     result.expected_skip ? "skip (a zero-token step: no training signal)" : "step");
+  out << fmt::format(
+      "lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{} (world {}), {} samples, {} "
+      "micro-batch(es) "
+      "per DP rank, reduce {}{}\n",
+      oracle::protocol_name(protocol), o.backend, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp,
+      topo.world(), b.num_samples(), in.microbatches, oracle::reduce_mode_name(reduce),
+      policy == Policy::kFixed ? "" : fmt::format(", counting policy {}", policy_name(policy)));
+  out << fmt::format(
+      "global effective tokens (fixed): {} -> expected decision: {}\n\n", in.global_tokens,
+      result.expected_skip ? "skip (a zero-token step: no training signal)" : "step");
   print_outcomes(out, result, o.max_lines);
 
   // The last stage's loss metrics, normalised as SPEC §6 says.
   nlohmann::ordered_json metrics = nullptr;
   if (auto values = oracle::loss_metric_values(b, reduce, in.global_tokens)) {
-    metrics = {{"keys", {"loss"}}, {"values", *values}, {"denominator", reduce == oracle::ReduceMode::kPerToken ? "global tokens" : "global batch size"}};
+    metrics = {{"keys", {"loss"}},
+               {"values", *values},
+               {"denominator",
+                reduce == oracle::ReduceMode::kPerToken ? "global tokens" : "global batch size"}};
     try {
       const auto m = oracle::normalize_metrics(*values, {"loss"});
       metrics["normalized"] = {{"loss", m.values[0].second}};
       metrics["no_signal"] = m.no_signal;
-      out << fmt::format("\nlast-stage metrics ({}): loss = {:.6g}{}\n", oracle::reduce_mode_name(reduce), m.values[0].second,
+      out << fmt::format("\nlast-stage metrics ({}): loss = {:.6g}{}\n",
+                         oracle::reduce_mode_name(reduce), m.values[0].second,
                          m.no_signal ? " (no-signal step: reported as 0.0)" : "");
     } catch (const oracle::MetricsError& e) {
       metrics["error"] = e.what();
@@ -160,12 +184,15 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
 
   const bool pass = !result.fault && !result.wrong_decision;
   out << fmt::format("\nverdict: {}\n", pass ? "pass: every rank reached the expected decision"
-                                              : result.fault ? "FAULT: a real job would crash or hang (exit 3)"
-                                                             : "FAIL: wrong decision (exit 1)");
+                                        : result.fault
+                                            ? "FAULT: a real job would crash or hang (exit 3)"
+                                            : "FAIL: wrong decision (exit 1)");
   if (!o.svg_path.empty()) {
     std::ofstream svg(o.svg_path, std::ios::trunc);
-    svg << replay_svg(in, result, fmt::format("lossguard replay: {} on TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.sizes.tp,
-                                              o.sizes.pp, o.sizes.cp, o.sizes.dp));
+    svg << replay_svg(
+        in, result,
+        fmt::format("lossguard replay: {} on TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol),
+                    o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp));
     if (!svg) throw_input_error("{}: cannot write the SVG", o.svg_path);
     out << fmt::format("rank grid: {}\n", o.svg_path);
   }
@@ -188,19 +215,24 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   if (ctx.want_json) {
     for (const auto& r : result.ranks) {
       ranks.push_back({{"rank", r.rank},
-                       {"decision", r.skip ? nlohmann::ordered_json(*r.skip ? "skip" : "step") : nlohmann::ordered_json(nullptr)},
+                       {"decision", r.skip ? nlohmann::ordered_json(*r.skip ? "skip" : "step")
+                                           : nlohmann::ordered_json(nullptr)},
                        {"outcome", oracle::outcome_name(r.outcome)},
                        {"optimizer_stepped", r.optimizer_stepped},
                        {"scheduler_stepped", r.scheduler_stepped},
-                       {"grad_norm", r.grad_norm ? nlohmann::ordered_json(*r.grad_norm) : nlohmann::ordered_json(nullptr)},
+                       {"grad_norm", r.grad_norm ? nlohmann::ordered_json(*r.grad_norm)
+                                                 : nlohmann::ordered_json(nullptr)},
                        {"update_successful", r.update_successful},
                        {"detail", r.detail.empty() ? r.summary : r.summary + ": " + r.detail}});
     }
   }
   res["ranks"] = ranks;
-  const std::string name = fmt::format("{} TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol), o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
-  report.add_case({"lossguard.replay", name + ": expected decision on every rank", !result.wrong_decision,
-                   result.wrong_decision ? "some ranks decided differently from the expected decision" : "", false});
+  const std::string name = fmt::format("{} TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol),
+                                       o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
+  report.add_case(
+      {"lossguard.replay", name + ": expected decision on every rank", !result.wrong_decision,
+       result.wrong_decision ? "some ranks decided differently from the expected decision" : "",
+       false});
   report.add_case({"lossguard.replay", name + ": no error, deadlock or mismatch", !result.fault,
                    result.fault ? "some ranks errored, blocked or mismatched" : "", false});
   if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
@@ -211,8 +243,10 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
     ctx.out << std::flush;  // a launcher may stop the other ranks once one exits non-zero
     dist::dist_api().agree_exit_code(&real, report.exit_code());
     if (report.exit_code() != 0) {
-      dist::write_error_file(real.env, fmt::format("lossguard replay: verdict {} (exit code {}): {}", verdict_name(report.verdict()),
-                                                   report.exit_code(), result.findings.empty() ? "" : result.findings.back().message));
+      dist::write_error_file(
+          real.env, fmt::format("lossguard replay: verdict {} (exit code {}): {}",
+                                verdict_name(report.verdict()), report.exit_code(),
+                                result.findings.empty() ? "" : result.findings.back().message));
     }
   }
 }
@@ -222,33 +256,50 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
 void register_replay(CLI::App& root, Commands& commands) {
   auto cmd = std::make_unique<Command>();
   auto opts = std::make_shared<ReplayOptions>();
-  CLI::App* app = root.add_subcommand("replay", "Replay the zero-token skip decision over a TP x PP x CP x DP topology");
+  CLI::App* app = root.add_subcommand(
+      "replay", "Replay the zero-token skip decision over a TP x PP x CP x DP topology");
   cmd->app = app;
   app->footer(
-      "Protocols (docs/semantics.md §7): pr285 (Relax after PR #285, correct); pr285-src-local (broadcast src = PP-1, a stage\n"
-      "index used as a global rank); pr285-always-broadcast (broadcasts even when PP = 1); values0 (reads values[0],\n"
+      "Protocols (docs/semantics.md §7): pr285 (Relax after PR #285, correct); pr285-src-local "
+      "(broadcast src = PP-1, a stage\n"
+      "index used as a global rank); pr285-always-broadcast (broadcasts even when PP = 1); values0 "
+      "(reads values[0],\n"
       "a sample count when per-token loss is off); no-skip (Megatron baseline: never skips).\n"
-      "Exit codes: 0 every rank reached the expected decision; 1 a wrong decision or parameter drift;\n"
+      "Exit codes: 0 every rank reached the expected decision; 1 a wrong decision or parameter "
+      "drift;\n"
       "3 an error, deadlock or mismatch.\n"
       "Examples:\n  lossguard replay zero.pt --tp 2 --pp 2 --protocol pr285-src-local\n"
       "  lossguard replay batch.safetensors --tp 8 --pp 16 --cp 8 --dp 128 --svg grid.svg\n"
-      "  torchrun --nproc-per-node 4 --no-python lossguard replay batch.safetensors --tp 2 --pp 2 --backend gloo");
+      "  torchrun --nproc-per-node 4 --no-python lossguard replay batch.safetensors --tp 2 --pp 2 "
+      "--backend gloo");
   add_dump_options(*app, opts->dumps, true);
   add_topology_options(*app, opts->sizes);
-  app->add_option("--microbatches", opts->placement.microbatches, "Micro-batches per DP rank")->capture_default_str();
-  app->add_option("--split", opts->placement.split, "How samples go to DP ranks: contiguous or round-robin")->capture_default_str();
-  app->add_option("--protocol", opts->protocol,
-                  "Skip-decision protocol: pr285, pr285-src-local, pr285-always-broadcast, values0, no-skip")
+  app->add_option("--microbatches", opts->placement.microbatches, "Micro-batches per DP rank")
       ->capture_default_str();
-  app->add_option("--reduce", opts->reduce, "per-token (per-token loss on) or sample-mean (off): what values[0] holds")
+  app->add_option("--split", opts->placement.split,
+                  "How samples go to DP ranks: contiguous or round-robin")
       ->capture_default_str();
-  app->add_option("--policy", opts->policy, "Token counting policy on each rank: fixed, legacy or slime")->capture_default_str();
+  app->add_option(
+         "--protocol", opts->protocol,
+         "Skip-decision protocol: pr285, pr285-src-local, pr285-always-broadcast, values0, no-skip")
+      ->capture_default_str();
+  app->add_option("--reduce", opts->reduce,
+                  "per-token (per-token loss on) or sample-mean (off): what values[0] holds")
+      ->capture_default_str();
+  app->add_option("--policy", opts->policy,
+                  "Token counting policy on each rank: fixed, legacy or slime")
+      ->capture_default_str();
   app->add_option("--backend", opts->backend,
-                  "sim (simulated collectives), gloo (real, CPU; launch under torchrun) or nccl (real, one GPU per rank)")
+                  "sim (simulated collectives), gloo (real, CPU; launch under torchrun) or nccl "
+                  "(real, one GPU per rank)")
       ->capture_default_str();
-  app->add_option("--timeout", opts->timeout_s, "Seconds any real collective may wait (real backends)")->capture_default_str();
-  app->add_option("--svg", opts->svg_path, "Draw the rank grid, coloured by outcome, to FILE")->type_name("FILE");
-  app->add_option("--max-lines", opts->max_lines, "Outcome groups shown in text (0: all)")->capture_default_str();
+  app->add_option("--timeout", opts->timeout_s,
+                  "Seconds any real collective may wait (real backends)")
+      ->capture_default_str();
+  app->add_option("--svg", opts->svg_path, "Draw the rank grid, coloured by outcome, to FILE")
+      ->type_name("FILE");
+  app->add_option("--max-lines", opts->max_lines, "Outcome groups shown in text (0: all)")
+      ->capture_default_str();
   add_layout_options(*app, opts->layout);
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_replay(*opts, r, c); };

@@ -1,13 +1,12 @@
 // The shape every subcommand shares: an options struct captured by its run function, registered on
 // the root CLI11 app by a register_* function (one file per subcommand).
 #pragma once
+#include <CLI/CLI.hpp>
 #include <functional>
 #include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
-
-#include <CLI/CLI.hpp>
 
 #include "cli/report.h"
 
@@ -17,7 +16,8 @@ struct Context {
   std::ostream& out;  // text report (a null stream when --json - takes stdout)
   std::ostream& err;  // diagnostics, progress
   bool err_is_terminal = false;
-  bool want_json = false;  // --json given: build the per-sample parts of the document (costly for big batches)
+  bool want_json =
+      false;  // --json given: build the per-sample parts of the document (costly for big batches)
 };
 
 struct Command {

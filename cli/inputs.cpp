@@ -1,23 +1,27 @@
 // Dump options and loading with progress on stderr.
 #include "cli/inputs.h"
 
-#include <chrono>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <chrono>
 
 namespace lossguard::cli {
 
 void add_dump_options(CLI::App& app, DumpOptions& o, bool with_dp_shards) {
-  app.add_option("dumps", o.paths, "Dump files or directories (safetensors, .pt, .json); together one global batch")
+  app.add_option("dumps", o.paths,
+                 "Dump files or directories (safetensors, .pt, .json); together one global batch")
       ->required()
       ->type_name("DUMP...");
-  app.add_option("--field", o.field_maps,
-                 "Read batch field NAME from the dump's key KEY, e.g. --field loss_mask=mask (NAME: " +
-                     fmt::format("{}", fmt::join(io::batch_field_names(), ", ")) + ")")
+  app.add_option(
+         "--field", o.field_maps,
+         "Read batch field NAME from the dump's key KEY, e.g. --field loss_mask=mask (NAME: " +
+             fmt::format("{}", fmt::join(io::batch_field_names(), ", ")) + ")")
       ->type_name("NAME=KEY");
   if (with_dp_shards) {
-    app.add_flag("--dp-shards", o.dp_shards, "Each dump is one DP rank's part of the global batch (a trainer's per-rank dumps)");
+    app.add_flag(
+        "--dp-shards", o.dp_shards,
+        "Each dump is one DP rank's part of the global batch (a trainer's per-rank dumps)");
   }
 }
 
@@ -25,12 +29,15 @@ namespace {
 
 class Progress {
  public:
-  Progress(Context& ctx, std::size_t total) : ctx_(ctx), total_(total), start_(std::chrono::steady_clock::now()) {}
+  Progress(Context& ctx, std::size_t total)
+      : ctx_(ctx), total_(total), start_(std::chrono::steady_clock::now()) {}
   void at(std::size_t done, const std::string& path) {
     if (!ctx_.err_is_terminal) return;
-    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     if (elapsed < 0.5) return;
-    ctx_.err << fmt::format("\r\x1b[Kloading {}/{}: {} ({:.1f} s)", done + 1, total_, path, elapsed) << std::flush;
+    ctx_.err << fmt::format("\r\x1b[Kloading {}/{}: {} ({:.1f} s)", done + 1, total_, path, elapsed)
+             << std::flush;
     shown_ = true;
   }
   ~Progress() {

@@ -19,8 +19,9 @@ struct LoadedBatch {
   std::vector<io::Dump> dumps;
   Batch batch;
 };
-// Reads, validates and concatenates the dumps; records them as the report's inputs. Shows progress on a
-// terminal when loading takes more than a moment.
-LoadedBatch load_batch(const DumpOptions& options, Report& report, Context& ctx, LoadNeeds needs = {});
+// Reads, validates and concatenates the dumps; records them as the report's inputs. Shows progress
+// on a terminal when loading takes more than a moment.
+LoadedBatch load_batch(const DumpOptions& options, Report& report, Context& ctx,
+                       LoadNeeds needs = {});
 
 }  // namespace lossguard::cli

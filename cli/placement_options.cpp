@@ -7,7 +7,8 @@ namespace lossguard::cli {
 
 Policy policy_from_option(const std::string& value) {
   Policy p;
-  if (!parse_policy(value, &p)) throw_input_error("--policy must be fixed, legacy or slime, got '{}'", value);
+  if (!parse_policy(value, &p))
+    throw_input_error("--policy must be fixed, legacy or slime, got '{}'", value);
   return p;
 }
 
@@ -31,18 +32,23 @@ ShardLayout LayoutOptions::layout() const {
 
 void add_layout_options(CLI::App& app, LayoutOptions& o) {
   app.add_option("--padded-total-length", o.padded_total_length,
-                 "thd packing with every sample padded to this length (a multiple of 2*cp); default: ceil(T / 2cp) chunks");
+                 "thd packing with every sample padded to this length (a multiple of 2*cp); "
+                 "default: ceil(T / 2cp) chunks");
   app.add_option("--max-seq-len", o.max_seq_len, "bshd packing: chunks of ceil(max_seq_len / 2cp)");
 }
 
 oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards) const {
   Split s;
-  if (split == "contiguous") s = Split::kContiguous;
-  else if (split == "round-robin") s = Split::kRoundRobin;
-  else throw_input_error("--split must be contiguous or round-robin, got '{}'", split);
+  if (split == "contiguous")
+    s = Split::kContiguous;
+  else if (split == "round-robin")
+    s = Split::kRoundRobin;
+  else
+    throw_input_error("--split must be contiguous or round-robin, got '{}'", split);
   if (dp_shards) {
     const auto shards = static_cast<int64_t>(batch.files.size());
-    if (dp != 1 && dp != shards) throw_input_error("--dp-shards: {} dumps given but --dp {}", shards, dp);
+    if (dp != 1 && dp != shards)
+      throw_input_error("--dp-shards: {} dumps given but --dp {}", shards, dp);
     std::vector<int> shard_of(batch.origins.size());
     for (std::size_t i = 0; i < shard_of.size(); ++i) shard_of[i] = batch.origins[i].file_index;
     return oracle::place_shards(shard_of, shards, microbatches);
@@ -51,10 +57,13 @@ oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards
 }
 
 void add_placement_options(CLI::App& app, PlacementOptions& o, bool dp_required) {
-  auto* d = app.add_option("--dp", o.dp, "Data-parallel size: the global batch is split over DP ranks");
+  auto* d =
+      app.add_option("--dp", o.dp, "Data-parallel size: the global batch is split over DP ranks");
   if (dp_required) d->required();
-  app.add_option("--microbatches", o.microbatches, "Micro-batches per DP rank (contiguous)")->capture_default_str();
-  app.add_option("--split", o.split, "How samples go to DP ranks: contiguous or round-robin")->capture_default_str();
+  app.add_option("--microbatches", o.microbatches, "Micro-batches per DP rank (contiguous)")
+      ->capture_default_str();
+  app.add_option("--split", o.split, "How samples go to DP ranks: contiguous or round-robin")
+      ->capture_default_str();
 }
 
 }  // namespace lossguard::cli

@@ -1,14 +1,12 @@
 // Options shared by count and replay: CP layout and DP / micro-batch placement.
 #pragma once
-#include <string>
-
 #include <CLI/CLI.hpp>
+#include <string>
 
 #include "core/batch.h"
 #include "oracle/cp_shard.h"
-#include "oracle/placement.h"
-
 #include "oracle/denominators.h"
+#include "oracle/placement.h"
 
 namespace lossguard::cli {
 
@@ -31,8 +29,11 @@ struct PlacementOptions {
   int64_t dp = 1;
   int64_t microbatches = 1;
   std::string split = "contiguous";
-  bool given(const CLI::App& app) const { return app.count("--dp") + app.count("--microbatches") + app.count("--split") > 0; }
-  // With --dp-shards, each dump is one DP rank (and --dp, when given, must match the number of dumps).
+  bool given(const CLI::App& app) const {
+    return app.count("--dp") + app.count("--microbatches") + app.count("--split") > 0;
+  }
+  // With --dp-shards, each dump is one DP rank (and --dp, when given, must match the number of
+  // dumps).
   oracle::Placement placement(const Batch& batch, bool dp_shards) const;
 };
 void add_placement_options(CLI::App& app, PlacementOptions& o, bool dp_required);

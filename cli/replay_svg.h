@@ -6,6 +6,7 @@
 
 namespace lossguard::cli {
 
-std::string replay_svg(const oracle::ReplayInputs& in, const oracle::ReplayResult& result, const std::string& title);
+std::string replay_svg(const oracle::ReplayInputs& in, const oracle::ReplayResult& result,
+                       const std::string& title);
 
 }  // namespace lossguard::cli

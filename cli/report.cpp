@@ -1,10 +1,10 @@
 // Report: verdict, exit code, JSON and JUnit output.
 #include "cli/report.h"
 
-#include <fstream>
+#include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
-#include <fmt/format.h>
+#include <fstream>
 
 #include "lossguard/build_config.h"
 
@@ -12,19 +12,26 @@ namespace lossguard::cli {
 
 const char* verdict_name(Verdict v) {
   switch (v) {
-    case Verdict::kPass: return "pass";
-    case Verdict::kFail: return "fail";
-    case Verdict::kError: return "error";
-    case Verdict::kFault: return "fault";
-    case Verdict::kUnverified: return "unverified";
+    case Verdict::kPass:
+      return "pass";
+    case Verdict::kFail:
+      return "fail";
+    case Verdict::kError:
+      return "error";
+    case Verdict::kFault:
+      return "fault";
+    case Verdict::kUnverified:
+      return "unverified";
   }
   return "?";
 }
 
 void add_output_options(CLI::App& app, OutputOptions& o) {
-  app.add_option("--json", o.json_path, "Write the versioned JSON report (schema lossguard/1) to FILE, or - for stdout")
+  app.add_option("--json", o.json_path,
+                 "Write the versioned JSON report (schema lossguard/1) to FILE, or - for stdout")
       ->type_name("FILE|-");
-  app.add_option("--junit", o.junit_path, "Write JUnit XML (one test case per check) to FILE")->type_name("FILE");
+  app.add_option("--junit", o.junit_path, "Write JUnit XML (one test case per check) to FILE")
+      ->type_name("FILE");
 }
 
 Report::Report(std::string command) : command_(std::move(command)) {}
@@ -50,11 +57,16 @@ Verdict Report::verdict() const {
 int Report::exit_code() const {
   if (forced_exit_code_ >= 0) return forced_exit_code_;
   switch (verdict()) {
-    case Verdict::kPass: return kExitPass;
-    case Verdict::kFail: return kExitFail;
-    case Verdict::kError: return kExitError;
-    case Verdict::kFault: return kExitFault;
-    case Verdict::kUnverified: return kExitUnverified;
+    case Verdict::kPass:
+      return kExitPass;
+    case Verdict::kFail:
+      return kExitFail;
+    case Verdict::kError:
+      return kExitError;
+    case Verdict::kFault:
+      return kExitFault;
+    case Verdict::kUnverified:
+      return kExitUnverified;
   }
   return kExitError;
 }
@@ -63,7 +75,9 @@ void Report::add_input(const std::string& path, const std::string& format) {
   inputs_.push_back({{"path", path}, {"format", format}});
 }
 
-void Report::add_findings(const std::vector<oracle::Finding>& f) { findings_.insert(findings_.end(), f.begin(), f.end()); }
+void Report::add_findings(const std::vector<oracle::Finding>& f) {
+  findings_.insert(findings_.end(), f.begin(), f.end());
+}
 
 nlohmann::ordered_json Report::to_json() const {
   nlohmann::ordered_json j;
@@ -91,14 +105,26 @@ std::string xml_escape(const std::string& s) {
   std::string o;
   for (char c : s) {
     switch (c) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      case '\'': o += "&apos;"; break;
+      case '&':
+        o += "&amp;";
+        break;
+      case '<':
+        o += "&lt;";
+        break;
+      case '>':
+        o += "&gt;";
+        break;
+      case '"':
+        o += "&quot;";
+        break;
+      case '\'':
+        o += "&apos;";
+        break;
       default:
-        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t') o += ' ';
-        else o += c;
+        if (static_cast<unsigned char>(c) < 0x20 && c != '\n' && c != '\t')
+          o += ' ';
+        else
+          o += c;
     }
   }
   return o;
@@ -114,16 +140,20 @@ std::string Report::to_junit() const {
     skipped += c.skipped;
   }
   std::string x = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
-  x += fmt::format("<testsuites name=\"lossguard\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">\n", cases.size(), failures, skipped);
-  x += fmt::format("  <testsuite name=\"lossguard.{}\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">\n", xml_escape(command_),
+  x += fmt::format("<testsuites name=\"lossguard\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">\n",
                    cases.size(), failures, skipped);
+  x += fmt::format(
+      "  <testsuite name=\"lossguard.{}\" tests=\"{}\" failures=\"{}\" skipped=\"{}\">\n",
+      xml_escape(command_), cases.size(), failures, skipped);
   for (const auto& c : cases) {
-    x += fmt::format("    <testcase classname=\"{}\" name=\"{}\"", xml_escape(c.classname), xml_escape(c.name));
+    x += fmt::format("    <testcase classname=\"{}\" name=\"{}\"", xml_escape(c.classname),
+                     xml_escape(c.name));
     if (c.skipped) {
       x += fmt::format("><skipped message=\"{}\"/></testcase>\n", xml_escape(c.message));
     } else if (!c.ok) {
-      x += fmt::format("><failure message=\"{}\">{}</failure></testcase>\n", xml_escape(c.message.substr(0, c.message.find('\n'))),
-                       xml_escape(c.message));
+      x +=
+          fmt::format("><failure message=\"{}\">{}</failure></testcase>\n",
+                      xml_escape(c.message.substr(0, c.message.find('\n'))), xml_escape(c.message));
     } else {
       x += "/>\n";
     }
@@ -140,7 +170,8 @@ void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostre
       out << text;
     } else {
       std::ofstream f(o.json_path, std::ios::trunc);
-      // A CI gate reads this file: one that cannot be written is an error (exit 2), never a silent pass.
+      // A CI gate reads this file: one that cannot be written is an error (exit 2), never a silent
+      // pass.
       if (!(f << text)) {
         error("cannot write the JSON report to " + o.json_path);
         err << "lossguard: error: cannot write the JSON report to " << o.json_path << "\n";

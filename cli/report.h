@@ -1,15 +1,16 @@
-// One report per command run: verdict flags, findings, the JSON document (SPEC §8), JUnit cases, and
-// the single place where they become an exit code.
+// One report per command run: verdict flags, findings, the JSON document (SPEC §8), JUnit cases,
+// and the single place where they become an exit code.
 #pragma once
+#include <nlohmann/json.hpp>
 #include <ostream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "oracle/findings.h"
 
-namespace CLI { class App; }
+namespace CLI {
+class App;
+}
 
 namespace lossguard::cli {
 
@@ -17,18 +18,24 @@ enum class Verdict { kPass, kFail, kError, kFault, kUnverified };
 const char* verdict_name(Verdict v);
 
 // SPEC §8 exit codes.
-enum ExitCode : int { kExitPass = 0, kExitFail = 1, kExitError = 2, kExitFault = 3, kExitUnverified = 4 };
+enum ExitCode : int {
+  kExitPass = 0,
+  kExitFail = 1,
+  kExitError = 2,
+  kExitFault = 3,
+  kExitUnverified = 4
+};
 
 struct JunitCase {
   std::string classname;  // "lossguard.count"
   std::string name;       // "I1 cp=2"
   bool ok = true;
-  std::string message;    // failure message
-  bool skipped = false;   // not computed
+  std::string message;   // failure message
+  bool skipped = false;  // not computed
 };
 
 struct OutputOptions {
-  std::string json_path;   // "" none, "-" stdout
+  std::string json_path;  // "" none, "-" stdout
   std::string junit_path;
 };
 void add_output_options(CLI::App& app, OutputOptions& options);
@@ -43,7 +50,8 @@ class Report {
   void error(const std::string& message);
   void unverified(const std::string& reason);
   void verified() { verified_ = true; }  // at least one check ran
-  // A real-mode replay rank other than 0 exits with the code rank 0 decided, whatever it saw itself.
+  // A real-mode replay rank other than 0 exits with the code rank 0 decided, whatever it saw
+  // itself.
   void force_exit_code(int code) { forced_exit_code_ = code; }
   void suppress_outputs() { suppress_outputs_ = true; }  // --json/--junit are rank 0's to write
 

@@ -13,11 +13,17 @@ std::string version_text() {
   const kernels::DeviceInfo d = kernels::query_device_info();
   std::string s = fmt::format("lossguard {}\n", LOSSGUARD_VERSION);
   s += fmt::format("LibTorch {} (torch_cpu, c10)\n", LOSSGUARD_TORCH_VERSION);
-  s += fmt::format("CUDA: {}\n", d.cuda_compiled ? fmt::format("compiled in (runtime {})", d.cuda_runtime_version) : "not compiled in");
-  s += fmt::format("NCCL: {}\n", d.nccl_compiled ? fmt::format("compiled in ({})", d.nccl_version) : "not compiled in");
-  s += fmt::format("device: {}\n", d.device_count > 0 ? fmt::format("{} CUDA device(s); device 0: {}", d.device_count, d.device_name)
-                                                      : fmt::format("none ({})", d.status));
-  s += fmt::format("CPU kernels: {}, {} thread(s)\n", kernels::xent_cpu_isa(), kernels::cpu_threads());
+  s += fmt::format("CUDA: {}\n",
+                   d.cuda_compiled ? fmt::format("compiled in (runtime {})", d.cuda_runtime_version)
+                                   : "not compiled in");
+  s += fmt::format("NCCL: {}\n", d.nccl_compiled ? fmt::format("compiled in ({})", d.nccl_version)
+                                                 : "not compiled in");
+  s += fmt::format("device: {}\n", d.device_count > 0
+                                       ? fmt::format("{} CUDA device(s); device 0: {}",
+                                                     d.device_count, d.device_name)
+                                       : fmt::format("none ({})", d.status));
+  s += fmt::format("CPU kernels: {}, {} thread(s)\n", kernels::xent_cpu_isa(),
+                   kernels::cpu_threads());
   return s;
 }
 

@@ -1,11 +1,11 @@
 // HostArray element access and the half/bfloat16 conversions (bit-exact, no LibTorch).
 #include "core/array.h"
 
-#include <cmath>
-#include <cstring>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <cmath>
+#include <cstring>
 
 #include "core/errors.h"
 
@@ -13,26 +13,46 @@ namespace lossguard {
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kBool: return "bool";
-    case DType::kUInt8: return "uint8";
-    case DType::kInt8: return "int8";
-    case DType::kInt16: return "int16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
+    case DType::kBool:
+      return "bool";
+    case DType::kUInt8:
+      return "uint8";
+    case DType::kInt8:
+      return "int8";
+    case DType::kInt16:
+      return "int16";
+    case DType::kInt32:
+      return "int32";
+    case DType::kInt64:
+      return "int64";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat64:
+      return "float64";
   }
   return "?";
 }
 
 std::size_t dtype_size_bytes(DType dtype) {
   switch (dtype) {
-    case DType::kBool: case DType::kUInt8: case DType::kInt8: return 1;
-    case DType::kInt16: case DType::kFloat16: case DType::kBFloat16: return 2;
-    case DType::kInt32: case DType::kFloat32: return 4;
-    case DType::kInt64: case DType::kFloat64: return 8;
+    case DType::kBool:
+    case DType::kUInt8:
+    case DType::kInt8:
+      return 1;
+    case DType::kInt16:
+    case DType::kFloat16:
+    case DType::kBFloat16:
+      return 2;
+    case DType::kInt32:
+    case DType::kFloat32:
+      return 4;
+    case DType::kInt64:
+    case DType::kFloat64:
+      return 8;
   }
   return 0;
 }
@@ -43,15 +63,18 @@ bool dtype_is_float(DType dtype) {
 }
 
 bool parse_dtype(std::string_view name, DType* out) {
-  struct Entry { std::string_view a, b; DType d; };
+  struct Entry {
+    std::string_view a, b;
+    DType d;
+  };
   static const Entry kNames[] = {
-      {"bool", "BOOL", DType::kBool},         {"uint8", "U8", DType::kUInt8},
-      {"int8", "I8", DType::kInt8},           {"int16", "I16", DType::kInt16},
-      {"int32", "I32", DType::kInt32},        {"int64", "I64", DType::kInt64},
-      {"float16", "F16", DType::kFloat16},    {"bfloat16", "BF16", DType::kBFloat16},
-      {"float32", "F32", DType::kFloat32},    {"float64", "F64", DType::kFloat64},
-      {"fp16", "half", DType::kFloat16},      {"bf16", "bf16", DType::kBFloat16},
-      {"fp32", "float", DType::kFloat32},     {"fp64", "double", DType::kFloat64},
+      {"bool", "BOOL", DType::kBool},      {"uint8", "U8", DType::kUInt8},
+      {"int8", "I8", DType::kInt8},        {"int16", "I16", DType::kInt16},
+      {"int32", "I32", DType::kInt32},     {"int64", "I64", DType::kInt64},
+      {"float16", "F16", DType::kFloat16}, {"bfloat16", "BF16", DType::kBFloat16},
+      {"float32", "F32", DType::kFloat32}, {"float64", "F64", DType::kFloat64},
+      {"fp16", "half", DType::kFloat16},   {"bf16", "bf16", DType::kBFloat16},
+      {"fp32", "float", DType::kFloat32},  {"fp64", "double", DType::kFloat64},
   };
   for (const auto& e : kNames) {
     if (name == e.a || name == e.b) {
@@ -135,23 +158,56 @@ std::string HostArray::shape_string() const { return fmt::format("[{}]", fmt::jo
 double HostArray::get_f64(int64_t i) const {
   const std::byte* p = data + static_cast<std::size_t>(i) * dtype_size_bytes(dtype);
   switch (dtype) {
-    case DType::kFloat16: { uint16_t v; std::memcpy(&v, p, 2); return half_to_float(v); }
-    case DType::kBFloat16: { uint16_t v; std::memcpy(&v, p, 2); return bfloat16_to_float(v); }
-    case DType::kFloat32: { float v; std::memcpy(&v, p, 4); return v; }
-    case DType::kFloat64: { double v; std::memcpy(&v, p, 8); return v; }
-    default: return static_cast<double>(get_i64(i));
+    case DType::kFloat16: {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return half_to_float(v);
+    }
+    case DType::kBFloat16: {
+      uint16_t v;
+      std::memcpy(&v, p, 2);
+      return bfloat16_to_float(v);
+    }
+    case DType::kFloat32: {
+      float v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DType::kFloat64: {
+      double v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
+    default:
+      return static_cast<double>(get_i64(i));
   }
 }
 
 int64_t HostArray::get_i64(int64_t i) const {
   const std::byte* p = data + static_cast<std::size_t>(i) * dtype_size_bytes(dtype);
   switch (dtype) {
-    case DType::kBool: case DType::kUInt8: return static_cast<int64_t>(std::to_integer<uint8_t>(*p));
-    case DType::kInt8: return static_cast<int64_t>(static_cast<int8_t>(std::to_integer<uint8_t>(*p)));
-    case DType::kInt16: { int16_t v; std::memcpy(&v, p, 2); return v; }
-    case DType::kInt32: { int32_t v; std::memcpy(&v, p, 4); return v; }
-    case DType::kInt64: { int64_t v; std::memcpy(&v, p, 8); return v; }
-    default: return static_cast<int64_t>(get_f64(i));
+    case DType::kBool:
+    case DType::kUInt8:
+      return static_cast<int64_t>(std::to_integer<uint8_t>(*p));
+    case DType::kInt8:
+      return static_cast<int64_t>(static_cast<int8_t>(std::to_integer<uint8_t>(*p)));
+    case DType::kInt16: {
+      int16_t v;
+      std::memcpy(&v, p, 2);
+      return v;
+    }
+    case DType::kInt32: {
+      int32_t v;
+      std::memcpy(&v, p, 4);
+      return v;
+    }
+    case DType::kInt64: {
+      int64_t v;
+      std::memcpy(&v, p, 8);
+      return v;
+    }
+    default:
+      return static_cast<int64_t>(get_f64(i));
   }
 }
 
@@ -170,24 +226,48 @@ void copy_as(const std::byte* base, int64_t start, int64_t n, Out* dst) {
 void HostArray::copy_i64(int64_t start, int64_t n, int64_t* dst) const {
   if (n <= 0) return;
   switch (dtype) {
-    case DType::kBool: case DType::kUInt8: copy_as<uint8_t>(data, start, n, dst); return;
-    case DType::kInt8: copy_as<int8_t>(data, start, n, dst); return;
-    case DType::kInt16: copy_as<int16_t>(data, start, n, dst); return;
-    case DType::kInt32: copy_as<int32_t>(data, start, n, dst); return;
-    case DType::kInt64: std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8); return;
-    default: for (int64_t k = 0; k < n; ++k) dst[k] = get_i64(start + k);
+    case DType::kBool:
+    case DType::kUInt8:
+      copy_as<uint8_t>(data, start, n, dst);
+      return;
+    case DType::kInt8:
+      copy_as<int8_t>(data, start, n, dst);
+      return;
+    case DType::kInt16:
+      copy_as<int16_t>(data, start, n, dst);
+      return;
+    case DType::kInt32:
+      copy_as<int32_t>(data, start, n, dst);
+      return;
+    case DType::kInt64:
+      std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8);
+      return;
+    default:
+      for (int64_t k = 0; k < n; ++k) dst[k] = get_i64(start + k);
   }
 }
 
 void HostArray::copy_f64(int64_t start, int64_t n, double* dst) const {
   if (n <= 0) return;
   switch (dtype) {
-    case DType::kFloat32: copy_as<float>(data, start, n, dst); return;
-    case DType::kFloat64: std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8); return;
-    case DType::kInt64: copy_as<int64_t>(data, start, n, dst); return;
-    case DType::kInt32: copy_as<int32_t>(data, start, n, dst); return;
-    case DType::kBool: case DType::kUInt8: copy_as<uint8_t>(data, start, n, dst); return;
-    default: for (int64_t k = 0; k < n; ++k) dst[k] = get_f64(start + k);
+    case DType::kFloat32:
+      copy_as<float>(data, start, n, dst);
+      return;
+    case DType::kFloat64:
+      std::memcpy(dst, data + static_cast<std::size_t>(start) * 8, static_cast<std::size_t>(n) * 8);
+      return;
+    case DType::kInt64:
+      copy_as<int64_t>(data, start, n, dst);
+      return;
+    case DType::kInt32:
+      copy_as<int32_t>(data, start, n, dst);
+      return;
+    case DType::kBool:
+    case DType::kUInt8:
+      copy_as<uint8_t>(data, start, n, dst);
+      return;
+    default:
+      for (int64_t k = 0; k < n; ++k) dst[k] = get_f64(start + k);
   }
 }
 
@@ -201,37 +281,71 @@ HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {
   return a;
 }
 
-HostArray HostArray::from_f64(DType dtype, std::vector<int64_t> shape, const std::vector<double>& values) {
+HostArray HostArray::from_f64(DType dtype, std::vector<int64_t> shape,
+                              const std::vector<double>& values) {
   HostArray a = zeros(dtype, std::move(shape));
-  LG_CHECK(static_cast<int64_t>(values.size()) == a.numel(), "{} values for shape {}", values.size(),
-           a.shape_string());
+  LG_CHECK(static_cast<int64_t>(values.size()) == a.numel(), "{} values for shape {}",
+           values.size(), a.shape_string());
   std::byte* p = a.mutable_data();
   for (std::size_t i = 0; i < values.size(); ++i) {
     const double v = values[i];
     switch (dtype) {
-      case DType::kFloat16: { uint16_t h = float_to_half(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
-      case DType::kBFloat16: { uint16_t h = float_to_bfloat16(static_cast<float>(v)); std::memcpy(p + 2 * i, &h, 2); break; }
-      case DType::kFloat32: { float f = static_cast<float>(v); std::memcpy(p + 4 * i, &f, 4); break; }
-      case DType::kFloat64: std::memcpy(p + 8 * i, &v, 8); break;
-      default: LG_CHECK(false, "from_f64 needs a float dtype, got {}", dtype_name(dtype));
+      case DType::kFloat16: {
+        uint16_t h = float_to_half(static_cast<float>(v));
+        std::memcpy(p + 2 * i, &h, 2);
+        break;
+      }
+      case DType::kBFloat16: {
+        uint16_t h = float_to_bfloat16(static_cast<float>(v));
+        std::memcpy(p + 2 * i, &h, 2);
+        break;
+      }
+      case DType::kFloat32: {
+        float f = static_cast<float>(v);
+        std::memcpy(p + 4 * i, &f, 4);
+        break;
+      }
+      case DType::kFloat64:
+        std::memcpy(p + 8 * i, &v, 8);
+        break;
+      default:
+        LG_CHECK(false, "from_f64 needs a float dtype, got {}", dtype_name(dtype));
     }
   }
   return a;
 }
 
-HostArray HostArray::from_i64(DType dtype, std::vector<int64_t> shape, const std::vector<int64_t>& values) {
+HostArray HostArray::from_i64(DType dtype, std::vector<int64_t> shape,
+                              const std::vector<int64_t>& values) {
   HostArray a = zeros(dtype, std::move(shape));
-  LG_CHECK(static_cast<int64_t>(values.size()) == a.numel(), "{} values for shape {}", values.size(),
-           a.shape_string());
+  LG_CHECK(static_cast<int64_t>(values.size()) == a.numel(), "{} values for shape {}",
+           values.size(), a.shape_string());
   std::byte* p = a.mutable_data();
   for (std::size_t i = 0; i < values.size(); ++i) {
     const int64_t v = values[i];
     switch (dtype) {
-      case DType::kBool: case DType::kUInt8: case DType::kInt8: { auto b = static_cast<uint8_t>(v); std::memcpy(p + i, &b, 1); break; }
-      case DType::kInt16: { auto s = static_cast<int16_t>(v); std::memcpy(p + 2 * i, &s, 2); break; }
-      case DType::kInt32: { auto s = static_cast<int32_t>(v); std::memcpy(p + 4 * i, &s, 4); break; }
-      case DType::kInt64: std::memcpy(p + 8 * i, &v, 8); break;
-      default: LG_CHECK(false, "from_i64 needs an integer dtype, got {}", dtype_name(dtype));
+      case DType::kBool:
+      case DType::kUInt8:
+      case DType::kInt8: {
+        auto b = static_cast<uint8_t>(v);
+        std::memcpy(p + i, &b, 1);
+        break;
+      }
+      case DType::kInt16: {
+        auto s = static_cast<int16_t>(v);
+        std::memcpy(p + 2 * i, &s, 2);
+        break;
+      }
+      case DType::kInt32: {
+        auto s = static_cast<int32_t>(v);
+        std::memcpy(p + 4 * i, &s, 4);
+        break;
+      }
+      case DType::kInt64:
+        std::memcpy(p + 8 * i, &v, 8);
+        break;
+      default:
+        LG_CHECK(false, "from_i64 needs an integer dtype, got {}", dtype_name(dtype));
     }
   }
   return a;

@@ -10,12 +10,24 @@
 
 namespace lossguard {
 
-enum class DType { kBool, kUInt8, kInt8, kInt16, kInt32, kInt64, kFloat16, kBFloat16, kFloat32, kFloat64 };
+enum class DType {
+  kBool,
+  kUInt8,
+  kInt8,
+  kInt16,
+  kInt32,
+  kInt64,
+  kFloat16,
+  kBFloat16,
+  kFloat32,
+  kFloat64
+};
 
-std::string_view dtype_name(DType dtype);        // "int64", "bfloat16", ...
+std::string_view dtype_name(DType dtype);  // "int64", "bfloat16", ...
 std::size_t dtype_size_bytes(DType dtype);
 bool dtype_is_float(DType dtype);
-bool parse_dtype(std::string_view name, DType* out);  // accepts lossguard names and safetensors codes
+bool parse_dtype(std::string_view name,
+                 DType* out);  // accepts lossguard names and safetensors codes
 
 float half_to_float(uint16_t bits);
 float bfloat16_to_float(uint16_t bits);
@@ -29,19 +41,24 @@ struct HostArray {
   const std::byte* data = nullptr;
 
   int64_t numel() const;
-  std::size_t size_bytes() const { return static_cast<std::size_t>(numel()) * dtype_size_bytes(dtype); }
+  std::size_t size_bytes() const {
+    return static_cast<std::size_t>(numel()) * dtype_size_bytes(dtype);
+  }
   std::string shape_string() const;  // "[3, 4]"
 
-  double get_f64(int64_t flat_index) const;  // any dtype, exact for floats and ints below 2^53
-  int64_t get_i64(int64_t flat_index) const; // integer and bool dtypes; floats truncated
-  // Bulk forms of the two above (the dtype switch outside the loop), for elements [start, start + n).
+  double get_f64(int64_t flat_index) const;   // any dtype, exact for floats and ints below 2^53
+  int64_t get_i64(int64_t flat_index) const;  // integer and bool dtypes; floats truncated
+  // Bulk forms of the two above (the dtype switch outside the loop), for elements [start, start +
+  // n).
   void copy_i64(int64_t start, int64_t n, int64_t* dst) const;
   void copy_f64(int64_t start, int64_t n, double* dst) const;
 
   // Fresh arrays owning their memory.
   static HostArray zeros(DType dtype, std::vector<int64_t> shape);
-  static HostArray from_f64(DType dtype, std::vector<int64_t> shape, const std::vector<double>& values);
-  static HostArray from_i64(DType dtype, std::vector<int64_t> shape, const std::vector<int64_t>& values);
+  static HostArray from_f64(DType dtype, std::vector<int64_t> shape,
+                            const std::vector<double>& values);
+  static HostArray from_i64(DType dtype, std::vector<int64_t> shape,
+                            const std::vector<int64_t>& values);
   std::byte* mutable_data() { return const_cast<std::byte*>(data); }  // only for arrays made above
 };
 

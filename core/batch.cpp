@@ -1,13 +1,13 @@
 // Batch validation (SPEC §1): every rule names the file, the sample, the field and the values.
 #include "core/batch.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "core/errors.h"
 
@@ -15,9 +15,12 @@ namespace lossguard {
 
 const char* sample_kind_name(SampleKind kind) {
   switch (kind) {
-    case SampleKind::kRl: return "rl";
-    case SampleKind::kSft: return "sft";
-    case SampleKind::kEmpty: return "empty";
+    case SampleKind::kRl:
+      return "rl";
+    case SampleKind::kSft:
+      return "sft";
+    case SampleKind::kEmpty:
+      return "empty";
   }
   return "?";
 }
@@ -99,7 +102,9 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
                                      int64_t index_in_file) {
   if (!dtype_is_float(src.dtype)) {
     // Integer-valued per-token fields (a list of ints in a JSON dump) are taken as float64.
-    if (field == "logits") fail_sample(index_in_file, fmt::format("field 'logits' has dtype {}, must be a float dtype", dtype_name(src.dtype)));
+    if (field == "logits")
+      fail_sample(index_in_file, fmt::format("field 'logits' has dtype {}, must be a float dtype",
+                                             dtype_name(src.dtype)));
   }
   const bool is_logits = field == "logits";
   if (is_logits) {
@@ -107,10 +112,11 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
     const uint64_t need = 2 * (static_cast<uint64_t>(logits_bytes_.size()) + src.size_bytes());
     const uint64_t budget = memory_budget_bytes();
     if (budget > 0 && need > budget) {
-      throw_input_error("{}: field 'logits': {} rows of {} x {} need {} of memory but only {} are available "
-                        "(MemAvailable, or $LOSSGUARD_MEMORY_LIMIT); count and replay do not load the logits",
-                        batch_.files.back(), logits_rows_ + src.shape[0], src.shape[1], dtype_name(src.dtype),
-                        format_bytes(need), format_bytes(budget));
+      throw_input_error(
+          "{}: field 'logits': {} rows of {} x {} need {} of memory but only {} are available "
+          "(MemAvailable, or $LOSSGUARD_MEMORY_LIMIT); count and replay do not load the logits",
+          batch_.files.back(), logits_rows_ + src.shape[0], src.shape[1], dtype_name(src.dtype),
+          format_bytes(need), format_bytes(budget));
     }
   }
   std::vector<std::byte>& bytes = is_logits ? logits_bytes_ : per_token_bytes_[field];
@@ -121,7 +127,8 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
   } else {
     auto it = per_token_dtype_.find(field);
     if (it == per_token_dtype_.end()) {
-      it = per_token_dtype_.emplace(field, dtype_is_float(src.dtype) ? src.dtype : DType::kFloat64).first;
+      it = per_token_dtype_.emplace(field, dtype_is_float(src.dtype) ? src.dtype : DType::kFloat64)
+               .first;
     }
     target = it->second;
   }
@@ -136,7 +143,8 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
   for (int64_t k = 0; k < src.numel(); ++k) values[k] = src.get_f64(k);
   HostArray converted = HostArray::from_f64(target, {src.numel()}, values);
   bytes.resize(old + converted.size_bytes());
-  if (converted.size_bytes() > 0) std::memcpy(bytes.data() + old, converted.data, converted.size_bytes());
+  if (converted.size_bytes() > 0)
+    std::memcpy(bytes.data() + old, converted.data, converted.size_bytes());
 }
 
 void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
@@ -144,7 +152,8 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   if (f.tokens == nullptr) fail_sample(idx, "field 'tokens' is missing");
   require_1d(batch_.files.back(), idx, "tokens", *f.tokens);
   if (!is_integer_dtype(f.tokens->dtype)) {
-    fail_sample(idx, fmt::format("field 'tokens' has dtype {}, must be an integer dtype", dtype_name(f.tokens->dtype)));
+    fail_sample(idx, fmt::format("field 'tokens' has dtype {}, must be an integer dtype",
+                                 dtype_name(f.tokens->dtype)));
   }
   const int64_t num_tokens = f.tokens->numel();
   if (!f.response_length) fail_sample(idx, "field 'response_length' is missing");
@@ -153,16 +162,19 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   if (t < 0) fail_sample(idx, fmt::format("total_length = {} is negative", t));
   if (r < 0) fail_sample(idx, fmt::format("response_length = {} is negative", r));
   if (t != num_tokens) {
-    fail_sample(idx, fmt::format("total_length = {} disagrees with len(tokens) = {}", t, num_tokens));
+    fail_sample(idx,
+                fmt::format("total_length = {} disagrees with len(tokens) = {}", t, num_tokens));
   }
-  if (r > t) fail_sample(idx, fmt::format("response_length R = {} exceeds total_length T = {}", r, t));
+  if (r > t)
+    fail_sample(idx, fmt::format("response_length R = {} exceeds total_length T = {}", r, t));
 
   // Loss mask.
   const std::size_t mask_start = batch_.loss_mask.size();
   if (f.loss_mask != nullptr) {
     require_1d(batch_.files.back(), idx, "loss_mask", *f.loss_mask);
     if (f.loss_mask->numel() != r) {
-      fail_sample(idx, fmt::format("len(loss_mask) = {} but response_length R = {}", f.loss_mask->numel(), r));
+      fail_sample(idx, fmt::format("len(loss_mask) = {} but response_length R = {}",
+                                   f.loss_mask->numel(), r));
     }
     any_mask_ = true;
     batch_.loss_mask.resize(mask_start + r);
@@ -186,7 +198,8 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
     if (bad != 0) {
       for (int64_t j = 0; j < r; ++j) {
         const double v = m.get_f64(j);
-        if (v != 0.0 && v != 1.0) fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
+        if (v != 0.0 && v != 1.0)
+          fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
       }
     }
   } else {
@@ -197,12 +210,17 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   const int64_t rows_before = batch_.response_offsets.back();
   if (f.logits != nullptr) {
     const HostArray& l = *f.logits;
-    if (l.shape.size() != 2) fail_sample(idx, fmt::format("logits must be 2-D [R, V], has shape {}", l.shape_string()));
-    if (l.shape[0] != r) fail_sample(idx, fmt::format("logits.shape[0] = {} but response_length R = {}", l.shape[0], r));
+    if (l.shape.size() != 2)
+      fail_sample(idx, fmt::format("logits must be 2-D [R, V], has shape {}", l.shape_string()));
+    if (l.shape[0] != r)
+      fail_sample(idx,
+                  fmt::format("logits.shape[0] = {} but response_length R = {}", l.shape[0], r));
     if (vocab_size_ >= 0 && l.shape[1] != vocab_size_) {
-      fail_sample(idx, fmt::format("logits vocabulary size {} differs from earlier samples' {}", l.shape[1], vocab_size_));
+      fail_sample(idx, fmt::format("logits vocabulary size {} differs from earlier samples' {}",
+                                   l.shape[1], vocab_size_));
     }
-    if (logits_rows_ != rows_before) fail_sample(idx, "has logits but an earlier sample with a response has none");
+    if (logits_rows_ != rows_before)
+      fail_sample(idx, "has logits but an earlier sample with a response has none");
     vocab_size_ = l.shape[1];
     if (needs_.logits) append_float_rows("logits", l, idx);
     logits_rows_ += r;
@@ -215,10 +233,12 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
     if (arr == nullptr) continue;
     require_1d(batch_.files.back(), idx, name.c_str(), *arr);
     if (arr->numel() != r) {
-      fail_sample(idx, fmt::format("len({}) = {} but response_length R = {}", name, arr->numel(), r));
+      fail_sample(idx,
+                  fmt::format("len({}) = {} but response_length R = {}", name, arr->numel(), r));
     }
     if (per_token_rows_[name] != rows_before) {
-      fail_sample(idx, fmt::format("has '{}' but an earlier sample with a response has none", name));
+      fail_sample(idx,
+                  fmt::format("has '{}' but an earlier sample with a response has none", name));
     }
     if (needs_.per_token) append_float_rows(name, *arr, idx);
     per_token_rows_[name] += r;
@@ -246,8 +266,11 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   const std::string& file = batch_.files.back();
   auto need = [&](const HostArray* a, const char* name) -> const HostArray& {
     if (a == nullptr) throw_input_error("{}: packed batch: field '{}' is missing", file, name);
-    if (a->shape.size() != 1) throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
-    if (dtype_is_float(a->dtype)) throw_input_error("{}: field '{}' has dtype {}, must be an integer dtype", file, name, dtype_name(a->dtype));
+    if (a->shape.size() != 1)
+      throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
+    if (dtype_is_float(a->dtype))
+      throw_input_error("{}: field '{}' has dtype {}, must be an integer dtype", file, name,
+                        dtype_name(a->dtype));
     return *a;
   };
   const HostArray& tokens = need(f.tokens, "tokens");
@@ -255,7 +278,8 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   const HostArray& rl = need(f.response_lengths, "response_lengths");
   const int64_t s = tl.numel();
   if (rl.numel() != s) {
-    throw_input_error("{}: len(total_lengths) = {} but len(response_lengths) = {}", file, s, rl.numel());
+    throw_input_error("{}: len(total_lengths) = {} but len(response_lengths) = {}", file, s,
+                      rl.numel());
   }
   // Check lengths and sums before slicing anything.
   int64_t sum_t = 0, sum_r = 0;
@@ -263,47 +287,64 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     const int64_t t = tl.get_i64(i), r = rl.get_i64(i);
     if (t < 0) throw_input_error("{}: sample {}: total_length = {} is negative", file, i, t);
     if (r < 0) throw_input_error("{}: sample {}: response_length = {} is negative", file, i, r);
-    if (r > t) throw_input_error("{}: sample {}: response_length R = {} exceeds total_length T = {}", file, i, r, t);
-    if (t > (int64_t{1} << 40)) throw_input_error("{}: sample {}: total_length = {} is implausibly large", file, i, t);
+    if (r > t)
+      throw_input_error("{}: sample {}: response_length R = {} exceeds total_length T = {}", file,
+                        i, r, t);
+    if (t > (int64_t{1} << 40))
+      throw_input_error("{}: sample {}: total_length = {} is implausibly large", file, i, t);
     sum_t += t;
-    if (sum_t > (int64_t{1} << 62)) throw_input_error("{}: sum(total_lengths) exceeds 2^62 by sample {}", file, i);
+    if (sum_t > (int64_t{1} << 62))
+      throw_input_error("{}: sum(total_lengths) exceeds 2^62 by sample {}", file, i);
     sum_r += r;
   }
   if (tokens.numel() != sum_t) {
-    throw_input_error("{}: len(tokens) = {} disagrees with sum(total_lengths) = {}", file, tokens.numel(), sum_t);
+    throw_input_error("{}: len(tokens) = {} disagrees with sum(total_lengths) = {}", file,
+                      tokens.numel(), sum_t);
   }
   auto check_rows = [&](const HostArray* a, const char* name) {
     if (a == nullptr) return;
     if (a->shape.empty() || a->shape[0] != sum_r) {
-      throw_input_error("{}: field '{}' has shape {}, but sum(response_lengths) = {} rows are needed", file, name,
-                        a->shape_string(), sum_r);
+      throw_input_error(
+          "{}: field '{}' has shape {}, but sum(response_lengths) = {} rows are needed", file, name,
+          a->shape_string(), sum_r);
     }
   };
   check_rows(f.loss_masks, "loss_masks");
   check_rows(f.logits, "logits");
   for (const auto& [name, a] : f.per_token) check_rows(a, name.c_str());
   if (f.loss_masks && f.loss_masks->shape.size() != 1) {
-    throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file, f.loss_masks->shape_string());
+    throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file,
+                      f.loss_masks->shape_string());
   }
 
-  // Bulk append: the lengths are known to add up, so every per-sample rule left is the mask values'.
+  // Bulk append: the lengths are known to add up, so every per-sample rule left is the mask
+  // values'.
   const int64_t rows_before = batch_.response_offsets.back();
-  if (logits_rows_ != rows_before && f.logits != nullptr) throw_input_error("{}: has logits but earlier dumps have none", file);
-  if (vocab_size_ >= 0 && f.logits == nullptr && sum_r > 0) throw_input_error("{}: field 'logits' is missing (earlier dumps have it)", file);
+  if (logits_rows_ != rows_before && f.logits != nullptr)
+    throw_input_error("{}: has logits but earlier dumps have none", file);
+  if (vocab_size_ >= 0 && f.logits == nullptr && sum_r > 0)
+    throw_input_error("{}: field 'logits' is missing (earlier dumps have it)", file);
   for (const auto& [name, rows] : per_token_rows_) {
-    if (sum_r > 0 && !f.per_token.count(name)) throw_input_error("{}: field '{}' is missing (earlier dumps have it)", file, name);
+    if (sum_r > 0 && !f.per_token.count(name))
+      throw_input_error("{}: field '{}' is missing (earlier dumps have it)", file, name);
   }
   for (const auto& [name, a] : f.per_token) {
     if (a == nullptr) continue;
-    if (a->shape.size() != 1) throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
-    if (per_token_rows_[name] != rows_before) throw_input_error("{}: has '{}' but earlier dumps have none", file, name);
+    if (a->shape.size() != 1)
+      throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
+    if (per_token_rows_[name] != rows_before)
+      throw_input_error("{}: has '{}' but earlier dumps have none", file, name);
   }
   if (f.logits != nullptr) {
     const HostArray& l = *f.logits;
-    if (l.shape.size() != 2) throw_input_error("{}: logits must be 2-D [sum R, V], has shape {}", file, l.shape_string());
-    if (!dtype_is_float(l.dtype)) throw_input_error("{}: field 'logits' has dtype {}, must be a float dtype", file, dtype_name(l.dtype));
+    if (l.shape.size() != 2)
+      throw_input_error("{}: logits must be 2-D [sum R, V], has shape {}", file, l.shape_string());
+    if (!dtype_is_float(l.dtype))
+      throw_input_error("{}: field 'logits' has dtype {}, must be a float dtype", file,
+                        dtype_name(l.dtype));
     if (vocab_size_ >= 0 && l.shape[1] != vocab_size_) {
-      throw_input_error("{}: logits vocabulary size {} differs from earlier dumps' {}", file, l.shape[1], vocab_size_);
+      throw_input_error("{}: logits vocabulary size {} differs from earlier dumps' {}", file,
+                        l.shape[1], vocab_size_);
     }
   }
   const int file_index = static_cast<int>(batch_.files.size()) - 1;
@@ -315,7 +356,8 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   rl.copy_i64(0, s, batch_.response_lengths.data() + s0);
   for (int64_t i = 0; i < s; ++i) {
     batch_.token_offsets.push_back(batch_.token_offsets.back() + batch_.total_lengths[s0 + i]);
-    batch_.response_offsets.push_back(batch_.response_offsets.back() + batch_.response_lengths[s0 + i]);
+    batch_.response_offsets.push_back(batch_.response_offsets.back() +
+                                      batch_.response_lengths[s0 + i]);
   }
   if (needs_.tokens) {
     const std::size_t t0 = batch_.tokens.size();
@@ -344,10 +386,14 @@ void BatchBuilder::add_packed(const PackedFields& f) {
       for (int64_t j = 0; j < sum_r; ++j) {
         const double v = m.get_f64(j);
         if (v == 0.0 || v == 1.0) continue;
-        const auto it = std::upper_bound(batch_.response_offsets.end() - s - 1, batch_.response_offsets.end(), rows_before + j);
-        const int64_t sample = static_cast<int64_t>(it - (batch_.response_offsets.end() - s - 1)) - 1;
-        const int64_t start = batch_.response_offsets[s0 + static_cast<std::size_t>(sample)] - rows_before;
-        throw_input_error("{}: sample {}: loss_mask[{}] = {} (must be 0 or 1)", file, sample, j - start, v);
+        const auto it = std::upper_bound(batch_.response_offsets.end() - s - 1,
+                                         batch_.response_offsets.end(), rows_before + j);
+        const int64_t sample =
+            static_cast<int64_t>(it - (batch_.response_offsets.end() - s - 1)) - 1;
+        const int64_t start =
+            batch_.response_offsets[s0 + static_cast<std::size_t>(sample)] - rows_before;
+        throw_input_error("{}: sample {}: loss_mask[{}] = {} (must be 0 or 1)", file, sample,
+                          j - start, v);
       }
     }
   }
@@ -372,29 +418,36 @@ Batch BatchBuilder::finish() {
   const int64_t rows = batch_.num_response_tokens();
   if (logits_dtype_ && needs_.logits) {
     HostArray a = HostArray::zeros(*logits_dtype_, {rows, vocab_size_});
-    LG_CHECK(a.size_bytes() == logits_bytes_.size(), "logits bytes {} vs {}", logits_bytes_.size(), a.size_bytes());
-    if (!logits_bytes_.empty()) std::memcpy(a.mutable_data(), logits_bytes_.data(), logits_bytes_.size());
+    LG_CHECK(a.size_bytes() == logits_bytes_.size(), "logits bytes {} vs {}", logits_bytes_.size(),
+             a.size_bytes());
+    if (!logits_bytes_.empty())
+      std::memcpy(a.mutable_data(), logits_bytes_.data(), logits_bytes_.size());
     batch_.logits = std::move(a);
     logits_bytes_ = {};
   }
   for (const auto& [name, covered] : per_token_rows_) {
     if (covered != rows) {
-      throw_input_error("field '{}' covers {} response tokens of {}: the samples after the last that has it lack it",
-                        name, covered, rows);
+      throw_input_error(
+          "field '{}' covers {} response tokens of {}: the samples after the last that has it lack "
+          "it",
+          name, covered, rows);
     }
   }
   for (auto& [name, bytes] : per_token_bytes_) {
     if (per_token_rows_[name] != rows) {
-      throw_input_error("field '{}' covers {} response tokens of {}: the samples after the last that has it lack it",
-                        name, per_token_rows_[name], rows);
+      throw_input_error(
+          "field '{}' covers {} response tokens of {}: the samples after the last that has it lack "
+          "it",
+          name, per_token_rows_[name], rows);
     }
     HostArray a = HostArray::zeros(per_token_dtype_[name], {rows});
     if (!bytes.empty()) std::memcpy(a.mutable_data(), bytes.data(), bytes.size());
     batch_.per_token[name] = std::move(a);
   }
   if (vocab_size_ >= 0 && logits_rows_ != rows) {
-    throw_input_error("logits cover {} response tokens of {}: the samples after the last that has them lack them",
-                      logits_rows_, rows);
+    throw_input_error(
+        "logits cover {} response tokens of {}: the samples after the last that has them lack them",
+        logits_rows_, rows);
   }
   return std::move(batch_);
 }
@@ -407,7 +460,8 @@ const std::vector<Reduction>& all_reductions() {
 LossInput loss_input(const Batch& b, LossKind loss) {
   auto need = [&](const char* field) {
     if (!b.per_token.count(field)) {
-      throw_input_error("--loss {} needs the per-token field '{}', which the dump lacks", loss_kind_name(loss), field);
+      throw_input_error("--loss {} needs the per-token field '{}', which the dump lacks",
+                        loss_kind_name(loss), field);
     }
   };
   switch (loss) {

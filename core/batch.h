@@ -1,13 +1,13 @@
 // The batch model of SPEC §1: samples of prompt+response tokens with loss masks and optional
-// per-token fields, packed, and the builder that validates what a dump states before it becomes one.
+// per-token fields, packed, and the builder that validates what a dump states before it becomes
+// one.
 #pragma once
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/array.h"
 #include "core/modes.h"
@@ -25,8 +25,8 @@ inline const std::vector<std::string>& per_token_field_names() {
 }
 
 struct SampleOrigin {
-  int file_index = 0;          // into Batch::files
-  int64_t index_in_file = 0;   // the sample's index inside that dump
+  int file_index = 0;         // into Batch::files
+  int64_t index_in_file = 0;  // the sample's index inside that dump
 };
 
 struct Batch {
@@ -40,11 +40,13 @@ struct Batch {
   std::vector<uint8_t> loss_mask;         // [sum R], 0/1; all ones where the dump had none
   bool loss_mask_given = false;           // false when no dump stated a loss mask
   std::optional<HostArray> logits;        // [sum R, V]
-  std::map<std::string, HostArray> per_token;  // each [sum R]
+  std::map<std::string, HostArray> per_token;          // each [sum R]
   nlohmann::json metadata = nlohmann::json::object();  // batch-level metadata, per SPEC §1
 
   int64_t num_samples() const { return static_cast<int64_t>(total_lengths.size()); }
-  int64_t num_response_tokens() const { return response_offsets.empty() ? 0 : response_offsets.back(); }
+  int64_t num_response_tokens() const {
+    return response_offsets.empty() ? 0 : response_offsets.back();
+  }
   int64_t prompt_length(int64_t i) const { return total_lengths[i] - response_lengths[i]; }
   int64_t mask_sum(int64_t i) const;
   SampleKind kind(int64_t i) const { return kind(i, mask_sum(i)); }
@@ -56,10 +58,10 @@ struct Batch {
 
 // What one dump states about one sample, before validation. Arrays are 1-D except logits [R, V].
 struct SampleFields {
-  const HostArray* tokens = nullptr;        // required
-  std::optional<int64_t> total_length;      // when the dump states T separately
-  std::optional<int64_t> response_length;   // required
-  const HostArray* loss_mask = nullptr;     // absent: all ones
+  const HostArray* tokens = nullptr;       // required
+  std::optional<int64_t> total_length;     // when the dump states T separately
+  std::optional<int64_t> response_length;  // required
+  const HostArray* loss_mask = nullptr;    // absent: all ones
   const HostArray* logits = nullptr;
   std::map<std::string, const HostArray*> per_token;
 };
@@ -74,24 +76,25 @@ struct PackedFields {
   std::map<std::string, const HostArray*> per_token;
 };
 
-// Memory lossguard may use for batch data: $LOSSGUARD_MEMORY_LIMIT (bytes) if set, else MemAvailable
-// from /proc/meminfo, else 0 (unknown: no limit).
+// Memory lossguard may use for batch data: $LOSSGUARD_MEMORY_LIMIT (bytes) if set, else
+// MemAvailable from /proc/meminfo, else 0 (unknown: no limit).
 uint64_t memory_budget_bytes();
 
-// Which data a command needs. Everything is always validated; what is not needed is not copied (counting
-// a 10M-token dump needs the masks, not 140 MB of token ids or gigabytes of logits).
+// Which data a command needs. Everything is always validated; what is not needed is not copied
+// (counting a 10M-token dump needs the masks, not 140 MB of token ids or gigabytes of logits).
 struct LoadNeeds {
   bool tokens = true;
   bool logits = true;
   bool per_token = true;
 };
 
-// Which input the loss reads: nll uses logits when the batch has them, else log_probs. Throws InputError
-// naming the missing fields.
+// Which input the loss reads: nll uses logits when the batch has them, else log_probs. Throws
+// InputError naming the missing fields.
 LossInput loss_input(const Batch& batch, LossKind loss);
 
 // Validates and appends samples, one dump after another, into one global batch. Every violation of
-// SPEC §1 throws InputError naming the file, the sample (index within its dump), the field and values.
+// SPEC §1 throws InputError naming the file, the sample (index within its dump), the field and
+// values.
 class BatchBuilder {
  public:
   explicit BatchBuilder(LoadNeeds needs = {}) : needs_(needs) {}

@@ -1,10 +1,10 @@
 // Failures that stop a command. Mismatches are data (counted and reported); these are for "cannot
 // compute": each kind maps to one exit code at the single catch site in cli/app.cpp.
 #pragma once
+#include <fmt/format.h>
+
 #include <stdexcept>
 #include <string>
-
-#include <fmt/format.h>
 
 namespace lossguard {
 
@@ -34,11 +34,10 @@ template <typename... Args>
 }  // namespace lossguard
 
 // Checks an internal invariant; throws InternalError naming file:line, the condition and a message.
-#define LG_CHECK(cond, ...)                                                                   \
-  do {                                                                                        \
-    if (!(cond)) {                                                                            \
-      throw ::lossguard::InternalError(::fmt::format("{}:{}: check `{}` failed: {}", __FILE__, \
-                                                     __LINE__, #cond,                         \
-                                                     ::fmt::format(__VA_ARGS__)));            \
-    }                                                                                         \
+#define LG_CHECK(cond, ...)                                                                        \
+  do {                                                                                             \
+    if (!(cond)) {                                                                                 \
+      throw ::lossguard::InternalError(::fmt::format(                                              \
+          "{}:{}: check `{}` failed: {}", __FILE__, __LINE__, #cond, ::fmt::format(__VA_ARGS__))); \
+    }                                                                                              \
   } while (0)

@@ -10,15 +10,18 @@ int64_t chunk_size(int64_t t, int64_t cp, const ShardLayout& layout) {
   const int64_t parts = 2 * cp;
   if (layout.packing == Packing::kBshd) {
     if (layout.max_seq_len <= 0) throw_input_error("bshd packing needs --max-seq-len > 0");
-    if (t > layout.max_seq_len) throw_input_error("a sample of length {} exceeds --max-seq-len {}", t, layout.max_seq_len);
+    if (t > layout.max_seq_len)
+      throw_input_error("a sample of length {} exceeds --max-seq-len {}", t, layout.max_seq_len);
     return (layout.max_seq_len + parts - 1) / parts;
   }
   if (layout.padded_total_length > 0) {
     if (layout.padded_total_length % parts != 0) {
-      throw_input_error("--padded-total-length {} is not a multiple of 2*cp = {}", layout.padded_total_length, parts);
+      throw_input_error("--padded-total-length {} is not a multiple of 2*cp = {}",
+                        layout.padded_total_length, parts);
     }
     if (t > layout.padded_total_length) {
-      throw_input_error("a sample of length {} exceeds --padded-total-length {}", t, layout.padded_total_length);
+      throw_input_error("a sample of length {} exceeds --padded-total-length {}", t,
+                        layout.padded_total_length);
     }
     return layout.padded_total_length / parts;
   }

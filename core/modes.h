@@ -1,5 +1,5 @@
-// The modes every layer speaks (SPEC §2-§4, §7), each an enum class with one name table: the names are
-// the command-line spellings, parsed and printed from that table alone.
+// The modes every layer speaks (SPEC §2-§4, §7), each an enum class with one name table: the names
+// are the command-line spellings, parsed and printed from that table alone.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -9,7 +9,8 @@
 
 namespace lossguard {
 
-// One name table per mode: mode_names<E>() lists every value with its name, in the order shown to users.
+// One name table per mode: mode_names<E>() lists every value with its name, in the order shown to
+// users.
 template <typename E>
 struct ModeNames;
 
@@ -81,7 +82,9 @@ enum class LossInput { kLogits, kLogProbs, kTokenLoss };
 template <>
 struct ModeNames<LossInput> {
   static constexpr std::pair<LossInput, const char*> kTable[] = {
-      {LossInput::kLogits, "logits"}, {LossInput::kLogProbs, "log_probs"}, {LossInput::kTokenLoss, "token_loss"}};
+      {LossInput::kLogits, "logits"},
+      {LossInput::kLogProbs, "log_probs"},
+      {LossInput::kTokenLoss, "token_loss"}};
 };
 
 // How a trainer counts effective tokens (SPEC §3).
@@ -96,15 +99,16 @@ struct ModeNames<Policy> {
 enum class Packing { kThd, kBshd };
 template <>
 struct ModeNames<Packing> {
-  static constexpr std::pair<Packing, const char*> kTable[] = {{Packing::kThd, "thd"}, {Packing::kBshd, "bshd"}};
+  static constexpr std::pair<Packing, const char*> kTable[] = {{Packing::kThd, "thd"},
+                                                               {Packing::kBshd, "bshd"}};
 };
 
 // How a sample is cut over CP ranks (SPEC §2).
 enum class CpLayout { kZigzag, kAllgather };
 template <>
 struct ModeNames<CpLayout> {
-  static constexpr std::pair<CpLayout, const char*> kTable[] = {{CpLayout::kZigzag, "zigzag"},
-                                                                {CpLayout::kAllgather, "allgather"}};
+  static constexpr std::pair<CpLayout, const char*> kTable[] = {
+      {CpLayout::kZigzag, "zigzag"}, {CpLayout::kAllgather, "allgather"}};
 };
 
 // How a global batch is split over DP ranks (SPEC §7).
@@ -118,8 +122,9 @@ struct ModeNames<Split> {
 // The sharding geometry of one run (SPEC §2).
 struct ShardLayout {
   Packing packing = Packing::kThd;
-  int64_t padded_total_length = 0;  // thd: pad every sample to this length (0: ceil(T / 2cp) chunks)
-  int64_t max_seq_len = 0;          // bshd: chunks of ceil(max_seq_len / 2cp)
+  int64_t padded_total_length =
+      0;                    // thd: pad every sample to this length (0: ceil(T / 2cp) chunks)
+  int64_t max_seq_len = 0;  // bshd: chunks of ceil(max_seq_len / 2cp)
 };
 
 // Chunk size for a sample of length T on `cp` ranks (the zig-zag cut is 2·cp chunks of this size);
@@ -133,10 +138,10 @@ struct LossSpec {
   Policy policy = Policy::kFixed;
   double eps_low = 0.2, eps_high = 0.2;
   double l_norm = 0.0;  // seq-mean-token-sum-norm; 0: the batch's maximum response length
-  // ppo-clip's gradient jumps where rho crosses 1 - eps_low or 1 + eps_high. A candidate computing rho in a
-  // low-precision dtype (inputs exact in the dtype, so relative error up to this much times 1 + |lp - old|:
-  // one rounding of the difference, one of exp) may land on the other
-  // side; such tokens are flagged `near_clip_boundary` and their gradient is not compared.
+  // ppo-clip's gradient jumps where rho crosses 1 - eps_low or 1 + eps_high. A candidate computing
+  // rho in a low-precision dtype (inputs exact in the dtype, so relative error up to this much
+  // times 1 + |lp - old|: one rounding of the difference, one of exp) may land on the other side;
+  // such tokens are flagged `near_clip_boundary` and their gradient is not compared.
   double rho_rel_error = 0.0;
 };
 

@@ -15,11 +15,13 @@ namespace lossguard {
 
 namespace {
 
-const void* load_once(const std::string& what, const char* env_var, const std::string& default_path, const char* symbol,
-                      int abi_version) {
+const void* load_once(const std::string& what, const char* env_var, const std::string& default_path,
+                      const char* symbol, int abi_version) {
   std::vector<std::string> candidates;
-  if (const char* env = std::getenv(env_var); env != nullptr && *env != '\0') candidates.push_back(env);
-  // An installed copy (cmake --install) keeps its plugins in <prefix>/lib/lossguard beside <prefix>/bin.
+  if (const char* env = std::getenv(env_var); env != nullptr && *env != '\0')
+    candidates.push_back(env);
+  // An installed copy (cmake --install) keeps its plugins in <prefix>/lib/lossguard beside
+  // <prefix>/bin.
   const std::string name = std::filesystem::path(default_path).filename().string();
   std::error_code ec;
   const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -36,7 +38,8 @@ const void* load_once(const std::string& what, const char* env_var, const std::s
       continue;
     }
     auto fn = reinterpret_cast<const int* (*)()>(dlsym(handle, symbol));
-    if (fn != nullptr && *fn() == abi_version) return fn();  // every table starts with its abi_version
+    if (fn != nullptr && *fn() == abi_version)
+      return fn();  // every table starts with its abi_version
     errors += "\n  " + path + ": not a matching lossguard plugin (" + symbol + ")";
   }
   throw InputError("cannot load " + what + "; set " + env_var + " to its path:" + errors);
@@ -44,8 +47,9 @@ const void* load_once(const std::string& what, const char* env_var, const std::s
 
 }  // namespace
 
-const void* load_plugin_table(const std::string& what, const char* env_var, const std::string& default_path,
-                              const char* symbol, int abi_version) {
+const void* load_plugin_table(const std::string& what, const char* env_var,
+                              const std::string& default_path, const char* symbol,
+                              int abi_version) {
   // Loaded once per process; a failure is remembered and reported again on every use.
   static std::mutex mutex;
   static std::map<std::string, std::pair<const void*, std::string>> loaded;

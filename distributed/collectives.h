@@ -1,9 +1,9 @@
-// One real backend's collectives on the topology groups a rank belongs to (inside liblossguard_distributed.so).
+// One real backend's collectives on the topology groups a rank belongs to (inside
+// liblossguard_distributed.so).
 #pragma once
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <chrono>
 #include <memory>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "distributed/real_replay.h"
 #include "oracle/replay.h"
@@ -11,8 +11,9 @@
 namespace lossguard::dist {
 
 // The groups the protocols use; every rank builds its own group of each kind, in this order.
-inline constexpr oracle::GroupKind kRealGroupKinds[] = {oracle::GroupKind::kWorld, oracle::GroupKind::kDpCp,
-                                                        oracle::GroupKind::kPp, oracle::GroupKind::kMp};
+inline constexpr oracle::GroupKind kRealGroupKinds[] = {
+    oracle::GroupKind::kWorld, oracle::GroupKind::kDpCp, oracle::GroupKind::kPp,
+    oracle::GroupKind::kMp};
 
 class Collectives {
  public:
@@ -23,9 +24,11 @@ class Collectives {
 };
 
 std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env, const oracle::Topology& t,
-                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout);
+                                                   const c10::intrusive_ptr<c10d::Store>& store,
+                                                   std::chrono::milliseconds timeout);
 // Throws when this build has no NCCL or the process sees no CUDA device.
 std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv& env, const oracle::Topology& t,
-                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout);
+                                                   const c10::intrusive_ptr<c10d::Store>& store,
+                                                   std::chrono::milliseconds timeout);
 
 }  // namespace lossguard::dist

@@ -1,11 +1,11 @@
-// Gloo collectives for real-mode replay: one ProcessGroupGloo (from the torch wheel) per topology group.
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+// Gloo collectives for real-mode replay: one ProcessGroupGloo (from the torch wheel) per topology
+// group.
+#include <fmt/format.h>
 
 #include <cstdlib>
 #include <map>
-
-#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include "distributed/collectives.h"
 
@@ -16,7 +16,8 @@ namespace {
 using oracle::GroupKind;
 
 std::shared_ptr<::gloo::transport::Device> make_device(const LaunchEnv& env) {
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname != nullptr && *ifname != '\0') {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+      ifname != nullptr && *ifname != '\0') {
     return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
   }
   if (env.master_addr == "127.0.0.1" || env.master_addr == "localhost") {
@@ -27,8 +28,8 @@ std::shared_ptr<::gloo::transport::Device> make_device(const LaunchEnv& env) {
 
 class GlooCollectives : public Collectives {
  public:
-  GlooCollectives(const LaunchEnv& env, const oracle::Topology& t, const c10::intrusive_ptr<c10d::Store>& store,
-                  std::chrono::milliseconds timeout)
+  GlooCollectives(const LaunchEnv& env, const oracle::Topology& t,
+                  const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout)
       : t_(t), timeout_(timeout) {
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     options->devices = {make_device(env)};
@@ -36,9 +37,11 @@ class GlooCollectives : public Collectives {
     // cannot deadlock.
     for (GroupKind kind : kRealGroupKinds) {
       const oracle::GroupRef g = t.group_of(kind, env.rank);
-      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), store);
-      groups_[kind] = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(t.index_in_group(g, env.rank)),
-                                                                  static_cast<int>(t.group_size(kind)), options);
+      auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
+          fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), store);
+      groups_[kind] = c10::make_intrusive<c10d::ProcessGroupGloo>(
+          prefixed, static_cast<int>(t.index_in_group(g, env.rank)),
+          static_cast<int>(t.group_size(kind)), options);
     }
   }
   ~GlooCollectives() override {
@@ -70,7 +73,8 @@ class GlooCollectives : public Collectives {
 }  // namespace
 
 std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env, const oracle::Topology& t,
-                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+                                                   const c10::intrusive_ptr<c10d::Store>& store,
+                                                   std::chrono::milliseconds timeout) {
   return std::make_unique<GlooCollectives>(env, t, store, timeout);
 }
 

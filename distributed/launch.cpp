@@ -1,15 +1,15 @@
 // The launcher environment, outcome serialisation and the plugin loader (no LibTorch here).
+#include <fmt/format.h>
+
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
-
-#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "distributed/real_replay.h"
-#include "core/plugin_loader.h"
-#include "lossguard/build_config.h"
 #include "core/errors.h"
+#include "core/plugin_loader.h"
+#include "distributed/real_replay.h"
+#include "lossguard/build_config.h"
 
 namespace lossguard::dist {
 
@@ -22,8 +22,11 @@ int64_t env_int(const char* name, bool required, int64_t fallback) {
   const char* v = std::getenv(name);
   if (v == nullptr || *v == '\0') {
     if (required) {
-      throw_input_error("real-mode replay needs ${} (launch with torchrun --no-python lossguard replay ..., or set RANK, "
-                        "WORLD_SIZE, MASTER_ADDR and MASTER_PORT)", name);
+      throw_input_error(
+          "real-mode replay needs ${} (launch with torchrun --no-python lossguard replay ..., or "
+          "set RANK, "
+          "WORLD_SIZE, MASTER_ADDR and MASTER_PORT)",
+          name);
     }
     return fallback;
   }
@@ -46,19 +49,26 @@ LaunchEnv launch_env_from_environment() {
   e.master_addr = env_or("MASTER_ADDR", "127.0.0.1");
   e.port = static_cast<int>(env_int("MASTER_PORT", true, 29500));
   e.agent_store = env_or("TORCHELASTIC_USE_AGENT_STORE", "") == "True";
-  e.run_id = "lossguard/" + env_or("TORCHELASTIC_RUN_ID", "run") + "/" + env_or("TORCHELASTIC_RESTART_COUNT", "0");
+  e.run_id = "lossguard/" + env_or("TORCHELASTIC_RUN_ID", "run") + "/" +
+             env_or("TORCHELASTIC_RESTART_COUNT", "0");
   e.error_file = env_or("TORCHELASTIC_ERROR_FILE", "");
-  if (e.rank >= e.world_size) throw_input_error("$RANK = {} is not below $WORLD_SIZE = {}", e.rank, e.world_size);
-  if (e.port <= 0 || e.port > 65535) throw_input_error("$MASTER_PORT = {} is not a TCP port", e.port);
+  if (e.rank >= e.world_size)
+    throw_input_error("$RANK = {} is not below $WORLD_SIZE = {}", e.rank, e.world_size);
+  if (e.port <= 0 || e.port > 65535)
+    throw_input_error("$MASTER_PORT = {} is not a TCP port", e.port);
   return e;
 }
 
 void write_error_file(const LaunchEnv& env, const std::string& message) {
   if (env.error_file.empty()) return;
   const auto now = std::chrono::system_clock::now().time_since_epoch();
-  nlohmann::json j = {{"message", {{"message", message},
-                                   {"extraInfo", {{"py_callstack", "(lossguard, C++)"},
-                                                  {"timestamp", std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count())}}}}}};
+  nlohmann::json j = {
+      {"message",
+       {{"message", message},
+        {"extraInfo",
+         {{"py_callstack", "(lossguard, C++)"},
+          {"timestamp",
+           std::to_string(std::chrono::duration_cast<std::chrono::seconds>(now).count())}}}}}};
   std::ofstream f(env.error_file, std::ios::trunc);
   f << j.dump() << "\n";
 }
@@ -92,8 +102,9 @@ oracle::RankResult rank_result_from_json(const std::string& text) {
 }
 
 const DistApi& dist_api() {
-  return *static_cast<const DistApi*>(load_plugin_table("the real-mode backends (liblossguard_distributed.so)", "LOSSGUARD_DIST",
-                                                            LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
+  return *static_cast<const DistApi*>(
+      load_plugin_table("the real-mode backends (liblossguard_distributed.so)", "LOSSGUARD_DIST",
+                        LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
 }
 
 }  // namespace lossguard::dist

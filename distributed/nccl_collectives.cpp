@@ -1,13 +1,13 @@
-// NCCL collectives for real-mode replay: one communicator per topology group (unique ids exchanged through
-// the store), one GPU per local rank, non-blocking communicators polled against the deadline and aborted
-// when it passes, so a hang becomes a `blocked` outcome.
+// NCCL collectives for real-mode replay: one communicator per topology group (unique ids exchanged
+// through the store), one GPU per local rank, non-blocking communicators polled against the
+// deadline and aborted when it passes, so a hang becomes a `blocked` outcome.
+#include <fmt/format.h>
+
 #include <cstring>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <thread>
-
-#include <fmt/format.h>
 
 #include "distributed/collectives.h"
 #include "lossguard/build_config.h"
@@ -26,13 +26,14 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 void check_cuda(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
+  if (e != cudaSuccess)
+    throw std::runtime_error(fmt::format("{}: {}", what, cudaGetErrorString(e)));
 }
 
 class NcclCollectives : public Collectives {
  public:
-  NcclCollectives(const LaunchEnv& env, const oracle::Topology& t, const c10::intrusive_ptr<c10d::Store>& store,
-                  std::chrono::milliseconds timeout)
+  NcclCollectives(const LaunchEnv& env, const oracle::Topology& t,
+                  const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout)
       : t_(t), timeout_(timeout) {
     int devices = 0;
     check_cuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
@@ -48,18 +49,22 @@ class NcclCollectives : public Collectives {
       ncclUniqueId id;
       if (index == 0) {
         if (ncclGetUniqueId(&id) != ncclSuccess) throw std::runtime_error("ncclGetUniqueId failed");
-        store->set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id), reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
+        store->set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
+                                             reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
       } else {
         store->wait({key}, timeout);
         const std::vector<uint8_t> bytes = store->get(key);
-        if (bytes.size() != sizeof(id)) throw std::runtime_error("malformed NCCL unique id in the store");
+        if (bytes.size() != sizeof(id))
+          throw std::runtime_error("malformed NCCL unique id in the store");
         std::memcpy(&id, bytes.data(), sizeof(id));
       }
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
       ncclComm_t comm = nullptr;
-      ncclResult_t r = ncclCommInitRankConfig(&comm, static_cast<int>(t.group_size(kind)), id, index, &config);
-      if (r != ncclSuccess && r != ncclInProgress) throw std::runtime_error(fmt::format("ncclCommInitRank: {}", ncclGetErrorString(r)));
+      ncclResult_t r =
+          ncclCommInitRankConfig(&comm, static_cast<int>(t.group_size(kind)), id, index, &config);
+      if (r != ncclSuccess && r != ncclInProgress)
+        throw std::runtime_error(fmt::format("ncclCommInitRank: {}", ncclGetErrorString(r)));
       wait_comm(comm, deadline, "ncclCommInitRank");
       comms_[kind] = comm;
     }
@@ -67,22 +72,28 @@ class NcclCollectives : public Collectives {
 
   int64_t run(const oracle::CollectiveCall& call) override {
     ncclComm_t comm = comms_.at(call.group.kind);
-    check_cuda(cudaMemcpyAsync(buffer_, &call.value, sizeof(int64_t), cudaMemcpyHostToDevice, stream_), "cudaMemcpy");
+    check_cuda(
+        cudaMemcpyAsync(buffer_, &call.value, sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
+        "cudaMemcpy");
     ncclResult_t r;
     if (call.op == oracle::Op::kBroadcast) {
-      r = ncclBroadcast(buffer_, buffer_, 1, ncclInt64, static_cast<int>(t_.index_in_group(call.group, call.src)), comm, stream_);
+      r = ncclBroadcast(buffer_, buffer_, 1, ncclInt64,
+                        static_cast<int>(t_.index_in_group(call.group, call.src)), comm, stream_);
     } else {  // all_reduce; a barrier is an all_reduce of a dummy value
       r = ncclAllReduce(buffer_, buffer_, 1, ncclInt64, ncclSum, comm, stream_);
     }
-    if (r != ncclSuccess && r != ncclInProgress) throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(r)));
+    if (r != ncclSuccess && r != ncclInProgress)
+      throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(r)));
     const auto deadline = Clock::now() + timeout_;
     while (true) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) break;
-      if (q != cudaErrorNotReady) throw std::runtime_error(fmt::format("CUDA: {}", cudaGetErrorString(q)));
+      if (q != cudaErrorNotReady)
+        throw std::runtime_error(fmt::format("CUDA: {}", cudaGetErrorString(q)));
       ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(comm, &async);
-      if (async != ncclSuccess && async != ncclInProgress) throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(async)));
+      if (async != ncclSuccess && async != ncclInProgress)
+        throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(async)));
       if (Clock::now() > deadline) {
         ncclCommAbort(comm);  // frees the stream's pending work so the process can report and exit
         throw std::runtime_error("Operation timed out!");
@@ -100,7 +111,8 @@ class NcclCollectives : public Collectives {
       ncclResult_t state = ncclInProgress;
       ncclCommGetAsyncError(comm, &state);
       if (state == ncclSuccess) return;
-      if (state != ncclInProgress) throw std::runtime_error(fmt::format("{}: {}", what, ncclGetErrorString(state)));
+      if (state != ncclInProgress)
+        throw std::runtime_error(fmt::format("{}: {}", what, ncclGetErrorString(state)));
       if (Clock::now() > deadline) {
         ncclCommAbort(comm);
         throw std::runtime_error(fmt::format("{}: timed out", what));
@@ -119,13 +131,15 @@ class NcclCollectives : public Collectives {
 }  // namespace
 
 std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv& env, const oracle::Topology& t,
-                                                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout) {
+                                                   const c10::intrusive_ptr<c10d::Store>& store,
+                                                   std::chrono::milliseconds timeout) {
   return std::make_unique<NcclCollectives>(env, t, store, timeout);
 }
 
 #else
 
-std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv&, const oracle::Topology&, const c10::intrusive_ptr<c10d::Store>&,
+std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv&, const oracle::Topology&,
+                                                   const c10::intrusive_ptr<c10d::Store>&,
                                                    std::chrono::milliseconds) {
   throw std::runtime_error("this build has no NCCL (configure with a CUDA toolkit that has NCCL)");
 }

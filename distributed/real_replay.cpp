@@ -1,24 +1,23 @@
-// Real-mode replay: TCPStore rendezvous, the backend's collectives on every topology group this rank is
-// in (gloo_collectives.cpp, nccl_collectives.cpp), the rank's protocol program (oracle/replay.h) over
-// them with deadlines, and the outcomes through the store to rank 0.
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+// Real-mode replay: TCPStore rendezvous, the backend's collectives on every topology group this
+// rank is in (gloo_collectives.cpp, nccl_collectives.cpp), the rank's protocol program
+// (oracle/replay.h) over them with deadlines, and the outcomes through the store to rank 0.
+#include "distributed/real_replay.h"
 
-#include <chrono>
+#include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <thread>
-
-#include <fmt/format.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "distributed/collectives.h"
-#include "distributed/real_replay.h"
 
 namespace lossguard::dist {
 
@@ -27,16 +26,18 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using oracle::GroupKind;
 
-// Kept for the life of the process: rank 0 serves the store until every rank has read the exit code, and
-// process groups whose peers hang are never destroyed (their destructors would wait on those peers).
+// Kept for the life of the process: rank 0 serves the store until every rank has read the exit
+// code, and process groups whose peers hang are never destroyed (their destructors would wait on
+// those peers).
 c10::intrusive_ptr<c10d::Store>* g_store = nullptr;
 int64_t g_live_ranks = 0;  // rank 0: ranks that posted an outcome (and so will read the exit code)
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
-// LOSSGUARD_INJECT_FAULT=kill:RANK:N makes rank RANK kill itself (SIGKILL) before its N-th collective
-// (N = 0: before the rendezvous): how the fault-injection tests lose a rank, or the store, mid-protocol.
-// LOSSGUARD_INJECT_FAULT=hang:RANK makes rank RANK never arrive (it sleeps until it is killed).
+// LOSSGUARD_INJECT_FAULT=kill:RANK:N makes rank RANK kill itself (SIGKILL) before its N-th
+// collective (N = 0: before the rendezvous): how the fault-injection tests lose a rank, or the
+// store, mid-protocol. LOSSGUARD_INJECT_FAULT=hang:RANK makes rank RANK never arrive (it sleeps
+// until it is killed).
 int injected_kill_point(int64_t rank) {
   const char* spec = std::getenv("LOSSGUARD_INJECT_FAULT");
   long long r = -1, n = -1;
@@ -47,9 +48,10 @@ int injected_kill_point(int64_t rank) {
   return static_cast<int>(n);
 }
 
-// A launcher that stops the job (torchrun, once one worker has failed, sends SIGTERM to the others) finds a
-// rank blocked in a collective: it says so and exits 3 (a distributed fault), not with a signal. Only
-// async-signal-safe calls in the handler; the message is formatted before it is installed.
+// A launcher that stops the job (torchrun, once one worker has failed, sends SIGTERM to the others)
+// finds a rank blocked in a collective: it says so and exits 3 (a distributed fault), not with a
+// signal. Only async-signal-safe calls in the handler; the message is formatted before it is
+// installed.
 char g_term_message[160];
 std::size_t g_term_message_size = 0;
 extern "C" void on_sigterm(int) {
@@ -59,9 +61,11 @@ extern "C" void on_sigterm(int) {
 }
 void exit_3_on_sigterm(int64_t rank) {
   const int n = std::snprintf(g_term_message, sizeof g_term_message,
-                              "lossguard: rank %lld: stopped by the launcher (SIGTERM) before the replay finished; exit 3\n",
+                              "lossguard: rank %lld: stopped by the launcher (SIGTERM) before the "
+                              "replay finished; exit 3\n",
                               static_cast<long long>(rank));
-  g_term_message_size = n > 0 ? std::min<std::size_t>(static_cast<std::size_t>(n), sizeof g_term_message - 1) : 0;
+  g_term_message_size =
+      n > 0 ? std::min<std::size_t>(static_cast<std::size_t>(n), sizeof g_term_message - 1) : 0;
   struct sigaction sa {};
   sa.sa_handler = on_sigterm;
   sigemptyset(&sa.sa_mask);
@@ -85,9 +89,11 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
     so.waitWorkers = false;
     so.timeout = timeout;
     auto base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-    g_store = new c10::intrusive_ptr<c10d::Store>(c10::make_intrusive<c10d::PrefixStore>(env.run_id, base));
+    g_store = new c10::intrusive_ptr<c10d::Store>(
+        c10::make_intrusive<c10d::PrefixStore>(env.run_id, base));
   } catch (const std::exception& e) {
-    out->error = fmt::format("rendezvous with the store at {}:{} failed: {}", env.master_addr, env.port, first_line(e.what()));
+    out->error = fmt::format("rendezvous with the store at {}:{} failed: {}", env.master_addr,
+                             env.port, first_line(e.what()));
     return;
   }
   c10d::Store& store = **g_store;
@@ -96,11 +102,13 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   std::unique_ptr<Collectives> coll;
   bool ready = true;
   try {
-    coll = in->backend == Backend::kNccl ? make_nccl_collectives(env, t, *g_store, timeout) : make_gloo_collectives(env, t, *g_store, timeout);
+    coll = in->backend == Backend::kNccl ? make_nccl_collectives(env, t, *g_store, timeout)
+                                         : make_gloo_collectives(env, t, *g_store, timeout);
   } catch (const std::exception& e) {
     prog.fail(oracle::Outcome::kBlocked, "in process-group rendezvous",
-              fmt::format("building the {} groups: {} (gave up after {} s)", in->backend == Backend::kNccl ? "NCCL" : "Gloo",
-                          first_line(e.what()), in->timeout_s));
+              fmt::format("building the {} groups: {} (gave up after {} s)",
+                          in->backend == Backend::kNccl ? "NCCL" : "Gloo", first_line(e.what()),
+                          in->timeout_s));
     ready = false;
   }
 
@@ -111,7 +119,8 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
     if (!call) break;
     if (auto err = oracle::check_call(t, env.rank, *call)) {  // where torch.distributed checks it
       prog.fail(oracle::Outcome::kError,
-                fmt::format("{} on the {} group: src not in group", oracle::op_name(call->op), oracle::group_kind_name(call->group.kind)),
+                fmt::format("{} on the {} group: src not in group", oracle::op_name(call->op),
+                            oracle::group_kind_name(call->group.kind)),
                 *err);
       break;
     }
@@ -120,10 +129,12 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
     try {
       prog.complete(coll->run(*call));
     } catch (const std::exception& e) {
-      prog.fail(oracle::Outcome::kBlocked,
-                fmt::format("in {} ({}) on the {} group, collective #{} there", oracle::op_name(call->op), call->purpose,
-                            oracle::group_kind_name(call->group.kind), seq),
-                fmt::format("waiting in {}: {} (gave up after {} s)", t.describe(call->group), first_line(e.what()), in->timeout_s));
+      prog.fail(
+          oracle::Outcome::kBlocked,
+          fmt::format("in {} ({}) on the {} group, collective #{} there", oracle::op_name(call->op),
+                      call->purpose, oracle::group_kind_name(call->group.kind), seq),
+          fmt::format("waiting in {}: {} (gave up after {} s)", t.describe(call->group),
+                      first_line(e.what()), in->timeout_s));
       break;
     }
   }
@@ -137,13 +148,15 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   }
   if (env.rank != 0) return;
   g_live_ranks = env.world_size;
-  // Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived. A live rank
-  // posts within one deadline of the start (its program blocks at most once), plus start-up skew.
+  // Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived. A live
+  // rank posts within one deadline of the start (its program blocks at most once), plus start-up
+  // skew.
   const auto deadline = run_start + timeout + std::chrono::seconds(5);
   for (int64_t r = 0; r < env.world_size; ++r) {
     const std::string key = fmt::format("outcome/{}", r);
     try {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
       const std::vector<uint8_t> bytes = store.get(key);
       out->ranks.push_back(rank_result_from_json(std::string(bytes.begin(), bytes.end())));
@@ -153,7 +166,8 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       missing.rank = r;
       missing.outcome = oracle::Outcome::kError;
       missing.summary = "never reported an outcome (the process died or never arrived)";
-      missing.detail = fmt::format("no outcome in the store {} s after the start (the --timeout plus 5 s)", in->timeout_s);
+      missing.detail = fmt::format(
+          "no outcome in the store {} s after the start (the --timeout plus 5 s)", in->timeout_s);
       out->ranks.push_back(missing);
     }
   }
@@ -177,8 +191,8 @@ int agree_exit_code(const RealReplayInput* in, int code) {
     const std::vector<uint8_t> bytes = store.get("exit_code");
     store.add("exit_code_read", 1);
     const int agreed = std::stoi(std::string(bytes.begin(), bytes.end()));
-    // Let rank 0, which holds the report, exit first: a launcher such as torchrun stops the remaining
-    // ranks when the first one exits non-zero, and names that one as the root cause.
+    // Let rank 0, which holds the report, exit first: a launcher such as torchrun stops the
+    // remaining ranks when the first one exits non-zero, and names that one as the root cause.
     if (agreed != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
     return agreed;
   } catch (const std::exception&) {
@@ -192,6 +206,7 @@ const DistApi kApi = {kDistAbiVersion, run, agree_exit_code};
 
 }  // namespace lossguard::dist
 
-extern "C" __attribute__((visibility("default"))) const lossguard::dist::DistApi* lossguard_dist_api() {
+extern "C" __attribute__((visibility("default"))) const lossguard::dist::DistApi*
+lossguard_dist_api() {
   return &lossguard::dist::kApi;
 }

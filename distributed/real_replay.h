@@ -1,7 +1,8 @@
-// Real-mode replay (SPEC §7 "Real mode"): every process of a torchrun-launched job runs its own rank's
-// protocol program over real collectives (Gloo process groups built for exactly the topology's groups,
-// rendezvous through c10d::TCPStore), every wait bounded by a deadline; outcomes go through the store to
-// rank 0. Implemented in the plugin liblossguard_distributed.so; this header carries only plain types.
+// Real-mode replay (SPEC §7 "Real mode"): every process of a torchrun-launched job runs its own
+// rank's protocol program over real collectives (Gloo process groups built for exactly the
+// topology's groups, rendezvous through c10d::TCPStore), every wait bounded by a deadline; outcomes
+// go through the store to rank 0. Implemented in the plugin liblossguard_distributed.so; this
+// header carries only plain types.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -16,12 +17,12 @@ struct LaunchEnv {
   int64_t rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr = "127.0.0.1";
   int port = 29500;
-  bool agent_store = false;   // TORCHELASTIC_USE_AGENT_STORE=True: the launcher serves the store
+  bool agent_store = false;  // TORCHELASTIC_USE_AGENT_STORE=True: the launcher serves the store
   std::string run_id = "lossguard";
-  std::string error_file;     // TORCHELASTIC_ERROR_FILE
+  std::string error_file;  // TORCHELASTIC_ERROR_FILE
 };
-// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; throws InputError naming
-// what is missing or malformed.
+// Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; throws InputError
+// naming what is missing or malformed.
 LaunchEnv launch_env_from_environment();
 
 enum class Backend { kGloo, kNccl };
@@ -34,9 +35,9 @@ struct RealReplayInput {
 };
 
 struct RealReplayOutput {
-  std::vector<oracle::RankResult> ranks;  // rank 0: every rank's outcome in rank order (an error for a rank
-                                          // that never posted one); others: empty
-  std::string error;                      // could not take part at all (rendezvous failed, bad env)
+  std::vector<oracle::RankResult> ranks;  // rank 0: every rank's outcome in rank order (an error
+                                          // for a rank that never posted one); others: empty
+  std::string error;  // could not take part at all (rendezvous failed, bad env)
 };
 
 struct DistApi {

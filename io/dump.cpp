@@ -1,21 +1,21 @@
-// Format detection, the Value tree -> Batch conversion (packed, per-sample and Relax/slime layouts),
-// field mapping, and writers.
+// Format detection, the Value tree -> Batch conversion (packed, per-sample and Relax/slime
+// layouts), field mapping, and writers.
 #include "io/dump.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstring>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-#include <nlohmann/json.hpp>
-
+#include "core/errors.h"
 #include "io/safetensors.h"
 #include "io/torch_zip.h"
-#include "core/errors.h"
 
 namespace lossguard::io {
 
@@ -24,16 +24,22 @@ using Kind = Value::Kind;
 
 const char* dump_format_name(DumpFormat f) {
   switch (f) {
-    case DumpFormat::kSafetensors: return "safetensors";
-    case DumpFormat::kTorchSave: return "torch.save";
-    case DumpFormat::kJson: return "json";
+    case DumpFormat::kSafetensors:
+      return "safetensors";
+    case DumpFormat::kTorchSave:
+      return "torch.save";
+    case DumpFormat::kJson:
+      return "json";
   }
   return "?";
 }
 
 namespace {
 
-struct FieldSpec { const char* name; std::vector<const char*> aliases; };
+struct FieldSpec {
+  const char* name;
+  std::vector<const char*> aliases;
+};
 const std::vector<FieldSpec>& field_specs() {
   static const std::vector<FieldSpec> kSpecs = {
       {"samples", {"samples"}},
@@ -64,7 +70,8 @@ bool is_field_key(const std::string& key, const FieldMap& map) {
 }
 
 // Finds a batch-model field in a dict: the --field override if given, else the first alias present.
-const Value* find_field(const Value& dict, const std::string& name, const FieldMap& map, std::string* key_used) {
+const Value* find_field(const Value& dict, const std::string& name, const FieldMap& map,
+                        std::string* key_used) {
   if (auto it = map.keys.find(name); it != map.keys.end()) {
     *key_used = it->second;
     return dict.get(it->second);
@@ -84,9 +91,11 @@ const Value* find_field(const Value& dict, const std::string& name, const FieldM
 
 std::string opaque_hint(const Value& v) {
   if (v.kind == Kind::kOpaque || v.kind == Kind::kGlobal) {
-    return fmt::format("holds a pickled object of type {} that lossguard cannot read: it never runs pickled code, "
-                       "so only tensors, lists and numbers are understood (save the field as a torch tensor or a list)",
-                       v.s);
+    return fmt::format(
+        "holds a pickled object of type {} that lossguard cannot read: it never runs pickled code, "
+        "so only tensors, lists and numbers are understood (save the field as a torch tensor or a "
+        "list)",
+        v.s);
   }
   return fmt::format("holds a {}, expected a tensor, a list of numbers or a number", v.type_name());
 }
@@ -118,24 +127,31 @@ HostArray to_array(const Value& v, const std::string& where) {
       fvals.push_back(x.array.get_f64(0));
       ivals.push_back(x.array.get_i64(0));
     } else if (row >= 0) {
-      throw_input_error("{}[{}][{}] {}", where, row, col, x.kind == Kind::kBigInt ? "is an integer over 64 bits" : opaque_hint(x));
+      throw_input_error("{}[{}][{}] {}", where, row, col,
+                        x.kind == Kind::kBigInt ? "is an integer over 64 bits" : opaque_hint(x));
     } else {
-      throw_input_error("{}[{}] {}", where, col, x.kind == Kind::kBigInt ? "is an integer over 64 bits" : opaque_hint(x));
+      throw_input_error("{}[{}] {}", where, col,
+                        x.kind == Kind::kBigInt ? "is an integer over 64 bits" : opaque_hint(x));
     }
   };
   if (!nested) {
-    for (std::size_t j = 0; j < v.items.size(); ++j) take_scalar(*v.items[j], -1, static_cast<int64_t>(j));
+    for (std::size_t j = 0; j < v.items.size(); ++j)
+      take_scalar(*v.items[j], -1, static_cast<int64_t>(j));
     const auto n = static_cast<int64_t>(v.items.size());
-    return any_float ? HostArray::from_f64(DType::kFloat64, {n}, fvals) : HostArray::from_i64(DType::kInt64, {n}, ivals);
+    return any_float ? HostArray::from_f64(DType::kFloat64, {n}, fvals)
+                     : HostArray::from_i64(DType::kInt64, {n}, ivals);
   }
   for (std::size_t r = 0; r < v.items.size(); ++r) {
     const Value& row = *v.items[r];
-    if (!row.is_sequence()) throw_input_error("{}[{}] is a {}, expected a list (a row)", where, r, row.type_name());
+    if (!row.is_sequence())
+      throw_input_error("{}[{}] is a {}, expected a list (a row)", where, r, row.type_name());
     if (cols >= 0 && static_cast<int64_t>(row.items.size()) != cols) {
-      throw_input_error("{}[{}] has {} entries but row 0 has {} (ragged rows)", where, r, row.items.size(), cols);
+      throw_input_error("{}[{}] has {} entries but row 0 has {} (ragged rows)", where, r,
+                        row.items.size(), cols);
     }
     cols = static_cast<int64_t>(row.items.size());
-    for (std::size_t c = 0; c < row.items.size(); ++c) take_scalar(*row.items[c], static_cast<int64_t>(r), static_cast<int64_t>(c));
+    for (std::size_t c = 0; c < row.items.size(); ++c)
+      take_scalar(*row.items[c], static_cast<int64_t>(r), static_cast<int64_t>(c));
   }
   const auto rows = static_cast<int64_t>(v.items.size());
   return any_float ? HostArray::from_f64(DType::kFloat64, {rows, cols}, fvals)
@@ -144,27 +160,37 @@ HostArray to_array(const Value& v, const std::string& where) {
 
 int64_t to_length(const Value& v, const std::string& where) {
   if (v.kind == Kind::kInt) return v.i;
-  if (v.kind == Kind::kTensor && v.array.numel() == 1 && !dtype_is_float(v.array.dtype)) return v.array.get_i64(0);
+  if (v.kind == Kind::kTensor && v.array.numel() == 1 && !dtype_is_float(v.array.dtype))
+    return v.array.get_i64(0);
   if (v.is_sequence() && v.items.size() == 1) return to_length(*v.items[0], where);
   throw_input_error("{} is a {}, expected an integer length", where, v.type_name());
 }
 
 nlohmann::json to_metadata(const Value& v) {
   switch (v.kind) {
-    case Kind::kNone: return nullptr;
-    case Kind::kBool: return v.b;
-    case Kind::kInt: return v.i;
-    case Kind::kFloat: return v.f;
-    case Kind::kString: case Kind::kBigInt: return v.s;
-    default: return v.type_name();
+    case Kind::kNone:
+      return nullptr;
+    case Kind::kBool:
+      return v.b;
+    case Kind::kInt:
+      return v.i;
+    case Kind::kFloat:
+      return v.f;
+    case Kind::kString:
+    case Kind::kBigInt:
+      return v.s;
+    default:
+      return v.type_name();
   }
 }
 
-void add_samples(BatchBuilder& builder, const Value& samples, const std::string& path, const FieldMap& map) {
+void add_samples(BatchBuilder& builder, const Value& samples, const std::string& path,
+                 const FieldMap& map) {
   for (std::size_t i = 0; i < samples.items.size(); ++i) {
     const Value& s = *samples.items[i];
     const std::string where_sample = fmt::format("{}: sample {}:", path, i);
-    if (!s.is_dict()) throw_input_error("{} is a {}, expected a dict of fields", where_sample, s.type_name());
+    if (!s.is_dict())
+      throw_input_error("{} is a {}, expected a dict of fields", where_sample, s.type_name());
     std::string key;
     std::deque<HostArray> keep;
     SampleFields f;
@@ -176,8 +202,13 @@ void add_samples(BatchBuilder& builder, const Value& samples, const std::string&
     };
     f.tokens = array_field("tokens");
     if (f.tokens == nullptr) {
-      throw_input_error("{} field 'tokens' is missing (keys: {}); map another key with --field tokens=KEY", where_sample,
-                        [&] { std::vector<std::string> k; for (auto& e : s.entries) k.push_back(e.first->s); return fmt::format("{}", fmt::join(k, ", ")); }());
+      throw_input_error(
+          "{} field 'tokens' is missing (keys: {}); map another key with --field tokens=KEY",
+          where_sample, [&] {
+            std::vector<std::string> k;
+            for (auto& e : s.entries) k.push_back(e.first->s);
+            return fmt::format("{}", fmt::join(k, ", "));
+          }());
     }
     if (const Value* v = find_field(s, "response_length", map, &key)) {
       f.response_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
@@ -194,13 +225,16 @@ void add_samples(BatchBuilder& builder, const Value& samples, const std::string&
   }
 }
 
-void add_tree(BatchBuilder& builder, const Value& root, const std::string& path, const FieldMap& map) {
+void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
+              const FieldMap& map) {
   std::string key;
   if (root.is_sequence()) {
     add_samples(builder, root, path, map);
     return;
   }
-  if (!root.is_dict()) throw_input_error("{}: top level is a {}, expected a dict or a list of samples", path, root.type_name());
+  if (!root.is_dict())
+    throw_input_error("{}: top level is a {}, expected a dict or a list of samples", path,
+                      root.type_name());
   for (const auto& [k, v] : root.entries) {
     if (k->kind != Kind::kString || is_field_key(k->s, map)) continue;
     if (v->is_dict() && (k->s == "__metadata__" || k->s == "metadata")) {
@@ -212,16 +246,20 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
     }
   }
   if (const Value* samples = find_field(root, "samples", map, &key)) {
-    if (!samples->is_sequence()) throw_input_error("{}: field '{}' is a {}, expected a list of samples", path, key, samples->type_name());
+    if (!samples->is_sequence())
+      throw_input_error("{}: field '{}' is a {}, expected a list of samples", path, key,
+                        samples->type_name());
     add_samples(builder, *samples, path, map);
     return;
   }
   if (find_field(root, "tokens", map, &key) == nullptr) {
     std::vector<std::string> keys;
-    for (const auto& e : root.entries) keys.push_back(e.first->kind == Kind::kString ? e.first->s : e.first->type_name());
-    throw_input_error("{}: no batch found: expected a 'samples' list or packed 'tokens', 'total_lengths' and "
-                      "'response_lengths' (top-level keys: {}); --field NAME=KEY maps other names",
-                      path, fmt::join(keys, ", "));
+    for (const auto& e : root.entries)
+      keys.push_back(e.first->kind == Kind::kString ? e.first->s : e.first->type_name());
+    throw_input_error(
+        "{}: no batch found: expected a 'samples' list or packed 'tokens', 'total_lengths' and "
+        "'response_lengths' (top-level keys: {}); --field NAME=KEY maps other names",
+        path, fmt::join(keys, ", "));
   }
   std::deque<HostArray> keep;
   PackedFields f;
@@ -246,7 +284,8 @@ std::string describe_dtype(const Value& v) {
   if (v.kind == Kind::kTensor) return std::string(dtype_name(v.array.dtype));
   if (v.is_sequence()) {
     if (v.items.empty()) return v.kind == Kind::kList ? "list" : "tuple";
-    return fmt::format("{}[{}]", v.kind == Kind::kList ? "list" : "tuple", describe_dtype(*v.items[0]));
+    return fmt::format("{}[{}]", v.kind == Kind::kList ? "list" : "tuple",
+                       describe_dtype(*v.items[0]));
   }
   return v.type_name();
 }
@@ -254,7 +293,8 @@ std::string describe_dtype(const Value& v) {
 std::string describe_shape(const Value& v) {
   if (v.kind == Kind::kTensor) return v.array.shape_string();
   if (v.is_sequence()) {
-    if (!v.items.empty() && v.items[0]->is_sequence()) return fmt::format("[{}, {}]", v.items.size(), v.items[0]->items.size());
+    if (!v.items.empty() && v.items[0]->is_sequence())
+      return fmt::format("[{}, {}]", v.items.size(), v.items[0]->items.size());
     return fmt::format("[{}]", v.items.size());
   }
   return "";
@@ -263,7 +303,8 @@ std::string describe_shape(const Value& v) {
 std::vector<FieldInfo> describe_fields(const Value& root) {
   std::vector<FieldInfo> out;
   auto describe_samples = [&](const Value& samples, const std::string& prefix) {
-    // One row per key of the samples, with the shape taken over all samples ("var" when lengths differ).
+    // One row per key of the samples, with the shape taken over all samples ("var" when lengths
+    // differ).
     std::vector<std::string> order;
     std::map<std::string, std::pair<std::string, std::string>> seen;
     for (const auto& s : samples.items) {
@@ -282,7 +323,12 @@ std::vector<FieldInfo> describe_fields(const Value& root) {
     }
     for (const auto& k : order) {
       const auto& [dtype, shape] = seen[k];
-      out.push_back({prefix + "[*]." + k, dtype, shape.empty() ? "" : fmt::format("[{}, {}]", samples.items.size(), shape == "var" ? "var" : shape.substr(1, shape.size() - 2))});
+      out.push_back(
+          {prefix + "[*]." + k, dtype,
+           shape.empty()
+               ? ""
+               : fmt::format("[{}, {}]", samples.items.size(),
+                             shape == "var" ? "var" : shape.substr(1, shape.size() - 2))});
     }
   };
   if (root.is_sequence()) {
@@ -304,16 +350,22 @@ std::vector<FieldInfo> describe_fields(const Value& root) {
 ValuePtr from_json(const nlohmann::json& j, const std::string& what, std::size_t depth) {
   if (depth > 1000) throw_input_error("{}: JSON nested deeper than 1000 levels", what);
   switch (j.type()) {
-    case nlohmann::json::value_t::null: return Value::none();
-    case nlohmann::json::value_t::boolean: return Value::make_bool(j.get<bool>());
-    case nlohmann::json::value_t::number_integer: return Value::make_int(j.get<int64_t>());
+    case nlohmann::json::value_t::null:
+      return Value::none();
+    case nlohmann::json::value_t::boolean:
+      return Value::make_bool(j.get<bool>());
+    case nlohmann::json::value_t::number_integer:
+      return Value::make_int(j.get<int64_t>());
     case nlohmann::json::value_t::number_unsigned: {
       const auto u = j.get<uint64_t>();
-      if (u > static_cast<uint64_t>(INT64_MAX)) return Value::make_string(std::to_string(u), Kind::kBigInt);
+      if (u > static_cast<uint64_t>(INT64_MAX))
+        return Value::make_string(std::to_string(u), Kind::kBigInt);
       return Value::make_int(static_cast<int64_t>(u));
     }
-    case nlohmann::json::value_t::number_float: return Value::make_float(j.get<double>());
-    case nlohmann::json::value_t::string: return Value::make_string(j.get<std::string>());
+    case nlohmann::json::value_t::number_float:
+      return Value::make_float(j.get<double>());
+    case nlohmann::json::value_t::string:
+      return Value::make_string(j.get<std::string>());
     case nlohmann::json::value_t::array: {
       auto l = Value::make_list();
       l->items.reserve(j.size());
@@ -322,10 +374,13 @@ ValuePtr from_json(const nlohmann::json& j, const std::string& what, std::size_t
     }
     case nlohmann::json::value_t::object: {
       auto d = Value::make_dict();
-      for (auto it = j.begin(); it != j.end(); ++it) d->entries.emplace_back(Value::make_string(it.key()), from_json(it.value(), what, depth + 1));
+      for (auto it = j.begin(); it != j.end(); ++it)
+        d->entries.emplace_back(Value::make_string(it.key()),
+                                from_json(it.value(), what, depth + 1));
       return d;
     }
-    default: throw_input_error("{}: unsupported JSON value", what);
+    default:
+      throw_input_error("{}: unsupported JSON value", what);
   }
 }
 
@@ -347,7 +402,8 @@ void FieldMap::add(const std::string& spec) {
   const std::string name = spec.substr(0, eq);
   const auto& names = batch_field_names();
   if (std::find(names.begin(), names.end(), name) == names.end()) {
-    throw_input_error("--field '{}': unknown field '{}' (one of: {})", spec, name, fmt::join(names, ", "));
+    throw_input_error("--field '{}': unknown field '{}' (one of: {})", spec, name,
+                      fmt::join(names, ", "));
   }
   keys[name] = spec.substr(eq + 1);
 }
@@ -369,12 +425,15 @@ std::vector<std::string> expand_dump_paths(const std::vector<std::string>& paths
       std::vector<std::string> files;
       for (const auto& e : fs::directory_iterator(p, ec)) {
         const std::string ext = e.path().extension().string();
-        if (e.is_regular_file() && (ext == ".safetensors" || ext == ".pt" || ext == ".pth" || ext == ".json")) {
+        if (e.is_regular_file() &&
+            (ext == ".safetensors" || ext == ".pt" || ext == ".pth" || ext == ".json")) {
           files.push_back(e.path().string());
         }
       }
       std::sort(files.begin(), files.end());
-      if (files.empty()) throw_input_error("{}: directory holds no dump files (*.safetensors, *.pt, *.pth, *.json)", p);
+      if (files.empty())
+        throw_input_error("{}: directory holds no dump files (*.safetensors, *.pt, *.pth, *.json)",
+                          p);
       out.insert(out.end(), files.begin(), files.end());
     } else if (!fs::exists(p, ec)) {
       throw_input_error("{}: no such file or directory", p);
@@ -393,8 +452,10 @@ DumpFormat detect_format(const std::string& path) {
   char head[9] = {};
   f.read(head, 9);
   const auto n = f.gcount();
-  if (n >= 4 && std::string_view(head, 4) == std::string_view("PK\x03\x04", 4)) return DumpFormat::kTorchSave;
-  if (n >= 1 && static_cast<uint8_t>(head[0]) == 0x80) return DumpFormat::kTorchSave;  // legacy: reported there
+  if (n >= 4 && std::string_view(head, 4) == std::string_view("PK\x03\x04", 4))
+    return DumpFormat::kTorchSave;
+  if (n >= 1 && static_cast<uint8_t>(head[0]) == 0x80)
+    return DumpFormat::kTorchSave;  // legacy: reported there
   const std::string ext = fs::path(path).extension().string();
   if (ext == ".safetensors") return DumpFormat::kSafetensors;
   if (ext == ".pt" || ext == ".pth") return DumpFormat::kTorchSave;
@@ -425,16 +486,22 @@ Dump read_dump(const std::string& path) {
     case DumpFormat::kSafetensors: {
       SafetensorsFile st = read_safetensors(path);
       d.tree = Value::make_dict();
-      for (auto& [name, a] : st.tensors) d.tree->entries.emplace_back(Value::make_string(name), Value::make_tensor(a));
+      for (auto& [name, a] : st.tensors)
+        d.tree->entries.emplace_back(Value::make_string(name), Value::make_tensor(a));
       if (!st.metadata.empty()) {
         auto meta = Value::make_dict();
-        for (auto& [k, v] : st.metadata) meta->entries.emplace_back(Value::make_string(k), Value::make_string(v));
+        for (auto& [k, v] : st.metadata)
+          meta->entries.emplace_back(Value::make_string(k), Value::make_string(v));
         d.tree->entries.emplace_back(Value::make_string("__metadata__"), meta);
       }
       break;
     }
-    case DumpFormat::kTorchSave: d.tree = read_torch_save(path); break;
-    case DumpFormat::kJson: d.tree = json_to_value(read_text(path), path); break;
+    case DumpFormat::kTorchSave:
+      d.tree = read_torch_save(path);
+      break;
+    case DumpFormat::kJson:
+      d.tree = json_to_value(read_text(path), path);
+      break;
   }
   d.fields = describe_fields(*d.tree);
   return d;
@@ -453,9 +520,12 @@ namespace {
 
 std::vector<std::pair<std::string, HostArray>> packed_arrays(const Batch& b) {
   std::vector<std::pair<std::string, HostArray>> t;
-  t.emplace_back("tokens", HostArray::from_i64(DType::kInt64, {static_cast<int64_t>(b.tokens.size())}, b.tokens));
-  t.emplace_back("total_lengths", HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.total_lengths));
-  t.emplace_back("response_lengths", HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.response_lengths));
+  t.emplace_back("tokens", HostArray::from_i64(DType::kInt64,
+                                               {static_cast<int64_t>(b.tokens.size())}, b.tokens));
+  t.emplace_back("total_lengths",
+                 HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.total_lengths));
+  t.emplace_back("response_lengths",
+                 HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.response_lengths));
   std::vector<int64_t> mask(b.loss_mask.begin(), b.loss_mask.end());
   t.emplace_back("loss_masks", HostArray::from_i64(DType::kInt64, {b.num_response_tokens()}, mask));
   if (b.logits) t.emplace_back("logits", *b.logits);
@@ -463,7 +533,9 @@ std::vector<std::pair<std::string, HostArray>> packed_arrays(const Batch& b) {
   return t;
 }
 
-std::string metadata_text(const nlohmann::json& v) { return v.is_string() ? v.get<std::string>() : v.dump(); }
+std::string metadata_text(const nlohmann::json& v) {
+  return v.is_string() ? v.get<std::string>() : v.dump();
+}
 
 }  // namespace
 
@@ -471,7 +543,8 @@ void write_batch(const Batch& b, const std::string& path) {
   const std::string ext = fs::path(path).extension().string();
   if (ext == ".safetensors") {
     std::map<std::string, std::string> meta = {{"lossguard.schema", "1"}};
-    for (auto it = b.metadata.begin(); it != b.metadata.end(); ++it) meta[it.key()] = metadata_text(it.value());
+    for (auto it = b.metadata.begin(); it != b.metadata.end(); ++it)
+      meta[it.key()] = metadata_text(it.value());
     write_safetensors(path, packed_arrays(b), meta);
   } else if (ext == ".pt" || ext == ".pth") {
     std::vector<TorchSaveEntry> entries;
@@ -481,9 +554,9 @@ void write_batch(const Batch& b, const std::string& path) {
     for (auto it = b.metadata.begin(); it != b.metadata.end(); ++it) {
       const auto& v = it.value();
       ValuePtr x = v.is_number_integer() ? Value::make_int(v.get<int64_t>())
-                   : v.is_number() ? Value::make_float(v.get<double>())
-                   : v.is_boolean() ? Value::make_bool(v.get<bool>())
-                   : Value::make_string(metadata_text(v));
+                   : v.is_number()       ? Value::make_float(v.get<double>())
+                   : v.is_boolean()      ? Value::make_bool(v.get<bool>())
+                                         : Value::make_string(metadata_text(v));
       entries.push_back({it.key(), x});
     }
     write_torch_save(path, entries);
@@ -495,7 +568,8 @@ void write_batch(const Batch& b, const std::string& path) {
     for (int64_t i = 0; i < b.num_samples(); ++i) {
       nlohmann::ordered_json s;
       const int64_t t0 = b.token_offsets[i], r0 = b.response_offsets[i], r = b.response_lengths[i];
-      s["tokens"] = std::vector<int64_t>(b.tokens.begin() + t0, b.tokens.begin() + t0 + b.total_lengths[i]);
+      s["tokens"] =
+          std::vector<int64_t>(b.tokens.begin() + t0, b.tokens.begin() + t0 + b.total_lengths[i]);
       s["response_length"] = r;
       s["loss_mask"] = std::vector<int>(b.loss_mask.begin() + r0, b.loss_mask.begin() + r0 + r);
       if (b.logits && r > 0) {  // a list cannot say [0, V]; an empty response simply has none

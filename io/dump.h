@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
-#include "io/value.h"
 #include "core/batch.h"
+#include "io/value.h"
 
 namespace lossguard::io {
 
@@ -15,7 +15,8 @@ const char* dump_format_name(DumpFormat f);
 // `--field NAME=KEY`: read the batch-model field NAME from the dump's key KEY.
 struct FieldMap {
   std::map<std::string, std::string> keys;
-  void add(const std::string& spec);  // "loss_mask=mask"; throws InputError on a bad spec or unknown NAME
+  void add(const std::string&
+               spec);  // "loss_mask=mask"; throws InputError on a bad spec or unknown NAME
 };
 const std::vector<std::string>& batch_field_names();  // the NAMEs --field accepts
 

@@ -1,34 +1,38 @@
-// torch.save zip archives: layout, storages and the restricted unpickler; the zip itself is read and
-// written by LibTorch's caffe2::serialize through the plugin (io/zip_plugin.h).
+// torch.save zip archives: layout, storages and the restricted unpickler; the zip itself is read
+// and written by LibTorch's caffe2::serialize through the plugin (io/zip_plugin.h).
 #include "io/torch_zip.h"
+
+#include <fmt/format.h>
 
 #include <cstring>
 #include <fstream>
 #include <map>
 
-#include <fmt/format.h>
-
+#include "core/errors.h"
 #include "io/pickle.h"
 #include "io/zip_plugin.h"
-#include "core/errors.h"
 
 namespace lossguard::io {
 
 namespace {
 
-struct StorageType { const char* name; DType dtype; };
+struct StorageType {
+  const char* name;
+  DType dtype;
+};
 constexpr StorageType kStorageTypes[] = {
-    {"torch.FloatStorage", DType::kFloat32},   {"torch.DoubleStorage", DType::kFloat64},
-    {"torch.HalfStorage", DType::kFloat16},    {"torch.BFloat16Storage", DType::kBFloat16},
-    {"torch.LongStorage", DType::kInt64},      {"torch.IntStorage", DType::kInt32},
-    {"torch.ShortStorage", DType::kInt16},     {"torch.CharStorage", DType::kInt8},
-    {"torch.ByteStorage", DType::kUInt8},      {"torch.BoolStorage", DType::kBool},
+    {"torch.FloatStorage", DType::kFloat32}, {"torch.DoubleStorage", DType::kFloat64},
+    {"torch.HalfStorage", DType::kFloat16},  {"torch.BFloat16Storage", DType::kBFloat16},
+    {"torch.LongStorage", DType::kInt64},    {"torch.IntStorage", DType::kInt32},
+    {"torch.ShortStorage", DType::kInt16},   {"torch.CharStorage", DType::kInt8},
+    {"torch.ByteStorage", DType::kUInt8},    {"torch.BoolStorage", DType::kBool},
     {"torch.UntypedStorage", DType::kUInt8},
 };
 
 const char* storage_type_for(DType d) {
   for (const auto& s : kStorageTypes) {
-    if (s.dtype == d && std::strcmp(s.name, "torch.UntypedStorage") != 0) return s.name + 6;  // drop "torch."
+    if (s.dtype == d && std::strcmp(s.name, "torch.UntypedStorage") != 0)
+      return s.name + 6;  // drop "torch."
   }
   return "ByteStorage";
 }
@@ -48,8 +52,10 @@ ValuePtr read_torch_save(const std::string& path) {
   const std::string head = first_bytes(path, 4);
   if (head.size() < 4 || head.compare(0, 4, "PK\x03\x04") != 0) {
     if (!head.empty() && static_cast<uint8_t>(head[0]) == 0x80) {
-      throw_input_error("{}: legacy (pre-1.6, non-zip) torch.save format is not supported; re-save it with "
-                        "torch.save(obj, path) from a current PyTorch", path);
+      throw_input_error(
+          "{}: legacy (pre-1.6, non-zip) torch.save format is not supported; re-save it with "
+          "torch.save(obj, path) from a current PyTorch",
+          path);
     }
     throw_input_error("{}: not a torch.save archive (no zip signature)", path);
   }
@@ -67,7 +73,8 @@ ValuePtr read_torch_save(const std::string& path) {
     return rec;
   };
   if (!zip.has_record(archive.get(), "data.pkl")) {
-    if (zip.has_record(archive.get(), "constants.pkl") || zip.has_record(archive.get(), "code/__torch__.py")) {
+    if (zip.has_record(archive.get(), "constants.pkl") ||
+        zip.has_record(archive.get(), "code/__torch__.py")) {
       throw_input_error("{}: a TorchScript archive (torch.jit.save), not a torch.save batch", path);
     }
     throw_input_error("{}: zip archive without data.pkl: not a torch.save file", path);
@@ -75,15 +82,16 @@ ValuePtr read_torch_save(const std::string& path) {
   if (zip.has_record(archive.get(), "byteorder")) {
     ZipRecord rec = read("byteorder");
     std::string order(static_cast<const char*>(rec.data.get()), rec.size);
-    if (order != "little") throw_input_error("{}: byteorder '{}' is not supported (little-endian only)", path, order);
+    if (order != "little")
+      throw_input_error("{}: byteorder '{}' is not supported (little-endian only)", path, order);
   }
   ZipRecord pkl_rec = read("data.pkl");
   std::string_view pkl(static_cast<const char*>(pkl_rec.data.get()), pkl_rec.size);
   std::map<std::string, ValuePtr> storages;
   PersistentLoad load = [&](const ValuePtr& pid) -> ValuePtr {
     // ('storage', storage_type, key, location, numel)
-    if (!pid->is_sequence() || pid->items.size() < 5 || pid->items[0]->kind != Value::Kind::kString ||
-        pid->items[0]->s != "storage") {
+    if (!pid->is_sequence() || pid->items.size() < 5 ||
+        pid->items[0]->kind != Value::Kind::kString || pid->items[0]->s != "storage") {
       throw_input_error("{}: data.pkl: unsupported persistent id ({})", path, pid->type_name());
     }
     const ValuePtr& type = pid->items[1];
@@ -97,7 +105,9 @@ ValuePtr read_torch_save(const std::string& path) {
     for (const auto& s : kStorageTypes) {
       if (type->kind == Value::Kind::kGlobal && type->s == s.name) st = &s;
     }
-    if (st == nullptr) throw_input_error("{}: storage '{}' has unsupported type {}", path, key->s, type->type_name());
+    if (st == nullptr)
+      throw_input_error("{}: storage '{}' has unsupported type {}", path, key->s,
+                        type->type_name());
     const std::string record = "data/" + key->s;
     if (!zip.has_record(archive.get(), record.c_str())) {
       throw_input_error("{}: storage record '{}' is missing from the archive", path, record);
@@ -111,8 +121,8 @@ ValuePtr read_torch_save(const std::string& path) {
       throw_input_error("{}: malformed torch.save archive: record '{}': {}", path, record, error);
     }
     if (have != want) {
-      throw_input_error("{}: storage record '{}' has {} bytes but {} elements of {} need {}", path, record, have,
-                        numel->i, dtype_name(st->dtype), want);
+      throw_input_error("{}: storage record '{}' has {} bytes but {} elements of {} need {}", path,
+                        record, have, numel->i, dtype_name(st->dtype), want);
     }
     ZipRecord rec = read(record);
     auto v = std::make_shared<Value>();
@@ -174,12 +184,23 @@ void write_torch_save(const std::string& path, const std::vector<TorchSaveEntry>
         storages.push_back(&a);
         break;
       }
-      case Value::Kind::kInt: p.integer(v.i); break;
-      case Value::Kind::kFloat: p.floating(v.f); break;
-      case Value::Kind::kString: p.string(v.s); break;
-      case Value::Kind::kBool: p.boolean(v.b); break;
-      case Value::Kind::kNone: p.none(); break;
-      default: LG_CHECK(false, "write_torch_save: unsupported value {}", v.type_name());
+      case Value::Kind::kInt:
+        p.integer(v.i);
+        break;
+      case Value::Kind::kFloat:
+        p.floating(v.f);
+        break;
+      case Value::Kind::kString:
+        p.string(v.s);
+        break;
+      case Value::Kind::kBool:
+        p.boolean(v.b);
+        break;
+      case Value::Kind::kNone:
+        p.none();
+        break;
+      default:
+        LG_CHECK(false, "write_torch_save: unsupported value {}", v.type_name());
     }
   }
   p.setitems();
@@ -187,12 +208,14 @@ void write_torch_save(const std::string& path, const std::vector<TorchSaveEntry>
   write_torch_archive(path, p.out, storages);
 }
 
-void write_torch_archive(const std::string& path, const std::string& pickle, const std::vector<const HostArray*>& storages) {
+void write_torch_archive(const std::string& path, const std::string& pickle,
+                         const std::vector<const HostArray*>& storages) {
   std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>> records;
   records.push_back({"data.pkl", {pickle.data(), pickle.size()}});
   records.push_back({"byteorder", {"little", 6}});
   for (std::size_t k = 0; k < storages.size(); ++k) {
-    records.push_back({"data/" + std::to_string(k), {storages[k]->data, storages[k]->size_bytes()}});
+    records.push_back(
+        {"data/" + std::to_string(k), {storages[k]->data, storages[k]->size_bytes()}});
   }
   std::string error;
   if (!torch_zip_api().write_archive(path.c_str(), &records, &error)) {

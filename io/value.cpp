@@ -14,20 +14,34 @@ const Value* Value::get(std::string_view key) const {
 
 std::string Value::type_name() const {
   switch (kind) {
-    case Kind::kNone: return "None";
-    case Kind::kBool: return "bool";
-    case Kind::kInt: return "int";
-    case Kind::kBigInt: return "int (over 64 bits)";
-    case Kind::kFloat: return "float";
-    case Kind::kString: return "str";
-    case Kind::kBytes: return "bytes";
-    case Kind::kList: return "list";
-    case Kind::kTuple: return "tuple";
-    case Kind::kDict: return "dict";
-    case Kind::kTensor: return is_parameter ? "nn.Parameter" : "tensor";
-    case Kind::kStorage: return "storage";
-    case Kind::kGlobal: return "global " + s;
-    case Kind::kOpaque: return "opaque object " + s;
+    case Kind::kNone:
+      return "None";
+    case Kind::kBool:
+      return "bool";
+    case Kind::kInt:
+      return "int";
+    case Kind::kBigInt:
+      return "int (over 64 bits)";
+    case Kind::kFloat:
+      return "float";
+    case Kind::kString:
+      return "str";
+    case Kind::kBytes:
+      return "bytes";
+    case Kind::kList:
+      return "list";
+    case Kind::kTuple:
+      return "tuple";
+    case Kind::kDict:
+      return "dict";
+    case Kind::kTensor:
+      return is_parameter ? "nn.Parameter" : "tensor";
+    case Kind::kStorage:
+      return "storage";
+    case Kind::kGlobal:
+      return "global " + s;
+    case Kind::kOpaque:
+      return "opaque object " + s;
   }
   return "?";
 }

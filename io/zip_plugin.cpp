@@ -1,8 +1,8 @@
-// The plugin itself: LibTorch's PyTorchStreamReader / PyTorchStreamWriter behind TorchZipApi. The only
-// translation unit of lossguard's loaders that includes LibTorch.
-#include <caffe2/serialize/inline_container.h>
-
+// The plugin itself: LibTorch's PyTorchStreamReader / PyTorchStreamWriter behind TorchZipApi. The
+// only translation unit of lossguard's loaders that includes LibTorch.
 #include "io/zip_plugin.h"
+
+#include <caffe2/serialize/inline_container.h>
 
 namespace {
 
@@ -63,8 +63,10 @@ bool zip_read_record(void* archive, const char* name, ZipRecord* out, std::strin
   return false;
 }
 
-bool zip_write_archive(const char* path, const std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>>* records,
-                       std::string* error) {
+bool zip_write_archive(
+    const char* path,
+    const std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>>* records,
+    std::string* error) {
   try {
     caffe2::serialize::PyTorchStreamWriter writer{std::string(path)};
     for (const auto& [name, bytes] : *records) writer.writeRecord(name, bytes.first, bytes.second);
@@ -78,9 +80,17 @@ bool zip_write_archive(const char* path, const std::vector<std::pair<std::string
   return false;
 }
 
-const TorchZipApi kApi = {lossguard::io::kTorchZipAbiVersion, zip_open, zip_close, zip_has_record, zip_record_size,
-                          zip_read_record, zip_write_archive};
+const TorchZipApi kApi = {lossguard::io::kTorchZipAbiVersion,
+                          zip_open,
+                          zip_close,
+                          zip_has_record,
+                          zip_record_size,
+                          zip_read_record,
+                          zip_write_archive};
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) const lossguard::io::TorchZipApi* lossguard_torchzip_api() { return &kApi; }
+extern "C" __attribute__((visibility("default"))) const lossguard::io::TorchZipApi*
+lossguard_torchzip_api() {
+  return &kApi;
+}

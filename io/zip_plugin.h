@@ -1,6 +1,6 @@
 // The boundary to LibTorch's zip reader and writer (caffe2::serialize), which live in a plugin,
-// liblossguard_torchzip.so, loaded on first use: LibTorch's start-up costs ~0.2 s per process, which
-// commands that never open a .pt file (count on safetensors, topo, replay) should not pay.
+// liblossguard_torchzip.so, loaded on first use: LibTorch's start-up costs ~0.2 s per process,
+// which commands that never open a .pt file (count on safetensors, topo, replay) should not pay.
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -15,8 +15,8 @@ struct ZipRecord {
   std::size_t size = 0;
 };
 
-// C-style table of the plugin's entry points. Errors come back as text (never as exceptions across the
-// library boundary); the caller turns them into InputError.
+// C-style table of the plugin's entry points. Errors come back as text (never as exceptions across
+// the library boundary); the caller turns them into InputError.
 struct TorchZipApi {
   int abi_version;
   void* (*open)(const char* path, std::string* error);
@@ -24,8 +24,10 @@ struct TorchZipApi {
   bool (*has_record)(void* archive, const char* name);
   bool (*record_size)(void* archive, const char* name, std::size_t* size, std::string* error);
   bool (*read_record)(void* archive, const char* name, ZipRecord* out, std::string* error);
-  bool (*write_archive)(const char* path, const std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>>* records,
-                        std::string* error);
+  bool (*write_archive)(
+      const char* path,
+      const std::vector<std::pair<std::string, std::pair<const void*, std::size_t>>>* records,
+      std::string* error);
 };
 inline constexpr int kTorchZipAbiVersion = 1;
 

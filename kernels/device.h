@@ -1,5 +1,5 @@
-// Where a kernel runs. Every op in kernels/ takes a Device and pointers in that device's memory; the one
-// switch in dispatch.cpp routes to the CPU twin or the CUDA kernel.
+// Where a kernel runs. Every op in kernels/ takes a Device and pointers in that device's memory;
+// the one switch in dispatch.cpp routes to the CPU twin or the CUDA kernel.
 #pragma once
 #include <string>
 

@@ -17,10 +17,13 @@ class DeviceBuffer {
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
   void* data() const { return data_; }
-  template <typename T> T* as() const { return static_cast<T*>(data_); }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
   std::size_t size_bytes() const { return size_bytes_; }
-  void upload(const void* host, std::size_t n);   // host -> buffer[0, n)
-  void download(void* host, std::size_t n) const; // buffer[0, n) -> host
+  void upload(const void* host, std::size_t n);    // host -> buffer[0, n)
+  void download(void* host, std::size_t n) const;  // buffer[0, n) -> host
   void zero();
 
  private:

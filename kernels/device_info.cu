@@ -21,7 +21,8 @@ DeviceInfo query_device_info() {
   d.nccl_compiled = true;
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) {
-    d.nccl_version = std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." + std::to_string(v % 100);
+    d.nccl_version = std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." +
+                     std::to_string(v % 100);
   }
 #endif
   const cudaError_t err = cudaGetDeviceCount(&d.device_count);

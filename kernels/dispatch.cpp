@@ -17,9 +17,12 @@ namespace lossguard::kernels {
 const char* device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
 
 bool parse_device(const std::string& s, Device* out) {
-  if (s == "cpu") *out = Device::kCpu;
-  else if (s == "cuda") *out = Device::kCuda;
-  else return false;
+  if (s == "cpu")
+    *out = Device::kCpu;
+  else if (s == "cuda")
+    *out = Device::kCuda;
+  else
+    return false;
   return true;
 }
 
@@ -36,33 +39,43 @@ int cpu_threads() {
 
 void count_tokens(const TokenCountArgs& a, Device device) {
   switch (device) {
-    case Device::kCpu: return count_tokens_cpu(a);
-    case Device::kCuda: return count_tokens_cuda(a);
+    case Device::kCpu:
+      return count_tokens_cpu(a);
+    case Device::kCuda:
+      return count_tokens_cuda(a);
   }
 }
 
 void fused_xent(const XentArgs& a, Device device) {
   if (!fused_xent_takes(a.dtype)) {
-    throw std::invalid_argument("fused_xent: logits must be float32, float16 or bfloat16, got " + std::string(dtype_name(a.dtype)));
+    throw std::invalid_argument("fused_xent: logits must be float32, float16 or bfloat16, got " +
+                                std::string(dtype_name(a.dtype)));
   }
-  if (a.rows < 0 || a.vocab < 1 || a.row_stride < a.vocab) throw std::invalid_argument("fused_xent: inconsistent sizes");
+  if (a.rows < 0 || a.vocab < 1 || a.row_stride < a.vocab)
+    throw std::invalid_argument("fused_xent: inconsistent sizes");
   switch (device) {
-    case Device::kCpu: return fused_xent_cpu(a);
-    case Device::kCuda: return fused_xent_cuda(a);
+    case Device::kCpu:
+      return fused_xent_cpu(a);
+    case Device::kCuda:
+      return fused_xent_cuda(a);
   }
 }
 
 void reduce_skip_decision(const int64_t* counts, int64_t n, SkipDecision* decision, Device device) {
   switch (device) {
-    case Device::kCpu: return reduce_skip_decision_cpu(counts, n, decision);
-    case Device::kCuda: return reduce_skip_decision_cuda(counts, n, decision);
+    case Device::kCpu:
+      return reduce_skip_decision_cpu(counts, n, decision);
+    case Device::kCuda:
+      return reduce_skip_decision_cuda(counts, n, decision);
   }
 }
 
 SkipDecision read_skip_decision(const SkipDecision* decision, Device device) {
   switch (device) {
-    case Device::kCpu: return *decision;
-    case Device::kCuda: return read_skip_decision_cuda(decision);
+    case Device::kCpu:
+      return *decision;
+    case Device::kCuda:
+      return read_skip_decision_cuda(decision);
   }
   return {};
 }
@@ -79,12 +92,16 @@ DeviceBuffer::DeviceBuffer(Device device, std::size_t n) : device_(device), size
 
 DeviceBuffer::~DeviceBuffer() {
   if (data_ == nullptr) return;
-  if (device_ == Device::kCuda) cuda_free(data_);
-  else std::free(data_);
+  if (device_ == Device::kCuda)
+    cuda_free(data_);
+  else
+    std::free(data_);
 }
 
 DeviceBuffer::DeviceBuffer(DeviceBuffer&& o) noexcept
-    : device_(o.device_), data_(std::exchange(o.data_, nullptr)), size_bytes_(std::exchange(o.size_bytes_, 0)) {}
+    : device_(o.device_),
+      data_(std::exchange(o.data_, nullptr)),
+      size_bytes_(std::exchange(o.size_bytes_, 0)) {}
 
 DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   if (this != &o) {
@@ -98,20 +115,26 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
 
 void DeviceBuffer::upload(const void* host, std::size_t n) {
   if (n == 0) return;
-  if (device_ == Device::kCuda) cuda_copy(data_, host, n, true);
-  else std::memcpy(data_, host, n);
+  if (device_ == Device::kCuda)
+    cuda_copy(data_, host, n, true);
+  else
+    std::memcpy(data_, host, n);
 }
 
 void DeviceBuffer::download(void* host, std::size_t n) const {
   if (n == 0) return;
-  if (device_ == Device::kCuda) cuda_copy(host, data_, n, false);
-  else std::memcpy(host, data_, n);
+  if (device_ == Device::kCuda)
+    cuda_copy(host, data_, n, false);
+  else
+    std::memcpy(host, data_, n);
 }
 
 void DeviceBuffer::zero() {
   if (size_bytes_ == 0) return;
-  if (device_ == Device::kCuda) cuda_zero(data_, size_bytes_);
-  else std::memset(data_, 0, size_bytes_);
+  if (device_ == Device::kCuda)
+    cuda_zero(data_, size_bytes_);
+  else
+    std::memset(data_, 0, size_bytes_);
 }
 
 }  // namespace lossguard::kernels

@@ -1,22 +1,21 @@
-// Fused log-prob / loss / gradient of the next-token cross entropy from logits (SPEC §4, nll from logits):
-// one online log-sum-exp pass and one gradient pass per row, reading the logits at most twice (the CPU
-// twin reads them once from memory: the row's exponentials stay in cache for the gradient pass), bf16 /
-// fp16 / fp32 inputs with fp32 arithmetic, never materialising log_softmax.
+// Fused log-prob / loss / gradient of the next-token cross entropy from logits (SPEC §4, nll from
+// logits): one online log-sum-exp pass and one gradient pass per row, reading the logits at most
+// twice (the CPU twin reads them once from memory: the row's exponentials stay in cache for the
+// gradient pass), bf16 / fp16 / fp32 inputs with fp32 arithmetic, never materialising log_softmax.
 //
 // Shared parameters (pointers in the memory of the Device the op runs on):
-//   logits      [rows, vocab] in `dtype` (float32, float16, bfloat16), row r at logits + r * row_stride
-//   targets     [rows] int64 in [0, vocab): y_r
-//   grad_scale  [rows] float32: c_r = d loss / d l_r (the reduction's coefficient; 0 on masked rows)
-//   active      [rows] uint8 or null (every row): inactive rows are not read; their outputs are 0
-//   lse         out [rows] float32: logsumexp(z_r)
-//   token_loss  out [rows] float32: l_r = lse_r - z_r[y_r]  (= -log p_r(y_r))
-//   grad        out [rows, vocab] in `dtype` (row-major, stride vocab) or null (loss only):
+//   logits      [rows, vocab] in `dtype` (float32, float16, bfloat16), row r at logits + r *
+//   row_stride targets     [rows] int64 in [0, vocab): y_r grad_scale  [rows] float32: c_r = d loss
+//   / d l_r (the reduction's coefficient; 0 on masked rows) active      [rows] uint8 or null (every
+//   row): inactive rows are not read; their outputs are 0 lse         out [rows] float32:
+//   logsumexp(z_r) token_loss  out [rows] float32: l_r = lse_r - z_r[y_r]  (= -log p_r(y_r)) grad
+//   out [rows, vocab] in `dtype` (row-major, stride vocab) or null (loss only):
 //               c_r * (softmax(z_r) - onehot(y_r)); exactly 0 on inactive rows and where c_r == 0
 #pragma once
 #include <cstdint>
 
-#include "kernels/device.h"
 #include "core/array.h"
+#include "kernels/device.h"
 
 namespace lossguard::kernels {
 
@@ -33,7 +32,9 @@ struct XentArgs {
 };
 
 // The logits dtypes the fused kernel takes: float32, float16, bfloat16.
-inline bool fused_xent_takes(DType d) { return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16; }
+inline bool fused_xent_takes(DType d) {
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
+}
 
 // Throws std::invalid_argument on a dtype fused_xent_takes refuses, or inconsistent sizes.
 void fused_xent(const XentArgs& a, Device device);

@@ -1,22 +1,24 @@
-// Masked token counting (SPEC §2, §3): every sample's effective tokens owned by every rank of several CP
-// sizes, in one pass over the loss masks. Counts are int64 end to end; CPU and CUDA agree exactly.
+// Masked token counting (SPEC §2, §3): every sample's effective tokens owned by every rank of
+// several CP sizes, in one pass over the loss masks. Counts are int64 end to end; CPU and CUDA
+// agree exactly.
 //
 // Shared parameters (pointers in the memory of the Device the op runs on):
 //   loss_mask         [sum R] uint8, 0 or 1, the samples' masks concatenated
-//   mask_offsets      [S + 1] int64, sample i's mask is loss_mask[mask_offsets[i], mask_offsets[i+1])
-//   total_lengths     [S] int64, T_i;   response_lengths [S] int64, R_i (R_i == T_i: an SFT sample)
-//   cp_sizes          host array of CP sizes (each >= 1), num_cp of them
-//   chunk             how each sample's chunk size is chosen for a CP size (the layout, validated by the
+//   mask_offsets      [S + 1] int64, sample i's mask is loss_mask[mask_offsets[i],
+//   mask_offsets[i+1]) total_lengths     [S] int64, T_i;   response_lengths [S] int64, R_i (R_i ==
+//   T_i: an SFT sample) cp_sizes          host array of CP sizes (each >= 1), num_cp of them chunk
+//   how each sample's chunk size is chosen for a CP size (the layout, validated by the
 //                     caller: chunk_size throws on layouts that cannot hold a sample)
-//   counts            out, int64, for CP size c at offset sum_{c' < c} S * cp_{c'}: [S, cp_c] row-major,
-//                     counts[i * cp + r] = effective tokens of sample i whose predicting logit rank r holds
+//   counts            out, int64, for CP size c at offset sum_{c' < c} S * cp_{c'}: [S, cp_c]
+//   row-major,
+//                     counts[i * cp + r] = effective tokens of sample i whose predicting logit rank
+//                     r holds
 #pragma once
 #include <cstdint>
-
 #include <vector>
 
-#include "kernels/device.h"
 #include "core/modes.h"
+#include "kernels/device.h"
 
 namespace lossguard {
 struct Batch;  // core/batch.h (kept out of this header: CUDA translation units include it)
@@ -45,8 +47,10 @@ struct TokenCountArgs {
 // The chunk rule of a layout (thd, thd padded, bshd).
 inline ChunkRule chunk_rule(const ShardLayout& layout) {
   ChunkRule rule;
-  if (layout.packing == Packing::kBshd) rule.max_seq_len = layout.max_seq_len;
-  else rule.padded_total_length = layout.padded_total_length;
+  if (layout.packing == Packing::kBshd)
+    rule.max_seq_len = layout.max_seq_len;
+  else
+    rule.padded_total_length = layout.padded_total_length;
   return rule;
 }
 // The arguments for a batch in host memory; `counts` is left to the caller.

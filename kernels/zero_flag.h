@@ -1,8 +1,9 @@
-// The skip decision on the device (SPEC §7, bug 2): the global effective-token count reduced where the
-// counts live and the zero flag derived there, so a trainer's hot path synchronises with the host once,
-// at the end, instead of after every count.
+// The skip decision on the device (SPEC §7, bug 2): the global effective-token count reduced where
+// the counts live and the zero flag derived there, so a trainer's hot path synchronises with the
+// host once, at the end, instead of after every count.
 //
-//   counts      [n] int64 in the Device's memory: per-rank (or per-sample) effective-token counts; their
+//   counts      [n] int64 in the Device's memory: per-rank (or per-sample) effective-token counts;
+//   their
 //               SUM is the global denominator N of the DP x CP group
 //   decision    out, in the Device's memory: {N, skip = (N == 0)}
 #pragma once

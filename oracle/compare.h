@@ -1,5 +1,6 @@
-// Comparison of a candidate with the oracle (SPEC §5): per-dtype tolerances, the loss-value bound for a
-// sum of many terms, and element-wise gradient comparison. Mismatches are data: counted and located.
+// Comparison of a candidate with the oracle (SPEC §5): per-dtype tolerances, the loss-value bound
+// for a sum of many terms, and element-wise gradient comparison. Mismatches are data: counted and
+// located.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -12,20 +13,23 @@ namespace lossguard::oracle {
 struct Tolerance {
   double rtol = 0.0, atol = 0.0;
 };
-// PyTorch assert_close defaults: fp16 (1e-3, 1e-5), bf16 (1.6e-2, 1e-5), fp32 (1.3e-6, 1e-5), fp64 (1e-7, 1e-7).
+// PyTorch assert_close defaults: fp16 (1e-3, 1e-5), bf16 (1.6e-2, 1e-5), fp32 (1.3e-6, 1e-5), fp64
+// (1e-7, 1e-7).
 Tolerance default_tolerance(DType dtype);
 inline bool within(double got, double want, double atol, double rtol) {
   const double d = got > want ? got - want : want - got;
   return d <= atol + rtol * (want < 0 ? -want : want);
 }
 
-// The element tolerance for gradients of `loss`: the dtype default, widened to k roundings of the dtype
-// where the gradient chain has k of them (see compare.cpp); this only changes fp16.
+// The element tolerance for gradients of `loss`: the dtype default, widened to k roundings of the
+// dtype where the gradient chain has k of them (see compare.cpp); this only changes fp16.
 Tolerance gradient_tolerance(DType dtype, int loss_kind, Tolerance t);
 
-// Allowed |got - want| for a loss summed from `num_terms` terms whose magnitudes add up to `term_scale`,
-// computed in `dtype` and accumulated in `accumulate` (see the derivation in compare.cpp).
-double loss_tolerance(double want, double term_scale, int64_t num_terms, DType dtype, DType accumulate, Tolerance t);
+// Allowed |got - want| for a loss summed from `num_terms` terms whose magnitudes add up to
+// `term_scale`, computed in `dtype` and accumulated in `accumulate` (see the derivation in
+// compare.cpp).
+double loss_tolerance(double want, double term_scale, int64_t num_terms, DType dtype,
+                      DType accumulate, Tolerance t);
 
 struct GradLocation {
   int64_t sample = -1, response_index = -1, vocab_index = -1, cp_rank = -1, chunk = -1;
@@ -38,20 +42,23 @@ struct GradComparison {
   int64_t masked_nonzero = 0;  // gradient entries of masked rows that are not exactly zero
   int64_t not_compared = 0;    // rows skipped: rho within rounding of a ppo-clip boundary
   double max_abs_diff = 0.0, max_rel_diff = 0.0;
-  GradLocation worst;          // the greatest absolute difference
+  GradLocation worst;  // the greatest absolute difference
   GradLocation worst_relative;
   bool ok() const { return mismatched == 0 && masked_nonzero == 0; }
 };
 
-// `want` is [rows, cols] float64, `got` the candidate's gradient (any float dtype), row_rank/row_chunk the
-// CP owner of each row (-1: none).
-GradComparison compare_gradients(const Batch& batch, const std::vector<double>& want, const HostArray& got, int64_t cols,
-                                 const std::vector<int32_t>& row_rank, const std::vector<int8_t>& row_chunk, Tolerance t,
+// `want` is [rows, cols] float64, `got` the candidate's gradient (any float dtype),
+// row_rank/row_chunk the CP owner of each row (-1: none).
+GradComparison compare_gradients(const Batch& batch, const std::vector<double>& want,
+                                 const HostArray& got, int64_t cols,
+                                 const std::vector<int32_t>& row_rank,
+                                 const std::vector<int8_t>& row_chunk, Tolerance t,
                                  const std::vector<uint8_t>* skip_rows = nullptr,
-                                 const std::vector<double>* logits_coeff = nullptr, double unit_roundoff = 0.0);
+                                 const std::vector<double>* logits_coeff = nullptr,
+                                 double unit_roundoff = 0.0);
 
-// The unit round-off of a dtype: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32, 2^-53 fp64 (bf16 and fp16 as the
-// relative spacing PyTorch's own tolerances are derived from).
+// The unit round-off of a dtype: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32, 2^-53 fp64 (bf16 and fp16 as
+// the relative spacing PyTorch's own tolerances are derived from).
 double unit_roundoff(DType dtype);
 
 }  // namespace lossguard::oracle

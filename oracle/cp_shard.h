@@ -1,4 +1,5 @@
-// Zig-zag context-parallel sharding (SPEC §2): which CP rank owns which response tokens of a sample.
+// Zig-zag context-parallel sharding (SPEC §2): which CP rank owns which response tokens of a
+// sample.
 #pragma once
 #include <algorithm>
 #include <array>
@@ -9,8 +10,6 @@
 
 namespace lossguard::oracle {
 
-
-
 // A half-open range of loss-mask indices.
 struct IndexRange {
   int64_t begin = 0, end = 0;
@@ -18,10 +17,11 @@ struct IndexRange {
 };
 
 // The mask indices owned by CP rank `rank` through each of its two chunks (chunk r, then 2cp-1-r).
-// The owner of a response token is the rank holding the logit that predicts it (position t-1). For an
-// RL sample (R < T) indices are response indices; for an SFT sample (R == T) predictor indices, so index
-// T-1 is never owned. Valid for cp >= 1 (cp = 1 owns everything the two chunks cover).
-inline std::array<IndexRange, 2> owned_mask_ranges(int64_t t, int64_t r, int64_t cp, int64_t rank, int64_t cs) {
+// The owner of a response token is the rank holding the logit that predicts it (position t-1). For
+// an RL sample (R < T) indices are response indices; for an SFT sample (R == T) predictor indices,
+// so index T-1 is never owned. Valid for cp >= 1 (cp = 1 owns everything the two chunks cover).
+inline std::array<IndexRange, 2> owned_mask_ranges(int64_t t, int64_t r, int64_t cp, int64_t rank,
+                                                   int64_t cs) {
   // SPEC §2 literally: logits_k = [max(chunk.start, P-1), min(chunk.end, T-1)).
   const int64_t p = t - r;
   const bool sft = r == t;

@@ -1,11 +1,11 @@
 // Denominators and invariants I1-I4 (SPEC §3).
 #include "oracle/denominators.h"
 
-#include <algorithm>
-#include <map>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
 
 #include "core/errors.h"
 
@@ -13,13 +13,14 @@ namespace lossguard::oracle {
 
 std::string format_index_list(const std::vector<int64_t>& v, std::size_t max_shown) {
   std::string s;
-  for (std::size_t k = 0; k < v.size() && k < max_shown; ++k) s += (k ? ", " : "") + std::to_string(v[k]);
+  for (std::size_t k = 0; k < v.size() && k < max_shown; ++k)
+    s += (k ? ", " : "") + std::to_string(v[k]);
   if (v.size() > max_shown) s += fmt::format(", ... ({} in all)", v.size());
   return s;
 }
 
-OwnedCounts count_owned_tokens(const Batch& b, const std::vector<int64_t>& cp_sizes, const ShardLayout& layout,
-                               const std::vector<int64_t>* samples) {
+OwnedCounts count_owned_tokens(const Batch& b, const std::vector<int64_t>& cp_sizes,
+                               const ShardLayout& layout, const std::vector<int64_t>* samples) {
   OwnedCounts out;
   out.cp_sizes = cp_sizes;
   if (samples != nullptr) {
@@ -69,17 +70,22 @@ OwnedCounts count_owned_tokens(const Batch& b, const std::vector<int64_t>& cp_si
 
 int64_t policy_rank_count(Policy policy, int64_t owned, int64_t mask_sum, int64_t cp) {
   switch (policy) {
-    case Policy::kFixed: return owned;
-    case Policy::kLegacy: return cp == 1 ? std::max<int64_t>(mask_sum, 1) : owned;  // Relax before PR #285
-    case Policy::kSlime: return std::max<int64_t>(mask_sum, 1);  // every CP rank counts the full sample
+    case Policy::kFixed:
+      return owned;
+    case Policy::kLegacy:
+      return cp == 1 ? std::max<int64_t>(mask_sum, 1) : owned;  // Relax before PR #285
+    case Policy::kSlime:
+      return std::max<int64_t>(mask_sum, 1);  // every CP rank counts the full sample
   }
   return owned;
 }
 
-int64_t effective_sample_count(Policy policy, const OwnedCounts& counts, std::size_t c, std::size_t k) {
+int64_t effective_sample_count(Policy policy, const OwnedCounts& counts, std::size_t c,
+                               std::size_t k) {
   const int64_t cp = counts.cp_sizes[c];
   int64_t sum = 0;
-  for (int64_t r = 0; r < cp; ++r) sum += policy_rank_count(policy, counts.count(c, k, r), counts.mask_sums[k], cp);
+  for (int64_t r = 0; r < cp; ++r)
+    sum += policy_rank_count(policy, counts.count(c, k, r), counts.mask_sums[k], cp);
   return policy == Policy::kSlime ? sum / cp : sum;
 }
 
@@ -87,36 +93,45 @@ int64_t global_denominator(Policy policy, const OwnedCounts& counts, std::size_t
   const int64_t cp = counts.cp_sizes[c];
   int64_t n = 0;
   for (std::size_t k = 0; k < counts.samples.size(); ++k) {
-    for (int64_t r = 0; r < cp; ++r) n += policy_rank_count(policy, counts.count(c, k, r), counts.mask_sums[k], cp);
+    for (int64_t r = 0; r < cp; ++r)
+      n += policy_rank_count(policy, counts.count(c, k, r), counts.mask_sums[k], cp);
   }
   return n;
 }
 
 namespace {
 
-// Groups per-sample differences (keyed by counted index k) into "+1 for each empty sample: 3, 7" phrases.
-std::string explain_differences(const Batch& b, const OwnedCounts& counts, const std::map<std::size_t, int64_t>& diff) {
+// Groups per-sample differences (keyed by counted index k) into "+1 for each empty sample: 3, 7"
+// phrases.
+std::string explain_differences(const Batch& b, const OwnedCounts& counts,
+                                const std::map<std::size_t, int64_t>& diff) {
   std::map<std::pair<std::string, int64_t>, std::vector<int64_t>> groups;
   for (const auto& [k, d] : diff) {
     const int64_t i = counts.samples[k];
     std::string what;
-    if (b.response_lengths[i] == 0) what = "empty sample (R = 0)";
-    else if (counts.mask_sums[k] == 0) what = "fully masked sample";
-    else if (b.response_lengths[i] == b.total_lengths[i]) what = "SFT sample whose last mask entry is 1 (not pre-shifted)";
-    else what = "sample";
+    if (b.response_lengths[i] == 0)
+      what = "empty sample (R = 0)";
+    else if (counts.mask_sums[k] == 0)
+      what = "fully masked sample";
+    else if (b.response_lengths[i] == b.total_lengths[i])
+      what = "SFT sample whose last mask entry is 1 (not pre-shifted)";
+    else
+      what = "sample";
     groups[{what, d}].push_back(i);
   }
   std::vector<std::string> parts;
   for (const auto& [key, idx] : groups) {
-    parts.push_back(fmt::format("{:+d} for each {}: {}", key.second, key.first, format_index_list(idx)));
+    parts.push_back(
+        fmt::format("{:+d} for each {}: {}", key.second, key.first, format_index_list(idx)));
   }
   return fmt::format("{}", fmt::join(parts, "; "));
 }
 
 }  // namespace
 
-std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts& counts, Policy policy,
-                                              const ShardLayout& layout, const Placement* placement) {
+std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts& counts,
+                                              Policy policy, const ShardLayout& layout,
+                                              const Placement* placement) {
   std::vector<InvariantResult> out;
   const auto it1 = std::find(counts.cp_sizes.begin(), counts.cp_sizes.end(), 1);
   LG_CHECK(it1 != counts.cp_sizes.end(), "cp = 1 must be counted");
@@ -141,16 +156,21 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
       r.ok = false;
       std::map<std::size_t, int64_t> diff;
       for (std::size_t k = 0; k < n; ++k) {
-        const int64_t d = effective_sample_count(policy, counts, c1, k) - effective_sample_count(policy, counts, c, k);
+        const int64_t d = effective_sample_count(policy, counts, c1, k) -
+                          effective_sample_count(policy, counts, c, k);
         if (d != 0) diff[k] = d;
       }
-      bad.push_back(fmt::format("N(cp=1) = {} but N(cp={}) = {}{}: {}", n1, counts.cp_sizes[c],
-                                policy == Policy::kSlime ? nc * counts.cp_sizes[c] : nc,
-                                policy == Policy::kSlime ? fmt::format(" (/{} for the cp-scaled loss = {})", counts.cp_sizes[c], nc) : "",
-                                explain_differences(b, counts, diff)));
+      bad.push_back(fmt::format(
+          "N(cp=1) = {} but N(cp={}) = {}{}: {}", n1, counts.cp_sizes[c],
+          policy == Policy::kSlime ? nc * counts.cp_sizes[c] : nc,
+          policy == Policy::kSlime
+              ? fmt::format(" (/{} for the cp-scaled loss = {})", counts.cp_sizes[c], nc)
+              : "",
+          explain_differences(b, counts, diff)));
     }
     r.data["1"] = n1;
-    r.detail = r.ok ? fmt::format("N = {} for every CP size", n1) : fmt::format("{}", fmt::join(bad, "\n"));
+    r.detail = r.ok ? fmt::format("N = {} for every CP size", n1)
+                    : fmt::format("{}", fmt::join(bad, "\n"));
     out.push_back(std::move(r));
   }
   // I2: every owned response token counted exactly once over the CP group (RL samples, cp > 1).
@@ -162,16 +182,19 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
       std::map<std::size_t, int64_t> diff;
       for (std::size_t k = 0; k < n; ++k) {
         const int64_t i = counts.samples[k];
-        if (b.response_lengths[i] == b.total_lengths[i]) continue;  // SFT: see the pre-shift finding
+        if (b.response_lengths[i] == b.total_lengths[i])
+          continue;  // SFT: see the pre-shift finding
         const int64_t d = effective_sample_count(policy, counts, c, k) - counts.mask_sums[k];
         if (d != 0) diff[k] = d;
       }
       if (!diff.empty()) {
         r.ok = false;
-        bad.push_back(fmt::format("cp={}: sum over ranks != m_i: {}", counts.cp_sizes[c], explain_differences(b, counts, diff)));
+        bad.push_back(fmt::format("cp={}: sum over ranks != m_i: {}", counts.cp_sizes[c],
+                                  explain_differences(b, counts, diff)));
       }
     }
-    r.detail = r.ok ? "every RL sample's mask sum is counted exactly once over the CP ranks" : fmt::format("{}", fmt::join(bad, "\n"));
+    r.detail = r.ok ? "every RL sample's mask sum is counted exactly once over the CP ranks"
+                    : fmt::format("{}", fmt::join(bad, "\n"));
     out.push_back(std::move(r));
   }
   // I3: the denominator does not depend on the DP / micro-batch split (recounted part by part).
@@ -195,12 +218,15 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
         const int64_t whole = global_denominator(policy, counts, c);
         if (split_total != whole) {
           r.ok = false;
-          bad.push_back(fmt::format("cp={}: split N = {} but unsplit N = {}", counts.cp_sizes[c], split_total, whole));
+          bad.push_back(fmt::format("cp={}: split N = {} but unsplit N = {}", counts.cp_sizes[c],
+                                    split_total, whole));
         }
       }
       r.data["parts"] = parts;
-      r.detail = r.ok ? fmt::format("N over {} DP rank(s) x micro-batches ({} parts) equals the unsplit N for every CP size",
-                                    placement->size(), parts)
+      r.detail = r.ok ? fmt::format(
+                            "N over {} DP rank(s) x micro-batches ({} parts) equals the unsplit N "
+                            "for every CP size",
+                            placement->size(), parts)
                       : fmt::format("{}", fmt::join(bad, "\n"));
     }
     out.push_back(std::move(r));
@@ -218,10 +244,12 @@ std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts&
       }
       if (!diff.empty()) {
         r.ok = false;
-        bad.push_back(fmt::format("cp={}: {}", counts.cp_sizes[c], explain_differences(b, counts, diff)));
+        bad.push_back(
+            fmt::format("cp={}: {}", counts.cp_sizes[c], explain_differences(b, counts, diff)));
       }
     }
-    r.detail = r.ok ? "samples without effective tokens add 0 to N" : fmt::format("{}", fmt::join(bad, "\n"));
+    r.detail = r.ok ? "samples without effective tokens add 0 to N"
+                    : fmt::format("{}", fmt::join(bad, "\n"));
     out.push_back(std::move(r));
   }
   return out;

@@ -1,9 +1,10 @@
-// Batch findings (SPEC §1, §2): non-finite values with coordinates, T = 0, SFT masks not pre-shifted.
+// Batch findings (SPEC §1, §2): non-finite values with coordinates, T = 0, SFT masks not
+// pre-shifted.
 #include "oracle/findings.h"
 
-#include <cmath>
-
 #include <fmt/format.h>
+
+#include <cmath>
 
 namespace lossguard::oracle {
 
@@ -26,7 +27,12 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
     const int64_t row = k / cols, col = k % cols;
     const int64_t s = sample_of_row(b, row);
     const int64_t j = row - b.response_offsets[s];
-    Finding f{"non_finite", "", {{"field", field}, {"sample", s}, {"response_index", j}, {"value", std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf")}}};
+    Finding f{"non_finite",
+              "",
+              {{"field", field},
+               {"sample", s},
+               {"response_index", j},
+               {"value", std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf")}}};
     if (cols > 1) {
       f.detail["vocab_index"] = col;
       f.message = fmt::format("{}: {}[{}, {}] = {}", b.describe_sample(s), field, j, col, v);
@@ -36,8 +42,10 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
     out.push_back(std::move(f));
   }
   if (static_cast<std::size_t>(count) > max_reported) {
-    out.push_back({"non_finite", fmt::format("{}: {} non-finite values in all ({} shown)", field, count, max_reported),
-                   {{"field", field}, {"count", count}}});
+    out.push_back(
+        {"non_finite",
+         fmt::format("{}: {} non-finite values in all ({} shown)", field, count, max_reported),
+         {{"field", field}, {"count", count}}});
   }
 }
 
@@ -47,13 +55,19 @@ std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported) {
   std::vector<Finding> out;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     if (b.total_lengths[i] == 0) {
-      out.push_back({"zero_length_sample", fmt::format("{}: T = 0 (an empty sample; it counts 0 tokens)", b.describe_sample(i)),
-                     {{"sample", i}}});
-    } else if (b.response_lengths[i] == b.total_lengths[i] && b.loss_mask[b.response_offsets[i + 1] - 1] != 0) {
-      out.push_back({"sft_mask_not_preshifted",
-                     fmt::format("{}: SFT mask not pre-shifted: its last entry is 1, counted at CP=1 but never owned "
-                                 "at CP>1 (SPEC §2)", b.describe_sample(i)),
-                     {{"sample", i}}});
+      out.push_back(
+          {"zero_length_sample",
+           fmt::format("{}: T = 0 (an empty sample; it counts 0 tokens)", b.describe_sample(i)),
+           {{"sample", i}}});
+    } else if (b.response_lengths[i] == b.total_lengths[i] &&
+               b.loss_mask[b.response_offsets[i + 1] - 1] != 0) {
+      out.push_back(
+          {"sft_mask_not_preshifted",
+           fmt::format(
+               "{}: SFT mask not pre-shifted: its last entry is 1, counted at CP=1 but never owned "
+               "at CP>1 (SPEC §2)",
+               b.describe_sample(i)),
+           {{"sample", i}}});
     }
   }
   if (b.logits) scan_non_finite(b, "logits", *b.logits, b.vocab_size(), max_reported, out);

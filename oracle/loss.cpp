@@ -1,5 +1,5 @@
-// Float64 oracle. Every reduction of SPEC §4 is linear in the per-token losses, loss = sum_t c_t * l_t,
-// so the gradient w.r.t. any input is c_t times the per-token derivative.
+// Float64 oracle. Every reduction of SPEC §4 is linear in the per-token losses, loss = sum_t c_t *
+// l_t, so the gradient w.r.t. any input is c_t times the per-token derivative.
 #include "oracle/loss.h"
 
 #include <algorithm>
@@ -18,7 +18,6 @@ void CompensatedSum::add(double x) {
   }
   sum_ = t;
 }
-
 
 OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
   OracleLoss o;
@@ -42,12 +41,23 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
     max_r = std::max(max_r, b.response_lengths[i]);
   }
   const double batch_size = static_cast<double>(std::max<int64_t>(s, 1));
-  const double l_norm = spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
+  const double l_norm =
+      spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
   switch (spec.reduce) {
-    case Reduction::kPerToken: case Reduction::kTokenMean: o.denominator = n_tokens; break;
-    case Reduction::kSampleMean: case Reduction::kSeqMeanTokenSum: o.denominator = s; break;
-    case Reduction::kSeqMeanTokenMean: o.denominator = k_nonempty; break;
-    case Reduction::kSeqMeanTokenSumNorm: o.denominator = static_cast<int64_t>(l_norm); break;
+    case Reduction::kPerToken:
+    case Reduction::kTokenMean:
+      o.denominator = n_tokens;
+      break;
+    case Reduction::kSampleMean:
+    case Reduction::kSeqMeanTokenSum:
+      o.denominator = s;
+      break;
+    case Reduction::kSeqMeanTokenMean:
+      o.denominator = k_nonempty;
+      break;
+    case Reduction::kSeqMeanTokenSumNorm:
+      o.denominator = static_cast<int64_t>(l_norm);
+      break;
   }
   o.no_signal = n_tokens == 0;
 
@@ -59,17 +69,30 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
       if (!b.loss_mask[row]) continue;
       double c = 0.0;
       switch (spec.reduce) {
-        case Reduction::kPerToken: case Reduction::kTokenMean: c = 1.0 / static_cast<double>(std::max<int64_t>(n_tokens, 1)); break;
-        case Reduction::kSampleMean: c = 1.0 / (static_cast<double>(std::max<int64_t>(m[i], 1)) * batch_size); break;
-        case Reduction::kSeqMeanTokenSum: c = 1.0 / batch_size; break;
-        case Reduction::kSeqMeanTokenMean: c = 1.0 / (static_cast<double>(m[i]) * static_cast<double>(k_nonempty)); break;
-        case Reduction::kSeqMeanTokenSumNorm: c = 1.0 / l_norm; break;
+        case Reduction::kPerToken:
+        case Reduction::kTokenMean:
+          c = 1.0 / static_cast<double>(std::max<int64_t>(n_tokens, 1));
+          break;
+        case Reduction::kSampleMean:
+          c = 1.0 / (static_cast<double>(std::max<int64_t>(m[i], 1)) * batch_size);
+          break;
+        case Reduction::kSeqMeanTokenSum:
+          c = 1.0 / batch_size;
+          break;
+        case Reduction::kSeqMeanTokenMean:
+          c = 1.0 / (static_cast<double>(m[i]) * static_cast<double>(k_nonempty));
+          break;
+        case Reduction::kSeqMeanTokenSumNorm:
+          c = 1.0 / l_norm;
+          break;
       }
       // Per-token loss and its derivative w.r.t. the input.
       double l = 0.0, scale = 0.0;
       if (o.input == LossInput::kLogits) {
         const int64_t y = b.tokens[b.token_offsets[i] + p + j];
-        if (y < 0 || y >= v) throw_input_error("{}: response token {} = {} is outside the vocabulary [0, {})", b.describe_sample(i), j, y, v);
+        if (y < 0 || y >= v)
+          throw_input_error("{}: response token {} = {} is outside the vocabulary [0, {})",
+                            b.describe_sample(i), j, y, v);
         double mx = -INFINITY;
         for (int64_t k = 0; k < v; ++k) mx = std::max(mx, b.logits->get_f64(row * v + k));
         CompensatedSum se;
@@ -77,7 +100,8 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
         const double lse = mx + std::log(se.value());
         l = lse - b.logits->get_f64(row * v + y);
         double max_abs = 0.0;
-        for (int64_t k = 0; k < v; ++k) max_abs = std::max(max_abs, std::fabs(b.logits->get_f64(row * v + k)));
+        for (int64_t k = 0; k < v; ++k)
+          max_abs = std::max(max_abs, std::fabs(b.logits->get_f64(row * v + k)));
         scale = 2.0 * max_abs;
         for (int64_t k = 0; k < v; ++k) {
           const double softmax = std::exp(b.logits->get_f64(row * v + k) - lse);
@@ -96,7 +120,8 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
         l = std::max(unclipped_term, clipped_term);
         scale = rho * std::fabs(a) * std::fabs(lp - old);
         const double slack = spec.rho_rel_error * rho * (1.0 + std::fabs(lp - old));
-        if (std::fabs(rho - (1.0 - spec.eps_low)) <= slack || std::fabs(rho - (1.0 + spec.eps_high)) <= slack) {
+        if (std::fabs(rho - (1.0 - spec.eps_low)) <= slack ||
+            std::fabs(rho - (1.0 + spec.eps_high)) <= slack) {
           o.near_clip_boundary[row] = 1;
         }
         const bool inside = rho >= 1.0 - spec.eps_low && rho <= 1.0 + spec.eps_high;

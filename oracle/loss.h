@@ -1,5 +1,6 @@
-// The float64 oracle for per-token losses, reductions and analytic gradients (SPEC §4, §5): plain loops
-// and compensated summation over the full, unsharded batch. Shares no code with trainer/ or kernels/.
+// The float64 oracle for per-token losses, reductions and analytic gradients (SPEC §4, §5): plain
+// loops and compensated summation over the full, unsharded batch. Shares no code with trainer/ or
+// kernels/.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -11,25 +12,25 @@
 
 namespace lossguard::oracle {
 
-
-
-
 struct OracleLoss {
   LossInput input = LossInput::kLogits;
-  int64_t denominator = 0;     // N (the global fixed count, cp = 1) for per-token / token-mean; else B or K
+  int64_t denominator =
+      0;  // N (the global fixed count, cp = 1) for per-token / token-mean; else B or K
   double loss = 0.0;
-  std::vector<double> grad;    // d loss / d input: [sum R, V] for logits, [sum R] otherwise
+  std::vector<double> grad;  // d loss / d input: [sum R, V] for logits, [sum R] otherwise
   int64_t grad_cols = 1;
-  std::vector<double> coeff;   // c_t, with loss = sum_t c_t * l_t (0 on masked tokens)
+  std::vector<double> coeff;       // c_t, with loss = sum_t c_t * l_t (0 on masked tokens)
   std::vector<double> token_loss;  // l_t
   // sum_t |c_t| * (the magnitudes l_t is computed from): |l_t|, plus 2 max|z_t| for logits (l_t is
-  // logsumexp - z_y, formed by cancellation), plus rho |A| |lp - old| for ppo-clip (rho = exp(lp - old)).
+  // logsumexp - z_y, formed by cancellation), plus rho |A| |lp - old| for ppo-clip (rho = exp(lp -
+  // old)).
   double term_scale = 0.0;
-  bool no_signal = false;      // zero effective tokens: loss 0, gradient 0
+  bool no_signal = false;                   // zero effective tokens: loss 0, gradient 0
   std::vector<uint8_t> near_clip_boundary;  // per row (ppo-clip only), see LossSpec::rho_rel_error
 };
 
-// Computes loss and gradient at CP = 1 under the `fixed` policy (the truth), whatever spec.policy says.
+// Computes loss and gradient at CP = 1 under the `fixed` policy (the truth), whatever spec.policy
+// says.
 OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec);
 
 // Neumaier's compensated sum.

@@ -19,6 +19,7 @@ struct NormalizedMetrics {
   bool no_signal = false;  // denominator 0 and every numerator 0: every metric reported as 0.0
 };
 
-NormalizedMetrics normalize_metrics(const std::vector<double>& values, const std::vector<std::string>& keys);
+NormalizedMetrics normalize_metrics(const std::vector<double>& values,
+                                    const std::vector<std::string>& keys);
 
 }  // namespace lossguard::oracle

@@ -7,7 +7,8 @@ namespace lossguard::oracle {
 
 namespace {
 
-std::vector<std::vector<int64_t>> split_contiguous(const std::vector<int64_t>& items, int64_t parts) {
+std::vector<std::vector<int64_t>> split_contiguous(const std::vector<int64_t>& items,
+                                                   int64_t parts) {
   std::vector<std::vector<int64_t>> out(static_cast<std::size_t>(parts));
   const auto n = static_cast<int64_t>(items.size());
   int64_t pos = 0;
@@ -38,10 +39,12 @@ Placement place_samples(int64_t num_samples, int64_t dp, int64_t microbatches, S
   return p;
 }
 
-Placement place_shards(const std::vector<int>& shard_of_sample, int64_t num_shards, int64_t microbatches) {
+Placement place_shards(const std::vector<int>& shard_of_sample, int64_t num_shards,
+                       int64_t microbatches) {
   if (microbatches < 1) throw_input_error("--microbatches must be >= 1, got {}", microbatches);
   std::vector<std::vector<int64_t>> per_rank(static_cast<std::size_t>(num_shards));
-  for (std::size_t i = 0; i < shard_of_sample.size(); ++i) per_rank[shard_of_sample[i]].push_back(static_cast<int64_t>(i));
+  for (std::size_t i = 0; i < shard_of_sample.size(); ++i)
+    per_rank[shard_of_sample[i]].push_back(static_cast<int64_t>(i));
   Placement p;
   for (const auto& samples : per_rank) p.push_back(split_contiguous(samples, microbatches));
   return p;

@@ -7,16 +7,17 @@
 
 namespace lossguard::oracle {
 
-
 // placement[dp][mb] = the global sample indices of micro-batch mb on DP rank dp, in order.
 using Placement = std::vector<std::vector<std::vector<int64_t>>>;
 
 // Splits samples 0..S-1 over `dp` ranks (contiguous: the first S % dp ranks take one more, as
-// numpy.array_split; round-robin: sample i to rank i % dp), then each rank's samples into `microbatches`
-// contiguous micro-batches the same way.
+// numpy.array_split; round-robin: sample i to rank i % dp), then each rank's samples into
+// `microbatches` contiguous micro-batches the same way.
 Placement place_samples(int64_t num_samples, int64_t dp, int64_t microbatches, Split split);
 
-// Each shard (a trainer's per-rank dump) is one DP rank's samples: shard_of_sample[i] is sample i's rank.
-Placement place_shards(const std::vector<int>& shard_of_sample, int64_t num_shards, int64_t microbatches);
+// Each shard (a trainer's per-rank dump) is one DP rank's samples: shard_of_sample[i] is sample i's
+// rank.
+Placement place_shards(const std::vector<int>& shard_of_sample, int64_t num_shards,
+                       int64_t microbatches);
 
 }  // namespace lossguard::oracle

@@ -1,13 +1,13 @@
 // Skip-decision protocols, the step model and the collective simulator (SPEC §7).
 #include "oracle/replay.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <array>
 #include <map>
 #include <unordered_map>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "core/errors.h"
 
@@ -15,18 +15,24 @@ namespace lossguard::oracle {
 
 const char* protocol_name(Protocol p) {
   switch (p) {
-    case Protocol::kPr285: return "pr285";
-    case Protocol::kPr285SrcLocal: return "pr285-src-local";
-    case Protocol::kPr285AlwaysBroadcast: return "pr285-always-broadcast";
-    case Protocol::kValues0: return "values0";
-    case Protocol::kNoSkip: return "no-skip";
+    case Protocol::kPr285:
+      return "pr285";
+    case Protocol::kPr285SrcLocal:
+      return "pr285-src-local";
+    case Protocol::kPr285AlwaysBroadcast:
+      return "pr285-always-broadcast";
+    case Protocol::kValues0:
+      return "values0";
+    case Protocol::kNoSkip:
+      return "no-skip";
   }
   return "?";
 }
 
 const std::vector<Protocol>& all_protocols() {
-  static const std::vector<Protocol> kAll = {Protocol::kPr285, Protocol::kPr285SrcLocal, Protocol::kPr285AlwaysBroadcast,
-                                             Protocol::kValues0, Protocol::kNoSkip};
+  static const std::vector<Protocol> kAll = {Protocol::kPr285, Protocol::kPr285SrcLocal,
+                                             Protocol::kPr285AlwaysBroadcast, Protocol::kValues0,
+                                             Protocol::kNoSkip};
   return kAll;
 }
 
@@ -40,32 +46,44 @@ bool parse_protocol(const std::string& s, Protocol* out) {
   return false;
 }
 
-const char* reduce_mode_name(ReduceMode m) { return m == ReduceMode::kPerToken ? "per-token" : "sample-mean"; }
+const char* reduce_mode_name(ReduceMode m) {
+  return m == ReduceMode::kPerToken ? "per-token" : "sample-mean";
+}
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::kAllReduceSum: return "all_reduce";
-    case Op::kBroadcast: return "broadcast";
-    case Op::kBarrier: return "barrier";
+    case Op::kAllReduceSum:
+      return "all_reduce";
+    case Op::kBroadcast:
+      return "broadcast";
+    case Op::kBarrier:
+      return "barrier";
   }
   return "?";
 }
 
 const char* outcome_name(Outcome o) {
   switch (o) {
-    case Outcome::kSkip: return "skip";
-    case Outcome::kStep: return "step";
-    case Outcome::kError: return "error";
-    case Outcome::kBlocked: return "blocked";
-    case Outcome::kMismatch: return "mismatch";
+    case Outcome::kSkip:
+      return "skip";
+    case Outcome::kStep:
+      return "step";
+    case Outcome::kError:
+      return "error";
+    case Outcome::kBlocked:
+      return "blocked";
+    case Outcome::kMismatch:
+      return "mismatch";
   }
   return "?";
 }
 
-ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo, const Placement& placement, Protocol protocol,
-                                ReduceMode reduce, Policy policy, const ShardLayout& layout) {
+ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
+                                const Placement& placement, Protocol protocol, ReduceMode reduce,
+                                Policy policy, const ShardLayout& layout) {
   if (static_cast<int64_t>(placement.size()) != topo.dp()) {
-    throw_input_error("the batch is placed on {} DP rank(s) but the topology has DP = {}", placement.size(), topo.dp());
+    throw_input_error("the batch is placed on {} DP rank(s) but the topology has DP = {}",
+                      placement.size(), topo.dp());
   }
   ReplayInputs in;
   in.topo = topo;
@@ -84,7 +102,8 @@ ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo, const 
       for (int64_t i : micro) {
         for (int64_t r = 0; r < cp; ++r) {
           const auto k = static_cast<std::size_t>(i);
-          in.local_tokens[d * cp + r] += policy_rank_count(policy, counts.count(0, k, r), counts.mask_sums[k], cp);
+          in.local_tokens[d * cp + r] +=
+              policy_rank_count(policy, counts.count(0, k, r), counts.mask_sums[k], cp);
           in.local_samples[d * cp + r] += 1;
         }
       }
@@ -110,11 +129,13 @@ std::optional<CollectiveCall> RankProgram::next() {
           continue;
         }
         const auto idx = static_cast<std::size_t>(c.dp * t.cp() + c.cp);
-        const bool sample_count = in_->protocol == Protocol::kValues0 && in_->reduce == ReduceMode::kSampleMean;
+        const bool sample_count =
+            in_->protocol == Protocol::kValues0 && in_->reduce == ReduceMode::kSampleMean;
         phase_ = Phase::kAfterCount;
-        return CollectiveCall{Op::kAllReduceSum, t.group_of(GroupKind::kDpCp, rank_), -1,
-                              sample_count ? in_->local_samples[idx] : in_->local_tokens[idx],
-                              in_->protocol == Protocol::kValues0 ? "sum of values[0]" : "effective token count"};
+        return CollectiveCall{
+            Op::kAllReduceSum, t.group_of(GroupKind::kDpCp, rank_), -1,
+            sample_count ? in_->local_samples[idx] : in_->local_tokens[idx],
+            in_->protocol == Protocol::kValues0 ? "sum of values[0]" : "effective token count"};
       }
       case Phase::kBroadcast: {
         const bool needed = in_->protocol == Protocol::kPr285AlwaysBroadcast || t.pp() > 1;
@@ -122,19 +143,22 @@ std::optional<CollectiveCall> RankProgram::next() {
           phase_ = Phase::kDecide;
           continue;
         }
-        const bool stage_index_as_rank =
-            in_->protocol == Protocol::kPr285SrcLocal || in_->protocol == Protocol::kPr285AlwaysBroadcast;
+        const bool stage_index_as_rank = in_->protocol == Protocol::kPr285SrcLocal ||
+                                         in_->protocol == Protocol::kPr285AlwaysBroadcast;
         bcast_src_ = stage_index_as_rank ? t.pp() - 1 : t.pipeline_last_rank(rank_);
         phase_ = Phase::kAfterBroadcast;
-        return CollectiveCall{Op::kBroadcast, t.group_of(GroupKind::kPp, rank_), bcast_src_, flag_, "skip flag"};
+        return CollectiveCall{Op::kBroadcast, t.group_of(GroupKind::kPp, rank_), bcast_src_, flag_,
+                              "skip flag"};
       }
       case Phase::kDecide:
         skip_ = in_->protocol != Protocol::kNoSkip && flag_ != 0;
         phase_ = *skip_ ? Phase::kBarrier : Phase::kOptimizer;
         continue;
-      case Phase::kOptimizer:  // optimizer.step(): the grad-norm all-reduce over the model-parallel group
+      case Phase::kOptimizer:  // optimizer.step(): the grad-norm all-reduce over the model-parallel
+                               // group
         phase_ = Phase::kAfterOptimizer;
-        return CollectiveCall{Op::kAllReduceSum, t.group_of(GroupKind::kMp, rank_), -1, 0, "grad_norm"};
+        return CollectiveCall{Op::kAllReduceSum, t.group_of(GroupKind::kMp, rank_), -1, 0,
+                              "grad_norm"};
       case Phase::kBarrier:  // every rank enters the next step
         phase_ = Phase::kAfterBarrier;
         return CollectiveCall{Op::kBarrier, GroupRef{GroupKind::kWorld, 0}, -1, 0, "next step"};
@@ -181,22 +205,27 @@ RankResult RankProgram::result() const {
   r.rank = rank_;
   r.skip = skip_;
   r.optimizer_stepped = optimizer_;
-  r.scheduler_stepped = optimizer_;  // the LR scheduler steps right after a successful optimizer step
+  r.scheduler_stepped =
+      optimizer_;  // the LR scheduler steps right after a successful optimizer step
   r.update_successful = optimizer_;
   if (skip_ && *skip_) r.grad_norm = 0.0;
   std::string flag_note;
   if (own_flag_ >= 0 && bcast_src_ >= 0 && flag_ != own_flag_) {
-    flag_note = fmt::format("received skip flag {} from rank {} (pipeline stage {}), but its own token count said {}",
-                            flag_, bcast_src_, in_->topo.coord(bcast_src_).pp, own_flag_ ? "skip" : "step");
+    flag_note = fmt::format(
+        "received skip flag {} from rank {} (pipeline stage {}), but its own token count said {}",
+        flag_, bcast_src_, in_->topo.coord(bcast_src_).pp, own_flag_ ? "skip" : "step");
   }
   if (phase_ == Phase::kFailed) {
     r.outcome = failed_outcome_;
-    r.summary = summary_ + (skip_ ? fmt::format(" (after deciding to {})", *skip_ ? "skip" : "step") : "");
+    r.summary =
+        summary_ + (skip_ ? fmt::format(" (after deciding to {})", *skip_ ? "skip" : "step") : "");
     r.detail = detail_;
   } else {
-    LG_CHECK(phase_ == Phase::kDone && skip_, "rank {}: result() before the program finished", rank_);
+    LG_CHECK(phase_ == Phase::kDone && skip_, "rank {}: result() before the program finished",
+             rank_);
     r.outcome = *skip_ ? Outcome::kSkip : Outcome::kStep;
-    r.summary = *skip_ ? "optimizer and LR scheduler not called" : "optimizer and LR scheduler stepped";
+    r.summary =
+        *skip_ ? "optimizer and LR scheduler not called" : "optimizer and LR scheduler stepped";
   }
   if (!flag_note.empty()) {
     r.summary += " (wrong flag received)";
@@ -205,11 +234,12 @@ RankResult RankProgram::result() const {
   return r;
 }
 
-std::optional<std::string> check_call(const Topology& t, int64_t /*rank*/, const CollectiveCall& call) {
+std::optional<std::string> check_call(const Topology& t, int64_t /*rank*/,
+                                      const CollectiveCall& call) {
   if (call.op != Op::kBroadcast) return std::nullopt;
   if (t.index_in_group(call.group, call.src) < 0) {
-    return fmt::format("broadcast src = {} is not in its {} (torch.distributed: src not in group)", call.src,
-                       t.describe(call.group));
+    return fmt::format("broadcast src = {} is not in its {} (torch.distributed: src not in group)",
+                       call.src, t.describe(call.group));
   }
   return std::nullopt;
 }
@@ -224,7 +254,8 @@ std::string format_rank_set(const std::vector<int64_t>& r, std::size_t max_runs)
       while (j + 1 < r.size() && r[j + 1] - r[j] == step) ++j;
       if (j - i + 1 >= 3) {
         if (shown < max_runs) {
-          runs.push_back(step == 1 ? fmt::format("{}-{}", r[i], r[j]) : fmt::format("{}-{} step {}", r[i], r[j], step));
+          runs.push_back(step == 1 ? fmt::format("{}-{}", r[i], r[j])
+                                   : fmt::format("{}-{} step {}", r[i], r[j], step));
         }
         ++shown;
         i = j + 1;
@@ -246,7 +277,8 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
   out.global_tokens = in.global_tokens;
   std::vector<int64_t> drift, lost, faulted;
   for (const auto& r : ranks) {
-    if (r.outcome == Outcome::kError || r.outcome == Outcome::kBlocked || r.outcome == Outcome::kMismatch) {
+    if (r.outcome == Outcome::kError || r.outcome == Outcome::kBlocked ||
+        r.outcome == Outcome::kMismatch) {
       out.fault = true;
       faulted.push_back(r.rank);
     }
@@ -258,22 +290,26 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
   if (!drift.empty()) {
     out.findings.push_back(
         {"parameter_drift",
-         fmt::format("{} rank(s) ({}) decided to run optimizer.step() on a zero-token batch: Adam moments and weight "
+         fmt::format("{} rank(s) ({}) decided to run optimizer.step() on a zero-token batch: Adam "
+                     "moments and weight "
                      "decay move the weights and the LR scheduler advances with no training signal",
                      drift.size(), format_rank_set(drift)),
          {{"ranks", drift.size()}}});
   }
   if (!lost.empty()) {
-    out.findings.push_back({"lost_step",
-                            fmt::format("{} rank(s) ({}) skipped a step that had {} effective tokens", lost.size(),
-                                        format_rank_set(lost), in.global_tokens),
-                            {{"ranks", lost.size()}}});
+    out.findings.push_back(
+        {"lost_step",
+         fmt::format("{} rank(s) ({}) skipped a step that had {} effective tokens", lost.size(),
+                     format_rank_set(lost), in.global_tokens),
+         {{"ranks", lost.size()}}});
   }
   if (!faulted.empty()) {
-    out.findings.push_back({"distributed_fault",
-                            fmt::format("{} rank(s) ({}) errored, blocked or mismatched: a real job would crash or hang",
-                                        faulted.size(), format_rank_set(faulted)),
-                            {{"ranks", faulted.size()}}});
+    out.findings.push_back(
+        {"distributed_fault",
+         fmt::format(
+             "{} rank(s) ({}) errored, blocked or mismatched: a real job would crash or hang",
+             faulted.size(), format_rank_set(faulted)),
+         {{"ranks", faulted.size()}}});
   }
   out.ranks = std::move(ranks);
   return out;
@@ -293,10 +329,16 @@ ReplayResult simulate(const ReplayInputs& in) {
   };
   constexpr int kKinds = 7;
   std::unordered_map<uint64_t, std::vector<Slot>> groups;
-  std::vector<std::array<uint16_t, kKinds>> issued(static_cast<std::size_t>(world), std::array<uint16_t, kKinds>{});
-  struct Wait { GroupRef group; uint16_t seq = 0; };
+  std::vector<std::array<uint16_t, kKinds>> issued(static_cast<std::size_t>(world),
+                                                   std::array<uint16_t, kKinds>{});
+  struct Wait {
+    GroupRef group;
+    uint16_t seq = 0;
+  };
   std::vector<Wait> waiting(static_cast<std::size_t>(world));
-  auto key_of = [](const GroupRef& g) { return (static_cast<uint64_t>(g.kind) << 48) | static_cast<uint64_t>(g.id); };
+  auto key_of = [](const GroupRef& g) {
+    return (static_cast<uint64_t>(g.kind) << 48) | static_cast<uint64_t>(g.id);
+  };
 
   std::vector<int64_t> work(static_cast<std::size_t>(world));
   for (int64_t r = 0; r < world; ++r) work[r] = world - 1 - r;
@@ -307,7 +349,10 @@ ReplayResult simulate(const ReplayInputs& in) {
     std::optional<CollectiveCall> call = prog.next();
     if (!call) continue;
     if (auto err = check_call(t, r, *call)) {
-      prog.fail(Outcome::kError, fmt::format("{} on the {} group: src not in group", op_name(call->op), group_kind_name(call->group.kind)), *err);
+      prog.fail(Outcome::kError,
+                fmt::format("{} on the {} group: src not in group", op_name(call->op),
+                            group_kind_name(call->group.kind)),
+                *err);
       continue;
     }
     const int kind = static_cast<int>(call->group.kind);
@@ -333,15 +378,18 @@ ReplayResult simulate(const ReplayInputs& in) {
       std::vector<std::string> seen;
       for (int64_t m = 0; m < size; ++m) {
         const auto& c = s.calls[m];
-        const std::string what = c.op == Op::kBroadcast ? fmt::format("broadcast(src={})", c.src) : op_name(c.op);
+        const std::string what =
+            c.op == Op::kBroadcast ? fmt::format("broadcast(src={})", c.src) : op_name(c.op);
         if (std::find(seen.begin(), seen.end(), what) == seen.end()) seen.push_back(what);
       }
-      const std::string detail = fmt::format("collective #{} on {}: members issued {}", seq + 1, t.describe(call->group),
-                                             fmt::join(seen, " / "));
+      const std::string detail = fmt::format("collective #{} on {}: members issued {}", seq + 1,
+                                             t.describe(call->group), fmt::join(seen, " / "));
       for (int64_t m = 0; m < size; ++m) {
-        progs[t.member(call->group, m)].fail(Outcome::kMismatch,
-                                             fmt::format("collective #{} on the {} group does not match", seq + 1, group_kind_name(call->group.kind)),
-                                             detail);
+        progs[t.member(call->group, m)].fail(
+            Outcome::kMismatch,
+            fmt::format("collective #{} on the {} group does not match", seq + 1,
+                        group_kind_name(call->group.kind)),
+            detail);
       }
     } else {
       int64_t result = 0;
@@ -371,11 +419,12 @@ ReplayResult simulate(const ReplayInputs& in) {
         if (!s.present[m]) missing.push_back(t.member(w.group, m));
       }
       const CollectiveCall& mine = s.calls[t.index_in_group(w.group, r)];
-      progs[r].fail(Outcome::kBlocked,
-                    fmt::format("in {} ({}) on the {} group, collective #{} there", op_name(mine.op), mine.purpose,
-                                group_kind_name(w.group.kind), w.seq + 1),
-                    fmt::format("waiting in {} for rank(s) {} that never issue it", t.describe(w.group),
-                                format_rank_set(missing, 4)));
+      progs[r].fail(
+          Outcome::kBlocked,
+          fmt::format("in {} ({}) on the {} group, collective #{} there", op_name(mine.op),
+                      mine.purpose, group_kind_name(w.group.kind), w.seq + 1),
+          fmt::format("waiting in {} for rank(s) {} that never issue it", t.describe(w.group),
+                      format_rank_set(missing, 4)));
     }
     results.push_back(progs[r].result());
   }
@@ -386,7 +435,8 @@ ReplayResult simulate(const ReplayInputs& in) {
 
 namespace lossguard::oracle {
 
-std::optional<std::vector<double>> loss_metric_values(const Batch& b, ReduceMode reduce, int64_t global_tokens) {
+std::optional<std::vector<double>> loss_metric_values(const Batch& b, ReduceMode reduce,
+                                                      int64_t global_tokens) {
   const HostArray* loss = nullptr;
   double sign = 1.0;
   if (auto it = b.per_token.find("token_loss"); it != b.per_token.end()) {
@@ -406,9 +456,12 @@ std::optional<std::vector<double>> loss_metric_values(const Batch& b, ReduceMode
         ++m;
       }
     }
-    numerator += reduce == ReduceMode::kPerToken ? sample : sample / static_cast<double>(std::max<int64_t>(m, 1));
+    numerator += reduce == ReduceMode::kPerToken
+                     ? sample
+                     : sample / static_cast<double>(std::max<int64_t>(m, 1));
   }
-  const double denominator = reduce == ReduceMode::kPerToken ? static_cast<double>(global_tokens) : static_cast<double>(b.num_samples());
+  const double denominator = reduce == ReduceMode::kPerToken ? static_cast<double>(global_tokens)
+                                                             : static_cast<double>(b.num_samples());
   return std::vector<double>{denominator, numerator};
 }
 

@@ -1,14 +1,14 @@
-// The zero-token skip decision at the end of a step (SPEC §7): each protocol as a per-rank program of
-// collectives, shared by the simulator (here) and the real Gloo/NCCL backends (distributed/), and the step
-// model after the decision. The simulator has torch.distributed semantics: `src` is a global rank, a
-// rank whose group lacks `src` errors at that call, collectives on a group match in issue order.
+// The zero-token skip decision at the end of a step (SPEC §7): each protocol as a per-rank program
+// of collectives, shared by the simulator (here) and the real Gloo/NCCL backends (distributed/),
+// and the step model after the decision. The simulator has torch.distributed semantics: `src` is a
+// global rank, a rank whose group lacks `src` errors at that call, collectives on a group match in
+// issue order.
 #pragma once
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "core/batch.h"
 #include "oracle/cp_shard.h"
@@ -24,7 +24,10 @@ const char* protocol_name(Protocol p);
 bool parse_protocol(const std::string& s, Protocol* out);
 const std::vector<Protocol>& all_protocols();
 
-enum class ReduceMode { kPerToken, kSampleMean };  // whether per-token loss is on (what values[0] holds)
+enum class ReduceMode {
+  kPerToken,
+  kSampleMean
+};  // whether per-token loss is on (what values[0] holds)
 const char* reduce_mode_name(ReduceMode m);
 
 enum class Op { kAllReduceSum, kBroadcast, kBarrier };
@@ -33,8 +36,8 @@ const char* op_name(Op op);
 struct CollectiveCall {
   Op op = Op::kBarrier;
   GroupRef group;
-  int64_t src = -1;    // global rank, broadcast only
-  int64_t value = 0;   // this rank's contribution (int64 scalar tensor)
+  int64_t src = -1;   // global rank, broadcast only
+  int64_t value = 0;  // this rank's contribution (int64 scalar tensor)
   const char* purpose = "";
 };
 
@@ -44,16 +47,19 @@ struct ReplayInputs {
   Protocol protocol = Protocol::kPr285;
   ReduceMode reduce = ReduceMode::kPerToken;
   Policy policy = Policy::kFixed;
-  std::vector<int64_t> local_tokens;   // [dp * CP + cp]: CP-local token count over micro-batches, under `policy`
-  std::vector<int64_t> local_samples;  // [dp * CP + cp]: samples over micro-batches (values[0], per-token loss off)
-  int64_t global_tokens = 0;           // the truth: global `fixed` count
+  std::vector<int64_t>
+      local_tokens;  // [dp * CP + cp]: CP-local token count over micro-batches, under `policy`
+  std::vector<int64_t>
+      local_samples;  // [dp * CP + cp]: samples over micro-batches (values[0], per-token loss off)
+  int64_t global_tokens = 0;  // the truth: global `fixed` count
   int64_t num_samples = 0;
   int64_t microbatches = 1;
   bool expected_skip() const { return global_tokens == 0; }
 };
 
-ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo, const Placement& placement, Protocol protocol,
-                                ReduceMode reduce, Policy policy, const ShardLayout& layout);
+ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
+                                const Placement& placement, Protocol protocol, ReduceMode reduce,
+                                Policy policy, const ShardLayout& layout);
 
 enum class Outcome { kSkip, kStep, kError, kBlocked, kMismatch };
 const char* outcome_name(Outcome o);
@@ -64,14 +70,16 @@ struct RankResult {
   Outcome outcome = Outcome::kBlocked;
   bool optimizer_stepped = false;
   bool scheduler_stepped = false;
-  std::optional<double> grad_norm;  // 0.0 when skipped; the simulator computes no gradients otherwise
+  std::optional<double>
+      grad_norm;  // 0.0 when skipped; the simulator computes no gradients otherwise
   bool update_successful = false;
   std::string summary;  // rank-independent text, used to group ranks in reports
   std::string detail;   // this rank's specifics
 };
 
-// One rank's end-of-step protocol as a state machine: next() yields the collective to issue (or nothing
-// when finished); the executor calls complete() with its result, or fail() when it cannot complete.
+// One rank's end-of-step protocol as a state machine: next() yields the collective to issue (or
+// nothing when finished); the executor calls complete() with its result, or fail() when it cannot
+// complete.
 class RankProgram {
  public:
   RankProgram(const ReplayInputs* in, int64_t rank);
@@ -82,13 +90,24 @@ class RankProgram {
   RankResult result() const;
 
  private:
-  enum class Phase : uint8_t { kStart, kAfterCount, kBroadcast, kAfterBroadcast, kDecide, kOptimizer, kAfterOptimizer,
-                               kBarrier, kAfterBarrier, kDone, kFailed };
+  enum class Phase : uint8_t {
+    kStart,
+    kAfterCount,
+    kBroadcast,
+    kAfterBroadcast,
+    kDecide,
+    kOptimizer,
+    kAfterOptimizer,
+    kBarrier,
+    kAfterBarrier,
+    kDone,
+    kFailed
+  };
   const ReplayInputs* in_;
   int64_t rank_;
   Phase phase_ = Phase::kStart;
-  int64_t flag_ = 0;          // 1: skip
-  int64_t own_flag_ = -1;     // the flag this rank computed itself (last stage), -1 when none
+  int64_t flag_ = 0;       // 1: skip
+  int64_t own_flag_ = -1;  // the flag this rank computed itself (last stage), -1 when none
   int64_t bcast_src_ = -1;
   std::optional<bool> skip_;
   bool optimizer_ = false;
@@ -97,7 +116,8 @@ class RankProgram {
 };
 
 // The torch.distributed check at call time: the error message when `call` is invalid on `rank`.
-std::optional<std::string> check_call(const Topology& topo, int64_t rank, const CollectiveCall& call);
+std::optional<std::string> check_call(const Topology& topo, int64_t rank,
+                                      const CollectiveCall& call);
 
 struct ReplayResult {
   std::vector<RankResult> ranks;
@@ -119,9 +139,10 @@ std::string format_rank_set(const std::vector<int64_t>& sorted_ranks, std::size_
 
 namespace lossguard::oracle {
 
-// The last stage's reported loss metric, values = [denominator, loss numerator] (SPEC §6): the global
-// token count under per-token, the global batch size under sample-mean; the numerator from the batch's
-// `token_loss` (or -log_probs). nullopt when the batch has neither field.
-std::optional<std::vector<double>> loss_metric_values(const Batch& batch, ReduceMode reduce, int64_t global_tokens);
+// The last stage's reported loss metric, values = [denominator, loss numerator] (SPEC §6): the
+// global token count under per-token, the global batch size under sample-mean; the numerator from
+// the batch's `token_loss` (or -log_probs). nullopt when the batch has neither field.
+std::optional<std::vector<double>> loss_metric_values(const Batch& batch, ReduceMode reduce,
+                                                      int64_t global_tokens);
 
 }  // namespace lossguard::oracle

@@ -9,8 +9,8 @@ namespace lossguard::oracle {
 
 enum class GroupKind { kTp, kCp, kDp, kPp, kDpCp, kMp, kWorld };
 const char* group_kind_name(GroupKind k);  // "tp", "cp", "dp", "pp", "dp_cp", "mp", "world"
-inline constexpr GroupKind kAllGroupKinds[] = {GroupKind::kTp, GroupKind::kCp, GroupKind::kDp, GroupKind::kPp,
-                                               GroupKind::kDpCp, GroupKind::kMp};
+inline constexpr GroupKind kAllGroupKinds[] = {GroupKind::kTp, GroupKind::kCp,   GroupKind::kDp,
+                                               GroupKind::kPp, GroupKind::kDpCp, GroupKind::kMp};
 
 struct Coord {
   int64_t tp = 0, cp = 0, dp = 0, pp = 0;
@@ -40,10 +40,10 @@ class Topology {
   GroupRef group_of(GroupKind kind, int64_t rank) const;
   int64_t group_size(GroupKind kind) const;
   int64_t num_groups(GroupKind kind) const { return world() / group_size(kind); }
-  int64_t member(const GroupRef& g, int64_t index) const;            // index-th member, by global rank
-  int64_t index_in_group(const GroupRef& g, int64_t rank) const;     // -1 when not a member
+  int64_t member(const GroupRef& g, int64_t index) const;         // index-th member, by global rank
+  int64_t index_in_group(const GroupRef& g, int64_t rank) const;  // -1 when not a member
   std::vector<int64_t> members(const GroupRef& g) const;
-  std::string describe(const GroupRef& g) const;                     // "pipeline group [1, 3]"
+  std::string describe(const GroupRef& g) const;  // "pipeline group [1, 3]"
 
  private:
   int64_t tp_, pp_, cp_, dp_;

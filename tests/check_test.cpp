@@ -1,12 +1,12 @@
-// Losses and gradients (SPEC §4, §5): the oracle's analytic gradients against central finite differences,
-// and the LibTorch candidate against the oracle for every loss, reduction, CP size and edge case.
+// Losses and gradients (SPEC §4, §5): the oracle's analytic gradients against central finite
+// differences, and the LibTorch candidate against the oracle for every loss, reduction, CP size and
+// edge case.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <filesystem>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/app.h"
 #include "fixtures/cases.h"
@@ -19,8 +19,8 @@
 namespace lossguard {
 namespace {
 
-
-Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10, int64_t vocab = 7) {
+Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10,
+           int64_t vocab = 7) {
   fixtures::GenOptions o;
   o.seed = seed;
   o.num_samples = samples;
@@ -39,8 +39,10 @@ Batch perturbed(const Batch& b, const std::string& field, int64_t k, double delt
   for (int64_t i = 0; i < src.numel(); ++i) v[i] = src.get_f64(i);
   v[k] += delta;
   HostArray a = HostArray::from_f64(DType::kFloat64, src.shape, v);
-  if (field == "logits") c.logits = a;
-  else c.per_token[field] = a;
+  if (field == "logits")
+    c.logits = a;
+  else
+    c.per_token[field] = a;
   return c;
 }
 
@@ -102,17 +104,21 @@ CheckRun check(const std::string& dump, std::vector<std::string> extra) {
 void expect_candidate_matches_oracle(const std::string& impl, const std::vector<DType>& dtypes) {
   const auto dir = testing::temp_dir("check-" + impl);
   for (DType dtype : dtypes) {
-    for (const char* c : {"random", "empty-responses", "fully-masked", "zero-token", "sft-preshifted", "t-zero"}) {
-      const std::string path = (dir / (std::string(c) + "-" + std::string(dtype_name(dtype)) + ".safetensors")).string();
+    for (const char* c :
+         {"random", "empty-responses", "fully-masked", "zero-token", "sft-preshifted", "t-zero"}) {
+      const std::string path =
+          (dir / (std::string(c) + "-" + std::string(dtype_name(dtype)) + ".safetensors")).string();
       io::write_batch(make(c, dtype, 5, 12, 11), path);
-      const CheckRun r = check(path, {"--cp", "1,2,4,8", "--loss", "nll,ppo-clip,given", "--reduce", "all", "--impl", impl});
+      const CheckRun r = check(path, {"--cp", "1,2,4,8", "--loss", "nll,ppo-clip,given", "--reduce",
+                                      "all", "--impl", impl});
       std::string failing;
       if (r.code == 1) {
         for (const auto& k : r.doc["cases"]) {
           if (!k["ok"].get<bool>()) failing += k.dump() + "\n";
         }
       }
-      ASSERT_EQ(r.code, 0) << c << " " << dtype_name(dtype) << ": " << r.err << failing.substr(0, 4000);
+      ASSERT_EQ(r.code, 0) << c << " " << dtype_name(dtype) << ": " << r.err
+                           << failing.substr(0, 4000);
       EXPECT_EQ(r.doc["cases"].size(), 4u * 3u * 6u);
       for (const auto& k : r.doc["cases"]) {
         EXPECT_TRUE(k["ok"].get<bool>()) << k.dump();
@@ -149,14 +155,16 @@ TEST(Candidate, KernelsAndTorchAgreeOnDenominatorsExactly) {
     const std::string path = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
     io::write_batch(make("random", DType::kFloat32, seed, 16, 9), path);
     for (const char* policy : {"fixed", "legacy", "slime"}) {
-      const CheckRun r = check(path, {"--cp", "1,2,3", "--impl", "torch,kernels", "--policy", policy, "--reduce", "all"});
+      const CheckRun r = check(path, {"--cp", "1,2,3", "--impl", "torch,kernels", "--policy",
+                                      policy, "--reduce", "all"});
       ASSERT_TRUE(r.doc.is_object()) << r.err;
       const auto& cases = r.doc["cases"];
       ASSERT_EQ(cases.size() % 2, 0u);
       for (std::size_t k = 0; k < cases.size(); k += 2) {
         EXPECT_EQ(cases[k]["impl"], "torch");
         EXPECT_EQ(cases[k + 1]["impl"], "kernels");
-        EXPECT_EQ(cases[k]["denominator"]["got"], cases[k + 1]["denominator"]["got"]) << policy << " " << cases[k].dump();
+        EXPECT_EQ(cases[k]["denominator"]["got"], cases[k + 1]["denominator"]["got"])
+            << policy << " " << cases[k].dump();
       }
     }
   }
@@ -173,7 +181,8 @@ TEST(Candidate, KernelsRefuseFloat64LogitsByName) {
 }
 
 TEST(Candidate, KernelsOnCudaNeedADevice) {
-  const std::string path = (std::filesystem::path(testing::fixture_dir()) / "gen_random.safetensors").string();
+  const std::string path =
+      (std::filesystem::path(testing::fixture_dir()) / "gen_random.safetensors").string();
   const CheckRun r = check(path, {"--impl", "kernels", "--device", "cuda"});
   if (kernels::cuda_available()) {
     EXPECT_EQ(r.code, 0) << r.err;
@@ -205,7 +214,8 @@ TEST(Candidate, LegacyPolicyFailsExactlyOnBatchesWithZeroTokenSamples) {
       EXPECT_TRUE(r.doc["cases"][1]["ok"].get<bool>()) << "cp=2 counts like fixed";
       if (has_zero) {
         EXPECT_FALSE(r.doc["cases"][0]["denominator"]["ok"].get<bool>());
-        EXPECT_GT(r.doc["cases"][0]["denominator"]["got"].get<int64_t>(), r.doc["cases"][0]["denominator"]["want"].get<int64_t>());
+        EXPECT_GT(r.doc["cases"][0]["denominator"]["got"].get<int64_t>(),
+                  r.doc["cases"][0]["denominator"]["want"].get<int64_t>());
       }
     }
   }
@@ -214,7 +224,8 @@ TEST(Candidate, LegacyPolicyFailsExactlyOnBatchesWithZeroTokenSamples) {
 }
 
 TEST(Candidate, LegacyReportsTheOldResponseSlicingBug) {
-  const std::string path = (std::filesystem::path(testing::fixture_dir()) / "gen_empty-responses.safetensors").string();
+  const std::string path =
+      (std::filesystem::path(testing::fixture_dir()) / "gen_empty-responses.safetensors").string();
   const CheckRun r = check(path, {"--cp", "1,2", "--policy", "legacy"});
   EXPECT_EQ(r.code, 1);
   bool found = false;
@@ -223,9 +234,9 @@ TEST(Candidate, LegacyReportsTheOldResponseSlicingBug) {
 }
 
 TEST(Tolerance, WideningsAreNeededAndBounded) {
-  // Each widening is needed: with the plain PyTorch defaults given explicitly (--rtol/--atol switch the
-  // widenings off), fp16 ppo-clip gradients (5 roundings) and bf16 logits gradients (p rounded near 1)
-  // fail on some batches; with the documented widenings every batch passes.
+  // Each widening is needed: with the plain PyTorch defaults given explicitly (--rtol/--atol switch
+  // the widenings off), fp16 ppo-clip gradients (5 roundings) and bf16 logits gradients (p rounded
+  // near 1) fail on some batches; with the documented widenings every batch passes.
   const auto dir = testing::temp_dir("check-tol");
   int plain_fp16_failures = 0, plain_bf16_failures = 0;
   for (uint64_t seed = 1; seed <= 6; ++seed) {
@@ -237,24 +248,30 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
     const std::string h = (dir / ("h" + std::to_string(seed) + ".safetensors")).string();
     io::write_batch(fixtures::make_case("random", o), h);
     EXPECT_EQ(check(h, {"--cp", "1,2", "--loss", "ppo-clip", "--reduce", "all"}).code, 0) << seed;
-    plain_fp16_failures += check(h, {"--cp", "1,2", "--loss", "ppo-clip", "--reduce", "all", "--rtol", "1e-3", "--atol", "1e-5"}).code == 1;
+    plain_fp16_failures += check(h, {"--cp", "1,2", "--loss", "ppo-clip", "--reduce", "all",
+                                     "--rtol", "1e-3", "--atol", "1e-5"})
+                               .code == 1;
     o.dtype = DType::kBFloat16;
     const std::string bf = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
     io::write_batch(fixtures::make_case("random", o), bf);
     EXPECT_EQ(check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all"}).code, 0) << seed;
-    plain_bf16_failures += check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all", "--rtol", "1.6e-2", "--atol", "1e-5"}).code == 1;
+    plain_bf16_failures += check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all", "--rtol",
+                                      "1.6e-2", "--atol", "1e-5"})
+                               .code == 1;
   }
   EXPECT_GT(plain_fp16_failures, 0);
   EXPECT_GT(plain_bf16_failures, 0);
-  // The widenings are bounded: fp32 keeps PyTorch's default; fp16 ppo-clip widens, but stays near it.
+  // The widenings are bounded: fp32 keeps PyTorch's default; fp16 ppo-clip widens, but stays near
+  // it.
   EXPECT_EQ(oracle::gradient_tolerance(DType::kFloat32, 1, {1.3e-6, 1e-5}).rtol, 1.3e-6);
   const double fp16 = oracle::gradient_tolerance(DType::kFloat16, 1, {1e-3, 1e-5}).rtol;
   EXPECT_GT(fp16, 1e-3);
   EXPECT_LT(fp16, 2.5e-3);
-  // The loss bound is the SPEC §5 element bound (atol + rtol |want|) for a single term of one sign, and
-  // widens only with the number of terms and with cancellation (terms larger than their sum).
+  // The loss bound is the SPEC §5 element bound (atol + rtol |want|) for a single term of one sign,
+  // and widens only with the number of terms and with cancellation (terms larger than their sum).
   const oracle::Tolerance t{1.3e-6, 1e-5};
-  EXPECT_DOUBLE_EQ(oracle::loss_tolerance(2.0, 2.0, 1, DType::kFloat32, DType::kFloat32, t), 1e-5 + 1.3e-6 * 2.0);
+  EXPECT_DOUBLE_EQ(oracle::loss_tolerance(2.0, 2.0, 1, DType::kFloat32, DType::kFloat32, t),
+                   1e-5 + 1.3e-6 * 2.0);
   const double many = oracle::loss_tolerance(2.0, 2.0, 100000, DType::kFloat32, DType::kFloat32, t);
   EXPECT_GT(many, oracle::loss_tolerance(2.0, 2.0, 1000, DType::kFloat32, DType::kFloat32, t));
   EXPECT_LT(many, 1e-5 + 2.0 * 1e-2);  // still a tight relative bound for 100,000 fp32 terms

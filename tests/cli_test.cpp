@@ -2,9 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "cli/app.h"
 #include "fixtures/cases.h"
@@ -28,7 +27,9 @@ Result run_cli(std::vector<std::string> args) {
   return {code, out.str(), err.str()};
 }
 
-std::string fixture(const std::string& name) { return (std::filesystem::path(testing::fixture_dir()) / name).string(); }
+std::string fixture(const std::string& name) {
+  return (std::filesystem::path(testing::fixture_dir()) / name).string();
+}
 
 TEST(Cli, HelpAndVersionExitZero) {
   Result h = run_cli({"--help"});
@@ -76,7 +77,8 @@ TEST(Cli, InspectJsonFollowsTheSchema) {
   EXPECT_EQ(j["samples"][3]["kind"], "empty");
   EXPECT_EQ(j["samples"][5]["kind"], "sft");
   bool has_tokens = false;
-  for (const auto& f : j["fields"]) has_tokens |= f["name"] == "tokens" && f["dtype"] == "int64" && f["shape"] == "[60]";
+  for (const auto& f : j["fields"])
+    has_tokens |= f["name"] == "tokens" && f["dtype"] == "int64" && f["shape"] == "[60]";
   EXPECT_TRUE(has_tokens) << j["fields"].dump();
   EXPECT_EQ(j["findings"][0]["kind"], "sft_mask_not_preshifted");
 }
@@ -93,8 +95,8 @@ TEST(Cli, GenWritesEveryCaseInEveryFormat) {
   for (const auto& c : fixtures::list_cases()) {
     for (const char* ext : {".safetensors", ".pt", ".json"}) {
       const std::string path = (dir / (c.name + ext)).string();
-      Result g = run_cli({"gen", "--case", c.name, "--samples", "5", "--max-prompt", "8", "--max-response", "8",
-                          "--vocab", "6", "--out", path});
+      Result g = run_cli({"gen", "--case", c.name, "--samples", "5", "--max-prompt", "8",
+                          "--max-response", "8", "--vocab", "6", "--out", path});
       ASSERT_EQ(g.code, 0) << c.name << ext << ": " << g.err;
       Result i = run_cli({"inspect", path, "--json", "-"});
       ASSERT_EQ(i.code, 0) << c.name << ext << ": " << i.err;
@@ -130,7 +132,9 @@ TEST(Cli, JunitReportIsWritten) {
   Result r = run_cli({"inspect", fixture("gen_random.json"), "--junit", junit});
   ASSERT_EQ(r.code, 0) << r.err;
   const std::string x = testing::read_file(junit);
-  EXPECT_NE(x.find("<testsuite name=\"lossguard.inspect\" tests=\"1\" failures=\"0\""), std::string::npos) << x;
+  EXPECT_NE(x.find("<testsuite name=\"lossguard.inspect\" tests=\"1\" failures=\"0\""),
+            std::string::npos)
+      << x;
 }
 
 // A CI gate reads the report file: a passing run whose report cannot be written must not exit 0.
@@ -139,7 +143,9 @@ TEST(Cli, UnwritableReportsExitTwo) {
   const std::string nowhere = "/nonexistent-dir/report";
   Result json = run_cli({"count", dump, "--cp", "1,2", "--json", nowhere + ".json"});
   EXPECT_EQ(json.code, 2) << json.err;
-  EXPECT_NE(json.err.find("cannot write the JSON report to " + nowhere + ".json"), std::string::npos) << json.err;
+  EXPECT_NE(json.err.find("cannot write the JSON report to " + nowhere + ".json"),
+            std::string::npos)
+      << json.err;
   Result junit = run_cli({"count", dump, "--cp", "1,2", "--junit", nowhere + ".xml"});
   EXPECT_EQ(junit.code, 2) << junit.err;
   // The same run with a writable report passes: the exit code above is the report's doing.
@@ -159,7 +165,8 @@ TEST(CliCount, FixedPassesLegacyFailsOnEmptyResponses) {
   EXPECT_EQ(fixed.code, 0) << fixed.out << fixed.err;
   Result legacy = run_cli({"count", dump, "--cp", "1,2,4", "--policy", "legacy"});
   EXPECT_EQ(legacy.code, 1);
-  EXPECT_NE(legacy.out.find("+1 for each empty sample (R = 0): 1, 4"), std::string::npos) << legacy.out;
+  EXPECT_NE(legacy.out.find("+1 for each empty sample (R = 0): 1, 4"), std::string::npos)
+      << legacy.out;
   EXPECT_NE(legacy.out.find("I1 CP-consistency           FAIL"), std::string::npos) << legacy.out;
 }
 
@@ -181,10 +188,12 @@ TEST(CliCount, JsonFollowsTheSchema) {
 }
 
 TEST(CliCount, SplitOverDpAndMicrobatchesAndShards) {
-  Result r = run_cli({"count", fixture("gen_random.pt"), "--dp", "2", "--microbatches", "3", "--split", "round-robin", "--json", "-"});
+  Result r = run_cli({"count", fixture("gen_random.pt"), "--dp", "2", "--microbatches", "3",
+                      "--split", "round-robin", "--json", "-"});
   EXPECT_EQ(r.code, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["invariants"][2]["values"]["parts"], 6);
-  Result s = run_cli({"count", fixture("gen_random.pt"), fixture("gen_t-zero.json"), "--dp-shards"});
+  Result s =
+      run_cli({"count", fixture("gen_random.pt"), fixture("gen_t-zero.json"), "--dp-shards"});
   EXPECT_EQ(s.code, 0) << s.err;
   EXPECT_NE(s.out.find("2 DP rank(s)"), std::string::npos);
 }
@@ -192,8 +201,11 @@ TEST(CliCount, SplitOverDpAndMicrobatchesAndShards) {
 TEST(CliCount, BadInputsExitTwo) {
   EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--cp", "0"}).code, 2);
   EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--policy", "magic"}).code, 2);
-  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--split", "diagonal", "--dp", "2"}).code, 2);
-  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--padded-total-length", "7", "--cp", "2"}).code, 2);
+  EXPECT_EQ(run_cli({"count", fixture("gen_random.pt"), "--split", "diagonal", "--dp", "2"}).code,
+            2);
+  EXPECT_EQ(
+      run_cli({"count", fixture("gen_random.pt"), "--padded-total-length", "7", "--cp", "2"}).code,
+      2);
   EXPECT_EQ(run_cli({"count", fixture("hostile_eval.pt")}).code, 2);
 }
 
@@ -223,9 +235,15 @@ TEST(CliReplay, ExitCodesPerProtocol) {
   Result src = run_cli({"replay", zero, "--tp", "2", "--pp", "2", "--protocol", "pr285-src-local"});
   EXPECT_EQ(src.code, 3);
   EXPECT_NE(src.out.find("ranks 0, 2 (2): error"), std::string::npos) << src.out;
-  EXPECT_EQ(run_cli({"replay", tokens, "--dp", "4", "--protocol", "pr285-always-broadcast"}).code, 3);
-  EXPECT_EQ(run_cli({"replay", zero, "--dp", "2", "--protocol", "values0", "--reduce", "sample-mean"}).code, 1);
-  EXPECT_EQ(run_cli({"replay", zero, "--dp", "2", "--protocol", "values0", "--reduce", "per-token"}).code, 0);
+  EXPECT_EQ(run_cli({"replay", tokens, "--dp", "4", "--protocol", "pr285-always-broadcast"}).code,
+            3);
+  EXPECT_EQ(
+      run_cli({"replay", zero, "--dp", "2", "--protocol", "values0", "--reduce", "sample-mean"})
+          .code,
+      1);
+  EXPECT_EQ(
+      run_cli({"replay", zero, "--dp", "2", "--protocol", "values0", "--reduce", "per-token"}).code,
+      0);
   EXPECT_EQ(run_cli({"replay", zero, "--protocol", "no-skip"}).code, 1);
   EXPECT_EQ(run_cli({"replay", zero, "--protocol", "nonsense"}).code, 2);
   EXPECT_EQ(run_cli({"replay", zero, "--backend", "mpi"}).code, 2);
@@ -234,8 +252,8 @@ TEST(CliReplay, ExitCodesPerProtocol) {
 TEST(CliReplay, JsonAndSvgReports) {
   const auto dir = testing::temp_dir("cli-replay");
   const std::string svg = (dir / "grid.svg").string();
-  Result r = run_cli({"replay", fixture("gen_zero-token.pt"), "--tp", "2", "--pp", "2", "--protocol", "pr285-src-local",
-                      "--json", "-", "--svg", svg});
+  Result r = run_cli({"replay", fixture("gen_zero-token.pt"), "--tp", "2", "--pp", "2",
+                      "--protocol", "pr285-src-local", "--json", "-", "--svg", svg});
   EXPECT_EQ(r.code, 3);
   const auto j = nlohmann::json::parse(r.out);
   EXPECT_EQ(j["verdict"], "fault");
@@ -253,9 +271,11 @@ TEST(CliReplay, JsonAndSvgReports) {
 }
 
 TEST(CliReplay, DpShardsPlaceEachDumpOnItsRank) {
-  Result r = run_cli({"replay", fixture("gen_zero-token.json"), fixture("gen_random.json"), "--dp", "2", "--dp-shards", "--pp", "2"});
+  Result r = run_cli({"replay", fixture("gen_zero-token.json"), fixture("gen_random.json"), "--dp",
+                      "2", "--dp-shards", "--pp", "2"});
   EXPECT_EQ(r.code, 0) << r.out << r.err;
-  EXPECT_EQ(run_cli({"replay", fixture("gen_zero-token.json"), "--dp", "2", "--dp-shards"}).code, 2);
+  EXPECT_EQ(run_cli({"replay", fixture("gen_zero-token.json"), "--dp", "2", "--dp-shards"}).code,
+            2);
 }
 
 }  // namespace
@@ -270,7 +290,8 @@ TEST(CliLimits, LogitsLargerThanTheMemoryBudgetAreRefusedWithTheSizeNeeded) {
   ::unsetenv("LOSSGUARD_MEMORY_LIMIT");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("gen_random.safetensors"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("need 832 B of memory but only 100 B are available"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("need 832 B of memory but only 100 B are available"), std::string::npos)
+      << r.err;
   // Counting does not load the logits, so the same budget is enough for it.
   ::setenv("LOSSGUARD_MEMORY_LIMIT", "100", 1);
   Result c = run_cli({"count", fixture("gen_random.safetensors")});

@@ -1,16 +1,16 @@
-// The loaders against what the real producers' readers see: for every committed fixture (or those in
-// $LOSSGUARD_FIXTURE_DIR), fixtures/make_torch_fixtures.py wrote expected/<file>.json from torch.load,
-// safetensors or Python's json; the batch lossguard builds must hold exactly those values.
+// The loaders against what the real producers' readers see: for every committed fixture (or those
+// in $LOSSGUARD_FIXTURE_DIR), fixtures/make_torch_fixtures.py wrote expected/<file>.json from
+// torch.load, safetensors or Python's json; the batch lossguard builds must hold exactly those
+// values.
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <set>
 
-#include <nlohmann/json.hpp>
-
+#include "core/errors.h"
 #include "io/dump.h"
 #include "io/safetensors.h"
-#include "core/errors.h"
 #include "test_util.h"
 
 namespace lossguard::io {
@@ -48,7 +48,8 @@ void expect_batch_equals(const Batch& b, const nlohmann::json& expected, const s
       }
       ASSERT_EQ(b.per_token.count(name), 1u) << what << " lacks " << name;
       for (int64_t j = 0; j < r; ++j) {
-        ASSERT_EQ(b.per_token.at(name).get_f64(r0 + j), s[name][j].get<double>()) << what << " sample " << i << " " << name;
+        ASSERT_EQ(b.per_token.at(name).get_f64(r0 + j), s[name][j].get<double>())
+            << what << " sample " << i << " " << name;
       }
     }
   }
@@ -77,8 +78,9 @@ TEST(Fixtures, LoaderReadsEveryFixtureAsItsProducersReaderDoes) {
 TEST(Fixtures, ProducerSpecificShapesAreCovered) {
   // The fixtures that exercise the unpickler's harder paths must exist and load.
   const fs::path dir = testing::fixture_dir();
-  for (const char* f : {"torch_views_params.pt", "torch_packed_bf16_proto5.pt", "torch_packed_fp16_proto2.pt",
-                        "torch_relax_rollout.pt", "torch_relax_train.pt", "torch_packed.safetensors"}) {
+  for (const char* f :
+       {"torch_views_params.pt", "torch_packed_bf16_proto5.pt", "torch_packed_fp16_proto2.pt",
+        "torch_relax_rollout.pt", "torch_relax_train.pt", "torch_packed.safetensors"}) {
     SCOPED_TRACE(f);
     ASSERT_TRUE(fs::exists(dir / "expected" / (std::string(f) + ".json")));
   }
@@ -117,13 +119,16 @@ TEST(Fixtures, SeveralDumpsFormOneBatchInOrder) {
   Batch bb = build_batch({b}, {});
   EXPECT_EQ(ab.num_samples(), aa.num_samples() + bb.num_samples());
   EXPECT_EQ(ab.origins.back().file_index, 1);
-  EXPECT_EQ(ab.describe_sample(aa.num_samples()), (dir / "torch_packed_fp32.pt").string() + ": sample 0 (global sample 5)");
-  EXPECT_EQ(ab.logits->dtype, DType::kFloat16);  // the first dump's dtype; later dumps convert into it
+  EXPECT_EQ(ab.describe_sample(aa.num_samples()),
+            (dir / "torch_packed_fp32.pt").string() + ": sample 0 (global sample 5)");
+  EXPECT_EQ(ab.logits->dtype,
+            DType::kFloat16);  // the first dump's dtype; later dumps convert into it
 }
 
 TEST(FieldMap, MapsOtherKeyNames) {
   auto dir = testing::temp_dir("fieldmap");
-  testing::write_file(dir / "m.json", R"({"samples": [{"ids": [1,2,3], "response_length": 2, "mask": [1,0]}]})");
+  testing::write_file(dir / "m.json",
+                      R"({"samples": [{"ids": [1,2,3], "response_length": 2, "mask": [1,0]}]})");
   Dump d = read_dump((dir / "m.json").string());
   EXPECT_THROW(build_batch({d}, {}), InputError);
   FieldMap map;
@@ -149,7 +154,8 @@ TEST(Writers, EveryFormatRoundTrips) {
     EXPECT_EQ(back.tokens, src.tokens) << ext;
     EXPECT_EQ(back.loss_mask, src.loss_mask) << ext;
     ASSERT_TRUE(back.logits.has_value()) << ext;
-    for (int64_t k = 0; k < src.logits->numel(); ++k) ASSERT_EQ(back.logits->get_f64(k), src.logits->get_f64(k)) << ext;
+    for (int64_t k = 0; k < src.logits->numel(); ++k)
+      ASSERT_EQ(back.logits->get_f64(k), src.logits->get_f64(k)) << ext;
   }
 }
 

@@ -1,10 +1,10 @@
-// Every malformed or hostile dump of the catalog is an InputError that names the file and the problem;
-// hostile pickles run nothing.
+// Every malformed or hostile dump of the catalog is an InputError that names the file and the
+// problem; hostile pickles run nothing.
 #include <gtest/gtest.h>
 
+#include "core/errors.h"
 #include "io/dump.h"
 #include "malformed_catalog.h"
-#include "core/errors.h"
 #include "test_util.h"
 
 namespace lossguard::io {
@@ -29,10 +29,14 @@ TEST(Malformed, EveryCatalogEntryIsAnInputErrorNamingFileAndProblem) {
 }
 
 TEST(Malformed, HostilePicklesHaveNoSideEffect) {
-  const char* marks[] = {"/tmp/lossguard-pwned-os-system", "/tmp/lossguard-pwned-eval", "/tmp/lossguard-pwned-subprocess"};
+  const char* marks[] = {"/tmp/lossguard-pwned-os-system", "/tmp/lossguard-pwned-eval",
+                         "/tmp/lossguard-pwned-subprocess"};
   for (const char* m : marks) std::filesystem::remove(m);
-  for (const char* f : {"hostile_os_system.pt", "hostile_eval.pt", "hostile_subprocess.pt", "hostile_getattr.pt"}) {
-    EXPECT_THROW(read_dump((std::filesystem::path(testing::fixture_dir()) / f).string()), InputError) << f;
+  for (const char* f :
+       {"hostile_os_system.pt", "hostile_eval.pt", "hostile_subprocess.pt", "hostile_getattr.pt"}) {
+    EXPECT_THROW(read_dump((std::filesystem::path(testing::fixture_dir()) / f).string()),
+                 InputError)
+        << f;
   }
   for (const char* m : marks) EXPECT_FALSE(std::filesystem::exists(m)) << m;
 }

@@ -1,6 +1,6 @@
-// The CUDA kernels against the CPU twins (counts, exactly) and against float64 loops (the fused cross
-// entropy, under the same argued bounds as the twin), and the skip decision on the device. Every test
-// skips, saying why, where the process sees no CUDA device.
+// The CUDA kernels against the CPU twins (counts, exactly) and against float64 loops (the fused
+// cross entropy, under the same argued bounds as the twin), and the skip decision on the device.
+// Every test skips, saying why, where the process sees no CUDA device.
 #include <gtest/gtest.h>
 
 #include "kernels/device_buffer.h"
@@ -12,8 +12,8 @@
 namespace lossguard::kernels {
 namespace {
 
-#define SKIP_WITHOUT_CUDA()                                                                \
-  do {                                                                                     \
+#define SKIP_WITHOUT_CUDA()                                                                  \
+  do {                                                                                       \
     if (!cuda_available()) GTEST_SKIP() << "no CUDA device: " << query_device_info().status; \
   } while (0)
 
@@ -39,8 +39,10 @@ TEST(CudaTokenCount, AgreesExactlyWithTheCpuTwin) {
     std::vector<int64_t> want(static_cast<std::size_t>(token_count_size(a))), got(want.size(), -1);
     a.counts = want.data();
     count_tokens(a, Device::kCpu);
-    DeviceBuffer mask = upload(b.loss_mask.data(), b.loss_mask.size()), offsets = upload(b.response_offsets.data(), b.response_offsets.size()),
-                 t = upload(b.total_lengths.data(), b.total_lengths.size()), r = upload(b.response_lengths.data(), b.response_lengths.size()),
+    DeviceBuffer mask = upload(b.loss_mask.data(), b.loss_mask.size()),
+                 offsets = upload(b.response_offsets.data(), b.response_offsets.size()),
+                 t = upload(b.total_lengths.data(), b.total_lengths.size()),
+                 r = upload(b.response_lengths.data(), b.response_lengths.size()),
                  counts(Device::kCuda, want.size() * sizeof(int64_t));
     TokenCountArgs d = a;
     d.loss_mask = mask.as<uint8_t>();
@@ -59,9 +61,12 @@ TEST(CudaFusedXent, MatchesTheFloat64Reference) {
   const XentRunner on_cuda = [](const XentArgs& h) {
     const std::size_t elem = dtype_size_bytes(h.dtype), rows = static_cast<std::size_t>(h.rows);
     const std::size_t n = rows * static_cast<std::size_t>(h.vocab);
-    DeviceBuffer logits = upload(static_cast<const std::byte*>(h.logits), n * elem), targets = upload(h.targets, rows),
-                 scale = upload(h.grad_scale, rows), active = upload(h.active, rows), lse(Device::kCuda, std::max<std::size_t>(rows, 1) * 4),
-                 loss(Device::kCuda, std::max<std::size_t>(rows, 1) * 4), grad(Device::kCuda, std::max<std::size_t>(n, 1) * elem);
+    DeviceBuffer logits = upload(static_cast<const std::byte*>(h.logits), n * elem),
+                 targets = upload(h.targets, rows), scale = upload(h.grad_scale, rows),
+                 active = upload(h.active, rows),
+                 lse(Device::kCuda, std::max<std::size_t>(rows, 1) * 4),
+                 loss(Device::kCuda, std::max<std::size_t>(rows, 1) * 4),
+                 grad(Device::kCuda, std::max<std::size_t>(n, 1) * elem);
     XentArgs d = h;
     d.logits = logits.data();
     d.targets = targets.as<int64_t>();
@@ -76,15 +81,20 @@ TEST(CudaFusedXent, MatchesTheFloat64Reference) {
     grad.download(h.grad, n * elem);
   };
   for (const XentCase& c : xent_cases()) {
-    expect_xent_matches_reference(c, make_data(c, test_seed() + static_cast<uint64_t>(c.vocab)), on_cuda, "cuda");
+    expect_xent_matches_reference(c, make_data(c, test_seed() + static_cast<uint64_t>(c.vocab)),
+                                  on_cuda, "cuda");
   }
 }
 
 TEST(CudaSkipDecision, ReducedOnTheDeviceAndReadOnce) {
   SKIP_WITHOUT_CUDA();
-  for (const std::vector<int64_t>& counts : {std::vector<int64_t>(100000, 0), std::vector<int64_t>{0, 0, 5}, std::vector<int64_t>(70000, 1)}) {
-    DeviceBuffer c = upload(counts.data(), counts.size()), decision(Device::kCuda, sizeof(SkipDecision));
-    reduce_skip_decision(c.as<int64_t>(), static_cast<int64_t>(counts.size()), decision.as<SkipDecision>(), Device::kCuda);
+  for (const std::vector<int64_t>& counts :
+       {std::vector<int64_t>(100000, 0), std::vector<int64_t>{0, 0, 5},
+        std::vector<int64_t>(70000, 1)}) {
+    DeviceBuffer c = upload(counts.data(), counts.size()),
+                 decision(Device::kCuda, sizeof(SkipDecision));
+    reduce_skip_decision(c.as<int64_t>(), static_cast<int64_t>(counts.size()),
+                         decision.as<SkipDecision>(), Device::kCuda);
     const SkipDecision got = read_skip_decision(decision.as<SkipDecision>(), Device::kCuda);
     int64_t want = 0;
     for (int64_t x : counts) want += x;

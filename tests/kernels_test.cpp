@@ -1,14 +1,13 @@
-// The CPU twins of kernels/ against plain float64 reference loops and the oracle: token counts exactly
-// (every fixture case, random batches, every layout), the fused cross entropy under argued bounds on every
-// instruction-set build this CPU runs (awkward vocabulary sizes, inactive rows, zero coefficients), and the
-// skip decision.
+// The CPU twins of kernels/ against plain float64 reference loops and the oracle: token counts
+// exactly (every fixture case, random batches, every layout), the fused cross entropy under argued
+// bounds on every instruction-set build this CPU runs (awkward vocabulary sizes, inactive rows,
+// zero coefficients), and the skip decision.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <string>
 #include <vector>
-
-#include <fmt/format.h>
 
 #include "fixtures/cases.h"
 #include "kernels/cpu/fused_xent_rows.h"
@@ -22,7 +21,8 @@
 namespace lossguard::kernels {
 namespace {
 
-std::vector<int64_t> kernel_counts(const Batch& b, const std::vector<int64_t>& cps, const ShardLayout& layout) {
+std::vector<int64_t> kernel_counts(const Batch& b, const std::vector<int64_t>& cps,
+                                   const ShardLayout& layout) {
   TokenCountArgs a = host_token_count_args(b, cps, layout);
   std::vector<int64_t> out(static_cast<std::size_t>(token_count_size(a)), -1);
   a.counts = out.data();
@@ -31,17 +31,18 @@ std::vector<int64_t> kernel_counts(const Batch& b, const std::vector<int64_t>& c
 }
 
 // Compares the kernel's counts with the oracle's count_owned_tokens, entry by entry.
-void expect_counts_match_oracle(const Batch& b, const std::vector<int64_t>& cps, const ShardLayout& layout,
-                                const std::string& what) {
+void expect_counts_match_oracle(const Batch& b, const std::vector<int64_t>& cps,
+                                const ShardLayout& layout, const std::string& what) {
   const std::vector<int64_t> got = kernel_counts(b, cps, layout);
   const oracle::OwnedCounts want = oracle::count_owned_tokens(b, cps, layout);
   std::size_t offset = 0;
   for (std::size_t c = 0; c < cps.size(); ++c) {
     for (int64_t i = 0; i < b.num_samples(); ++i) {
       for (int64_t r = 0; r < cps[c]; ++r) {
-        ASSERT_EQ(got[offset + static_cast<std::size_t>(i * cps[c] + r)], want.count(c, static_cast<std::size_t>(i), r))
-            << what << ": cp " << cps[c] << ", sample " << i << " (T " << b.total_lengths[i] << ", R "
-            << b.response_lengths[i] << "), rank " << r;
+        ASSERT_EQ(got[offset + static_cast<std::size_t>(i * cps[c] + r)],
+                  want.count(c, static_cast<std::size_t>(i), r))
+            << what << ": cp " << cps[c] << ", sample " << i << " (T " << b.total_lengths[i]
+            << ", R " << b.response_lengths[i] << "), rank " << r;
       }
     }
     offset += static_cast<std::size_t>(b.num_samples() * cps[c]);
@@ -66,7 +67,8 @@ TEST(TokenCount, MatchesTheOracleOnRandomBatchesAndEveryLayout) {
     o.masks_only = true;
     o.num_samples = rng.uniform_int(0, 40);
     o.max_prompt = rng.uniform_int(1, 64);
-    o.max_response = rng.uniform_int(1, trial % 2 ? 300 : 6000);  // both the short- and the long-mask path
+    o.max_response =
+        rng.uniform_int(1, trial % 2 ? 300 : 6000);  // both the short- and the long-mask path
     o.empty_fraction = 0.2;
     o.masked_fraction = 0.2;
     const Batch b = fixtures::make_case(trial % 3 == 0 ? "long-random" : "random", o);
@@ -98,9 +100,10 @@ TEST(ParallelRanges, CoverEveryItemOnceAndRethrowAWorkersException) {
   });
   for (int h : hits) ASSERT_EQ(h, 1);
   // The last range throws; with one thread or many, the caller sees it after every thread finished.
-  EXPECT_THROW(parallel_ranges(1000, 10, [](int64_t, int64_t e, int) {
-                 if (e == 1000) throw std::bad_alloc();
-               }),
+  EXPECT_THROW(parallel_ranges(1000, 10,
+                               [](int64_t, int64_t e, int) {
+                                 if (e == 1000) throw std::bad_alloc();
+                               }),
                std::bad_alloc);
 }
 
@@ -124,10 +127,10 @@ TEST(FusedXent, EveryInstructionSetMatchesTheFloat64Reference) {
     bool runs;
   };
   const std::vector<Isa> isas = {
-      {"generic", generic::xent_rows, xent_isa_runs("generic")},
+    {"generic", generic::xent_rows, xent_isa_runs("generic")},
 #if defined(__x86_64__) && defined(LOSSGUARD_XENT_X86)
-      {"avx2", avx2::xent_rows, xent_isa_runs("avx2")},
-      {"avx512", avx512::xent_rows, xent_isa_runs("avx512")},
+    {"avx2", avx2::xent_rows, xent_isa_runs("avx2")},
+    {"avx512", avx512::xent_rows, xent_isa_runs("avx512")},
 #endif
   };
   int ran = 0;
@@ -136,17 +139,21 @@ TEST(FusedXent, EveryInstructionSetMatchesTheFloat64Reference) {
     ++ran;
     for (const XentCase& c : xent_cases()) {
       const auto fn = isa.fn;
-      expect_xent_matches_reference(c, make_data(c, test_seed() + static_cast<uint64_t>(c.vocab)),
-                                    [fn](const XentArgs& a) { fn(a, 0, a.rows); }, isa.name);
+      expect_xent_matches_reference(
+          c, make_data(c, test_seed() + static_cast<uint64_t>(c.vocab)),
+          [fn](const XentArgs& a) { fn(a, 0, a.rows); }, isa.name);
     }
   }
   EXPECT_GE(ran, 1);
-  std::printf("instruction sets checked: %d (this process dispatches to %s)\n", ran, xent_cpu_isa());
+  std::printf("instruction sets checked: %d (this process dispatches to %s)\n", ran,
+              xent_cpu_isa());
 }
 
 TEST(FusedXent, ThreadedDispatchMatchesTheReference) {
   const XentCase c{DType::kBFloat16, 64, 3001, 4.0};
-  expect_xent_matches_reference(c, make_data(c, test_seed()), [](const XentArgs& a) { fused_xent(a, Device::kCpu); }, "dispatch");
+  expect_xent_matches_reference(
+      c, make_data(c, test_seed()), [](const XentArgs& a) { fused_xent(a, Device::kCpu); },
+      "dispatch");
 }
 
 TEST(FusedXent, ExtremeLogitsStayFinite) {

@@ -4,16 +4,20 @@
 #include <cmath>
 #include <functional>
 
-#include "fixtures/cases.h"
 #include "core/batch.h"
 #include "core/errors.h"
+#include "fixtures/cases.h"
 #include "oracle/findings.h"
 
 namespace lossguard::oracle {
 namespace {
 
-HostArray ints(std::vector<int64_t> v) { return HostArray::from_i64(DType::kInt64, {static_cast<int64_t>(v.size())}, v); }
-HostArray floats(std::vector<double> v) { return HostArray::from_f64(DType::kFloat64, {static_cast<int64_t>(v.size())}, v); }
+HostArray ints(std::vector<int64_t> v) {
+  return HostArray::from_i64(DType::kInt64, {static_cast<int64_t>(v.size())}, v);
+}
+HostArray floats(std::vector<double> v) {
+  return HostArray::from_f64(DType::kFloat64, {static_cast<int64_t>(v.size())}, v);
+}
 
 TEST(Batch, ValidSampleBuildsPackedBatch) {
   HostArray t = ints({1, 2, 3, 4, 5}), m = ints({1, 0});
@@ -43,17 +47,52 @@ struct BadCase {
 
 TEST(Batch, EveryValidationRuleNamesFileSampleFieldAndValues) {
   const std::vector<BadCase> cases = {
-      {"R > T", [](SampleFields& f, auto&) { f.response_length = 9; }, "response_length R = 9 exceeds total_length T = 5"},
-      {"mask length", [](SampleFields& f, auto& keep) { keep.push_back(ints({1})); f.loss_mask = &keep.back(); }, "len(loss_mask) = 1 but response_length R = 2"},
-      {"mask value", [](SampleFields& f, auto& keep) { keep.push_back(ints({1, 2})); f.loss_mask = &keep.back(); }, "loss_mask[1] = 2 (must be 0 or 1)"},
-      {"mask fraction", [](SampleFields& f, auto& keep) { keep.push_back(floats({0.5, 1})); f.loss_mask = &keep.back(); }, "loss_mask[0] = 0.5"},
-      {"per-token length", [](SampleFields& f, auto& keep) { keep.push_back(floats({0.5, 1, 2})); f.per_token["log_probs"] = &keep.back(); }, "len(log_probs) = 3 but response_length R = 2"},
-      {"negative R", [](SampleFields& f, auto&) { f.response_length = -1; }, "response_length = -1 is negative"},
-      {"T disagrees", [](SampleFields& f, auto&) { f.total_length = 6; }, "total_length = 6 disagrees with len(tokens) = 5"},
-      {"negative T", [](SampleFields& f, auto&) { f.total_length = -2; }, "total_length = -2 is negative"},
-      {"logits rows", [](SampleFields& f, auto& keep) { keep.push_back(HostArray::zeros(DType::kFloat32, {3, 4})); f.logits = &keep.back(); }, "logits.shape[0] = 3 but response_length R = 2"},
-      {"float tokens", [](SampleFields& f, auto& keep) { keep.push_back(floats({1, 2, 3, 4, 5})); f.tokens = &keep.back(); }, "field 'tokens' has dtype float64"},
-      {"missing R", [](SampleFields& f, auto&) { f.response_length.reset(); }, "field 'response_length' is missing"},
+      {"R > T", [](SampleFields& f, auto&) { f.response_length = 9; },
+       "response_length R = 9 exceeds total_length T = 5"},
+      {"mask length",
+       [](SampleFields& f, auto& keep) {
+         keep.push_back(ints({1}));
+         f.loss_mask = &keep.back();
+       },
+       "len(loss_mask) = 1 but response_length R = 2"},
+      {"mask value",
+       [](SampleFields& f, auto& keep) {
+         keep.push_back(ints({1, 2}));
+         f.loss_mask = &keep.back();
+       },
+       "loss_mask[1] = 2 (must be 0 or 1)"},
+      {"mask fraction",
+       [](SampleFields& f, auto& keep) {
+         keep.push_back(floats({0.5, 1}));
+         f.loss_mask = &keep.back();
+       },
+       "loss_mask[0] = 0.5"},
+      {"per-token length",
+       [](SampleFields& f, auto& keep) {
+         keep.push_back(floats({0.5, 1, 2}));
+         f.per_token["log_probs"] = &keep.back();
+       },
+       "len(log_probs) = 3 but response_length R = 2"},
+      {"negative R", [](SampleFields& f, auto&) { f.response_length = -1; },
+       "response_length = -1 is negative"},
+      {"T disagrees", [](SampleFields& f, auto&) { f.total_length = 6; },
+       "total_length = 6 disagrees with len(tokens) = 5"},
+      {"negative T", [](SampleFields& f, auto&) { f.total_length = -2; },
+       "total_length = -2 is negative"},
+      {"logits rows",
+       [](SampleFields& f, auto& keep) {
+         keep.push_back(HostArray::zeros(DType::kFloat32, {3, 4}));
+         f.logits = &keep.back();
+       },
+       "logits.shape[0] = 3 but response_length R = 2"},
+      {"float tokens",
+       [](SampleFields& f, auto& keep) {
+         keep.push_back(floats({1, 2, 3, 4, 5}));
+         f.tokens = &keep.back();
+       },
+       "field 'tokens' has dtype float64"},
+      {"missing R", [](SampleFields& f, auto&) { f.response_length.reset(); },
+       "field 'response_length' is missing"},
   };
   for (const auto& c : cases) {
     std::vector<HostArray> keep;
@@ -91,7 +130,9 @@ TEST(Batch, PackedLengthsMustAddUp) {
     b.add_packed(f);
     FAIL() << "expected an InputError";
   } catch (const InputError& e) {
-    EXPECT_NE(std::string(e.what()).find("len(tokens) = 6 disagrees with sum(total_lengths) = 7"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("len(tokens) = 6 disagrees with sum(total_lengths) = 7"),
+              std::string::npos)
+        << e.what();
   }
 }
 
@@ -138,8 +179,8 @@ TEST(Batch, NonFiniteValuesAreFindingsWithCoordinates) {
 }
 
 TEST(DType, HalfAndBFloat16RoundTripEveryBitPattern) {
-  // Every finite 16-bit pattern must survive float conversion and back (round to nearest even is exact
-  // for representable values); NaNs stay NaN.
+  // Every finite 16-bit pattern must survive float conversion and back (round to nearest even is
+  // exact for representable values); NaNs stay NaN.
   for (uint32_t bits = 0; bits < 65536; ++bits) {
     const auto h = static_cast<uint16_t>(bits);
     const float fh = half_to_float(h), fb = bfloat16_to_float(h);

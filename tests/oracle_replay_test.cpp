@@ -1,8 +1,8 @@
 // The five protocols on the simulator (SPEC §7): outcomes per rank as the spec predicts.
 #include <gtest/gtest.h>
 
-#include "fixtures/cases.h"
 #include "core/errors.h"
+#include "fixtures/cases.h"
 #include "oracle/metrics.h"
 #include "oracle/replay.h"
 
@@ -25,17 +25,22 @@ ReplayResult replay(const Batch& b, int64_t tp, int64_t pp, int64_t cp, int64_t 
 
 bool passes(const ReplayResult& r) { return !r.fault && !r.wrong_decision; }
 
-struct Topo { int64_t tp, pp, cp, dp; };
-const std::vector<Topo> kTopologies = {{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 2, 1, 1}, {2, 2, 1, 1}, {1, 1, 2, 2},
-                                       {1, 2, 2, 2}, {2, 2, 2, 2}, {1, 4, 1, 2}, {4, 1, 2, 1}, {2, 3, 2, 1}};
+struct Topo {
+  int64_t tp, pp, cp, dp;
+};
+const std::vector<Topo> kTopologies = {{1, 1, 1, 1}, {2, 1, 1, 1}, {1, 2, 1, 1}, {2, 2, 1, 1},
+                                       {1, 1, 2, 2}, {1, 2, 2, 2}, {2, 2, 2, 2}, {1, 4, 1, 2},
+                                       {4, 1, 2, 1}, {2, 3, 2, 1}};
 
 TEST(Replay, Pr285PassesOnZeroTokenAndNonZeroBatchesForEveryTopology) {
   for (const char* c : {"zero-token", "random", "empty-responses"}) {
     const Batch b = batch_of(c);
     for (const auto& t : kTopologies) {
       for (int64_t mb : {1, 2}) {
-        const ReplayResult r = replay(b, t.tp, t.pp, t.cp, t.dp, Protocol::kPr285, ReduceMode::kPerToken, mb);
-        EXPECT_TRUE(passes(r)) << c << " TP" << t.tp << " PP" << t.pp << " CP" << t.cp << " DP" << t.dp;
+        const ReplayResult r =
+            replay(b, t.tp, t.pp, t.cp, t.dp, Protocol::kPr285, ReduceMode::kPerToken, mb);
+        EXPECT_TRUE(passes(r)) << c << " TP" << t.tp << " PP" << t.pp << " CP" << t.cp << " DP"
+                               << t.dp;
         EXPECT_EQ(r.expected_skip, std::string(c) == "zero-token");
         for (const auto& rr : r.ranks) {
           EXPECT_EQ(rr.optimizer_stepped, !r.expected_skip);
@@ -55,14 +60,19 @@ TEST(Replay, SrcLocalErrorsOnRanks0And2OfTp2Pp2AndGivesRank3TheWrongFlag) {
   ASSERT_EQ(r.ranks.size(), 4u);
   EXPECT_EQ(r.ranks[0].outcome, Outcome::kError);
   EXPECT_EQ(r.ranks[2].outcome, Outcome::kError);
-  EXPECT_NE(r.ranks[0].detail.find("src = 1 is not in its pipeline group [0, 2]"), std::string::npos) << r.ranks[0].detail;
+  EXPECT_NE(r.ranks[0].detail.find("src = 1 is not in its pipeline group [0, 2]"),
+            std::string::npos)
+      << r.ranks[0].detail;
   // Rank 3 computed "skip" itself but received stage 0's (rank 1's) flag and stepped.
   EXPECT_EQ(r.ranks[3].skip, false);
-  EXPECT_NE(r.ranks[3].detail.find("received skip flag 0 from rank 1"), std::string::npos) << r.ranks[3].detail;
-  EXPECT_EQ(r.ranks[3].outcome, Outcome::kBlocked);  // ranks 0 and 2 never reach the optimizer's all-reduce
+  EXPECT_NE(r.ranks[3].detail.find("received skip flag 0 from rank 1"), std::string::npos)
+      << r.ranks[3].detail;
+  EXPECT_EQ(r.ranks[3].outcome,
+            Outcome::kBlocked);  // ranks 0 and 2 never reach the optimizer's all-reduce
   EXPECT_TRUE(r.fault);
   EXPECT_TRUE(r.wrong_decision);
-  // On a batch with tokens the wrong source happens to carry the right decision, but ranks 0, 2 still fail.
+  // On a batch with tokens the wrong source happens to carry the right decision, but ranks 0, 2
+  // still fail.
   const ReplayResult n = replay(batch_of("random"), 2, 2, 1, 1, Protocol::kPr285SrcLocal);
   EXPECT_EQ(n.ranks[0].outcome, Outcome::kError);
   EXPECT_FALSE(n.wrong_decision);
@@ -71,11 +81,13 @@ TEST(Replay, SrcLocalErrorsOnRanks0And2OfTp2Pp2AndGivesRank3TheWrongFlag) {
 TEST(Replay, AlwaysBroadcastFaultsAtPp1WithMoreThanOneRank) {
   for (const auto& t : kTopologies) {
     if (t.pp != 1) continue;
-    const ReplayResult r = replay(batch_of("random"), t.tp, t.pp, t.cp, t.dp, Protocol::kPr285AlwaysBroadcast);
+    const ReplayResult r =
+        replay(batch_of("random"), t.tp, t.pp, t.cp, t.dp, Protocol::kPr285AlwaysBroadcast);
     const int64_t world = t.tp * t.cp * t.dp;
     EXPECT_EQ(r.fault, world > 1) << "TP" << t.tp << " CP" << t.cp << " DP" << t.dp;
     if (world > 1) {
-      EXPECT_EQ(r.ranks[1].outcome, Outcome::kError);  // src = PP-1 = 0 is not in rank 1's group [1]
+      EXPECT_EQ(r.ranks[1].outcome,
+                Outcome::kError);  // src = PP-1 = 0 is not in rank 1's group [1]
     }
   }
 }
@@ -83,20 +95,24 @@ TEST(Replay, AlwaysBroadcastFaultsAtPp1WithMoreThanOneRank) {
 TEST(Replay, Values0DriftsWhenPerTokenLossIsOffAndPassesWhenOn) {
   const Batch zero = batch_of("zero-token");
   for (const auto& t : kTopologies) {
-    const ReplayResult off = replay(zero, t.tp, t.pp, t.cp, t.dp, Protocol::kValues0, ReduceMode::kSampleMean);
+    const ReplayResult off =
+        replay(zero, t.tp, t.pp, t.cp, t.dp, Protocol::kValues0, ReduceMode::kSampleMean);
     EXPECT_FALSE(off.fault);
     EXPECT_TRUE(off.wrong_decision);  // values[0] is a sample count: never 0, so it steps: drift
     for (const auto& rr : off.ranks) EXPECT_TRUE(rr.optimizer_stepped);
     ASSERT_FALSE(off.findings.empty());
     EXPECT_EQ(off.findings[0].kind, "parameter_drift");
-    EXPECT_TRUE(passes(replay(zero, t.tp, t.pp, t.cp, t.dp, Protocol::kValues0, ReduceMode::kPerToken)));
-    EXPECT_TRUE(passes(replay(batch_of("random"), t.tp, t.pp, t.cp, t.dp, Protocol::kValues0, ReduceMode::kSampleMean)));
+    EXPECT_TRUE(
+        passes(replay(zero, t.tp, t.pp, t.cp, t.dp, Protocol::kValues0, ReduceMode::kPerToken)));
+    EXPECT_TRUE(passes(replay(batch_of("random"), t.tp, t.pp, t.cp, t.dp, Protocol::kValues0,
+                              ReduceMode::kSampleMean)));
   }
 }
 
 TEST(Replay, NoSkipDriftsOnEveryZeroTokenBatch) {
   for (const auto& t : kTopologies) {
-    const ReplayResult z = replay(batch_of("zero-token"), t.tp, t.pp, t.cp, t.dp, Protocol::kNoSkip);
+    const ReplayResult z =
+        replay(batch_of("zero-token"), t.tp, t.pp, t.cp, t.dp, Protocol::kNoSkip);
     EXPECT_TRUE(z.wrong_decision);
     EXPECT_FALSE(z.fault);
     EXPECT_TRUE(passes(replay(batch_of("random"), t.tp, t.pp, t.cp, t.dp, Protocol::kNoSkip)));
@@ -115,10 +131,12 @@ TEST(Replay, DecisionFollowsTheGlobalCountNotALocalOne) {
   builder.begin_file("mixed");
   for (const Batch* part : {&one, &b}) {
     for (int64_t i = 0; i < part->num_samples(); ++i) {
-      HostArray tok = HostArray::from_i64(DType::kInt64, {part->total_lengths[i]},
-                                          std::vector<int64_t>(part->tokens.begin() + part->token_offsets[i],
-                                                               part->tokens.begin() + part->token_offsets[i + 1]));
-      std::vector<int64_t> m(part->loss_mask.begin() + part->response_offsets[i], part->loss_mask.begin() + part->response_offsets[i + 1]);
+      HostArray tok = HostArray::from_i64(
+          DType::kInt64, {part->total_lengths[i]},
+          std::vector<int64_t>(part->tokens.begin() + part->token_offsets[i],
+                               part->tokens.begin() + part->token_offsets[i + 1]));
+      std::vector<int64_t> m(part->loss_mask.begin() + part->response_offsets[i],
+                             part->loss_mask.begin() + part->response_offsets[i + 1]);
       HostArray mask = HostArray::from_i64(DType::kInt64, {part->response_lengths[i]}, m);
       SampleFields f;
       f.tokens = &tok;

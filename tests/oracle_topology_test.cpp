@@ -1,5 +1,5 @@
-// Megatron rank layout and groups (SPEC §7): the worked topologies, and every topology up to world 64
-// against a port of Megatron's own generator (generate_masked_orthogonal_rank_groups).
+// Megatron rank layout and groups (SPEC §7): the worked topologies, and every topology up to world
+// 64 against a port of Megatron's own generator (generate_masked_orthogonal_rank_groups).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -30,12 +30,15 @@ TEST(Topology, WorkedTopologiesOfSpecSection7) {
   EXPECT_EQ(all_groups(b, GroupKind::kDpCp), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
   EXPECT_EQ(all_groups(b, GroupKind::kPp), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
   const Topology c(2, 2, 2, 2);  // TP2 CP2 DP2 PP2
-  EXPECT_EQ(all_groups(c, GroupKind::kDpCp), (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}}));
-  for (int64_t r = 0; r < 8; ++r) EXPECT_EQ(c.members(c.group_of(GroupKind::kPp, r)), (std::vector<int64_t>{r, r + 8}));
+  EXPECT_EQ(all_groups(c, GroupKind::kDpCp),
+            (Groups{{0, 2, 4, 6}, {1, 3, 5, 7}, {8, 10, 12, 14}, {9, 11, 13, 15}}));
+  for (int64_t r = 0; r < 8; ++r)
+    EXPECT_EQ(c.members(c.group_of(GroupKind::kPp, r)), (std::vector<int64_t>{r, r + 8}));
   EXPECT_THROW(Topology(0, 1, 1, 1), InputError);
 }
 
-// Megatron-LM megatron/core/parallel_state.py, generate_masked_orthogonal_rank_groups, ported literally.
+// Megatron-LM megatron/core/parallel_state.py, generate_masked_orthogonal_rank_groups, ported
+// literally.
 std::vector<int64_t> prefix_product(const std::vector<int64_t>& a) {
   std::vector<int64_t> r = {1};
   for (int64_t v : a) r.push_back(r.back() * v);
@@ -47,7 +50,8 @@ std::vector<int64_t> decompose(int64_t index, const std::vector<int64_t>& shape)
   for (std::size_t k = 0; k < shape.size(); ++k) idx.push_back((index / stride[k]) % shape[k]);
   return idx;
 }
-Groups megatron_groups(int64_t world, const std::vector<int64_t>& parallel_size, const std::vector<bool>& mask) {
+Groups megatron_groups(int64_t world, const std::vector<int64_t>& parallel_size,
+                       const std::vector<bool>& mask) {
   std::vector<int64_t> masked_shape, unmasked_shape, masked_stride, unmasked_stride;
   const auto global_stride = prefix_product(parallel_size);
   for (std::size_t k = 0; k < parallel_size.size(); ++k) {
@@ -75,9 +79,12 @@ Groups megatron_groups(int64_t world, const std::vector<int64_t>& parallel_size,
 TEST(Topology, EveryTopologyUpToWorld64MatchesMegatronsGenerator) {
   // order "tp-cp-ep-dp-pp" with ep = 1; token -> mask over (tp, cp, ep, dp, pp).
   const std::map<GroupKind, std::vector<bool>> masks = {
-      {GroupKind::kTp, {true, false, false, false, false}}, {GroupKind::kCp, {false, true, false, false, false}},
-      {GroupKind::kDp, {false, false, false, true, false}}, {GroupKind::kPp, {false, false, false, false, true}},
-      {GroupKind::kDpCp, {false, true, false, true, false}}, {GroupKind::kMp, {true, false, false, false, true}}};
+      {GroupKind::kTp, {true, false, false, false, false}},
+      {GroupKind::kCp, {false, true, false, false, false}},
+      {GroupKind::kDp, {false, false, false, true, false}},
+      {GroupKind::kPp, {false, false, false, false, true}},
+      {GroupKind::kDpCp, {false, true, false, true, false}},
+      {GroupKind::kMp, {true, false, false, false, true}}};
   int checked = 0;
   for (int64_t tp = 1; tp <= 64; ++tp) {
     for (int64_t pp = 1; tp * pp <= 64; ++pp) {
@@ -86,7 +93,8 @@ TEST(Topology, EveryTopologyUpToWorld64MatchesMegatronsGenerator) {
           const Topology t(tp, pp, cp, dp);
           for (const auto& [kind, mask] : masks) {
             ASSERT_EQ(all_groups(t, kind), megatron_groups(t.world(), {tp, cp, 1, dp, pp}, mask))
-                << "TP" << tp << " PP" << pp << " CP" << cp << " DP" << dp << " " << group_kind_name(kind);
+                << "TP" << tp << " PP" << pp << " CP" << cp << " DP" << dp << " "
+                << group_kind_name(kind);
           }
           for (int64_t r = 0; r < t.world(); ++r) {
             ASSERT_EQ(t.rank(t.coord(r)), r);

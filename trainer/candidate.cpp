@@ -1,27 +1,33 @@
-// The candidate, as a CP-sharded trainer computes it: each CP rank takes its zig-zag token chunks, keeps
-// the logits it holds, counts the effective tokens they predict, and computes its partial loss in the
-// dump's dtype with LibTorch ops; denominators are summed over ranks (the all-reduce), the loss is the SUM
-// of the partials, and each rank's autograd gradient is scattered back into the full gradient.
+// The candidate, as a CP-sharded trainer computes it: each CP rank takes its zig-zag token chunks,
+// keeps the logits it holds, counts the effective tokens they predict, and computes its partial
+// loss in the dump's dtype with LibTorch ops; denominators are summed over ranks (the all-reduce),
+// the loss is the SUM of the partials, and each rank's autograd gradient is scattered back into the
+// full gradient.
+#include "trainer/candidate.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
 #include <cstring>
 
-#include "trainer/candidate.h"
 #include "trainer/shard_plan.h"
 
 namespace lossguard::trainer {
 
 namespace {
 
-
 at::ScalarType scalar_type(DType d) {
   switch (d) {
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat64: return at::kDouble;
-    default: return at::kFloat;
+    case DType::kFloat16:
+      return at::kHalf;
+    case DType::kBFloat16:
+      return at::kBFloat16;
+    case DType::kFloat32:
+      return at::kFloat;
+    case DType::kFloat64:
+      return at::kDouble;
+    default:
+      return at::kFloat;
   }
 }
 
@@ -29,7 +35,8 @@ at::ScalarType scalar_type(DType d) {
 // (index_select, dtype conversions), never writes in place, and the batch outlives the run.
 at::Tensor borrowed_tensor(const HostArray& a) {
   std::vector<int64_t> shape(a.shape.begin(), a.shape.end());
-  return at::from_blob(const_cast<std::byte*>(a.data), shape, at::TensorOptions().dtype(scalar_type(a.dtype)));
+  return at::from_blob(const_cast<std::byte*>(a.data), shape,
+                       at::TensorOptions().dtype(scalar_type(a.dtype)));
 }
 
 void run(const CandidateInput* in, CandidateOutput* out) {
@@ -39,7 +46,7 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const LossSpec& spec = in->spec;
     const int64_t cp = in->cp;
     const LossInput input = loss_input(b, spec.loss);
-    const HostArray& x_host = input == LossInput::kLogits ? *b.logits
+    const HostArray& x_host = input == LossInput::kLogits     ? *b.logits
                               : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
                                                               : b.per_token.at("token_loss");
     const at::Tensor x = borrowed_tensor(x_host);
@@ -54,17 +61,21 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     out->row_chunk = std::move(plan.row_chunk);
 
     // 2. Counts: every rank counts its own effective tokens; the all-reduce sums them.
-    const at::Tensor mask = at::from_blob(const_cast<uint8_t*>(b.loss_mask.data()), {rows}, at::kByte).to(at::kLong);
-    std::vector<int64_t> m(static_cast<std::size_t>(s), 0);  // per-sample effective tokens, summed over ranks
+    const at::Tensor mask =
+        at::from_blob(const_cast<uint8_t*>(b.loss_mask.data()), {rows}, at::kByte).to(at::kLong);
+    std::vector<int64_t> m(static_cast<std::size_t>(s),
+                           0);  // per-sample effective tokens, summed over ranks
     int64_t n_fixed = 0;
     for (int64_t rank = 0; rank < cp; ++rank) {
       std::vector<int64_t> idx;
       for (const auto& o : owned[rank]) idx.push_back(o.row);
       const at::Tensor rank_rows = at::tensor(idx, at::kLong);
-      const at::Tensor w = idx.empty() ? at::zeros({0}, at::kLong) : mask.index_select(0, rank_rows);
+      const at::Tensor w =
+          idx.empty() ? at::zeros({0}, at::kLong) : mask.index_select(0, rank_rows);
       n_fixed += w.sum().item<int64_t>();
       auto wa = w.accessor<int64_t, 1>();
-      for (std::size_t k = 0; k < idx.size(); ++k) m[owned[rank][k].sample] += wa[static_cast<int64_t>(k)];
+      for (std::size_t k = 0; k < idx.size(); ++k)
+        m[owned[rank][k].sample] += wa[static_cast<int64_t>(k)];
     }
     const TrainerDenominators d = trainer_denominators(b, spec, cp, std::move(m), n_fixed);
     out->denominator = d.denominator;
@@ -87,7 +98,8 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         const int64_t i = o.sample;
         const int64_t j = o.row - b.response_offsets[i];
         coeff.push_back(token_coefficient(d, spec, i, b.loss_mask[o.row]));
-        if (input == LossInput::kLogits) targets.push_back(b.tokens[b.token_offsets[i] + b.prompt_length(i) + j]);
+        if (input == LossInput::kLogits)
+          targets.push_back(b.tokens[b.token_offsets[i] + b.prompt_length(i) + j]);
       }
       const at::Tensor rows_idx = at::tensor(idx, at::kLong);
       const at::Tensor leaf = x.index_select(0, rows_idx).detach().requires_grad_(true);
@@ -132,6 +144,7 @@ const TrainerApi kApi = {kTrainerAbiVersion, run};
 
 }  // namespace lossguard::trainer
 
-extern "C" __attribute__((visibility("default"))) const lossguard::trainer::TrainerApi* lossguard_trainer_api() {
+extern "C" __attribute__((visibility("default"))) const lossguard::trainer::TrainerApi*
+lossguard_trainer_api() {
   return &lossguard::trainer::kApi;
 }

@@ -1,7 +1,8 @@
-// The candidate: what a CP-sharded trainer computes (SPEC §4, §5), each CP rank on its own shard with
-// global denominators, in one of two implementations: `torch` (the dump's dtype, LibTorch ops and
-// autograd, in the plugin liblossguard_trainer.so; this header carries only plain types across that
-// boundary) or `kernels` (kernels/: counting, fused log-prob/loss/gradient, the skip flag on the device).
+// The candidate: what a CP-sharded trainer computes (SPEC §4, §5), each CP rank on its own shard
+// with global denominators, in one of two implementations: `torch` (the dump's dtype, LibTorch ops
+// and autograd, in the plugin liblossguard_trainer.so; this header carries only plain types across
+// that boundary) or `kernels` (kernels/: counting, fused log-prob/loss/gradient, the skip flag on
+// the device).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -28,14 +29,16 @@ struct CandidateInput {
 };
 
 struct CandidateOutput {
-  int64_t denominator = 0;          // the denominator the trainer used (per-token: N summed over CP ranks)
-  double loss = 0.0;                // SUM over CP ranks of each rank's partial loss
-  HostArray grad;                   // reassembled gradient w.r.t. the loss input, in its dtype
-  std::vector<int32_t> row_rank;    // per response row: the CP rank that owns it (-1: none)
-  std::vector<int8_t> row_chunk;    // per response row: which of the owner's two chunks (0, 1; -1: none)
-  std::string dtype;                // working dtype
-  int64_t skip_flag = -1;           // kernels: the zero-token flag as reduced on the device (1 skip); -1: not computed
-  std::string error;                // non-empty: the candidate could not run
+  int64_t denominator = 0;  // the denominator the trainer used (per-token: N summed over CP ranks)
+  double loss = 0.0;        // SUM over CP ranks of each rank's partial loss
+  HostArray grad;           // reassembled gradient w.r.t. the loss input, in its dtype
+  std::vector<int32_t> row_rank;  // per response row: the CP rank that owns it (-1: none)
+  std::vector<int8_t>
+      row_chunk;      // per response row: which of the owner's two chunks (0, 1; -1: none)
+  std::string dtype;  // working dtype
+  int64_t skip_flag =
+      -1;  // kernels: the zero-token flag as reduced on the device (1 skip); -1: not computed
+  std::string error;  // non-empty: the candidate could not run
 };
 
 struct TrainerApi {
@@ -44,8 +47,8 @@ struct TrainerApi {
 };
 inline constexpr int kTrainerAbiVersion = 2;
 
-// Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels` runs in
-// process. Throws InputError when it cannot run.
+// Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
+// runs in process. Throws InputError when it cannot run.
 CandidateOutput run_candidate(const CandidateInput& in);
 
 // The kernels implementation (candidate_kernels.cpp), in process.

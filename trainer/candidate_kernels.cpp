@@ -1,19 +1,19 @@
-// The candidate through kernels/ (check --impl kernels): every CP rank's effective tokens counted by the
-// token-count kernel, the global zero-token flag reduced on the device and read once at the end, and the
-// nll from logits by the fused log-prob/loss/gradient kernel (float arithmetic, gradient in the logits'
-// dtype). Log-prob inputs need no fused kernel: an elementwise loop in float (double for float64).
-// No LibTorch: this runs in process.
+// The candidate through kernels/ (check --impl kernels): every CP rank's effective tokens counted
+// by the token-count kernel, the global zero-token flag reduced on the device and read once at the
+// end, and the nll from logits by the fused log-prob/loss/gradient kernel (float arithmetic,
+// gradient in the logits' dtype). Log-prob inputs need no fused kernel: an elementwise loop in
+// float (double for float64). No LibTorch: this runs in process.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include <fmt/format.h>
-
+#include "core/errors.h"
 #include "kernels/device_buffer.h"
 #include "kernels/fused_xent.h"
 #include "kernels/token_count.h"
 #include "kernels/zero_flag.h"
-#include "core/errors.h"
 #include "trainer/candidate.h"
 #include "trainer/shard_plan.h"
 
@@ -26,7 +26,8 @@ using kernels::DeviceBuffer;
 
 // A host array's bytes where the kernels run: the host memory itself on the CPU, a copy on a GPU.
 template <typename T>
-const T* on_device(const T* host, std::size_t count, Device device, std::vector<DeviceBuffer>& keep) {
+const T* on_device(const T* host, std::size_t count, Device device,
+                   std::vector<DeviceBuffer>& keep) {
   if (device == Device::kCpu) return host;
   keep.emplace_back(device, count * sizeof(T));
   keep.back().upload(host, count * sizeof(T));
@@ -36,9 +37,11 @@ const T* on_device(const T* host, std::size_t count, Device device, std::vector<
 // log-prob and token-loss inputs: loss and gradient element by element in Acc.
 template <typename Acc>
 double elementwise(const Batch& b, const LossSpec& spec, const HostArray& x_host,
-                   const std::vector<double>& coeff, const std::vector<int32_t>& row_rank, HostArray* grad) {
+                   const std::vector<double>& coeff, const std::vector<int32_t>& row_rank,
+                   HostArray* grad) {
   const int64_t rows = b.num_response_tokens();
-  std::vector<double> x(static_cast<std::size_t>(rows)), old, adv, g(static_cast<std::size_t>(rows), 0.0);
+  std::vector<double> x(static_cast<std::size_t>(rows)), old, adv,
+      g(static_cast<std::size_t>(rows), 0.0);
   x_host.copy_f64(0, rows, x.data());
   if (spec.loss == LossKind::kPpoClip) {
     old.resize(static_cast<std::size_t>(rows));
@@ -81,20 +84,23 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     const int64_t cp = in.cp, s = b.num_samples(), rows = b.num_response_tokens();
     const Device device = in.device;
     const LossInput input = loss_input(b, spec.loss);
-    const HostArray& x_host = input == LossInput::kLogits ? *b.logits
+    const HostArray& x_host = input == LossInput::kLogits     ? *b.logits
                               : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
-                                                                      : b.per_token.at("token_loss");
+                                                              : b.per_token.at("token_loss");
     out->dtype = std::string(dtype_name(x_host.dtype));
     ShardPlan plan = plan_shards(b, cp, in.layout);
 
-    // 1. Counts: every rank's effective tokens for every sample, one pass over the masks on the device.
-    for (int64_t i = 0; i < s; ++i) chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
+    // 1. Counts: every rank's effective tokens for every sample, one pass over the masks on the
+    // device.
+    for (int64_t i = 0; i < s; ++i)
+      chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
     std::vector<DeviceBuffer> keep;
     kernels::TokenCountArgs ca;
     ca.loss_mask = on_device(b.loss_mask.data(), b.loss_mask.size(), device, keep);
     ca.mask_offsets = on_device(b.response_offsets.data(), b.response_offsets.size(), device, keep);
     ca.total_lengths = on_device(b.total_lengths.data(), b.total_lengths.size(), device, keep);
-    ca.response_lengths = on_device(b.response_lengths.data(), b.response_lengths.size(), device, keep);
+    ca.response_lengths =
+        on_device(b.response_lengths.data(), b.response_lengths.size(), device, keep);
     ca.num_samples = s;
     ca.cp_sizes = &cp;
     ca.num_cp = 1;
@@ -105,9 +111,11 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     kernels::count_tokens(ca, device);
     // 2. The skip decision stays on the device until the end.
     DeviceBuffer decision(device, sizeof(kernels::SkipDecision));
-    kernels::reduce_skip_decision(counts.as<int64_t>(), static_cast<int64_t>(num_counts), decision.as<kernels::SkipDecision>(), device);
+    kernels::reduce_skip_decision(counts.as<int64_t>(), static_cast<int64_t>(num_counts),
+                                  decision.as<kernels::SkipDecision>(), device);
 
-    // 3. Coefficients (the verifier needs the per-sample counts on the host; the trainer's step does not).
+    // 3. Coefficients (the verifier needs the per-sample counts on the host; the trainer's step
+    // does not).
     std::vector<int64_t> host_counts(num_counts);
     counts.download(host_counts.data(), num_counts * sizeof(int64_t));
     std::vector<int64_t> m(static_cast<std::size_t>(s), 0);
@@ -120,15 +128,18 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     out->denominator = d.denominator;
     std::vector<double> coeff(static_cast<std::size_t>(rows), 0.0);
     for (const auto& rank_rows : plan.owned) {
-      for (const OwnedRow& o : rank_rows) coeff[o.row] = token_coefficient(d, spec, o.sample, b.loss_mask[o.row]);
+      for (const OwnedRow& o : rank_rows)
+        coeff[o.row] = token_coefficient(d, spec, o.sample, b.loss_mask[o.row]);
     }
 
     // 4. Loss and gradient.
     double total = 0.0;
     if (input == LossInput::kLogits) {
       if (!kernels::fused_xent_takes(x_host.dtype)) {
-        throw InputError(fmt::format("the kernels take float32, float16 or bfloat16 logits; these are {} (JSON dumps "
-                                     "load as float64): use --impl torch", dtype_name(x_host.dtype)));
+        throw InputError(fmt::format(
+            "the kernels take float32, float16 or bfloat16 logits; these are {} (JSON dumps "
+            "load as float64): use --impl torch",
+            dtype_name(x_host.dtype)));
       }
       const int64_t v = x_host.shape.at(1);
       std::vector<int64_t> targets(static_cast<std::size_t>(rows), 0);
@@ -141,8 +152,9 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
           scale[row] = static_cast<float>(coeff[row]);
           active[row] = plan.row_rank[row] >= 0 && coeff[row] != 0.0;
           if (active[row] && (targets[row] < 0 || targets[row] >= v)) {
-            throw InputError(fmt::format("{}: target token {} at response index {} is outside the vocabulary [0, {})",
-                                         b.describe_sample(i), targets[row], j, v));
+            throw InputError(fmt::format(
+                "{}: target token {} at response index {} is outside the vocabulary [0, {})",
+                b.describe_sample(i), targets[row], j, v));
           }
         }
       }
@@ -169,7 +181,8 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
       kernels::fused_xent(xa, device);
       std::vector<float> token_loss(static_cast<std::size_t>(rows));
       loss.download(token_loss.data(), token_loss.size() * 4);
-      if (device != Device::kCpu) grad_dev.download(out->grad.mutable_data(), out->grad.size_bytes());
+      if (device != Device::kCpu)
+        grad_dev.download(out->grad.mutable_data(), out->grad.size_bytes());
       // The SUM over CP ranks of each rank's partial loss.
       for (const auto& rank_rows : plan.owned) {
         double partial = 0.0;
@@ -184,7 +197,8 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     out->loss = total;
     out->row_rank = std::move(plan.row_rank);
     out->row_chunk = std::move(plan.row_chunk);
-    out->skip_flag = kernels::read_skip_decision(decision.as<kernels::SkipDecision>(), device).skip;  // the one sync
+    out->skip_flag = kernels::read_skip_decision(decision.as<kernels::SkipDecision>(), device)
+                         .skip;  // the one sync
   } catch (const std::exception& e) {
     std::string msg = e.what();
     out->error = msg.substr(0, msg.find('\n'));

@@ -1,8 +1,8 @@
 // The candidate's switch: the LibTorch plugin (liblossguard_trainer.so, loaded on first use) or the
 // kernels, in process.
+#include "core/errors.h"
 #include "core/plugin_loader.h"
 #include "lossguard/build_config.h"
-#include "core/errors.h"
 #include "trainer/candidate.h"
 
 namespace lossguard::trainer {
@@ -10,9 +10,12 @@ namespace lossguard::trainer {
 const char* impl_name(Impl i) { return i == Impl::kKernels ? "kernels" : "torch"; }
 
 bool parse_impl(const std::string& s, Impl* out) {
-  if (s == "torch") *out = Impl::kTorch;
-  else if (s == "kernels") *out = Impl::kKernels;
-  else return false;
+  if (s == "torch")
+    *out = Impl::kTorch;
+  else if (s == "kernels")
+    *out = Impl::kKernels;
+  else
+    return false;
   return true;
 }
 
@@ -21,12 +24,13 @@ CandidateOutput run_candidate(const CandidateInput& in) {
   if (in.impl == Impl::kKernels) {
     run_kernels_candidate(in, &out);
   } else {
-    const auto* api = static_cast<const TrainerApi*>(load_plugin_table(
-        "the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER", LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api",
-        kTrainerAbiVersion));
+    const auto* api = static_cast<const TrainerApi*>(
+        load_plugin_table("the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER",
+                          LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api", kTrainerAbiVersion));
     api->run(&in, &out);
   }
-  if (!out.error.empty()) throw InputError(std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
+  if (!out.error.empty())
+    throw InputError(std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
   return out;
 }
 

@@ -3,8 +3,8 @@
 
 #include <algorithm>
 
-#include "kernels/token_count.h"
 #include "core/errors.h"
+#include "kernels/token_count.h"
 
 namespace lossguard::trainer {
 
@@ -63,10 +63,20 @@ TrainerDenominators trainer_denominators(const Batch& b, const LossSpec& spec, i
   d.batch_size = static_cast<double>(std::max<int64_t>(s, 1));
   d.l_norm = spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
   switch (spec.reduce) {
-    case Reduction::kPerToken: case Reduction::kTokenMean: d.denominator = d.n; break;
-    case Reduction::kSampleMean: case Reduction::kSeqMeanTokenSum: d.denominator = s; break;
-    case Reduction::kSeqMeanTokenMean: d.denominator = d.k_nonempty; break;
-    case Reduction::kSeqMeanTokenSumNorm: d.denominator = static_cast<int64_t>(d.l_norm); break;
+    case Reduction::kPerToken:
+    case Reduction::kTokenMean:
+      d.denominator = d.n;
+      break;
+    case Reduction::kSampleMean:
+    case Reduction::kSeqMeanTokenSum:
+      d.denominator = s;
+      break;
+    case Reduction::kSeqMeanTokenMean:
+      d.denominator = d.k_nonempty;
+      break;
+    case Reduction::kSeqMeanTokenSumNorm:
+      d.denominator = static_cast<int64_t>(d.l_norm);
+      break;
   }
   d.m = std::move(m);
   return d;
@@ -75,13 +85,23 @@ TrainerDenominators trainer_denominators(const Batch& b, const LossSpec& spec, i
 double token_coefficient(const TrainerDenominators& d, const LossSpec& spec, int64_t i, double w) {
   double c = 0.0;
   switch (spec.reduce) {
-    case Reduction::kPerToken: case Reduction::kTokenMean: c = d.cp_scale / static_cast<double>(std::max<int64_t>(d.n, 1)); break;
-    case Reduction::kSampleMean: c = 1.0 / (static_cast<double>(std::max<int64_t>(d.m[i], 1)) * d.batch_size); break;
-    case Reduction::kSeqMeanTokenSum: c = 1.0 / d.batch_size; break;
-    case Reduction::kSeqMeanTokenMean:
-      c = d.m[i] > 0 ? 1.0 / (static_cast<double>(d.m[i]) * static_cast<double>(d.k_nonempty)) : 0.0;
+    case Reduction::kPerToken:
+    case Reduction::kTokenMean:
+      c = d.cp_scale / static_cast<double>(std::max<int64_t>(d.n, 1));
       break;
-    case Reduction::kSeqMeanTokenSumNorm: c = 1.0 / d.l_norm; break;
+    case Reduction::kSampleMean:
+      c = 1.0 / (static_cast<double>(std::max<int64_t>(d.m[i], 1)) * d.batch_size);
+      break;
+    case Reduction::kSeqMeanTokenSum:
+      c = 1.0 / d.batch_size;
+      break;
+    case Reduction::kSeqMeanTokenMean:
+      c = d.m[i] > 0 ? 1.0 / (static_cast<double>(d.m[i]) * static_cast<double>(d.k_nonempty))
+                     : 0.0;
+      break;
+    case Reduction::kSeqMeanTokenSumNorm:
+      c = 1.0 / d.l_norm;
+      break;
   }
   return w * c;
 }

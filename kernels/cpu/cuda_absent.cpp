@@ -9,7 +9,9 @@
 namespace lossguard::kernels {
 
 namespace {
-[[noreturn]] void no_cuda() { throw std::runtime_error("this build of lossguard has no CUDA support (use --device cpu)"); }
+[[noreturn]] void no_cuda() {
+  throw std::runtime_error("this build of lossguard has no CUDA support (use --device cpu)");
+}
 }  // namespace
 
 void count_tokens_cuda(const TokenCountArgs&) { no_cuda(); }

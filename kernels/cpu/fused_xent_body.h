@@ -1,12 +1,13 @@
-// The CPU twin's row kernels, written once with GCC/Clang vector extensions (as many float lanes as the
-// instruction set's registers hold: wider vectors are split, and their selects scalarised) and compiled
-// once per instruction set by the fused_xent_<isa>.cpp files, which define LOSSGUARD_XENT_ISA first.
-// Per row: pass 1 converts a block of logits to float in a row-sized scratch (in cache), takes the block
-// maximum, replaces the block by exp(z - m) and adds it up; m is the running maximum, and the sum is
-// rescaled (in double) when it grows. Pass 2 reads the scratch, not the logits: the gradient is
-// c * exp(m_block - lse) * scratch, and the target element c * (p_y - 1) is written last.
-// No standard-library templates here: their out-of-line copies would carry this TU's instruction set into
-// code the linker may share with the others (an ODR trap), so scratch comes from malloc and min is local.
+// The CPU twin's row kernels, written once with GCC/Clang vector extensions (as many float lanes as
+// the instruction set's registers hold: wider vectors are split, and their selects scalarised) and
+// compiled once per instruction set by the fused_xent_<isa>.cpp files, which define
+// LOSSGUARD_XENT_ISA first. Per row: pass 1 converts a block of logits to float in a row-sized
+// scratch (in cache), takes the block maximum, replaces the block by exp(z - m) and adds it up; m
+// is the running maximum, and the sum is rescaled (in double) when it grows. Pass 2 reads the
+// scratch, not the logits: the gradient is c * exp(m_block - lse) * scratch, and the target element
+// c * (p_y - 1) is written last. No standard-library templates here: their out-of-line copies would
+// carry this TU's instruction set into code the linker may share with the others (an ODR trap), so
+// scratch comes from malloc and min is local.
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -46,12 +47,12 @@ inline vf vload(const float* p) {
 }
 inline void vstore(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// exp for x <= 0: x = n ln2 + r (n = round(x / ln2), ln2 in two parts, |r| <= ln2/2), e^r by a degree-6
-// polynomial (near-minimax for relative error on [-ln2/2, ln2/2], 1.9e-9 before rounding; fitted by
-// iteratively reweighted least squares, 1.6 ulp in float Horner evaluation), scaled by 2^n. AVX-512
-// scales with vscalefps, which underflows to 0 and keeps NaN by itself; elsewhere 2^n goes into the
-// exponent bits, so below -86 the result is set to 0 (exp(-86) = 4e-38 sits under every tolerance and
-// keeps 2^n normal) and NaN is passed through.
+// exp for x <= 0: x = n ln2 + r (n = round(x / ln2), ln2 in two parts, |r| <= ln2/2), e^r by a
+// degree-6 polynomial (near-minimax for relative error on [-ln2/2, ln2/2], 1.9e-9 before rounding;
+// fitted by iteratively reweighted least squares, 1.6 ulp in float Horner evaluation), scaled by
+// 2^n. AVX-512 scales with vscalefps, which underflows to 0 and keeps NaN by itself; elsewhere 2^n
+// goes into the exponent bits, so below -86 the result is set to 0 (exp(-86) = 4e-38 sits under
+// every tolerance and keeps 2^n normal) and NaN is passed through.
 inline vf exp_poly(vf r) {
   vf p = splat(1.3836845755577087e-3f);
   p = p * r + 8.374815806746483e-3f;
@@ -63,14 +64,16 @@ inline vf exp_poly(vf r) {
 }
 #if defined(__AVX512F__)
 inline vf vexp(vf x) {
-  const __m512 n = _mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_roundscale_ps((__m512)(x * 1.44269504088896341f),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   vf r = x - (vf)n * 0.693359375f;
   r = r - (vf)n * -2.12194440e-4f;
   return (vf)_mm512_scalef_ps((__m512)exp_poly(r), n);
 }
 #else
 inline vf vexp(vf x) {
-  const vf lo = splat(-86.0f), magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf lo = splat(-86.0f),
+           magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf xc = x < lo ? lo : x;
   const vf t = xc * 1.44269504088896341f + magic;
   const vf n = t - magic;
@@ -109,13 +112,18 @@ constexpr uintptr_t kStreamAlign = 64;
 template <int N>
 inline void stream_bytes(void* p, const void* v) {
 #if defined(__AVX512F__)
-  if constexpr (N == 64) return _mm512_stream_si512(static_cast<__m512i*>(p), _mm512_loadu_si512(v));
+  if constexpr (N == 64)
+    return _mm512_stream_si512(static_cast<__m512i*>(p), _mm512_loadu_si512(v));
 #endif
 #if defined(__AVX__)
-  if constexpr (N == 32) return _mm256_stream_si256(static_cast<__m256i*>(p), _mm256_loadu_si256(static_cast<const __m256i*>(v)));
+  if constexpr (N == 32)
+    return _mm256_stream_si256(static_cast<__m256i*>(p),
+                               _mm256_loadu_si256(static_cast<const __m256i*>(v)));
 #endif
 #if defined(__SSE2__)
-  if constexpr (N == 16) return _mm_stream_si128(static_cast<__m128i*>(p), _mm_loadu_si128(static_cast<const __m128i*>(v)));
+  if constexpr (N == 16)
+    return _mm_stream_si128(static_cast<__m128i*>(p),
+                            _mm_loadu_si128(static_cast<const __m128i*>(v)));
   if constexpr (N == 8) {
     long long x;
     std::memcpy(&x, v, 8);
@@ -130,15 +138,18 @@ inline void stream_fence() {
 #endif
 }
 
-template <typename T> struct Io;
-template <> struct Io<float> {
+template <typename T>
+struct Io;
+template <>
+struct Io<float> {
   static vf load(const float* p) { return vload(p); }
   static float scalar(const float* p) { return *p; }
   static void store(float* p, vf v) { vstore(p, v); }
   static void stream(float* p, vf v) { stream_bytes<sizeof(vf)>(p, &v); }
   static void store_scalar(float* p, float v) { *p = v; }
 };
-template <> struct Io<BFloat16Bits> {
+template <>
+struct Io<BFloat16Bits> {
   static vf load(const BFloat16Bits* p) {
     vh h;
     std::memcpy(&h, p, sizeof h);
@@ -164,7 +175,8 @@ template <> struct Io<BFloat16Bits> {
   }
   static void store_scalar(BFloat16Bits* p, float v) { p->bits = float_to_bfloat16(v); }
 };
-template <> struct Io<HalfBits> {
+template <>
+struct Io<HalfBits> {
   static vf load(const HalfBits* p) {
 #if defined(__AVX512F__)
     return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -179,9 +191,11 @@ template <> struct Io<HalfBits> {
   static float scalar(const HalfBits* p) { return half_to_float(p->bits); }
   static void store(HalfBits* p, vf v) {
 #if defined(__AVX512F__)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                        _mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #elif defined(__F16C__)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #else
     for (int k = 0; k < kLanes; ++k) p[k].bits = float_to_half(v[k]);
 #endif
@@ -201,7 +215,8 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
     float* p;
     ~Scratch() { std::free(p); }
   };
-  const Scratch scratch{static_cast<float*>(std::malloc(static_cast<std::size_t>(v + blocks + kLanes) * sizeof(float)))};
+  const Scratch scratch{static_cast<float*>(
+      std::malloc(static_cast<std::size_t>(v + blocks + kLanes) * sizeof(float)))};
   if (scratch.p == nullptr) throw std::bad_alloc();
   float* sc = scratch.p;
   float* block_max = scratch.p + v + kLanes;
@@ -211,7 +226,8 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
     if (a.active != nullptr && !a.active[row]) {
       a.lse[row] = 0.0f;
       a.token_loss[row] = 0.0f;
-      if (g != nullptr) std::memset(static_cast<void*>(g), 0, static_cast<std::size_t>(v) * sizeof(T));
+      if (g != nullptr)
+        std::memset(static_cast<void*>(g), 0, static_cast<std::size_t>(v) * sizeof(T));
       continue;
     }
     const T* z = static_cast<const T*>(a.logits) + row * a.row_stride;
@@ -229,7 +245,8 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
       const float* src = kWiden ? sc : reinterpret_cast<const float*>(z);
       for (; k + 4 * kLanes <= n; k += 4 * kLanes) {
         const vf x0 = Io<T>::load(z + b0 + k), x1 = Io<T>::load(z + b0 + k + kLanes);
-        const vf x2 = Io<T>::load(z + b0 + k + 2 * kLanes), x3 = Io<T>::load(z + b0 + k + 3 * kLanes);
+        const vf x2 = Io<T>::load(z + b0 + k + 2 * kLanes),
+                 x3 = Io<T>::load(z + b0 + k + 3 * kLanes);
         if constexpr (kWiden) {
           vstore(sc + b0 + k, x0);
           vstore(sc + b0 + k + kLanes, x1);
@@ -256,7 +273,9 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
         bm = x > bm ? x : bm;
       }
       if (bm > m) {
-        s = m == -std::numeric_limits<float>::infinity() ? 0.0 : s * std::exp(static_cast<double>(m) - bm);
+        s = m == -std::numeric_limits<float>::infinity()
+                ? 0.0
+                : s * std::exp(static_cast<double>(m) - bm);
         m = bm;
       }
       block_max[blk] = m;
@@ -301,11 +320,13 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
       const vf vfac = splat(f);
       int64_t k = 0;
       // Whole cache lines bypass the cache (no read-for-ownership of the gradient) once aligned.
-      for (; k < n && reinterpret_cast<uintptr_t>(g + b0 + k) % kStreamAlign != 0; ++k) Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
+      for (; k < n && reinterpret_cast<uintptr_t>(g + b0 + k) % kStreamAlign != 0; ++k)
+        Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
       for (; k + kLanes <= n; k += kLanes) Io<T>::stream(g + b0 + k, vload(sc + b0 + k) * vfac);
       for (; k < n; ++k) Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
     }
-    Io<T>::store_scalar(g + y, static_cast<float>(c * std::expm1(zy - lse)));  // c (p_y - 1), no cancellation
+    Io<T>::store_scalar(
+        g + y, static_cast<float>(c * std::expm1(zy - lse)));  // c (p_y - 1), no cancellation
   }
   stream_fence();
 }
@@ -314,9 +335,12 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
 
 void xent_rows(const XentArgs& a, int64_t begin, int64_t end) {
   switch (a.dtype) {
-    case DType::kFloat16: return run_rows<HalfBits>(a, begin, end);
-    case DType::kBFloat16: return run_rows<BFloat16Bits>(a, begin, end);
-    default: return run_rows<float>(a, begin, end);
+    case DType::kFloat16:
+      return run_rows<HalfBits>(a, begin, end);
+    case DType::kBFloat16:
+      return run_rows<BFloat16Bits>(a, begin, end);
+    default:
+      return run_rows<float>(a, begin, end);
   }
 }
 

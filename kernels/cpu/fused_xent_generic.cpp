@@ -1,3 +1,4 @@
-// The fused cross entropy's row kernels compiled for the generic instruction set (see CMakeLists.txt).
+// The fused cross entropy's row kernels compiled for the generic instruction set (see
+// CMakeLists.txt).
 #define LOSSGUARD_XENT_ISA generic
 #include "kernels/cpu/fused_xent_body.h"

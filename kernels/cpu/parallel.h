@@ -1,6 +1,6 @@
-// Splits [0, n) into contiguous ranges over the CPU twins' worker threads (kernels::cpu_threads()), at
-// least `grain` items each; the calling thread takes the first range. An exception in any range (a failed
-// allocation, say) is rethrown in the caller once every thread has finished.
+// Splits [0, n) into contiguous ranges over the CPU twins' worker threads (kernels::cpu_threads()),
+// at least `grain` items each; the calling thread takes the first range. An exception in any range
+// (a failed allocation, say) is rethrown in the caller once every thread has finished.
 #pragma once
 #include <algorithm>
 #include <cstdint>

@@ -1,6 +1,7 @@
-// CUDA twin of the fused cross entropy: one block per row. Pass 1 keeps an online (max, sum) per thread
-// (one exp per element), merged across the block; pass 2 reads the row again (mostly from L2) and writes
-// c * (softmax - onehot) in the logits' dtype. float arithmetic throughout, as the CPU twin.
+// CUDA twin of the fused cross entropy: one block per row. Pass 1 keeps an online (max, sum) per
+// thread (one exp per element), merged across the block; pass 2 reads the row again (mostly from
+// L2) and writes c * (softmax - onehot) in the logits' dtype. float arithmetic throughout, as the
+// CPU twin.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -18,10 +19,20 @@ constexpr int kThreads = 512;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
 
 // Merges two (max, sum of exp(x - max)) pairs; an empty pair has max -inf.
 __device__ __forceinline__ void merge(float& m, float& s, float m2, float s2) {
@@ -44,7 +55,8 @@ __global__ void xent_kernel(XentArgs a) {
   T* g = a.grad != nullptr ? static_cast<T*>(a.grad) + row * a.vocab : nullptr;
   if (a.active != nullptr && !a.active[row]) {
     if (threadIdx.x == 0) a.lse[row] = a.token_loss[row] = 0.0f;
-    if (g != nullptr) for (int64_t k = threadIdx.x; k < a.vocab; k += blockDim.x) g[k] = from_float<T>(0.0f);
+    if (g != nullptr)
+      for (int64_t k = threadIdx.x; k < a.vocab; k += blockDim.x) g[k] = from_float<T>(0.0f);
     return;
   }
   const T* z = static_cast<const T*>(a.logits) + row * a.row_stride;
@@ -58,7 +70,8 @@ __global__ void xent_kernel(XentArgs a) {
       s += expf(x - m);
     }
   }
-  for (int w = 16; w > 0; w /= 2) merge(m, s, __shfl_down_sync(0xffffffffu, m, w), __shfl_down_sync(0xffffffffu, s, w));
+  for (int w = 16; w > 0; w /= 2)
+    merge(m, s, __shfl_down_sync(0xffffffffu, m, w), __shfl_down_sync(0xffffffffu, s, w));
   if (threadIdx.x % 32 == 0) {
     sh_m[threadIdx.x / 32] = m;
     sh_s[threadIdx.x / 32] = s;
@@ -90,9 +103,15 @@ void fused_xent_cuda(const XentArgs& a) {
   if (a.rows == 0) return;
   const unsigned grid = static_cast<unsigned>(a.rows);
   switch (a.dtype) {
-    case DType::kFloat16: xent_kernel<__half><<<grid, kThreads>>>(a); break;
-    case DType::kBFloat16: xent_kernel<__nv_bfloat16><<<grid, kThreads>>>(a); break;
-    default: xent_kernel<float><<<grid, kThreads>>>(a); break;
+    case DType::kFloat16:
+      xent_kernel<__half><<<grid, kThreads>>>(a);
+      break;
+    case DType::kBFloat16:
+      xent_kernel<__nv_bfloat16><<<grid, kThreads>>>(a);
+      break;
+    default:
+      xent_kernel<float><<<grid, kThreads>>>(a);
+      break;
   }
   LOSSGUARD_CUDA_CHECK(cudaGetLastError());
 }

@@ -11,7 +11,8 @@ void* cuda_alloc(std::size_t n) {
 }
 void cuda_free(void* p) { cudaFree(p); }
 void cuda_copy(void* dst, const void* src, std::size_t n, bool to_device) {
-  LOSSGUARD_CUDA_CHECK(cudaMemcpy(dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost));
+  LOSSGUARD_CUDA_CHECK(
+      cudaMemcpy(dst, src, n, to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost));
 }
 void cuda_copy_device(void* dst, const void* src, std::size_t n) {
   LOSSGUARD_CUDA_CHECK(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToDevice));

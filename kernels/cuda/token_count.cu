@@ -1,6 +1,7 @@
-// CUDA twin of the masked token counter: one block per sample. Thread 0 sorts the chunk boundaries of every
-// requested CP size into shared memory; the block sums the mask segment by segment (each byte read once)
-// into int64 prefix sums; each (CP size, chunk) count is a difference of two of them.
+// CUDA twin of the masked token counter: one block per sample. Thread 0 sorts the chunk boundaries
+// of every requested CP size into shared memory; the block sums the mask segment by segment (each
+// byte read once) into int64 prefix sums; each (CP size, chunk) count is a difference of two of
+// them.
 #include <stdexcept>
 #include <string>
 
@@ -81,8 +82,10 @@ __global__ void count_kernel(TokenCountArgs a, CpList cps) {
     int lo = 0, hi = num_cuts - 1;
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
-      if (cuts[mid] < k) lo = mid + 1;
-      else hi = mid;
+      if (cuts[mid] < k)
+        lo = mid + 1;
+      else
+        hi = mid;
     }
     return prefix[lo];
   };
@@ -105,7 +108,8 @@ __global__ void count_kernel(TokenCountArgs a, CpList cps) {
 }  // namespace
 
 void count_tokens_cuda(const TokenCountArgs& a) {
-  if (a.num_cp > kMaxCp) throw std::invalid_argument("count_tokens_cuda: at most 16 CP sizes per call");
+  if (a.num_cp > kMaxCp)
+    throw std::invalid_argument("count_tokens_cuda: at most 16 CP sizes per call");
   CpList cps{};
   cps.n = a.num_cp;
   int64_t max_cuts = 3, offset = 0;
@@ -116,7 +120,9 @@ void count_tokens_cuda(const TokenCountArgs& a) {
     max_cuts += 2 * a.cp_sizes[c] - 1;
   }
   const std::size_t shared_bytes = static_cast<std::size_t>(2 * max_cuts) * sizeof(long long);
-  if (shared_bytes > 48 * 1024) throw std::invalid_argument("count_tokens_cuda: the CP sizes of one call must add up to at most 1500");
+  if (shared_bytes > 48 * 1024)
+    throw std::invalid_argument(
+        "count_tokens_cuda: the CP sizes of one call must add up to at most 1500");
   if (a.num_samples == 0) return;
   count_kernel<<<static_cast<unsigned>(a.num_samples), kThreads, shared_bytes>>>(a, cps);
   LOSSGUARD_CUDA_CHECK(cudaGetLastError());

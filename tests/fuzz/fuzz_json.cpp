@@ -3,8 +3,8 @@
 #include <cstdint>
 #include <string>
 
-#include "io/dump.h"
 #include "core/errors.h"
+#include "io/dump.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace lossguard;
