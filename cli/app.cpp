@@ -51,6 +51,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   register_inspect(app, commands);
   register_count(app, commands);
   register_check(app, commands);
+  register_weights(app, commands);
   register_topo(app, commands);
   register_replay(app, commands);
   register_gen(app, commands);

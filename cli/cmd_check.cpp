@@ -10,6 +10,7 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
+#include "core/contract.h"
 #include "core/errors.h"
 #include "kernels/device.h"
 #include "kernels/device_info.h"
@@ -33,6 +34,10 @@ struct CheckOptions {
   std::vector<std::string> impls = {"torch"};
   std::string device = "cpu";
   LayoutOptions layout;
+  std::string contract;  // empty: the candidate normalises by --policy
+  PlacementOptions placement;
+  int64_t tp = 1;
+  int64_t global_batch_size = 0;
 };
 
 nlohmann::ordered_json location_json(const oracle::GradLocation& l) {
@@ -98,6 +103,13 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
   const Batch& b = loaded.batch;
   if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  // check --contract: each micro-batch of each DP rank trained under the contract (SPEC §9).
+  const Placement placement = o.placement.placement(b, o.dumps.dp_shards);
+  int64_t global_batch_size = o.global_batch_size;
+  if (global_batch_size == 0 && b.metadata.contains("global_batch_size") &&
+      b.metadata["global_batch_size"].is_number_integer()) {
+    global_batch_size = b.metadata["global_batch_size"].get<int64_t>();
+  }
   std::ostream& out = ctx.out;
   out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}, candidate {}{}\n",
                      b.num_samples(), policy_name(policy), fmt::join(o.cp_sizes, ", "),
@@ -132,6 +144,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       spec.policy = policy;
       spec.eps_low = o.eps_low;
       spec.eps_high = o.eps_high;
+      if (!o.contract.empty()) spec.global_batch_size = global_batch_size;
       const LossInput which = loss_input(b, loss);
       const HostArray& input = which == LossInput::kLogits     ? *b.logits
                                : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
@@ -164,8 +177,19 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           in.layout = layout;
           in.impl = impl;
           in.device = device;
+          Contract contract;
+          if (!o.contract.empty()) {
+            contract = parse_contract(o.contract, reduce);
+            in.contract = &contract;
+            in.placement = &placement;
+            in.tp = o.tp;
+            in.global_batch_size = global_batch_size;
+          }
           const trainer::CandidateOutput got = trainer::run_candidate(in);
-          const bool den_ok = got.denominator == want.denominator;
+          // Under a contract the trainer's own count is shown, not judged (slime's full-sample
+          // count is cp·N by design): its loss and gradient say whether the tokens are weighted
+          // right.
+          const bool den_ok = in.contract != nullptr || got.denominator == want.denominator;
           const double bound = oracle::loss_tolerance(
               want.loss, want.term_scale, terms, input.dtype,
               input.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, tol);
@@ -344,6 +368,18 @@ void register_check(CLI::App& root, Commands& commands) {
   app->add_option("--device", opts->device, "Where the kernels run: cpu or cuda")
       ->capture_default_str();
   add_layout_options(*app, opts->layout);
+  app->add_option(
+      "--contract", opts->contract,
+      "Train the candidate under a normalisation contract (a preset or key=value,...; see "
+      "`lossguard weights --help`) over the --dp x --microbatches placement, and compare its "
+      "gradient with the objective's");
+  add_placement_options(*app, opts->placement, false);
+  app->add_option("--tp", opts->tp,
+                  "Tensor-parallel size (for contracts that count over the world group)")
+      ->capture_default_str();
+  app->add_option(
+      "--global-batch-size", opts->global_batch_size,
+      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)");
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_check(*opts, r, c); };
   commands.push_back(std::move(cmd));

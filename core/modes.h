@@ -137,7 +137,8 @@ struct LossSpec {
   Reduction reduce = Reduction::kPerToken;
   Policy policy = Policy::kFixed;
   double eps_low = 0.2, eps_high = 0.2;
-  double l_norm = 0.0;  // seq-mean-token-sum-norm; 0: the batch's maximum response length
+  double l_norm = 0.0;            // seq-mean-token-sum-norm; 0: the batch's maximum response length
+  int64_t global_batch_size = 0;  // B of the sample-mean objectives; 0: the batch's samples
   // ppo-clip's gradient jumps where rho crosses 1 - eps_low or 1 + eps_high. A candidate computing
   // rho in a low-precision dtype (inputs exact in the dtype, so relative error up to this much
   // times 1 + |lp - old|: one rounding of the difference, one of exp) may land on the other side;

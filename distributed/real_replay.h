@@ -37,7 +37,7 @@ struct RealReplayInput {
 struct RealReplayOutput {
   std::vector<oracle::RankResult> ranks;  // rank 0: every rank's outcome in rank order (an error
                                           // for a rank that never posted one); others: empty
-  std::string error;  // could not take part at all (rendezvous failed, bad env)
+  std::string error;                      // could not take part at all (rendezvous failed, bad env)
 };
 
 struct DistApi {

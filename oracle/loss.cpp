@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "core/errors.h"
+#include "oracle/weights.h"
 
 namespace lossguard::oracle {
 
@@ -40,7 +41,6 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
     k_nonempty += m[i] > 0;
     max_r = std::max(max_r, b.response_lengths[i]);
   }
-  const double batch_size = static_cast<double>(std::max<int64_t>(s, 1));
   const double l_norm =
       spec.l_norm > 0 ? spec.l_norm : static_cast<double>(std::max<int64_t>(max_r, 1));
   switch (spec.reduce) {
@@ -61,31 +61,16 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
   }
   o.no_signal = n_tokens == 0;
 
+  // The objective's weight of each token (SPEC §9): loss = sum_t w*_t · l_t.
+  const std::vector<double> weight =
+      true_weights(b, spec.reduce, {spec.global_batch_size, spec.l_norm});
   CompensatedSum loss, magnitude;
   for (int64_t i = 0; i < s; ++i) {
     const int64_t p = b.prompt_length(i);
     for (int64_t j = 0; j < b.response_lengths[i]; ++j) {
       const int64_t row = b.response_offsets[i] + j;
       if (!b.loss_mask[row]) continue;
-      double c = 0.0;
-      switch (spec.reduce) {
-        case Reduction::kPerToken:
-        case Reduction::kTokenMean:
-          c = 1.0 / static_cast<double>(std::max<int64_t>(n_tokens, 1));
-          break;
-        case Reduction::kSampleMean:
-          c = 1.0 / (static_cast<double>(std::max<int64_t>(m[i], 1)) * batch_size);
-          break;
-        case Reduction::kSeqMeanTokenSum:
-          c = 1.0 / batch_size;
-          break;
-        case Reduction::kSeqMeanTokenMean:
-          c = 1.0 / (static_cast<double>(m[i]) * static_cast<double>(k_nonempty));
-          break;
-        case Reduction::kSeqMeanTokenSumNorm:
-          c = 1.0 / l_norm;
-          break;
-      }
+      const double c = weight[row];
       // Per-token loss and its derivative w.r.t. the input.
       double l = 0.0, scale = 0.0;
       if (o.input == LossInput::kLogits) {

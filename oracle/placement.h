@@ -3,12 +3,12 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/layout.h"
 #include "core/modes.h"
 
 namespace lossguard::oracle {
 
-// placement[dp][mb] = the global sample indices of micro-batch mb on DP rank dp, in order.
-using Placement = std::vector<std::vector<std::vector<int64_t>>>;
+using lossguard::Placement;  // core/layout.h
 
 // Splits samples 0..S-1 over `dp` ranks (contiguous: the first S % dp ranks take one more, as
 // numpy.array_split; round-robin: sample i to rank i % dp), then each rank's samples into

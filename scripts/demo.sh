@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The demo on bundled examples: lossguard catching the three bugs of Relax PR #285, one after the other.
+# The demo on bundled examples: lossguard catching the three bugs of Relax PR #285, one after the other,
+# then the wider family of normalisation bugs as effective token weights.
 set -uo pipefail
 LG="$1"
 cd "$(dirname "$0")/.."
@@ -36,6 +37,16 @@ step "Bug 3: broadcasting even when PP=1 (8 ranks)"
 run replay "$EX/gen_zero-token.safetensors" --dp 4 --cp 2 --protocol pr285-always-broadcast --max-lines 3
 step "Bug 3: reading the decision from values[0], a sample count when per-token loss is off"
 run replay "$EX/gen_zero-token.safetensors" --dp 2 --protocol values0 --reduce sample-mean
+
+step "Every normalisation bug changes one thing: each token's weight in the applied gradient. Bug 1 as weights:"
+run weights "$EX/gen_empty-responses.safetensors" --contract relax-legacy --cp 2
+step "The Hugging Face gradient-accumulation bug (2024): a mean per micro-batch, averaged over accumulation steps"
+run weights "$EX/gen_random.safetensors" --contract hf-ga --dp 2 --microbatches 3 --svg /tmp/lossguard-demo-weights.svg
+step "Its fix (num_items_in_batch counted across devices; the Trainer has no CP, so I5 varies DP and micro-batches), and Megatron's per-token contract under CP 2"
+run weights "$EX/gen_random.safetensors" --contract hf-num-items-across-devices --dp 2 --microbatches 3 --vary dp,microbatches
+run weights "$EX/gen_random.safetensors" --contract megatron-per-token --dp 2 --microbatches 3 --cp 2
+step "The same bug through a trainer's real autograd: check --contract trains every micro-batch under it"
+run check "$EX/gen_random.safetensors" --cp 1,2 --dp 2 --microbatches 3 --contract hf-ga --impl torch,kernels
 
 step "And a hostile pickle is refused by name; nothing is executed"
 run inspect "$EX/hostile_os_system.pt"

@@ -14,6 +14,8 @@
 #include "kernels/device.h"
 #include "oracle/compare.h"
 #include "oracle/loss.h"
+#include "oracle/placement.h"
+#include "oracle/weights.h"
 #include "test_util.h"
 
 namespace lossguard {
@@ -221,6 +223,48 @@ TEST(Candidate, LegacyPolicyFailsExactlyOnBatchesWithZeroTokenSamples) {
   }
   EXPECT_GT(with, 0);
   EXPECT_GT(without, 0);
+}
+
+// check --contract trains each rank's micro-batches under the contract with real autograd; it must
+// fail exactly where `weights` says the contract misweights tokens, and point at such a token.
+TEST(Candidate, ContractCheckAgreesWithWeightsOnWhichTokensAreWrong) {
+  const auto dir = testing::temp_dir("check-contract");
+  int failing = 0, passing = 0;
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    const Batch b = make("random", DType::kFloat32, seed, 8, 6);
+    const std::string path = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
+    io::write_batch(b, path);
+    const std::vector<double> truth = oracle::true_weights(b, Reduction::kPerToken, {});
+    for (const char* contract : {"megatron-per-token", "hf-ga", "norm=global:dp,grad=sum"}) {
+      for (int64_t cp : {1, 2}) {
+        const StepLayout layout = static_layout(
+            oracle::place_samples(b.num_samples(), 2, 2, Split::kContiguous), cp, 1, {});
+        const oracle::ContractWeights w =
+            oracle::contract_weights(b, layout, parse_contract(contract, Reduction::kPerToken), {});
+        const oracle::WeightDiagnosis d =
+            oracle::diagnose_weights(b, w.weight, truth, w.place, layout);
+        for (const char* impl : {"torch", "kernels"}) {
+          const CheckRun r = check(path, {"--cp", std::to_string(cp), "--dp", "2", "--microbatches",
+                                          "2", "--contract", contract, "--impl", impl});
+          ASSERT_EQ(r.code, d.exact() ? 0 : 1)
+              << contract << " cp " << cp << " " << impl << " seed " << seed << "\n"
+              << r.err << d.summary();
+          const auto& grad = r.doc["cases"][0]["grad"];
+          if (!d.exact()) {
+            // The worst gradient element sits on a token whose weight `weights` says is wrong.
+            const int64_t i = grad["worst"]["sample"].get<int64_t>();
+            const int64_t j = grad["worst"]["response_index"].get<int64_t>();
+            const int64_t t = b.response_offsets[i] + j;
+            EXPECT_GT(std::fabs(w.weight[t] - truth[t]), 1e-9 * truth[t])
+                << contract << " seed " << seed;
+          }
+          (d.exact() ? passing : failing)++;
+        }
+      }
+    }
+  }
+  EXPECT_GT(failing, 10);
+  EXPECT_GT(passing, 10);
 }
 
 TEST(Candidate, LegacyReportsTheOldResponseSlicingBug) {

@@ -215,6 +215,72 @@ TEST(CliCount, BadInputsExitTwo) {
 namespace lossguard::cli {
 namespace {
 
+TEST(CliWeights, HfGradientAccumulationBugIsNamedAndFails) {
+  const std::string dump = fixture("gen_random.safetensors");
+  Result ga = run_cli(
+      {"weights", dump, "--contract", "hf-ga", "--dp", "2", "--microbatches", "3", "--json", "-"});
+  EXPECT_EQ(ga.code, 1) << ga.err;
+  const auto doc = nlohmann::json::parse(ga.out);
+  EXPECT_EQ(doc["command"], "weights");
+  EXPECT_EQ(doc["verdict"], "fail");
+  EXPECT_EQ(doc["contract"]["preset"], "hf-ga");
+  EXPECT_EQ(doc["contract"]["norm"], "microbatch");
+  EXPECT_EQ(doc["contract"]["grad"], "mean:dp");
+  EXPECT_EQ(doc["layout"]["dp"], 2);
+  EXPECT_EQ(doc["layout"]["source"], "flags");
+  EXPECT_EQ(doc["steps"][0]["diagnosis"]["kind"], "per-microbatch");
+  EXPECT_FALSE(doc["steps"][0]["invariance"].empty());
+  Result ok = run_cli({"weights", dump, "--contract", "megatron-per-token", "--dp", "2", "--cp",
+                       "2", "--microbatches", "3"});
+  EXPECT_EQ(ok.code, 0) << ok.out;
+  EXPECT_NE(ok.out.find("exact"), std::string::npos) << ok.out;
+}
+
+TEST(CliWeights, UniformScaleFailsOnlyWhenStrict) {
+  const std::string dump = fixture("gen_random.safetensors");
+  // Twice the truth on every layout: reported, exit 0; --strict-scale makes it exit 1.
+  Result loose = run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=2", "--dp", "2"});
+  EXPECT_EQ(loose.code, 0) << loose.out;
+  EXPECT_NE(loose.out.find("uniform scale ×2"), std::string::npos) << loose.out;
+  Result strict = run_cli(
+      {"weights", dump, "--contract", "norm=global:dp-cp,scale=2", "--dp", "2", "--strict-scale"});
+  EXPECT_EQ(strict.code, 1);
+  // A scale that follows the layout (slime's count without its ×cp) breaks I5 and fails anyway.
+  Result half =
+      run_cli({"weights", dump, "--contract", "count=full-sample,norm=global:dp-cp", "--cp", "2"});
+  EXPECT_EQ(half.code, 1) << half.out;
+  EXPECT_NE(half.out.find("= 1/cp"), std::string::npos) << half.out;
+}
+
+TEST(CliWeights, Bug1AtCp1IsCaughtFromACp2Layout) {
+  const std::string dump = fixture("gen_empty-responses.safetensors");
+  Result r = run_cli({"weights", dump, "--contract", "relax-legacy", "--cp", "2"});
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("first on CP 1"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("N/N' ="), std::string::npos) << r.out;
+}
+
+TEST(CliWeights, SvgAndBadContractsExitTwo) {
+  const auto dir = testing::temp_dir("cli-weights");
+  const std::string svg = (dir / "w.svg").string();
+  const std::string dump = fixture("gen_random.safetensors");
+  Result r = run_cli({"weights", dump, "--contract", "hf-ga", "--dp", "2", "--microbatches", "2",
+                      "--cp", "2", "--svg", svg});
+  EXPECT_EQ(r.code, 1);
+  const std::string x = testing::read_file(svg);
+  EXPECT_NE(x.find("<svg"), std::string::npos);
+  EXPECT_NE(x.find("DP 1 micro-batch 1"), std::string::npos);
+  EXPECT_NE(x.find("CP rank 1"), std::string::npos);
+  Result bad = run_cli({"weights", dump, "--contract", "hf-gaa"});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("unknown preset 'hf-gaa'"), std::string::npos) << bad.err;
+  Result noc = run_cli({"weights", dump});
+  EXPECT_EQ(noc.code, 2);
+  Result help = run_cli({"weights", "--help"});
+  EXPECT_EQ(help.code, 0);
+  EXPECT_NE(help.out.find("hf-num-items-across-devices"), std::string::npos);
+}
+
 TEST(CliTopo, JsonGroupsFollowTheSchema) {
   Result r = run_cli({"topo", "--tp", "2", "--pp", "2", "--cp", "2", "--dp", "2", "--json", "-"});
   ASSERT_EQ(r.code, 0) << r.err;

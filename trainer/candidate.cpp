@@ -10,6 +10,7 @@
 
 #include <cstring>
 
+#include "trainer/contract_plan.h"
 #include "trainer/shard_plan.h"
 
 namespace lossguard::trainer {
@@ -55,10 +56,10 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const int64_t rows = b.num_response_tokens(), s = b.num_samples();
 
     // 1. Each rank's rows.
-    ShardPlan plan = plan_shards(b, cp, in->layout);
-    const auto& owned = plan.owned;
-    out->row_rank = std::move(plan.row_rank);
-    out->row_chunk = std::move(plan.row_chunk);
+    ShardPlan plan_rows = plan_shards(b, cp, in->layout);
+    const auto& owned = plan_rows.owned;
+    out->row_rank = plan_rows.row_rank;
+    out->row_chunk = plan_rows.row_chunk;
 
     // 2. Counts: every rank counts its own effective tokens; the all-reduce sums them.
     const at::Tensor mask =
@@ -79,6 +80,13 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     }
     const TrainerDenominators d = trainer_denominators(b, spec, cp, std::move(m), n_fixed);
     out->denominator = d.denominator;
+    ContractCoefficients by_contract;
+    if (in->contract != nullptr) {
+      by_contract = contract_coefficients(
+          b, plan_rows, cp,
+          {in->contract, in->placement, in->tp, in->global_batch_size, spec.l_norm});
+      out->denominator = by_contract.global_count;
+    }
 
     // 3. Each rank's partial loss in the working dtype, and its gradient by autograd.
     at::Tensor grad = at::zeros_like(x);
@@ -97,7 +105,9 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         idx.push_back(o.row);
         const int64_t i = o.sample;
         const int64_t j = o.row - b.response_offsets[i];
-        coeff.push_back(token_coefficient(d, spec, i, b.loss_mask[o.row]));
+        coeff.push_back(in->contract != nullptr
+                            ? by_contract.coeff[o.row]
+                            : token_coefficient(d, spec, i, b.loss_mask[o.row]));
         if (input == LossInput::kLogits)
           targets.push_back(b.tokens[b.token_offsets[i] + b.prompt_length(i) + j]);
       }

@@ -10,6 +10,8 @@
 
 #include "core/array.h"
 #include "core/batch.h"
+#include "core/contract.h"
+#include "core/layout.h"
 #include "core/modes.h"
 #include "kernels/device.h"
 
@@ -26,6 +28,13 @@ struct CandidateInput {
   ShardLayout layout;
   Impl impl = Impl::kTorch;
   kernels::Device device = kernels::Device::kCpu;  // kernels only
+  // check --contract: the trainer's normalisation contract over a DP x micro-batch placement; each
+  // token's coefficient then comes from the contract (contract_plan.h) instead of the policy, and
+  // `denominator` reports the contract's global count.
+  const Contract* contract = nullptr;
+  const Placement* placement = nullptr;
+  int64_t tp = 1;
+  int64_t global_batch_size = 0;
 };
 
 struct CandidateOutput {
@@ -45,7 +54,7 @@ struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 2;
+inline constexpr int kTrainerAbiVersion = 3;
 
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.

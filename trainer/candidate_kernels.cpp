@@ -15,6 +15,7 @@
 #include "kernels/token_count.h"
 #include "kernels/zero_flag.h"
 #include "trainer/candidate.h"
+#include "trainer/contract_plan.h"
 #include "trainer/shard_plan.h"
 
 namespace lossguard::trainer {
@@ -127,9 +128,16 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     const TrainerDenominators d = trainer_denominators(b, spec, cp, std::move(m), n_fixed);
     out->denominator = d.denominator;
     std::vector<double> coeff(static_cast<std::size_t>(rows), 0.0);
-    for (const auto& rank_rows : plan.owned) {
-      for (const OwnedRow& o : rank_rows)
-        coeff[o.row] = token_coefficient(d, spec, o.sample, b.loss_mask[o.row]);
+    if (in.contract != nullptr) {
+      ContractCoefficients by_contract = contract_coefficients(
+          b, plan, cp, {in.contract, in.placement, in.tp, in.global_batch_size, spec.l_norm});
+      coeff = std::move(by_contract.coeff);
+      out->denominator = by_contract.global_count;
+    } else {
+      for (const auto& rank_rows : plan.owned) {
+        for (const OwnedRow& o : rank_rows)
+          coeff[o.row] = token_coefficient(d, spec, o.sample, b.loss_mask[o.row]);
+      }
     }
 
     // 4. Loss and gradient.

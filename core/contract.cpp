@@ -1,0 +1,292 @@
+// Contract presets and the key=value syntax (SPEC §9). Each preset's source is in
+// docs/contracts-sources.md.
+#include "core/contract.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "core/errors.h"
+
+namespace lossguard {
+
+const std::vector<ContractPreset>& contract_presets() {
+  static const std::vector<ContractPreset> kPresets = {
+      {"truth", "the objective itself: every token weighted as --reduce says",
+       "docs/semantics.md §9"},
+      {"megatron-per-token",
+       "Megatron-LM with calculate_per_token_loss: local sums, grads summed over DP×CP, divided by "
+       "the "
+       "count all-reduced over DP×CP",
+       "megatron/core/pipeline_parallel/schedules.py forward_step_calc_loss; "
+       "megatron/core/distributed/finalize_model_grads.py"},
+      {"megatron-mean",
+       "Megatron-LM's 3-tuple loss without per-token loss: each micro-batch's CP shard divided by "
+       "its "
+       "own count, ÷ num_microbatches, DDP mean over DP×CP",
+       "megatron/core/pipeline_parallel/schedules.py forward_step_calc_loss"},
+      {"relax-legacy",
+       "Relax before PR #285: per-token loss with each sample counted max(m, 1) at CP = 1",
+       "Relax relax/.../cp_utils.py before PR #285"},
+      {"relax", "Relax after PR #285 (per-token: megatron-per-token; else sample means × dp·cp/B)",
+       "Relax relax/.../cp_utils.py, loss.py"},
+      {"slime",
+       "slime's loss_function: per-token, every CP rank counts full samples (clamped) and "
+       "multiplies by "
+       "cp; else sample means × dp·cp/B",
+       "THUDM/slime slime/backends/megatron_utils/loss.py, cp_utils.py"},
+      {"hf-ga",
+       "Hugging Face Trainer without loss kwargs: a mean per micro-batch, ÷ accumulation steps, "
+       "DDP "
+       "mean over DP (the 2024 gradient-accumulation bug)",
+       "transformers Trainer.training_step; transformers #34191"},
+      {"hf-num-items",
+       "Hugging Face Trainer with num_items_in_batch counted per rank over its accumulation window",
+       "transformers Trainer.get_batch_samples, compute_loss"},
+      {"hf-num-items-across-devices",
+       "Hugging Face Trainer with average_tokens_across_devices: the count gathered over DP, loss "
+       "× "
+       "dp, DDP mean",
+       "transformers Trainer.get_batch_samples, training_step"},
+      {"verl-token-mean-legacy",
+       "verl's older dp_actor: token-mean per micro-batch, ÷ gradient accumulation, DDP mean",
+       "volcengine/verl verl/workers/actor/dp_actor.py, core_algos.agg_loss"},
+      {"verl-token-mean",
+       "verl with the global token count: all-reduced over DP, loss × dp, DDP mean",
+       "volcengine/verl verl/trainer/ppo/core_algos.py agg_loss (global_batch_info)"},
+  };
+  return kPresets;
+}
+
+namespace {
+
+bool per_token_objective(Reduction r) {
+  return r == Reduction::kPerToken || r == Reduction::kTokenMean;
+}
+
+ScaleFactor parse_scale(const std::string& text) {
+  ScaleFactor s;
+  std::size_t pos = 0;
+  if (text.empty()) throw_input_error("--contract: scale is empty");
+  while (pos <= text.size()) {
+    const std::size_t star = text.find('*', pos);
+    std::string term = text.substr(pos, star == std::string::npos ? std::string::npos : star - pos);
+    int sign = 1;
+    if (term.rfind("1/", 0) == 0) {
+      sign = -1;
+      term = term.substr(2);
+    }
+    if (term == "cp")
+      s.cp += sign;
+    else if (term == "dp")
+      s.dp += sign;
+    else if (term == "tp")
+      s.tp += sign;
+    else if (term == "M")
+      s.m += sign;
+    else if (term == "B")
+      s.b += sign;
+    else if (term == "Bnz")
+      s.bnz += sign;
+    else if (term == "L")
+      s.l += sign;
+    else {
+      char* end = nullptr;
+      const double v = std::strtod(term.c_str(), &end);
+      if (term.empty() || end != term.c_str() + term.size() || !(v > 0) || !std::isfinite(v)) {
+        throw_input_error(
+            "--contract: scale term '{}' is not cp, dp, tp, M, B, Bnz, L, a positive number, or "
+            "1/ one of them",
+            term);
+      }
+      s.number *= sign > 0 ? v : 1.0 / v;
+    }
+    if (star == std::string::npos) break;
+    pos = star + 1;
+  }
+  return s;
+}
+
+ScaleFactor times(ScaleFactor a, const ScaleFactor& b) {
+  a.number *= b.number;
+  a.cp += b.cp, a.dp += b.dp, a.tp += b.tp, a.m += b.m, a.b += b.b, a.bnz += b.bnz, a.l += b.l;
+  return a;
+}
+
+template <typename E>
+E parse_component(const std::string& key, const std::string& value) {
+  E out;
+  if (!parse_mode(value, &out)) {
+    throw_input_error("--contract: {}={} is not one of {}", key, value, mode_choices<E>());
+  }
+  return out;
+}
+
+// "global:dp" -> (kGlobal, kDp); "mean:dp-cp" -> (kMean, kDpCp).
+std::pair<std::string, ReduceGroup> split_group(const std::string& key, const std::string& value) {
+  const std::size_t colon = value.find(':');
+  if (colon == std::string::npos) return {value, ReduceGroup::kDpCp};
+  return {value.substr(0, colon), parse_component<ReduceGroup>(key, value.substr(colon + 1))};
+}
+
+void apply(Contract& c, const std::string& key, const std::string& value) {
+  if (key == "count") {
+    c.count = parse_component<CountRule>(key, value);
+  } else if (key == "clamp") {
+    c.clamp = parse_component<ClampRule>(key, value);
+  } else if (key == "norm") {
+    auto [rule, group] = split_group(key, value);
+    c.norm = parse_component<NormRule>(key, rule);
+    if (c.norm == NormRule::kGlobal && value.find(':') == std::string::npos) {
+      throw_input_error(
+          "--contract: norm=global needs its group: global:dp-cp, global:dp, "
+          "global:cp or global:world");
+    }
+    c.norm_group = group;
+  } else if (key == "sample") {
+    c.sample = parse_component<SampleRule>(key, value);
+  } else if (key == "scale") {
+    c.scale = parse_scale(value);
+  } else if (key == "grad") {
+    auto [rule, group] = split_group(key, value);
+    c.grad = parse_component<GradRule>(key, rule);
+    if (c.grad == GradRule::kMean && value.find(':') == std::string::npos) {
+      throw_input_error(
+          "--contract: grad=mean needs its group: mean:dp-cp, mean:dp, mean:cp or "
+          "mean:world");
+    }
+    c.grad_group = group;
+  } else if (key == "policy") {  // SPEC §3's counting policies, as count components
+    const auto p = parse_component<Policy>(key, value);
+    if (p == Policy::kLegacy) c.clamp = ClampRule::kAtCp1;
+    if (p == Policy::kSlime) {
+      c.count = CountRule::kFullSample;
+      c.clamp = ClampRule::kPerSample;
+      c.scale = times(c.scale, parse_scale("cp"));
+    }
+  } else {
+    throw_input_error(
+        "--contract: unknown component '{}' (count, clamp, norm, sample, scale, grad or policy)",
+        key);
+  }
+}
+
+}  // namespace
+
+Contract preset_contract(const std::string& name, Reduction reduce) {
+  const bool per_token = per_token_objective(reduce);
+  std::string spec;
+  if (name == "truth") {
+    switch (reduce) {
+      case Reduction::kPerToken:
+      case Reduction::kTokenMean:
+        spec = "norm=global:dp-cp";
+        break;
+      case Reduction::kSampleMean:
+        spec = "sample=mean,scale=1/B";
+        break;
+      case Reduction::kSeqMeanTokenSum:
+        spec = "scale=1/B";
+        break;
+      case Reduction::kSeqMeanTokenMean:
+        spec = "sample=mean,scale=1/Bnz";
+        break;
+      case Reduction::kSeqMeanTokenSumNorm:
+        spec = "scale=1/L";
+        break;
+    }
+  } else if (name == "megatron-per-token") {
+    spec = "norm=global:dp-cp,grad=sum";
+  } else if (name == "megatron-mean") {
+    spec = "norm=microbatch,scale=1/M,grad=mean:dp-cp";
+  } else if (name == "relax-legacy") {
+    spec = per_token ? "clamp=at-cp1,norm=global:dp-cp,grad=sum"
+                     : "sample=mean,scale=dp*cp*1/B,grad=mean:dp-cp";
+  } else if (name == "relax") {
+    spec = per_token ? "norm=global:dp-cp,grad=sum" : "sample=mean,scale=dp*cp*1/B,grad=mean:dp-cp";
+  } else if (name == "slime") {
+    spec = per_token ? "count=full-sample,clamp=per-sample,norm=global:dp-cp,scale=cp,grad=sum"
+                     : "sample=mean,scale=dp*cp*1/B,grad=mean:dp-cp";
+  } else if (name == "hf-ga" || name == "verl-token-mean-legacy") {
+    spec = "norm=microbatch,scale=1/M,grad=mean:dp";
+  } else if (name == "hf-num-items") {
+    spec = "norm=rank,grad=mean:dp";
+  } else if (name == "hf-num-items-across-devices" || name == "verl-token-mean") {
+    spec = "norm=global:dp,scale=dp,grad=mean:dp";
+  } else {
+    std::string names;
+    for (const auto& p : contract_presets())
+      names += std::string(names.empty() ? "" : ", ") + p.name;
+    throw_input_error("--contract: unknown preset '{}' (presets: {}; or key=value components)",
+                      name, names);
+  }
+  Contract c = parse_contract(spec, reduce);
+  c.preset = name;
+  return c;
+}
+
+Contract parse_contract(const std::string& text, Reduction reduce) {
+  Contract c;
+  std::size_t pos = 0;
+  bool first = true, overridden = false;
+  while (pos <= text.size()) {
+    const std::size_t comma = text.find(',', pos);
+    const std::string item =
+        text.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+    const std::size_t eq = item.find('=');
+    if (eq == std::string::npos) {
+      if (!first)
+        throw_input_error(
+            "--contract: '{}' is not key=value (only the first item may name a preset)", item);
+      c = preset_contract(item, reduce);
+    } else {
+      apply(c, item.substr(0, eq), item.substr(eq + 1));
+      overridden = true;
+    }
+    first = false;
+    if (comma == std::string::npos) break;
+    pos = comma + 1;
+  }
+  if (overridden) c.preset.clear();  // a preset with overrides is no longer that preset
+  return c;
+}
+
+std::string scale_text(const ScaleFactor& s) {
+  std::string out;
+  auto add = [&](int exponent, const char* name) {
+    for (int k = 0; k < std::abs(exponent); ++k) {
+      out += (out.empty() ? "" : "*") + std::string(exponent < 0 ? "1/" : "") + name;
+    }
+  };
+  if (s.number != 1.0) out = fmt::format("{:g}", s.number);
+  add(s.dp, "dp");
+  add(s.cp, "cp");
+  add(s.tp, "tp");
+  add(s.m, "M");
+  add(s.b, "B");
+  add(s.bnz, "Bnz");
+  add(s.l, "L");
+  return out.empty() ? "1" : out;
+}
+
+std::string contract_components(const Contract& c) {
+  const std::string norm = c.norm == NormRule::kGlobal
+                               ? fmt::format("global:{}", mode_name(c.norm_group))
+                               : std::string(mode_name(c.norm));
+  const std::string grad = c.grad == GradRule::kMean
+                               ? fmt::format("mean:{}", mode_name(c.grad_group))
+                               : std::string(mode_name(c.grad));
+  return fmt::format("count={},clamp={},norm={},sample={},scale={},grad={}", mode_name(c.count),
+                     mode_name(c.clamp), norm, mode_name(c.sample), scale_text(c.scale), grad);
+}
+
+double scale_value(const ScaleFactor& s, const ScaleSizes& z) {
+  auto p = [](double base, int e) { return std::pow(base, e); };
+  return s.number * p(static_cast<double>(z.cp), s.cp) * p(static_cast<double>(z.dp), s.dp) *
+         p(static_cast<double>(z.tp), s.tp) * p(static_cast<double>(z.microbatches), s.m) *
+         p(static_cast<double>(z.batch), s.b) * p(static_cast<double>(z.batch_nonzero), s.bnz) *
+         p(z.l_norm, s.l);
+}
+
+}  // namespace lossguard

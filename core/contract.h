@@ -1,0 +1,127 @@
+// A normalisation contract (SPEC §9): how a trainer turns per-token losses into the gradient the
+// optimizer applies, as six components, and the presets that name real trainers. Shared vocabulary:
+// the oracle predicts weights from it, the candidates train under it, the CLI parses it.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/modes.h"
+
+namespace lossguard {
+
+// What a rank counts for a micro-batch.
+enum class CountRule { kCpLocal, kFullSample, kSamples };
+template <>
+struct ModeNames<CountRule> {
+  static constexpr std::pair<CountRule, const char*> kTable[] = {
+      {CountRule::kCpLocal, "cp-local"},
+      {CountRule::kFullSample, "full-sample"},
+      {CountRule::kSamples, "samples"}};
+};
+
+// When each sample's count is taken as max(count_i, 1).
+enum class ClampRule { kNone, kPerSample, kAtCp1 };
+template <>
+struct ModeNames<ClampRule> {
+  static constexpr std::pair<ClampRule, const char*> kTable[] = {
+      {ClampRule::kNone, "none"},
+      {ClampRule::kPerSample, "per-sample"},
+      {ClampRule::kAtCp1, "at-cp1"}};
+};
+
+// The denominator D a rank divides its micro-batch's summed loss by.
+enum class NormRule { kNone, kMicrobatch, kRank, kGlobal };
+template <>
+struct ModeNames<NormRule> {
+  static constexpr std::pair<NormRule, const char*> kTable[] = {
+      {NormRule::kNone, "none"},
+      {NormRule::kMicrobatch, "microbatch"},
+      {NormRule::kRank, "rank"},
+      {NormRule::kGlobal, "global"}};
+};
+
+// The process group a count is all-reduced over, or a gradient averaged over. `world` includes the
+// TP ranks, whose counts are identical copies (summing them multiplies by tp).
+enum class ReduceGroup { kDpCp, kDp, kCp, kWorld };
+template <>
+struct ModeNames<ReduceGroup> {
+  static constexpr std::pair<ReduceGroup, const char*> kTable[] = {{ReduceGroup::kDpCp, "dp-cp"},
+                                                                   {ReduceGroup::kDp, "dp"},
+                                                                   {ReduceGroup::kCp, "cp"},
+                                                                   {ReduceGroup::kWorld, "world"}};
+};
+
+// Whether each sample's sum is divided by max(d_i, 1) first (the sample-mean family).
+enum class SampleRule { kNone, kMean };
+template <>
+struct ModeNames<SampleRule> {
+  static constexpr std::pair<SampleRule, const char*> kTable[] = {{SampleRule::kNone, "none"},
+                                                                  {SampleRule::kMean, "mean"}};
+};
+
+// What happens to gradients after they are summed over the DP×CP replicas.
+enum class GradRule { kSum, kMean };
+template <>
+struct ModeNames<GradRule> {
+  static constexpr std::pair<GradRule, const char*> kTable[] = {{GradRule::kSum, "sum"},
+                                                                {GradRule::kMean, "mean"}};
+};
+
+// A compensation factor: a number times powers of the layout's sizes. `Bnz` is the number of
+// samples with effective tokens (B' of seq-mean-token-mean), `L` the reduction's L_norm.
+struct ScaleFactor {
+  double number = 1.0;
+  int cp = 0, dp = 0, tp = 0, m = 0, b = 0, bnz = 0, l = 0;  // exponents
+  bool operator==(const ScaleFactor&) const = default;
+};
+
+struct Contract {
+  CountRule count = CountRule::kCpLocal;
+  ClampRule clamp = ClampRule::kNone;
+  NormRule norm = NormRule::kNone;
+  ReduceGroup norm_group = ReduceGroup::kDpCp;  // norm = global:G
+  SampleRule sample = SampleRule::kNone;
+  ScaleFactor scale;
+  GradRule grad = GradRule::kSum;
+  ReduceGroup grad_group = ReduceGroup::kDpCp;  // grad = mean:G
+  std::string preset;                           // the preset it came from; empty for key=value
+  bool operator==(const Contract& o) const {
+    return count == o.count && clamp == o.clamp && norm == o.norm &&
+           (norm != NormRule::kGlobal || norm_group == o.norm_group) && sample == o.sample &&
+           scale == o.scale && grad == o.grad &&
+           (grad != GradRule::kMean || grad_group == o.grad_group);
+  }
+};
+
+// A preset: its name, what it models and where that code is (shown by --help and in reports).
+struct ContractPreset {
+  const char* name;
+  const char* models;
+  const char* source;
+};
+const std::vector<ContractPreset>& contract_presets();
+
+// The preset `name` for the objective `reduce` (a preset may follow the trainer's own
+// per-token-loss switch, which the reduction implies). Throws InputError for an unknown name.
+Contract preset_contract(const std::string& name, Reduction reduce);
+
+// "megatron-per-token" or "count=cp-local,norm=global:dp,scale=cp*1/M,grad=mean:dp" (components
+// left out keep their defaults: count=cp-local, clamp=none, norm=none, sample=none, scale=1,
+// grad=sum). A preset name may be followed by overrides: "megatron-per-token,norm=global:dp".
+// Throws InputError naming the bad component.
+Contract parse_contract(const std::string& text, Reduction reduce);
+
+// The components as key=value text (every component, defaults included).
+std::string contract_components(const Contract& c);
+std::string scale_text(const ScaleFactor& s);  // "dp*cp*1/B", "1"
+
+// The batch sizes that scale factors refer to.
+struct ScaleSizes {
+  int64_t cp = 1, dp = 1, tp = 1, microbatches = 1, batch = 1, batch_nonzero = 1;
+  double l_norm = 1.0;
+};
+double scale_value(const ScaleFactor& s, const ScaleSizes& sizes);
+
+}  // namespace lossguard

@@ -1,0 +1,125 @@
+// Effective token weights (SPEC §9): the weight w_t with which each token's loss enters the
+// gradient the optimizer applies, as the objective says (truth) and as a contract gives it on a
+// layout; the diagnosis of their ratio; split invariance (I5). Weights are ratios of integer
+// counts, computed in double; "equal" means within kWeightRelTol.
+//
+// Shared parameters:
+//   batch    the step's samples (masks, lengths)
+//   layout   where each sample was computed: DP rank, micro-batch, CP size and sub-group
+//   (core/layout.h) reduce   the objective (SPEC §4); fixes the true weights sizes    B (global
+//   batch size in samples, as the trainer counts it) and L_norm
+#pragma once
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/batch.h"
+#include "core/contract.h"
+#include "core/layout.h"
+
+namespace lossguard::oracle {
+
+inline constexpr double kWeightRelTol = 1e-12;
+
+struct ObjectiveSizes {
+  int64_t global_batch_size = 0;  // B; 0: the number of samples of the step
+  double l_norm = 0.0;            // seq-mean-token-sum-norm; 0: the largest response length
+};
+// B and L_norm with their defaults resolved.
+ObjectiveSizes resolve_sizes(const Batch& batch, ObjectiveSizes sizes);
+
+// w*_t per response token (mask index), [sum R].
+std::vector<double> true_weights(const Batch& batch, Reduction reduce, const ObjectiveSizes& sizes);
+
+// Where each token's weight comes from on a layout.
+struct TokenPlace {
+  std::vector<int32_t> sample_microbatch;  // [S] index into layout.microbatches; -1: not placed
+  std::vector<int16_t> owner;  // [sum R] the CP rank (static numbering) that owns it; -1: none
+};
+
+struct ContractWeights {
+  std::vector<double> weight;  // [sum R]
+  TokenPlace place;
+  // Each rank's count per micro-batch as the contract counts it: count[mb * cp + c] for
+  // layout.microbatches[mb] on static CP rank c; and their sum over every rank and micro-batch.
+  std::vector<int64_t> count;
+  int64_t global_count = 0;
+  std::vector<std::string> problems;  // a sample placed twice or not at all (coverage)
+};
+
+// Throws InputError when the layout cannot hold the batch (a sample index out of range).
+ContractWeights contract_weights(const Batch& batch, const StepLayout& layout,
+                                 const Contract& contract, const ObjectiveSizes& sizes);
+
+// Where a token sits, for reports.
+struct TokenCoord {
+  int64_t sample = -1, response_index = -1, dp_rank = -1, microbatch = -1, cp_rank = -1;
+  double got = 0.0, want = 0.0, ratio = 0.0;
+  int64_t unit_tokens =
+      0;  // effective tokens in the unit the diagnosis names (rank, micro-batch, ...)
+};
+
+struct WeightDiagnosis {
+  std::string kind;  // exact, uniform-scale, masked-weight, per-rank, per-microbatch, per-cp-shard,
+                     // per-sample, mixed
+  double scale = 1.0;  // uniform-scale: the common ratio
+  std::string named;   // uniform-scale: "1/cp", "dp*cp", ... when a simple product fits
+  double min_ratio = 1.0, max_ratio = 1.0;
+  int64_t tokens = 0;           // tokens with w* > 0
+  int64_t mismatched = 0;       // of those, ratio != 1
+  int64_t masked_weighted = 0;  // tokens with w* = 0 but w != 0
+  TokenCoord worst;             // the greatest |log ratio|, or the first masked token with weight
+  bool exact() const { return kind == "exact"; }
+  // Fails the gate: anything but exact, and a uniform scale only when strict.
+  bool fails(bool strict_scale) const {
+    return !(kind == "exact" || (kind == "uniform-scale" && !strict_scale));
+  }
+  std::string summary() const;  // one line a person reads
+};
+
+// `got` [sum R] against `want` [sum R]; `place` and `layout` give the coordinates and units.
+// `true_count` N and `contract_count` N' (the contract's global count), when given, name a uniform
+// scale N/N' that no product of sizes explains (a count that includes what it should not).
+WeightDiagnosis diagnose_weights(const Batch& batch, const std::vector<double>& got,
+                                 const std::vector<double>& want, const TokenPlace& place,
+                                 const StepLayout& layout, int64_t true_count = 0,
+                                 int64_t contract_count = 0);
+
+// The ratio w/w* over one CP rank's share of one micro-batch (tokens with w* > 0), for tables and
+// the SVG: shard[mb * cp + c].
+struct ShardRatio {
+  int64_t tokens = 0;
+  double min_ratio = 1.0, max_ratio = 1.0;
+  int64_t masked_weighted = 0;
+};
+std::vector<ShardRatio> shard_ratios(const Batch& batch, const std::vector<double>& got,
+                                     const std::vector<double>& want, const TokenPlace& place,
+                                     const StepLayout& layout);
+
+struct InvarianceResult {
+  nlohmann::ordered_json layout;  // {"dp", "cp", "microbatches"}
+  std::string label;              // "DP 4"
+  bool ok = true;                 // the same weights as on the base layout
+  double max_rel_diff = 0.0;
+  TokenCoord worst;
+  WeightDiagnosis against_truth;  // the contract on this layout against the objective
+};
+// Which layout dimensions I5 varies (a trainer without CP need not be invariant under CP).
+struct Variations {
+  bool dp = true, microbatches = true, cp = true;
+};
+// I5: the contract's weights on `base` varied in DP (1, 2, 4, 8), micro-batches (1, 2, 4, 8) and CP
+// (1, 2, 4, 8), one at a time, each compared with its weights on `base` and with `truth`.
+std::vector<InvarianceResult> check_split_invariance(const Batch& batch, const StepLayout& base,
+                                                     const Contract& contract,
+                                                     const ObjectiveSizes& sizes, Split split,
+                                                     const std::vector<double>& truth,
+                                                     Variations vary = {});
+
+// The presets whose weights on `layout` equal `got` (exactly, to kWeightRelTol).
+std::vector<std::string> matching_presets(const Batch& batch, const StepLayout& layout,
+                                          const std::vector<double>& got, Reduction reduce,
+                                          const ObjectiveSizes& sizes);
+
+}  // namespace lossguard::oracle

@@ -1,0 +1,314 @@
+// Effective token weights (SPEC §9): every preset on small batches against weights derived by hand,
+// the diagnosis of each bug shape, and split invariance as a property over thousands of random
+// batches and layouts, each buggy preset breaking exactly where its formula says.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/batch.h"
+#include "core/contract.h"
+#include "core/errors.h"
+#include "fixtures/cases.h"
+#include "oracle/placement.h"
+#include "oracle/weights.h"
+
+namespace lossguard::oracle {
+namespace {
+
+struct S {
+  int64_t t, r;
+  std::vector<int64_t> mask;
+};
+
+Batch make(const std::vector<S>& samples) {
+  BatchBuilder bb(LoadNeeds{true, false, false});
+  bb.begin_file("test.json");
+  std::vector<HostArray> keep;
+  keep.reserve(samples.size() * 2);
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    std::vector<int64_t> tokens(static_cast<std::size_t>(samples[i].t), 1);
+    keep.push_back(HostArray::from_i64(DType::kInt64, {samples[i].t}, tokens));
+    SampleFields f;
+    f.tokens = &keep.back();
+    f.response_length = samples[i].r;
+    keep.push_back(HostArray::from_i64(DType::kInt64, {samples[i].r}, samples[i].mask));
+    f.loss_mask = &keep.back();
+    bb.add_sample(static_cast<int64_t>(i), f);
+  }
+  return bb.finish();
+}
+
+StepLayout layout(const Batch& b, int64_t dp, int64_t m, int64_t cp) {
+  return static_layout(place_samples(b.num_samples(), dp, m, Split::kContiguous), cp, 1, {});
+}
+
+std::vector<double> weights_of(const Batch& b, const StepLayout& l, const std::string& contract,
+                               Reduction reduce = Reduction::kPerToken) {
+  return contract_weights(b, l, parse_contract(contract, reduce), {}).weight;
+}
+
+// The batch of the hand derivations: m = 3, 1, 4; N = 8.
+Batch hand_batch() { return make({{5, 3, {1, 1, 1}}, {4, 2, {1, 0}}, {6, 4, {1, 1, 1, 1}}}); }
+
+void expect_weights(const std::vector<double>& got, const std::vector<double>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t t = 0; t < got.size(); ++t) EXPECT_NEAR(got[t], want[t], 1e-15) << "token " << t;
+}
+
+TEST(Weights, TruthPerReductionByHand) {
+  const Batch b = hand_batch();
+  const double e = 1.0 / 8;
+  expect_weights(true_weights(b, Reduction::kPerToken, {}), {e, e, e, e, 0, e, e, e, e});
+  // sample-mean, B = 3: m_t / (B m_i).
+  const double a = 1.0 / 9, c = 1.0 / 3, d = 1.0 / 12;
+  expect_weights(true_weights(b, Reduction::kSampleMean, {}), {a, a, a, c, 0, d, d, d, d});
+  // A given B (rollouts counted as the trainer counts them) replaces the sample count.
+  expect_weights(true_weights(b, Reduction::kSeqMeanTokenSum, {6, 0}),
+                 {1. / 6, 1. / 6, 1. / 6, 1. / 6, 0, 1. / 6, 1. / 6, 1. / 6, 1. / 6});
+  // seq-mean-token-sum-norm: L_norm defaults to the longest response (4).
+  expect_weights(true_weights(b, Reduction::kSeqMeanTokenSumNorm, {}),
+                 {.25, .25, .25, .25, 0, .25, .25, .25, .25});
+}
+
+TEST(Weights, EveryPresetByHandAtCp1) {
+  const Batch b = hand_batch();
+  const double e = 1.0 / 8;
+  const std::vector<double> truth = {e, e, e, e, 0, e, e, e, e};
+  for (const char* exact : {"truth", "megatron-per-token", "relax", "relax-legacy", "slime",
+                            "hf-num-items", "hf-num-items-across-devices", "verl-token-mean"}) {
+    expect_weights(weights_of(b, layout(b, 1, 3, 1), exact), truth);  // no empty sample here
+  }
+  // One sample per micro-batch (M = 3): a mean per micro-batch ÷ M gives 1/(3 n_mb).
+  const std::vector<double> per_mb = {1. / 9,  1. / 9,  1. / 9,  1. / 3, 0,
+                                      1. / 12, 1. / 12, 1. / 12, 1. / 12};
+  expect_weights(weights_of(b, layout(b, 1, 3, 1), "hf-ga"), per_mb);
+  expect_weights(weights_of(b, layout(b, 1, 3, 1), "megatron-mean"), per_mb);
+  expect_weights(weights_of(b, layout(b, 1, 3, 1), "verl-token-mean-legacy"), per_mb);
+  // hf-num-items over DP 3 (one sample per rank): each rank divides by its own count, DDP ÷ 3.
+  expect_weights(weights_of(b, layout(b, 3, 1, 1), "hf-num-items"), per_mb);
+  // Sample-mean presets: dp·cp/B · 1/m_i ÷ (dp·cp) = m_t/(B m_i) on any layout.
+  const std::vector<double> smean = {1. / 9,  1. / 9,  1. / 9,  1. / 3, 0,
+                                     1. / 12, 1. / 12, 1. / 12, 1. / 12};
+  for (const char* p : {"relax", "relax-legacy", "slime", "truth"}) {
+    expect_weights(weights_of(b, layout(b, 3, 1, 2), p, Reduction::kSampleMean), smean);
+  }
+}
+
+TEST(Weights, CpLocalCountsAtCp2ByHand) {
+  // T = 10, R = 4: at CP 2 every response token is owned by rank 1 (SPEC §2 first row);
+  // T = 16, R = 8: rank 0 owns 5, 6, 7 and rank 1 owns 0..4.
+  const Batch b = make({{10, 4, {1, 1, 1, 1}}, {16, 8, {1, 1, 1, 1, 1, 1, 1, 1}}});
+  const StepLayout l = layout(b, 1, 1, 2);
+  // Rank 0 counts 3, rank 1 counts 9, N = 12. A count all-reduced over DP only (DP 1) leaves each
+  // CP rank with its own count: w = 1/3 on rank 0's tokens, 1/9 on rank 1's.
+  const double r0 = 1. / 3, r1 = 1. / 9;
+  expect_weights(weights_of(b, l, "norm=global:dp"),
+                 {r1, r1, r1, r1, r1, r1, r1, r1, r1, r0, r0, r0});
+  // slime's full-sample count on both ranks (N·cp = 24) without its ×cp: every weight halves.
+  const double h = 1. / 24;
+  expect_weights(weights_of(b, l, "count=full-sample,clamp=per-sample,norm=global:dp-cp"),
+                 std::vector<double>(12, h));
+  expect_weights(weights_of(b, l, "slime"), std::vector<double>(12, 1. / 12));
+}
+
+TEST(Weights, DiagnosisNamesEachBugShape) {
+  const Batch b = hand_batch();
+  const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+  auto diagnose = [&](const StepLayout& l, const std::string& c) {
+    const ContractWeights w = contract_weights(b, l, parse_contract(c, Reduction::kPerToken), {});
+    return diagnose_weights(b, w.weight, truth, w.place, l, 8, w.global_count);
+  };
+  EXPECT_EQ(diagnose(layout(b, 1, 3, 1), "megatron-per-token").kind, "exact");
+  const WeightDiagnosis ga = diagnose(layout(b, 1, 3, 1), "hf-ga");
+  EXPECT_EQ(ga.kind, "per-microbatch");
+  EXPECT_NEAR(ga.min_ratio, 2. / 3, 1e-12);
+  EXPECT_NEAR(ga.max_ratio, 8. / 3, 1e-12);
+  EXPECT_EQ(ga.worst.sample, 1);  // the one-token micro-batch: 8/3 of its weight
+  EXPECT_EQ(ga.worst.microbatch, 1);
+  EXPECT_EQ(ga.worst.unit_tokens, 1);
+  EXPECT_EQ(diagnose(layout(b, 3, 1, 1), "hf-num-items").kind, "per-rank");
+  const WeightDiagnosis half = diagnose(layout(b, 1, 1, 2), "count=full-sample,norm=global:dp-cp");
+  EXPECT_EQ(half.kind, "uniform-scale");
+  EXPECT_NEAR(half.scale, 0.5, 1e-15);
+  EXPECT_EQ(half.named, "1/cp");
+  EXPECT_EQ(diagnose(layout(b, 2, 1, 1), "scale=2,norm=global:dp-cp").named, "dp");
+  // A per-CP-shard mean (Megatron's 3-tuple loss under CP) is constant within each shard only.
+  EXPECT_EQ(diagnose(layout(b, 1, 1, 2), "megatron-mean").kind, "per-cp-shard");
+  // A weight on a masked token is its own finding, whatever else is wrong.
+  ContractWeights w =
+      contract_weights(b, layout(b, 1, 1, 1), parse_contract("truth", Reduction::kPerToken), {});
+  w.weight[4] = 0.01;  // sample 1's masked token
+  const WeightDiagnosis masked = diagnose_weights(b, w.weight, truth, w.place, layout(b, 1, 1, 1));
+  EXPECT_EQ(masked.kind, "masked-weight");
+  EXPECT_EQ(masked.worst.sample, 1);
+  EXPECT_EQ(masked.worst.response_index, 1);
+  // One token's weight off by 1e-4 relative is caught and located (per-sample: it is alone).
+  w.weight[4] = 0.0;
+  w.weight[6] *= 1.0 + 1e-4;
+  const WeightDiagnosis one = diagnose_weights(b, w.weight, truth, w.place, layout(b, 1, 1, 1));
+  EXPECT_EQ(one.mismatched, 1);
+  EXPECT_EQ(one.worst.sample, 2);
+  EXPECT_EQ(one.worst.response_index, 1);
+}
+
+TEST(Weights, Bug1IsAnNOverNPrimeScaleAtCp1AndBreaksSplitInvariance) {
+  // An empty response (R = 0) and a fully masked one: relax-legacy counts each as 1 at CP = 1.
+  const Batch b = make({{5, 3, {1, 1, 1}}, {4, 0, {}}, {6, 2, {0, 0}}, {6, 4, {1, 1, 1, 1}}});
+  const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+  const Contract legacy = parse_contract("relax-legacy", Reduction::kPerToken);
+  const StepLayout cp1 = layout(b, 1, 1, 1);
+  const ContractWeights w = contract_weights(b, cp1, legacy, {});
+  const WeightDiagnosis d = diagnose_weights(b, w.weight, truth, w.place, cp1, 7, w.global_count);
+  EXPECT_EQ(d.kind, "uniform-scale");
+  EXPECT_NEAR(d.scale, 7. / 9, 1e-15);
+  EXPECT_NE(d.named.find("N/N' = 7/9"), std::string::npos) << d.named;
+  // Exact at CP 2, so only the layout variations show it.
+  const auto inv =
+      check_split_invariance(b, layout(b, 1, 1, 2), legacy, {}, Split::kContiguous, truth);
+  int broken = 0;
+  for (const auto& r : inv) {
+    broken += !r.ok;
+    if (!r.ok) {
+      EXPECT_EQ(r.layout["cp"], 1) << r.label;
+    }
+  }
+  EXPECT_EQ(broken, 1);
+}
+
+// The property of I5 over random batches: correct contracts are split-invariant and exact; each
+// buggy one is exact exactly where its formula says, checked against formulas written here from
+// counts.
+TEST(Weights, SplitInvarianceAndBugFormulasOverRandomBatches) {
+  fixtures::Rng rng(20261202);
+  int batches = 0, hf_ga_exact = 0, hf_ga_wrong = 0;
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::vector<S> samples;
+    const int64_t n = rng.uniform_int(1, 10);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t t = rng.uniform_int(0, 24);
+      const int64_t r = rng.uniform_int(0, t);
+      std::vector<int64_t> mask(static_cast<std::size_t>(r));
+      const bool masked = rng.uniform() < 0.15;
+      for (auto& x : mask) x = masked ? 0 : rng.uniform() < 0.8;
+      samples.push_back({t, r, mask});
+    }
+    const Batch b = make(samples);
+    const int64_t dp = rng.uniform_int(1, 4), m = rng.uniform_int(1, 3), cp = rng.uniform_int(1, 4);
+    const StepLayout l = layout(b, dp, m, cp);
+    const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+    int64_t big_n = 0, empties = 0;
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      big_n += b.mask_sum(i);
+      empties += b.mask_sum(i) == 0;
+    }
+    // The truth at CP > 1 drops a non-pre-shifted SFT sample's last token; keep batches without
+    // one.
+    bool sft_last = false;
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      sft_last |= b.response_lengths[i] == b.total_lengths[i] && b.total_lengths[i] > 0 &&
+                  b.loss_mask[b.response_offsets[i + 1] - 1];
+    }
+    if (sft_last) continue;
+    ++batches;
+    for (const char* correct : {"truth", "megatron-per-token", "relax"}) {
+      const Contract c = parse_contract(correct, Reduction::kPerToken);
+      const ContractWeights w = contract_weights(b, l, c, {});
+      ASSERT_TRUE(diagnose_weights(b, w.weight, truth, w.place, l).exact())
+          << correct << " trial " << trial;
+      for (const auto& r : check_split_invariance(b, l, c, {}, Split::kContiguous, truth)) {
+        ASSERT_TRUE(r.ok) << correct << " " << r.label << " trial " << trial;
+      }
+    }
+    // slime: exact iff no sample is empty (its clamp counts each as 1 on every CP rank).
+    const ContractWeights sl =
+        contract_weights(b, l, parse_contract("slime", Reduction::kPerToken), {});
+    const WeightDiagnosis sd = diagnose_weights(b, sl.weight, truth, sl.place, l);
+    if (big_n > 0) {
+      ASSERT_EQ(sd.exact(), empties == 0) << "trial " << trial;
+      if (empties > 0) {
+        ASSERT_NEAR(sd.scale, double(big_n) / double(big_n + empties), 1e-12);
+      }
+    }
+    // relax-legacy: wrong exactly at CP = 1 with an empty sample, by N/(N + empties).
+    const ContractWeights rl =
+        contract_weights(b, l, parse_contract("relax-legacy", Reduction::kPerToken), {});
+    const WeightDiagnosis rd = diagnose_weights(b, rl.weight, truth, rl.place, l);
+    if (big_n > 0) {
+      ASSERT_EQ(rd.exact(), cp > 1 || empties == 0) << "trial " << trial;
+    }
+    // hf-ga at CP 1: w_t = 1 / (M_d · dp · n_mb) for the token's micro-batch (a formula from
+    // counts).
+    if (cp == 1) {
+      const Placement p = place_samples(b.num_samples(), dp, m, Split::kContiguous);
+      const std::vector<double> ga = weights_of(b, l, "hf-ga");
+      bool all_exact = true;
+      for (int64_t d = 0; d < dp; ++d) {
+        for (const auto& mb : p[d]) {
+          int64_t n_mb = 0;
+          for (int64_t i : mb) n_mb += b.mask_sum(i);
+          for (int64_t i : mb) {
+            for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+              const double want =
+                  b.loss_mask[t] ? 1.0 / (double(p[d].size()) * double(dp) * double(n_mb)) : 0.0;
+              ASSERT_NEAR(ga[t], want, 1e-15 + 1e-12 * want) << "trial " << trial;
+              if (b.loss_mask[t]) all_exact &= std::fabs(want - truth[t]) <= 1e-12 * truth[t];
+            }
+          }
+        }
+      }
+      const ContractWeights gw =
+          contract_weights(b, l, parse_contract("hf-ga", Reduction::kPerToken), {});
+      ASSERT_EQ(diagnose_weights(b, gw.weight, truth, gw.place, l).exact(),
+                all_exact || big_n == 0);
+      (all_exact ? hf_ga_exact : hf_ga_wrong)++;
+    }
+  }
+  EXPECT_GT(batches, 1000);     // the others hold a non-pre-shifted SFT sample
+  EXPECT_GT(hf_ga_wrong, 100);  // the property saw the bug, not only its absence
+  EXPECT_GT(hf_ga_exact, 5);
+}
+
+TEST(Weights, AllGatherOwnsEveryTokenExactlyOnce) {
+  fixtures::Rng rng(7);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<S> samples;
+    for (int64_t i = 0, n = rng.uniform_int(1, 8); i < n; ++i) {
+      const int64_t t = rng.uniform_int(1, 40), r = rng.uniform_int(0, t - 1);  // RL samples
+      samples.push_back({t, r, std::vector<int64_t>(static_cast<std::size_t>(r), 1)});
+    }
+    const Batch b = make(samples);
+    StepLayout l = layout(b, rng.uniform_int(1, 3), rng.uniform_int(1, 3), rng.uniform_int(2, 4));
+    l.cp_layout = CpLayout::kAllgather;
+    l.allgather_pad = rng.uniform_int(1, 8);
+    const ContractWeights w =
+        contract_weights(b, l, parse_contract("megatron-per-token", Reduction::kPerToken), {});
+    for (std::size_t t = 0; t < w.place.owner.size(); ++t) {
+      ASSERT_GE(w.place.owner[t], 0) << "trial " << trial << " token " << t;
+      ASSERT_LT(w.place.owner[t], l.cp);
+    }
+    const auto truth = true_weights(b, Reduction::kPerToken, {});
+    ASSERT_TRUE(diagnose_weights(b, w.weight, truth, w.place, l).exact()) << trial;
+  }
+}
+
+TEST(Weights, ContractSyntax) {
+  const Contract c = parse_contract(
+      "count=full-sample,clamp=per-sample,norm=global:dp,scale=dp*cp*1/B,grad=mean:dp-cp",
+      Reduction::kPerToken);
+  EXPECT_EQ(contract_components(c),
+            "count=full-sample,clamp=per-sample,norm=global:dp,sample=none,scale=dp*cp*1/"
+            "B,grad=mean:dp-cp");
+  EXPECT_TRUE(c.preset.empty());
+  EXPECT_EQ(parse_contract("slime", Reduction::kPerToken).preset, "slime");
+  EXPECT_EQ(parse_contract("slime", Reduction::kPerToken),
+            parse_contract("policy=slime,norm=global:dp-cp", Reduction::kPerToken));
+  EXPECT_TRUE(
+      parse_contract("megatron-per-token,norm=global:dp", Reduction::kPerToken).preset.empty());
+  EXPECT_THROW(parse_contract("hf-gaa", Reduction::kPerToken), InputError);
+  EXPECT_THROW(parse_contract("norm=global", Reduction::kPerToken), InputError);
+  EXPECT_THROW(parse_contract("scale=cp*x", Reduction::kPerToken), InputError);
+  EXPECT_THROW(parse_contract("count=everything", Reduction::kPerToken), InputError);
+}
+
+}  // namespace
+}  // namespace lossguard::oracle

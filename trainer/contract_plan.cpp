@@ -1,0 +1,138 @@
+// Contract coefficients, rank-centric (see contract_plan.h).
+#include "trainer/contract_plan.h"
+
+#include <algorithm>
+#include <map>
+
+#include "core/errors.h"
+
+namespace lossguard::trainer {
+
+ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan, int64_t cp,
+                                           const ContractRun& run) {
+  const Contract& c = *run.contract;
+  const Placement& placement = *run.placement;
+  const int64_t dp = static_cast<int64_t>(placement.size());
+  const int64_t s = b.num_samples();
+  // Which micro-batch holds each sample: (dp rank, micro-batch).
+  std::vector<std::pair<int64_t, int64_t>> where(static_cast<std::size_t>(s), {-1, -1});
+  for (int64_t d = 0; d < dp; ++d) {
+    for (std::size_t k = 0; k < placement[d].size(); ++k) {
+      for (int64_t i : placement[d][k]) where[i] = {d, static_cast<int64_t>(k)};
+    }
+  }
+  // Per sample: its full mask sum (what every rank sees of it when it counts full samples).
+  std::vector<int64_t> full(static_cast<std::size_t>(s), 0);
+  for (int64_t i = 0; i < s; ++i) {
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+      full[i] += b.loss_mask[t];
+  }
+  // What each rank (d, r) counts for its micro-batch k: local[(d, k)][r].
+  std::map<std::pair<int64_t, int64_t>, std::vector<int64_t>> local;
+  for (int64_t d = 0; d < dp; ++d) {
+    for (std::size_t k = 0; k < placement[d].size(); ++k)
+      local[{d, static_cast<int64_t>(k)}].assign(cp, 0);
+  }
+  auto clamp = [&](int64_t x) {
+    const bool on = c.clamp == ClampRule::kPerSample || (c.clamp == ClampRule::kAtCp1 && cp == 1);
+    return on ? std::max<int64_t>(x, 1) : x;
+  };
+  for (int64_t r = 0; r < cp; ++r) {
+    // The rank sees each of its micro-batch's samples; cp-local counts its owned effective rows.
+    std::vector<int64_t> owned_in_sample(static_cast<std::size_t>(s), 0);
+    for (const OwnedRow& o : plan.owned[r]) owned_in_sample[o.sample] += b.loss_mask[o.row];
+    for (int64_t i = 0; i < s; ++i) {
+      if (where[i].first < 0) continue;
+      int64_t x = 0;
+      switch (c.count) {
+        case CountRule::kCpLocal:
+          x = clamp(owned_in_sample[i]);
+          break;
+        case CountRule::kFullSample:
+          x = clamp(full[i]);
+          break;
+        case CountRule::kSamples:
+          x = 1;
+          break;
+      }
+      local[where[i]][r] += x;
+    }
+  }
+  // The all-reduces.
+  std::vector<int64_t> per_rank(static_cast<std::size_t>(dp * cp),
+                                0);  // over the rank's micro-batches
+  for (const auto& [key, counts] : local) {
+    for (int64_t r = 0; r < cp; ++r) per_rank[key.first * cp + r] += counts[r];
+  }
+  ContractCoefficients out;
+  for (int64_t x : per_rank) out.global_count += x;
+  auto denominator = [&](int64_t d, int64_t k, int64_t r) -> int64_t {
+    switch (c.norm) {
+      case NormRule::kNone:
+        return 1;
+      case NormRule::kMicrobatch:
+        return local[{d, k}][r];
+      case NormRule::kRank:
+        return per_rank[d * cp + r];
+      case NormRule::kGlobal: {
+        int64_t sum = 0;
+        for (int64_t d2 = 0; d2 < dp; ++d2) {
+          for (int64_t r2 = 0; r2 < cp; ++r2) {
+            const bool member = c.norm_group == ReduceGroup::kDpCp ||
+                                c.norm_group == ReduceGroup::kWorld ||
+                                (c.norm_group == ReduceGroup::kDp && r2 == r) ||
+                                (c.norm_group == ReduceGroup::kCp && d2 == d);
+            if (member) sum += per_rank[d2 * cp + r2];
+          }
+        }
+        return c.norm_group == ReduceGroup::kWorld ? sum * run.tp : sum;
+      }
+    }
+    return 1;
+  };
+  int64_t nonzero = 0, max_r = 1;
+  for (int64_t i = 0; i < s; ++i) {
+    nonzero += full[i] > 0;
+    max_r = std::max(max_r, b.response_lengths[i]);
+  }
+  ScaleSizes sizes;
+  sizes.cp = cp;
+  sizes.dp = dp;
+  sizes.tp = run.tp;
+  sizes.batch = run.global_batch_size > 0 ? run.global_batch_size : std::max<int64_t>(s, 1);
+  sizes.batch_nonzero = std::max<int64_t>(nonzero, 1);
+  sizes.l_norm = run.l_norm > 0 ? run.l_norm : static_cast<double>(max_r);
+  double group = 1.0;
+  if (c.grad == GradRule::kMean) {
+    switch (c.grad_group) {
+      case ReduceGroup::kDpCp:
+        group = static_cast<double>(dp * cp);
+        break;
+      case ReduceGroup::kDp:
+        group = static_cast<double>(dp);
+        break;
+      case ReduceGroup::kCp:
+        group = static_cast<double>(cp);
+        break;
+      case ReduceGroup::kWorld:
+        group = static_cast<double>(dp * cp * run.tp);
+        break;
+    }
+  }
+  out.coeff.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
+  for (int64_t r = 0; r < cp; ++r) {
+    for (const OwnedRow& o : plan.owned[r]) {
+      const auto [d, k] = where[o.sample];
+      if (d < 0 || !b.loss_mask[o.row]) continue;
+      sizes.microbatches = static_cast<int64_t>(placement[d].size());
+      double w = scale_value(c.scale, sizes) /
+                 static_cast<double>(std::max<int64_t>(denominator(d, k, r), 1));
+      if (c.sample == SampleRule::kMean)
+        w /= static_cast<double>(std::max<int64_t>(full[o.sample], 1));
+      out.coeff[o.row] = w / group;
+    }
+  }
+  return out;
+}
+
+}  // namespace lossguard::trainer
