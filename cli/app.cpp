@@ -52,6 +52,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   register_count(app, commands);
   register_check(app, commands);
   register_weights(app, commands);
+  register_audit(app, commands);
   register_topo(app, commands);
   register_replay(app, commands);
   register_gen(app, commands);

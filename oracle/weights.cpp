@@ -283,8 +283,8 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
 
 namespace {
 
-bool same(double a, double b) {
-  return std::fabs(a - b) <= kWeightRelTol * std::max(std::fabs(a), std::fabs(b));
+bool same(double a, double b, double tol = kWeightRelTol) {
+  return std::fabs(a - b) <= tol * std::max(std::fabs(a), std::fabs(b));
 }
 
 TokenCoord coord_of(const Batch& b, int64_t i, int64_t t, const TokenPlace& place,
@@ -305,7 +305,7 @@ TokenCoord coord_of(const Batch& b, int64_t i, int64_t t, const TokenPlace& plac
 }
 
 // A simple product of the layout's sizes equal to r: "1/cp", "dp*cp", "1/M" (ties: all names).
-std::string name_factor(double r, const StepLayout& l) {
+std::string name_factor(double r, const StepLayout& l, double tol) {
   int64_t m = 0;
   for (int64_t d = 0; d < l.dp; ++d) m = std::max(m, l.num_microbatches(d));
   struct Base {
@@ -330,7 +330,7 @@ std::string name_factor(double r, const StepLayout& l) {
             v *= std::pow(bases[k].value, e[k]);
             cost += std::abs(e[k]);
           }
-          if (cost == 0 || cost > best_cost || !same(v, r)) continue;
+          if (cost == 0 || cost > best_cost || !same(v, r, tol)) continue;
           std::string num, den;
           for (int k = 0; k < 4; ++k) {
             for (int x = 0; x < std::abs(e[k]); ++x) {
@@ -359,7 +359,8 @@ std::string name_factor(double r, const StepLayout& l) {
 
 WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
                                  const std::vector<double>& want, const TokenPlace& place,
-                                 const StepLayout& l, int64_t true_count, int64_t contract_count) {
+                                 const StepLayout& l, int64_t true_count, int64_t contract_count,
+                                 double tol) {
   WeightDiagnosis dg;
   const int64_t s = b.num_samples();
   double worst_log = -1.0;
@@ -376,13 +377,13 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
       }
       ++dg.tokens;
       const double r = got[t] / want[t];
-      if (!same(r, 1.0)) ++dg.mismatched;
+      if (!same(r, 1.0, tol)) ++dg.mismatched;
       if (first) {
         r0 = r;
         dg.min_ratio = dg.max_ratio = r;
         first = false;
       }
-      uniform &= same(r, r0);
+      uniform &= same(r, r0, tol);
       dg.min_ratio = std::min(dg.min_ratio, r);
       dg.max_ratio = std::max(dg.max_ratio, r);
       const double lg = r > 0 ? std::fabs(std::log(r)) : INFINITY;
@@ -403,9 +404,9 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
   if (uniform) {
     dg.kind = "uniform-scale";
     dg.scale = r0;
-    dg.named = name_factor(r0, l);
+    dg.named = name_factor(r0, l, tol);
     if (dg.named.empty() && contract_count > 0 &&
-        same(r0, static_cast<double>(true_count) / static_cast<double>(contract_count))) {
+        same(r0, static_cast<double>(true_count) / static_cast<double>(contract_count), tol)) {
       dg.named =
           fmt::format("N/N' = {}/{}: the contract counts {} token(s) where the objective has {}",
                       true_count, contract_count, contract_count, true_count);
@@ -430,7 +431,7 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
         const double r = got[t] / want[t];
         if (std::isnan(ratio[k])) {
           ratio[k] = r;
-        } else if (!same(ratio[k], r)) {
+        } else if (!same(ratio[k], r, tol)) {
           return false;
         }
         ++tokens[k];
@@ -473,6 +474,7 @@ std::string WeightDiagnosis::summary() const {
                               : ", owned by no CP rank)";
     return w;
   };
+  if (kind == "exact" && tokens == 0) return "no effective tokens in this step: nothing to weigh";
   if (kind == "exact")
     return fmt::format("exact: every one of {} tokens weighted as the objective says", tokens);
   if (kind == "masked-weight") {
@@ -603,13 +605,38 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
 
 std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layout,
                                           const std::vector<double>& got, Reduction reduce,
-                                          const ObjectiveSizes& sizes) {
+                                          const ObjectiveSizes& sizes, double tol) {
   std::vector<std::string> out;
   for (const auto& p : contract_presets()) {
     const ContractWeights w = contract_weights(b, layout, preset_contract(p.name, reduce), sizes);
     bool equal = true;
-    for (std::size_t t = 0; t < got.size() && equal; ++t) equal = same(got[t], w.weight[t]);
+    for (std::size_t t = 0; t < got.size() && equal; ++t) equal = same(got[t], w.weight[t], tol);
     if (equal) out.push_back(p.name);
+  }
+  if (!out.empty()) return out;
+  // Single component changes: of the truth, then of every preset (the first level that matches).
+  const char* changes[] = {
+      "count=cp-local",    "count=full-sample", "count=samples",   "clamp=none",
+      "clamp=per-sample",  "clamp=at-cp1",      "norm=none",       "norm=microbatch",
+      "norm=rank",         "norm=global:dp",    "norm=global:cp",  "norm=global:world",
+      "norm=global:dp-cp", "sample=mean",       "sample=none",     "grad=sum",
+      "grad=mean:dp",      "grad=mean:cp",      "grad=mean:dp-cp", "grad=mean:world",
+      "scale=1",           "scale=cp",          "scale=1/cp",      "scale=dp",
+      "scale=1/dp",        "scale=1/M",         "scale=M"};
+  // Every preset's variations cost a pass each over the tokens: only for batches of modest size.
+  const bool all_presets = b.num_response_tokens() <= (1 << 20);
+  for (const auto& p : contract_presets()) {
+    if (std::string(p.name) != "truth" && !all_presets) break;
+    const Contract base = preset_contract(p.name, reduce);
+    for (const char* change : changes) {
+      const Contract c = parse_contract(contract_components(base) + "," + change, reduce);
+      if (c == base) continue;
+      const ContractWeights w = contract_weights(b, layout, c, sizes);
+      bool equal = true;
+      for (std::size_t t = 0; t < got.size() && equal; ++t) equal = same(got[t], w.weight[t], tol);
+      if (equal) out.push_back(fmt::format("{} with {}", p.name, change));
+    }
+    if (!out.empty()) break;
   }
   return out;
 }

@@ -84,7 +84,7 @@ struct WeightDiagnosis {
 WeightDiagnosis diagnose_weights(const Batch& batch, const std::vector<double>& got,
                                  const std::vector<double>& want, const TokenPlace& place,
                                  const StepLayout& layout, int64_t true_count = 0,
-                                 int64_t contract_count = 0);
+                                 int64_t contract_count = 0, double rel_tol = kWeightRelTol);
 
 // The ratio w/w* over one CP rank's share of one micro-batch (tokens with w* > 0), for tables and
 // the SVG: shard[mb * cp + c].
@@ -117,9 +117,11 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& batch, const S
                                                      const std::vector<double>& truth,
                                                      Variations vary = {});
 
-// The presets whose weights on `layout` equal `got` (exactly, to kWeightRelTol).
+// The contracts whose weights on `layout` equal `got` (to `rel_tol`): the presets first, then, when
+// none does, every single-component change of the truth's contract ("norm=global:dp").
 std::vector<std::string> matching_presets(const Batch& batch, const StepLayout& layout,
                                           const std::vector<double>& got, Reduction reduce,
-                                          const ObjectiveSizes& sizes);
+                                          const ObjectiveSizes& sizes,
+                                          double rel_tol = kWeightRelTol);
 
 }  // namespace lossguard::oracle

@@ -48,5 +48,16 @@ run weights "$EX/gen_random.safetensors" --contract megatron-per-token --dp 2 --
 step "The same bug through a trainer's real autograd: check --contract trains every micro-batch under it"
 run check "$EX/gen_random.safetensors" --cp 1,2 --dp 2 --microbatches 3 --contract hf-ga --impl torch,kernels
 
+step "Audit a real trainer: a DP x CP job under torchrun records what it did (lossguard-capture), lossguard judges it"
+PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}/bin/python"
+CAP=$(mktemp -d /tmp/lossguard-demo-captures.XXXX)
+printf '$ torchrun --nproc-per-node 4 tests/audit/mini_trainer.py --dp 2 --cp 2 --microbatches 2 --bug none,microbatch-mean ...\n'
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 tests/audit/mini_trainer.py \
+  --out "$CAP" --dp 2 --cp 2 --microbatches 2 --bug none,microbatch-mean --steps 2 --empty-step 1 >/dev/null 2>&1 \
+  || echo "(the mini trainer did not run: $PY needs torch)"
+run audit "$CAP/none"
+step "The same trainer with a mean per micro-batch: audit measures it, names the shape and the contract that reproduces it"
+run audit "$CAP/microbatch-mean" --svg /tmp/lossguard-demo-audit.svg
+
 step "And a hostile pickle is refused by name; nothing is executed"
 run inspect "$EX/hostile_os_system.pt"

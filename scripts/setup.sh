@@ -24,9 +24,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
 
-if ! "$VENV/bin/python" -c 'import torch, numpy, safetensors' 2>/dev/null; then
-  echo "setup: creating $VENV with torch, numpy, safetensors from PyPI (a few GiB, once)" >&2
-  "$PYTHON" -m venv "$VENV"
+if ! "$VENV/bin/python" -c 'import torch, numpy, safetensors, pytest' 2>/dev/null; then
+  echo "setup: creating $VENV with torch, numpy, safetensors, pytest from PyPI (a few GiB, once)" >&2
+  [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q torch numpy safetensors
+  "$VENV/bin/python" -m pip install -q torch numpy safetensors pytest
 fi

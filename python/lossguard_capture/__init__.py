@@ -1,4 +1,4 @@
-"""lossguard-capture: record a trainer's own loss-normalisation numbers for `lossguard audit` (SPEC §10)."""
+"""lossguard-capture: record a trainer's own loss-normalisation numbers for `lossguard audit` (docs/semantics.md §10)."""
 
 from .recorder import SCHEMA, MicroBatch, Recorder, capture_filename
 from .zigzag import (owned_count, zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned,

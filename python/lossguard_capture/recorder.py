@@ -1,4 +1,4 @@
-"""Per-rank, per-step audit capture (lossguard SPEC §10, schema ``audit/1``).
+"""Per-rank, per-step audit capture (lossguard docs/semantics.md §10, schema ``audit/1``).
 
 Usage, on every loss-computing rank, once per optimizer step::
 
@@ -161,7 +161,7 @@ class MicroBatch:
             out[k + name] = _as_tensor(f[name]).cpu().reshape(-1).to(torch.int64)
         out[k + "tokens"] = _as_tensor(f["tokens"]).cpu().reshape(-1).to(torch.int64)
         masks = f["loss_masks"]
-        if masks is None:      # absent mask = all ones (SPEC §1)
+        if masks is None:      # absent mask = all ones (docs/semantics.md §1)
             R = int(out[k + "response_lengths"].sum())
             out[k + "loss_masks"] = torch.ones(R, dtype=torch.int64)
         else:
@@ -219,7 +219,7 @@ class MicroBatch:
                 out[k + "token_loss"] = _float_out(tl).contiguous()
             if expected_owned is not None and shape_n != expected_owned:
                 problems.append(f"the hooked per-token loss has {shape_n} entries but the rank owns "
-                                f"{expected_owned} response tokens of these samples (SPEC §2, cp rank {cp_rank % cp_size} of {cp_size})")
+                                f"{expected_owned} response tokens of these samples (docs/semantics.md §2, cp rank {cp_rank % cp_size} of {cp_size})")
         elif self.dummy or expected_owned == 0:
             out[k + "token_weight"] = torch.zeros(0, dtype=torch.float32)
         else:

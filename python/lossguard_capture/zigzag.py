@@ -1,4 +1,4 @@
-"""Zig-zag context-parallel sharding and the token ownership rule (lossguard SPEC §2).
+"""Zig-zag context-parallel sharding and the token ownership rule (lossguard docs/semantics.md §2).
 
 With CP size ``cp > 1`` each sample of ``T`` tokens is right-padded and cut into ``2*cp`` chunks of
 ``cs = ceil(T / (2*cp))`` positions (or ``padded_total_length / (2*cp)``); CP rank ``r`` holds chunk
@@ -81,7 +81,7 @@ def zigzag_owned_logit_positions(total_length: int, response_length: int, cp_siz
 
 def zigzag_owned(total_length: int, response_length: int, cp_size: int, cp_rank: int,
                  padded_total_length: Optional[int] = None) -> List[int]:
-    """Response indices (mask indices) owned by ``cp_rank``, ascending — SPEC §2 exactly.
+    """Response indices (mask indices) owned by ``cp_rank``, ascending — docs/semantics.md §2 exactly.
 
     For each chunk ``k`` of the rank: ``logits_k = [max(start, P-1), min(end, T-1))``; an RL sample
     (``R < T``) owns response indices ``logits_k + 1 - P``; an SFT sample (``R == T``) owns predictor

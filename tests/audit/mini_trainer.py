@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""A real DP x CP trainer (Gloo on CPU) that records lossguard audit captures (SPEC §10) of its own
+"""A real DP x CP trainer (Gloo on CPU) that records lossguard audit captures (docs/semantics.md §10) of its own
 loss normalisation, correct or with one of several known bugs.
 
     torchrun --standalone --nproc-per-node $((DP*CP)) tests/audit/mini_trainer.py \
         --out DIR --dp DP --cp CP --microbatches M --bug none --seed 0 --steps K \
-        [--empty-step [K]] [--sparse-step K] [--check-grad]
+        [--empty-step [K]] [--sparse-step K] [--check-grad] [--no-capture]
 
 Ranks are ordered CP fastest (rank = dp_rank*cp + cp_rank: Megatron's tp-cp-ep-dp-pp with TP = PP = 1).
 Each step draws a new deterministic batch; DP rank d takes the d-th contiguous block of samples and cuts
-it into M contiguous micro-batches (SPEC §7 placement); CP rank c computes the per-token NLL of the
-response tokens it owns under SPEC §2's zig-zag rule (logits of the whole sequence are computed — the
+it into M contiguous micro-batches (docs/semantics.md §7 placement); CP rank c computes the per-token NLL of the
+response tokens it owns under docs/semantics.md §2's zig-zag rule (logits of the whole sequence are computed — the
 model is tiny — but only owned tokens enter the loss), hooks the per-token loss tensor with the
 recorder, backpropagates each micro-batch (gradient accumulation), all-reduces the gradients over all
 DP x CP ranks, scales them by grad_scale, and steps SGD (lr 0.1) unless it skips.
@@ -38,7 +38,8 @@ All but local-skip skip iff the trainer's own count all-reduced over DP x CP is 
 With several bugs (--bug a,b or --bug all) each runs from the same initial model into DIR/<bug>/.
 Captures: DIR/step{k:06d}-rank{r:05d}.safetensors.  With --check-grad also
 DIR/grad-step{k}-rank{r}.pt (the final all-reduced, scaled gradient, by parameter name) and
-DIR/params-step{k}-rank{r}.pt (the parameters the step's forward used).
+DIR/params-step{k}-rank{r}.pt (the parameters the step's forward used).  --no-capture trains the same way
+without a recorder (no capture file; for bench/capture_overhead.py).
 """
 import argparse
 import math
@@ -132,7 +133,7 @@ def make_batch(seed: int, step: int, n_samples: int, empty: bool = False, sparse
 
 
 def split_contiguous(items, parts):
-    """Contiguous blocks, the first len % parts of them one longer (SPEC §7 placement)."""
+    """Contiguous blocks, the first len % parts of them one longer (docs/semantics.md §7 placement)."""
     base, extra = divmod(len(items), parts)
     out, at = [], 0
     for p in range(parts):
@@ -179,16 +180,18 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, f"params-step{step}-rank{rank}.pt"))
 
+    capture = not getattr(args, "no_capture", False)
     rec = lc.Recorder(out_dir, step, rank, world, tp=1, pp=1, cp=cp, dp=dp, tp_rank=0, pp_rank=0,
-                      cp_rank=cp_rank, dp_rank=dp_rank, cp_layout="zigzag", reduce="per-token")
+                      cp_rank=cp_rank, dp_rank=dp_rank, cp_layout="zigzag", reduce="per-token") if capture else None
     opt.zero_grad()
     count_local = 0          # the trainer's own count (sum of its num_tokens)
-    owned_local = 0          # SPEC §3 fixed count on this rank
+    owned_local = 0          # docs/semantics.md §3 fixed count on this rank
     loss_sum = torch.zeros((), dtype=torch.float64)
     for k, idx in enumerate(mbs):
         samples = [batch[i] for i in idx]
         if not samples:      # uneven split: a dummy micro-batch that carries no loss
-            rec.microbatch([], [], [], [], [], cp_size=cp, num_tokens=0, dummy=True)
+            if capture:
+                rec.microbatch([], [], [], [], [], cp_size=cp, num_tokens=0, dummy=True)
             continue
         pieces, masks = [], []
         for s in samples:
@@ -211,10 +214,11 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
             num_tokens = clamped
         else:
             num_tokens = n_owned
-        h = rec.microbatch(idx, [s["tokens"] for s in samples], [s["T"] for s in samples],
-                           [s["R"] for s in samples], [s["mask"] for s in samples], cp_size=cp,
-                           num_tokens=torch.tensor(num_tokens, dtype=torch.int64))
-        h.hook(l)
+        if capture:
+            h = rec.microbatch(idx, [s["tokens"] for s in samples], [s["T"] for s in samples],
+                               [s["R"] for s in samples], [s["mask"] for s in samples], cp_size=cp,
+                               num_tokens=torch.tensor(num_tokens, dtype=torch.int64))
+            h.hook(l)
         summed = (l * m).sum()
         if bug == "microbatch-mean":
             if n_owned > 0:
@@ -223,7 +227,8 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
                 L = summed * 0.0 + float("nan")
         else:
             L = summed
-        h.loss(L)
+        if capture:
+            h.loss(L)
         L.backward()
         count_local += num_tokens
         owned_local += n_owned
@@ -267,6 +272,8 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
     if args.check_grad:
         torch.save({n: p.grad.detach().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, f"grad-step{step}-rank{rank}.pt"))
+    if not capture:
+        return
     denom = n_fixed if bug == "microbatch-mean" else (num_tokens_reduced if num_tokens_reduced is not None else n_used)
     rec.finish(grad_scale, num_tokens_reduced=num_tokens_reduced, skipped=skipped, grad_norm=grad_norm,
                global_batch_size=len(batch), metrics_values=torch.stack([torch.tensor(float(denom), dtype=torch.float64), loss_sum]),
@@ -290,6 +297,7 @@ def main(argv=None):
                     help="on step K every mask is 0 but sample 0's last response token")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--check-grad", action="store_true")
+    ap.add_argument("--no-capture", action="store_true", help="train without recording (no capture files)")
     args = ap.parse_args(argv)
     bugs = BUGS if args.bug == "all" else args.bug.split(",")
     for b in bugs:

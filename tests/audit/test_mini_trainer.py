@@ -1,4 +1,4 @@
-"""The mini trainer under torchrun (Gloo, CPU) records SPEC §10 captures whose numbers are the truth:
+"""The mini trainer under torchrun (Gloo, CPU) records docs/semantics.md §10 captures whose numbers are the truth:
 
 * the files exist, one per rank and step, with the metadata and the samples the trainer placed;
 * the measured weights w_t = token_weight_t * grad_scale, mapped back to (sample, response index)
@@ -32,7 +32,7 @@ mt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mt)
 
 CONFIGS = [(1, 2), (2, 2), (2, 1), (1, 4)]      # (dp, cp)
-M, STEPS, EMPTY, SPARSE, SEED, SAMPLES = 2, 3, 1, 2, 3, 12
+M, STEPS, EMPTY, SPARSE, SEED, SAMPLES = 2, 4, 1, 2, 3, 12
 BUGS = ["none", "microbatch-mean", "count-dp-only", "full-sample-count", "clamp-cp1", "missing-cp-scale",
         "local-skip"]
 REL = 1e-6
@@ -58,7 +58,7 @@ def batch_of(step):
 
 
 def my_placement(n, dp, m):
-    """SPEC §7 contiguous placement, written out again: DP blocks, then micro-batches, first ones longer."""
+    """docs/semantics.md §7 contiguous placement, written out again: DP blocks, then micro-batches, first ones longer."""
     def blocks(xs, parts):
         q, r = divmod(len(xs), parts)
         out, at = [], 0
@@ -315,6 +315,10 @@ def test_counts_scales_and_decisions(run):
                 assert decisions.count(False) == 1      # only the one rank that owns the token steps
             else:
                 assert not any(decisions)
+        elif st.step == SPARSE + 1 and st.bug == "local-skip" and st.world > 1:
+            # the disagreement left the replicas with different parameters
+            params = [torch.load(os.path.join(st.dir, f"params-step{st.step}-rank{r}.pt")) for r in range(st.world)]
+            assert any(not torch.equal(params[r]["head.bias"], params[0]["head.bias"]) for r in range(st.world))
 
 
 def test_loss_is_sum_of_weight_times_token_loss(run):
@@ -329,3 +333,113 @@ def test_loss_is_sum_of_weight_times_token_loss(run):
                     assert math.isnan(loss) and not tw.any()   # a mean over 0 tokens: NaN value, 0 gradient
                 else:
                     assert math.isclose(loss, float((tw * tl).sum()), rel_tol=1e-5, abs_tol=1e-6)
+
+
+# ---- lossguard audit on these captures ---------------------------------------------------------------
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+
+
+def audit(*args):
+    assert os.path.exists(LOSSGUARD), f"{LOSSGUARD} not built (set LOSSGUARD_BIN)"
+    r = subprocess.run([LOSSGUARD, "audit", *args, "--json", "-"], capture_output=True, text=True, timeout=120)
+    import json
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
+
+
+def check_of(step_doc, name):
+    return next(c for c in step_doc["checks"] if c["name"] == name)
+
+
+def test_audit_names_every_bug(run):
+    """audit passes the correct trainer and names each bug where its formula says it shows."""
+    dp, cp, out = run
+    for bug in BUGS:
+        code, doc, err = audit(os.path.join(out, bug))
+        assert doc is not None, err
+        by_step = {s["step"]: s for s in doc["steps"]}
+        assert sorted(by_step) == list(range(STEPS))
+        s0, empty, sparse = by_step[0], by_step[EMPTY], by_step[SPARSE]
+        assert empty["expected"] == "skip" and s0["expected"] == "step"
+        where = f"{bug} dp{dp} cp{cp}: {err}"
+        if bug == "none":
+            assert code == 0, where
+            assert all(c["ok"] is not False for s in doc["steps"] for c in s["checks"]), where
+            assert "megatron-per-token" in s0["matches"], where
+        elif bug == "microbatch-mean":
+            assert code == 1, where
+            assert s0["diagnosis"]["kind"] == ("per-cp-shard" if cp > 1 else "per-microbatch"), where
+            assert "megatron-mean" in s0["matches"], where
+            # The NaN loss of a mean over zero tokens is a finding, not an inconsistency.
+            assert check_of(empty, "loss")["ok"] is True, where
+            assert any(f["kind"] == "mean_over_zero_tokens" for f in doc["findings"]), where
+        elif bug == "count-dp-only":
+            if cp == 1:
+                assert code == 0, where  # over DP is over DP x CP when CP = 1
+            else:
+                assert code == 1, where
+                assert s0["diagnosis"]["kind"] == "per-cp-shard", where
+                assert check_of(s0, "counts")["ok"] is False, where
+        elif bug == "full-sample-count":
+            if cp == 1:
+                assert code == 0, where
+            else:
+                assert code == 1, where
+                assert s0["diagnosis"]["kind"] == "uniform-scale", where
+                assert math.isclose(s0["diagnosis"]["scale"], 1 / cp, rel_tol=1e-6), where
+                assert check_of(s0, "counts")["ok"] is False, where
+        elif bug == "clamp-cp1":
+            if cp > 1:
+                assert code == 0, where
+            else:
+                assert code == 1, where
+                assert check_of(empty, "decision")["ok"] is False, where  # counted 1 per sample: never skips
+        elif bug == "missing-cp-scale":
+            assert code == 1, where
+            assert check_of(empty, "decision")["ok"] is False, where
+            if cp > 1:
+                assert s0["diagnosis"]["kind"] == "uniform-scale", where
+                assert any(m.startswith("slime with") for m in s0["matches"]), (where, s0["matches"])
+        elif bug == "local-skip":
+            assert code == 1, where
+            assert check_of(sparse, "decision")["ok"] is False, where
+            assert check_of(s0, "weights")["ok"] is True, where
+
+
+def test_audit_refuses_captures_that_do_not_fit(run, tmp_path):
+    """Exit 2 naming the file, rank and field: a missing rank, a sample that differs, a short token_weight."""
+    import shutil
+    from safetensors.torch import save_file
+    dp, cp, out = run
+    src = os.path.join(out, "none")
+
+    def fresh(name):
+        d = tmp_path / name
+        shutil.copytree(src, d)
+        return d
+
+    d = fresh("missing")
+    os.remove(d / "step000000-rank00001.safetensors")
+    code, _, err = audit(str(d))
+    assert code == 2 and "no capture from the loss-computing rank" in err, err
+
+    def rewrite(path, change):
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        tensors = load_file(str(path))
+        change(tensors)
+        save_file(tensors, str(path), metadata=meta)
+
+    d = fresh("short")
+    def shorten(t):
+        for k in ("mb.0.token_weight", "mb.0.token_loss"):
+            t[k] = t[k][:-1].clone()
+    rewrite(d / "step000000-rank00000.safetensors", shorten)
+    code, _, err = audit(str(d))
+    assert code == 2 and "token_weight has" in err and "step000000-rank00000" in err, err
+
+    if cp > 1:  # the CP ranks of one group hold the same samples: make rank 1's copy differ
+        d = fresh("differs")
+        rewrite(d / "step000000-rank00001.safetensors",
+                lambda t: t.__setitem__("mb.0.tokens", (t["mb.0.tokens"] + 1).clone()))
+        code, _, err = audit(str(d))
+        assert code == 2 and "differs between" in err, err

@@ -1,0 +1,45 @@
+// What a trainer recorded on one rank for one step (SPEC §10, the audit capture): the micro-batches
+// it computed loss for, each owned token's measured dL/dl_t, and the step's scale, count, decision
+// and metrics. io/capture.cpp reads it; oracle/audit.cpp judges it. Optional records are optional.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/modes.h"
+
+namespace lossguard {
+
+struct CapturedMicroBatch {
+  int64_t index = 0;                                                     // k, within the rank
+  std::vector<int64_t> sample_indices, total_lengths, response_lengths;  // [n_k]
+  std::vector<int64_t> tokens;                                           // [sum T]
+  std::vector<uint8_t> loss_masks;                                       // [sum R]
+  int64_t cp_size = 1;
+  bool dummy = false;
+  std::optional<int64_t> num_tokens;
+  std::optional<double> loss;
+  std::vector<double> token_weight;               // [owned], the rank's local order
+  std::optional<std::vector<double>> token_loss;  // [owned]
+  std::optional<std::vector<double>> sample_denoms;
+};
+
+struct RankCapture {
+  std::string file;
+  int64_t step = 0, rank = 0, world_size = 1;
+  int64_t tp = 1, pp = 1, cp = 1, dp = 1;
+  int64_t tp_rank = 0, pp_rank = 0, cp_rank = 0, dp_rank = 0;
+  CpLayout cp_layout = CpLayout::kZigzag;
+  std::string reduce;                    // the objective the trainer claims
+  std::string weight_dtype = "float32";  // of token_weight: sets the weight tolerance
+  std::vector<CapturedMicroBatch> microbatches;
+  double grad_scale = 1.0;
+  std::optional<int64_t> num_tokens_reduced, global_batch_size;
+  std::optional<bool> skipped;
+  std::optional<double> grad_norm;
+  std::optional<std::vector<double>> metrics_values;
+  std::vector<std::string> metrics_keys;
+};
+
+}  // namespace lossguard

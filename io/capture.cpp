@@ -1,0 +1,227 @@
+// Audit capture reader: every field checked against the layout SPEC §10 gives it.
+#include "io/capture.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include "core/errors.h"
+#include "io/safetensors.h"
+
+namespace lossguard::io {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Reader {
+  const std::string& path;
+  const SafetensorsFile& file;
+  std::map<std::string, const HostArray*> by_name;
+
+  const HostArray* find(const std::string& name) const {
+    auto it = by_name.find(name);
+    return it == by_name.end() ? nullptr : it->second;
+  }
+  const HostArray& need(const std::string& name) const {
+    const HostArray* a = find(name);
+    if (a == nullptr) throw_input_error("{}: capture lacks the tensor '{}'", path, name);
+    return *a;
+  }
+  void expect_ints(const std::string& name, const HostArray& a) const {
+    if (dtype_is_float(a.dtype)) {
+      throw_input_error("{}: '{}' must be an integer tensor, is {}", path, name,
+                        dtype_name(a.dtype));
+    }
+  }
+  int64_t scalar_int(const std::string& name) const {
+    const HostArray& a = need(name);
+    expect_ints(name, a);
+    if (a.numel() != 1)
+      throw_input_error("{}: '{}' must be a scalar, has shape {}", path, name, a.shape_string());
+    return a.get_i64(0);
+  }
+  std::optional<int64_t> opt_int(const std::string& name) const {
+    return find(name) ? std::optional<int64_t>(scalar_int(name)) : std::nullopt;
+  }
+  std::optional<double> opt_float(const std::string& name) const {
+    const HostArray* a = find(name);
+    if (a == nullptr) return std::nullopt;
+    if (a->numel() != 1)
+      throw_input_error("{}: '{}' must be a scalar, has shape {}", path, name, a->shape_string());
+    return a->get_f64(0);
+  }
+  std::vector<int64_t> ints(const std::string& name, std::optional<int64_t> length = {}) const {
+    const HostArray& a = need(name);
+    expect_ints(name, a);
+    if (a.shape.size() != 1)
+      throw_input_error("{}: '{}' must be 1-D, has shape {}", path, name, a.shape_string());
+    if (length && a.numel() != *length) {
+      throw_input_error("{}: '{}' has {} entries, expected {}", path, name, a.numel(), *length);
+    }
+    std::vector<int64_t> v(static_cast<std::size_t>(a.numel()));
+    a.copy_i64(0, a.numel(), v.data());
+    return v;
+  }
+  std::vector<double> floats(const std::string& name, std::optional<int64_t> length = {}) const {
+    const HostArray& a = need(name);
+    if (a.shape.size() != 1)
+      throw_input_error("{}: '{}' must be 1-D, has shape {}", path, name, a.shape_string());
+    if (length && a.numel() != *length) {
+      throw_input_error("{}: '{}' has {} entries, expected {}", path, name, a.numel(), *length);
+    }
+    std::vector<double> v(static_cast<std::size_t>(a.numel()));
+    a.copy_f64(0, a.numel(), v.data());
+    return v;
+  }
+  const std::string& meta(const std::string& key) const {
+    auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) throw_input_error("{}: capture metadata lacks '{}'", path, key);
+    return it->second;
+  }
+  int64_t meta_int(const std::string& key, std::optional<int64_t> fallback = {}) const {
+    auto it = file.metadata.find(key);
+    if (it == file.metadata.end()) {
+      if (fallback) return *fallback;
+      throw_input_error("{}: capture metadata lacks '{}'", path, key);
+    }
+    try {
+      std::size_t used = 0;
+      const int64_t v = std::stoll(it->second, &used);
+      if (used == it->second.size()) return v;
+    } catch (const std::exception&) {
+    }
+    throw_input_error("{}: metadata '{}' = '{}' is not an integer", path, key, it->second);
+  }
+};
+
+}  // namespace
+
+RankCapture read_capture(const std::string& path) {
+  const SafetensorsFile file = read_safetensors(path);
+  Reader r{path, file, {}};
+  for (const auto& [name, array] : file.tensors) r.by_name[name] = &array;
+  const auto schema = file.metadata.find("lossguard.schema");
+  if (schema == file.metadata.end() || schema->second != kCaptureSchema) {
+    throw_input_error("{}: not an audit capture (metadata lossguard.schema = '{}', expected '{}')",
+                      path, schema == file.metadata.end() ? "" : schema->second, kCaptureSchema);
+  }
+  RankCapture c;
+  c.file = path;
+  c.step = r.meta_int("step");
+  c.rank = r.meta_int("rank");
+  c.world_size = r.meta_int("world_size");
+  c.tp = r.meta_int("tp", 1);
+  c.pp = r.meta_int("pp", 1);
+  c.cp = r.meta_int("cp", 1);
+  c.dp = r.meta_int("dp", 1);
+  c.tp_rank = r.meta_int("tp_rank", 0);
+  c.pp_rank = r.meta_int("pp_rank", 0);
+  c.cp_rank = r.meta_int("cp_rank", 0);
+  c.dp_rank = r.meta_int("dp_rank", 0);
+  if (c.tp < 1 || c.pp < 1 || c.cp < 1 || c.dp < 1 || c.tp_rank < 0 || c.tp_rank >= c.tp ||
+      c.pp_rank < 0 || c.pp_rank >= c.pp || c.cp_rank < 0 || c.cp_rank >= c.cp || c.dp_rank < 0 ||
+      c.dp_rank >= c.dp) {
+    throw_input_error(
+        "{}: rank {} has coordinates tp {}/{} pp {}/{} cp {}/{} dp {}/{} that do not fit", path,
+        c.rank, c.tp_rank, c.tp, c.pp_rank, c.pp, c.cp_rank, c.cp, c.dp_rank, c.dp);
+  }
+  if (auto it = file.metadata.find("cp_layout");
+      it != file.metadata.end() && !parse_mode(it->second, &c.cp_layout)) {
+    throw_input_error("{}: metadata cp_layout = '{}' is not {}", path, it->second,
+                      mode_choices<CpLayout>());
+  }
+  if (auto it = file.metadata.find("reduce"); it != file.metadata.end()) c.reduce = it->second;
+  if (auto it = file.metadata.find("metrics.keys");
+      it != file.metadata.end() && !it->second.empty()) {
+    std::size_t pos = 0;
+    while (pos <= it->second.size()) {
+      const std::size_t comma = it->second.find(',', pos);
+      c.metrics_keys.push_back(
+          it->second.substr(pos, comma == std::string::npos ? std::string::npos : comma - pos));
+      if (comma == std::string::npos) break;
+      pos = comma + 1;
+    }
+  }
+  const int64_t num_mb = r.meta_int("num_microbatches", std::nullopt);
+  if (num_mb < 0) throw_input_error("{}: num_microbatches = {}", path, num_mb);
+  for (int64_t k = 0; k < num_mb; ++k) {
+    const std::string p = "mb." + std::to_string(k) + ".";
+    CapturedMicroBatch mb;
+    mb.index = k;
+    mb.sample_indices = r.ints(p + "sample_indices");
+    const auto n = static_cast<int64_t>(mb.sample_indices.size());
+    mb.total_lengths = r.ints(p + "total_lengths", n);
+    mb.response_lengths = r.ints(p + "response_lengths", n);
+    int64_t sum_t = 0, sum_r = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (mb.total_lengths[i] < 0 || mb.response_lengths[i] < 0 ||
+          mb.response_lengths[i] > mb.total_lengths[i]) {
+        throw_input_error(
+            "{}: micro-batch {} sample {} (global index {}): response length {} and total length "
+            "{} do not fit",
+            path, k, i, mb.sample_indices[i], mb.response_lengths[i], mb.total_lengths[i]);
+      }
+      sum_t += mb.total_lengths[i];
+      sum_r += mb.response_lengths[i];
+    }
+    mb.tokens = r.ints(p + "tokens", sum_t);
+    const std::vector<int64_t> masks = r.ints(p + "loss_masks", sum_r);
+    mb.loss_masks.resize(masks.size());
+    for (std::size_t t = 0; t < masks.size(); ++t) {
+      if (masks[t] != 0 && masks[t] != 1) {
+        throw_input_error("{}: micro-batch {}: loss_masks[{}] = {} is not 0 or 1", path, k, t,
+                          masks[t]);
+      }
+      mb.loss_masks[t] = static_cast<uint8_t>(masks[t]);
+    }
+    mb.cp_size = r.find(p + "cp_size") ? r.scalar_int(p + "cp_size") : c.cp;
+    mb.dummy = r.find(p + "dummy") ? r.scalar_int(p + "dummy") != 0 : false;
+    mb.num_tokens = r.opt_int(p + "num_tokens");
+    mb.loss = r.opt_float(p + "loss");
+    mb.token_weight = r.floats(p + "token_weight");
+    if (k == 0) c.weight_dtype = std::string(dtype_name(r.need(p + "token_weight").dtype));
+    if (r.find(p + "token_loss")) {
+      mb.token_loss = r.floats(p + "token_loss", static_cast<int64_t>(mb.token_weight.size()));
+    }
+    if (r.find(p + "sample_denoms")) mb.sample_denoms = r.floats(p + "sample_denoms", n);
+    c.microbatches.push_back(std::move(mb));
+  }
+  const HostArray& scale = r.need("grad_scale");
+  if (scale.numel() != 1) throw_input_error("{}: 'grad_scale' must be a scalar", path);
+  c.grad_scale = scale.get_f64(0);
+  c.num_tokens_reduced = r.opt_int("num_tokens_reduced");
+  c.global_batch_size = r.opt_int("global_batch_size");
+  if (auto s = r.opt_int("skipped")) c.skipped = *s != 0;
+  c.grad_norm = r.opt_float("grad_norm");
+  if (r.find("metrics.values")) c.metrics_values = r.floats("metrics.values");
+  return c;
+}
+
+std::vector<RankCapture> read_captures(const std::vector<std::string>& paths) {
+  std::vector<std::string> files;
+  for (const auto& p : paths) {
+    std::error_code ec;
+    if (fs::is_directory(p, ec)) {
+      std::vector<std::string> found;
+      for (const auto& e : fs::recursive_directory_iterator(p, ec)) {
+        if (e.is_regular_file() && e.path().extension() == ".safetensors")
+          found.push_back(e.path().string());
+      }
+      std::sort(found.begin(), found.end());
+      if (found.empty()) throw_input_error("{}: directory holds no captures (*.safetensors)", p);
+      files.insert(files.end(), found.begin(), found.end());
+    } else if (!fs::exists(p, ec)) {
+      throw_input_error("{}: no such file or directory", p);
+    } else {
+      files.push_back(p);
+    }
+  }
+  std::vector<RankCapture> out;
+  out.reserve(files.size());
+  for (const auto& f : files) out.push_back(read_capture(f));
+  return out;
+}
+
+}  // namespace lossguard::io

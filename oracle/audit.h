@@ -1,0 +1,63 @@
+// Audit (SPEC §10): a trainer's own numbers, recorded on every rank (core/capture.h), judged
+// against the truth: coverage of every effective token, the counts, the measured effective weights
+// with the diagnosis of §9 and the contracts that reproduce them, the loss, the skip decision on
+// every rank, the metrics. Captures that do not fit together throw InputError (exit 2).
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/batch.h"
+#include "core/capture.h"
+#include "core/layout.h"
+#include "oracle/findings.h"
+#include "oracle/weights.h"
+
+namespace lossguard::oracle {
+
+struct AuditCheck {
+  std::string name;        // coverage, counts, weights, loss, decision, metrics
+  std::optional<bool> ok;  // nullopt: not run (its records are absent, or not judged)
+  std::string detail;      // one line; on failure names rank, micro-batch, sample and token
+};
+
+struct AuditRank {
+  int64_t rank = 0, dp_rank = 0, cp_rank = 0, tp_rank = 0, pp_rank = 0;
+  int64_t microbatches = 0, owned_tokens = 0;
+  double grad_scale = 1.0;
+  std::optional<bool> skipped;
+  std::optional<double> grad_norm;
+  std::string file;
+};
+
+struct AuditStep {
+  int64_t step = 0;
+  Reduction reduce = Reduction::kPerToken;
+  Batch batch;
+  StepLayout layout;
+  std::vector<AuditRank> ranks;
+  std::vector<AuditCheck> checks;
+  WeightDiagnosis diagnosis;
+  std::vector<std::string>
+      matches;  // presets (or single component changes) reproducing the weights
+  std::vector<double> measured, truth;  // [sum R]
+  TokenPlace place;
+  int64_t global_tokens = 0;
+  bool expected_skip = false;
+  double weight_rel_tol = 1e-5;
+  std::vector<Finding> findings;
+  bool failed(bool strict_scale) const;
+};
+
+struct AuditOptions {
+  std::optional<Reduction> reduce;  // overrides the objective the captures claim
+  double weight_rel_tol = 0.0;  // 0: from the recorded weights' dtype (float32 1e-5, float64 1e-9)
+  bool strict_scale = false;
+};
+
+// One result per step, in step order.
+std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
+                                      const AuditOptions& options);
+
+}  // namespace lossguard::oracle
