@@ -14,6 +14,7 @@
 #include "core/errors.h"
 #include "kernels/device.h"
 #include "kernels/device_info.h"
+#include "oracle/check.h"
 #include "oracle/compare.h"
 #include "oracle/findings.h"
 #include "oracle/loss.h"
@@ -52,13 +53,6 @@ nlohmann::ordered_json location_json(const oracle::GradLocation& l) {
           {"abs_diff", l.abs_diff},
           {"rel_diff", std::isfinite(l.rel_diff) ? nlohmann::ordered_json(l.rel_diff)
                                                  : nlohmann::ordered_json(nullptr)}};
-}
-
-std::string location_text(const oracle::GradLocation& l) {
-  return fmt::format("sample {}, response index {}{}, CP rank {} chunk {}: got {:.9g}, want {:.9g}",
-                     l.sample, l.response_index,
-                     l.vocab_index >= 0 ? fmt::format(", vocab index {}", l.vocab_index) : "",
-                     l.cp_rank, l.chunk, l.got, l.want);
 }
 
 void run_check(const CheckOptions& o, Report& report, Context& ctx) {
@@ -116,23 +110,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                      fmt::join(o.impls, " and "),
                      device == kernels::Device::kCuda ? " (kernels on CUDA)" : "");
 
-  // Samples without effective tokens: what `legacy` and `slime` over-count, and the old slicing
-  // bug.
-  std::vector<int64_t> zero_samples, empty_r;
-  for (int64_t i = 0; i < b.num_samples(); ++i) {
-    if (b.mask_sum(i) == 0) zero_samples.push_back(i);
-    if (b.response_lengths[i] == 0 && b.total_lengths[i] > 0) empty_r.push_back(i);
-  }
-  if (policy == Policy::kLegacy && !empty_r.empty()) {
-    const int64_t i = empty_r.front();
-    report.add_findings(
-        {{"legacy_response_slicing",
-          fmt::format("legacy response slicing: targets taken as tokens[-R:] give {} with R = 0 "
-                      "all T = {} tokens "
-                      "as targets for its 0 logits rows (samples with R = 0: {})",
-                      b.describe_sample(i), b.total_lengths[i], oracle::format_index_list(empty_r)),
-          {{"samples", empty_r}}}});
-  }
+  if (policy == Policy::kLegacy) report.add_findings(oracle::legacy_slicing_findings(b));
 
   nlohmann::ordered_json cases = nlohmann::ordered_json::array();
   bool all_ok = true;
@@ -149,15 +127,12 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       const HostArray& input = which == LossInput::kLogits     ? *b.logits
                                : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
                                                                : b.per_token.at("token_loss");
-      oracle::Tolerance tol = oracle::default_tolerance(input.dtype);
-      if (o.rtol >= 0) tol.rtol = o.rtol;
-      if (o.atol >= 0) tol.atol = o.atol;
-      // rho = exp(lp - old) and the clip bounds are each rounded in the dtype: a few unit
-      // round-offs.
-      spec.rho_rel_error = std::max(tol.rtol, 4.0 * oracle::unit_roundoff(input.dtype));
+      oracle::CheckSettings settings;
+      settings.rtol = o.rtol;
+      settings.atol = o.atol;
+      settings.judge_denominator = o.contract.empty();
+      spec = oracle::with_rounding_slack(spec, input.dtype, settings);
       const oracle::OracleLoss want = oracle::oracle_loss(b, spec);
-      int64_t terms = 0;
-      for (double c : want.coeff) terms += c != 0.0;
       out << fmt::format(
           "\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n",
           loss_kind_name(loss), loss_input_name(want.input), fmt::join(input.shape, ", "),
@@ -189,23 +164,13 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           // Under a contract the trainer's own count is shown, not judged (slime's full-sample
           // count is cp·N by design): its loss and gradient say whether the tokens are weighted
           // right.
-          const bool den_ok = in.contract != nullptr || got.denominator == want.denominator;
-          const double bound = oracle::loss_tolerance(
-              want.loss, want.term_scale, terms, input.dtype,
-              input.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, tol);
-          const double loss_diff = std::fabs(got.loss - want.loss);
-          const bool loss_ok = loss_diff <= bound && (!want.no_signal || got.loss == 0.0);
-          const oracle::Tolerance grad_tol =
-              o.rtol >= 0 ? tol
-                          : oracle::gradient_tolerance(input.dtype, static_cast<int>(loss), tol);
-          const oracle::GradComparison g = oracle::compare_gradients(
-              b, want.grad, got.grad, want.grad_cols, got.row_rank, got.row_chunk, grad_tol,
-              loss == LossKind::kPpoClip ? &want.near_clip_boundary : nullptr,
-              want.input == LossInput::kLogits && o.rtol < 0 ? &want.coeff : nullptr,
-              oracle::unit_roundoff(input.dtype));
-          // The kernels' zero-token flag, reduced on the device, must say what the oracle says.
-          const bool flag_ok = got.skip_flag < 0 || (got.skip_flag == 1) == want.no_signal;
-          const bool ok = den_ok && loss_ok && g.ok() && flag_ok;
+          const oracle::CheckCase c =
+              oracle::evaluate_check(b, spec, want, got, input.dtype, settings);
+          const bool den_ok = c.den_ok, loss_ok = c.loss_ok, flag_ok = c.flag_ok, ok = c.ok();
+          const double bound = c.loss_bound, loss_diff = c.loss_diff;
+          const oracle::GradComparison& g = c.grad;
+          const oracle::Tolerance& grad_tol = c.grad_tol;
+          const std::vector<std::string>& why = c.why;
           all_ok &= ok;
           out << fmt::format(
               "  {:>3}  {:<7} {:<22} {:<34} {:<28} {:<10.3g} {}\n", cp, trainer::impl_name(impl),
@@ -215,39 +180,6 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
               fmt::format("{}/{} ({:.2f}%)", g.mismatched, g.checked,
                           g.checked ? 100.0 * g.mismatched / g.checked : 0.0),
               g.max_abs_diff, ok ? "pass" : "FAIL");
-          std::vector<std::string> why;
-          if (!den_ok) {
-            std::string reason;
-            if (got.denominator - want.denominator == static_cast<int64_t>(zero_samples.size()) &&
-                !zero_samples.empty()) {
-              reason = fmt::format(
-                  ": +1 for each sample without effective tokens (policy {} counts max(m, 1)): {}",
-                  policy_name(policy), oracle::format_index_list(zero_samples));
-            }
-            why.push_back(fmt::format("denominator {} differs from the oracle's {}{}",
-                                      got.denominator, want.denominator, reason));
-          }
-          if (g.mismatched > 0) why.push_back("worst gradient: " + location_text(g.worst));
-          if (g.not_compared > 0) {
-            why.push_back(
-                fmt::format("note: {} token(s) with rho within rounding of a clip boundary: "
-                            "gradient not compared",
-                            g.not_compared));
-          }
-          if (g.masked_nonzero > 0)
-            why.push_back(fmt::format("{} gradient entries of masked tokens are not exactly zero",
-                                      g.masked_nonzero));
-          if (want.no_signal && got.loss != 0.0)
-            why.push_back(fmt::format("a zero-token batch must give loss 0, got {}", got.loss));
-          if (!flag_ok) {
-            why.push_back(fmt::format(
-                "the device zero-token flag says {} but the batch has {} effective tokens",
-                got.skip_flag == 1 ? "skip" : "step", want.no_signal ? "no" : "some"));
-          } else if (got.skip_flag == 1) {
-            why.push_back(
-                "zero-token flag, reduced on the device and read once: skip (no optimizer.step(), "
-                "no LR step)");
-          }
           for (const auto& w : why) out << "       " << w << "\n";
           const std::string name = fmt::format(
               "cp={} {} {} {}{}", cp, loss_kind_name(loss), reduction_name(reduce), got.dtype,
@@ -262,7 +194,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
           report.add_case({"lossguard.check", name + " gradient", g.ok(),
                            g.ok() ? ""
                                   : fmt::format("{}/{} mismatched; {}", g.mismatched, g.checked,
-                                                location_text(g.worst)),
+                                                oracle::describe(g.worst)),
                            false});
           if (got.skip_flag >= 0) {
             report.add_case({"lossguard.check", name + " skip flag", flag_ok,

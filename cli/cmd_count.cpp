@@ -64,21 +64,12 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   for (std::size_t k = 0; k < counts.samples.size(); ++k) {
     const int64_t i = counts.samples[k];
     const int64_t t = b.total_lengths[i], r = b.response_lengths[i], m = counts.mask_sums[k];
+    const oracle::SampleNote note = oracle::classify_sample(b, i, m);
+    if (note.cls == oracle::SampleClass::kEmptyResponse) empty.push_back(i);
+    if (note.cls == oracle::SampleClass::kFullyMasked) masked.push_back(i);
+    if (note.sft) sft.push_back(i);
     std::vector<std::string> notes;
-    if (t == 0)
-      notes.push_back("T = 0");
-    else if (r == 0) {
-      empty.push_back(i);
-      notes.push_back("empty response");
-    } else if (m == 0) {
-      masked.push_back(i);
-      notes.push_back("fully masked");
-    }
-    if (r == t && t > 0) {
-      sft.push_back(i);
-      notes.push_back(b.loss_mask[b.response_offsets[i + 1] - 1] ? "SFT, mask not pre-shifted"
-                                                                 : "SFT");
-    }
+    if (!note.text().empty()) notes.push_back(note.text());
     nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
     const bool print_row = o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows;
     std::string row =

@@ -58,21 +58,12 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
     const SampleKind kind = b.kind(i, m);
     kinds[static_cast<int>(kind)]++;
     effective += m;
-    std::string notes;
-    if (t == 0) {
-      t_zero.push_back(i);
-      notes = "T = 0";
-    } else if (r == 0) {
-      empty_r.push_back(i);
-      notes = "empty response";
-    } else if (m == 0) {
-      fully_masked.push_back(i);
-      notes = "fully masked";
-    }
-    if (r == t && t > 0) {
-      sft.push_back(i);
-      notes += notes.empty() ? "SFT" : ", SFT";
-    }
+    const oracle::SampleNote note = oracle::classify_sample(b, i, m);
+    if (note.cls == oracle::SampleClass::kTZero) t_zero.push_back(i);
+    if (note.cls == oracle::SampleClass::kEmptyResponse) empty_r.push_back(i);
+    if (note.cls == oracle::SampleClass::kFullyMasked) fully_masked.push_back(i);
+    if (note.sft) sft.push_back(i);
+    const std::string notes = note.text();
     if (o.max_rows == 0 || i < o.max_rows) {
       const auto& origin = b.origins[i];
       std::string src = fmt::format(

@@ -1,6 +1,8 @@
 // Tolerances and comparison (SPEC §5).
 #include "oracle/compare.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -33,11 +35,10 @@ double unit_roundoff(DType dtype) {
                                      : std::ldexp(1.0, -53);
 }
 
-Tolerance gradient_tolerance(DType dtype, int loss_kind, Tolerance t) {
+Tolerance gradient_tolerance(DType dtype, LossKind loss, Tolerance t) {
   const double u = unit_roundoff(dtype);
-  const int k = loss_kind == 1   ? 5
-                : loss_kind == 0 ? 4
-                                 : 2;  // LossKind: 0 nll, 1 ppo-clip, 2 given
+  // The roundings in each loss's gradient chain (see the header).
+  const int k = loss == LossKind::kPpoClip ? 5 : loss == LossKind::kNll ? 4 : 2;
   t.rtol = std::max(t.rtol, k * u);
   return t;
 }
@@ -120,6 +121,13 @@ GradComparison compare_gradients(const Batch& b, const std::vector<double>& want
     }
   }
   return c;
+}
+
+std::string describe(const GradLocation& l) {
+  return fmt::format("sample {}, response index {}{}, CP rank {} chunk {}: got {:.9g}, want {:.9g}",
+                     l.sample, l.response_index,
+                     l.vocab_index >= 0 ? fmt::format(", vocab index {}", l.vocab_index) : "",
+                     l.cp_rank, l.chunk, l.got, l.want);
 }
 
 }  // namespace lossguard::oracle

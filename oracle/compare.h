@@ -3,10 +3,12 @@
 // located.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/array.h"
 #include "core/batch.h"
+#include "core/modes.h"
 
 namespace lossguard::oracle {
 
@@ -23,7 +25,7 @@ inline bool within(double got, double want, double atol, double rtol) {
 
 // The element tolerance for gradients of `loss`: the dtype default, widened to k roundings of the
 // dtype where the gradient chain has k of them (see compare.cpp); this only changes fp16.
-Tolerance gradient_tolerance(DType dtype, int loss_kind, Tolerance t);
+Tolerance gradient_tolerance(DType dtype, LossKind loss, Tolerance t);
 
 // Allowed |got - want| for a loss summed from `num_terms` terms whose magnitudes add up to
 // `term_scale`, computed in `dtype` and accumulated in `accumulate` (see the derivation in
@@ -56,6 +58,9 @@ GradComparison compare_gradients(const Batch& batch, const std::vector<double>& 
                                  const std::vector<uint8_t>* skip_rows = nullptr,
                                  const std::vector<double>* logits_coeff = nullptr,
                                  double unit_roundoff = 0.0);
+
+// "sample 3, response index 2, vocab index 7, CP rank 1 chunk 0: got ..., want ..."
+std::string describe(const GradLocation& location);
 
 // The unit round-off of a dtype: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32, 2^-53 fp64 (bf16 and fp16 as
 // the relative spacing PyTorch's own tolerances are derived from).

@@ -6,6 +6,8 @@
 
 #include <cmath>
 
+#include "oracle/denominators.h"
+
 namespace lossguard::oracle {
 
 namespace {
@@ -51,16 +53,54 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
 
 }  // namespace
 
+SampleNote classify_sample(const Batch& b, int64_t i, int64_t m) {
+  SampleNote n;
+  const int64_t t = b.total_lengths[i], r = b.response_lengths[i];
+  n.cls = t == 0   ? SampleClass::kTZero
+          : r == 0 ? SampleClass::kEmptyResponse
+          : m == 0 ? SampleClass::kFullyMasked
+                   : SampleClass::kRl;
+  n.sft = r == t && t > 0;
+  n.sft_not_preshifted = n.sft && b.loss_mask[b.response_offsets[i + 1] - 1] != 0;
+  return n;
+}
+
+std::string SampleNote::text() const {
+  std::string s = cls == SampleClass::kTZero           ? "T = 0"
+                  : cls == SampleClass::kEmptyResponse ? "empty response"
+                  : cls == SampleClass::kFullyMasked   ? "fully masked"
+                                                       : "";
+  if (sft)
+    s += std::string(s.empty() ? "" : ", ") +
+         (sft_not_preshifted ? "SFT, mask not pre-shifted" : "SFT");
+  return s;
+}
+
+std::vector<Finding> legacy_slicing_findings(const Batch& b) {
+  std::vector<int64_t> empty_r;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    if (classify_sample(b, i, 0).cls == SampleClass::kEmptyResponse) empty_r.push_back(i);
+  }
+  if (empty_r.empty()) return {};
+  const int64_t i = empty_r.front();
+  return {{"legacy_response_slicing",
+           fmt::format("legacy response slicing: targets taken as tokens[-R:] give {} with R = 0 "
+                       "all T = {} tokens as "
+                       "targets for its 0 logits rows (samples with R = 0: {})",
+                       b.describe_sample(i), b.total_lengths[i], format_index_list(empty_r)),
+           {{"samples", empty_r}}}};
+}
+
 std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported) {
   std::vector<Finding> out;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
-    if (b.total_lengths[i] == 0) {
+    const SampleNote note = classify_sample(b, i, b.mask_sum(i));
+    if (note.cls == SampleClass::kTZero) {
       out.push_back(
           {"zero_length_sample",
            fmt::format("{}: T = 0 (an empty sample; it counts 0 tokens)", b.describe_sample(i)),
            {{"sample", i}}});
-    } else if (b.response_lengths[i] == b.total_lengths[i] &&
-               b.loss_mask[b.response_offsets[i + 1] - 1] != 0) {
+    } else if (note.sft_not_preshifted) {
       out.push_back(
           {"sft_mask_not_preshifted",
            fmt::format(

@@ -17,6 +17,23 @@ struct Finding {
   nlohmann::json detail = nlohmann::json::object();
 };
 
+// The one classification of a sample that every report uses (SPEC §1): what kind of response it
+// has, and whether it is an SFT sample (R == T) whose mask is pre-shifted.
+enum class SampleClass { kRl, kTZero, kEmptyResponse, kFullyMasked };
+struct SampleNote {
+  SampleClass cls = SampleClass::kRl;
+  bool sft = false;
+  bool sft_not_preshifted =
+      false;  // its last mask entry is 1: counted at CP = 1, never owned at CP > 1
+  std::string text()
+      const;  // "T = 0", "empty response", "fully masked", "SFT", "SFT, mask not pre-shifted"
+};
+SampleNote classify_sample(const Batch& batch, int64_t sample, int64_t mask_sum);
+
+// Relax before PR #285 took a sample's targets as tokens[-R:], which for R = 0 is all T tokens: one
+// finding naming the samples with R = 0 and T > 0, if there are any.
+std::vector<Finding> legacy_slicing_findings(const Batch& batch);
+
 // NaN/Inf in float fields (first `max_reported` with coordinates, then a count), samples with T =
 // 0, SFT samples whose last mask entry is 1.
 std::vector<Finding> batch_findings(const Batch& batch, std::size_t max_reported = 20);

@@ -307,8 +307,8 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
   EXPECT_GT(plain_bf16_failures, 0);
   // The widenings are bounded: fp32 keeps PyTorch's default; fp16 ppo-clip widens, but stays near
   // it.
-  EXPECT_EQ(oracle::gradient_tolerance(DType::kFloat32, 1, {1.3e-6, 1e-5}).rtol, 1.3e-6);
-  const double fp16 = oracle::gradient_tolerance(DType::kFloat16, 1, {1e-3, 1e-5}).rtol;
+  EXPECT_EQ(oracle::gradient_tolerance(DType::kFloat32, LossKind::kPpoClip, {1.3e-6, 1e-5}).rtol, 1.3e-6);
+  const double fp16 = oracle::gradient_tolerance(DType::kFloat16, LossKind::kPpoClip, {1e-3, 1e-5}).rtol;
   EXPECT_GT(fp16, 1e-3);
   EXPECT_LT(fp16, 2.5e-3);
   // The loss bound is the SPEC §5 element bound (atol + rtol |want|) for a single term of one sign,

@@ -10,6 +10,7 @@
 
 #include "core/array.h"
 #include "core/batch.h"
+#include "core/candidate_result.h"
 #include "core/contract.h"
 #include "core/layout.h"
 #include "core/modes.h"
@@ -37,16 +38,7 @@ struct CandidateInput {
   int64_t global_batch_size = 0;
 };
 
-struct CandidateOutput {
-  int64_t denominator = 0;  // the denominator the trainer used (per-token: N summed over CP ranks)
-  double loss = 0.0;        // SUM over CP ranks of each rank's partial loss
-  HostArray grad;           // reassembled gradient w.r.t. the loss input, in its dtype
-  std::vector<int32_t> row_rank;  // per response row: the CP rank that owns it (-1: none)
-  std::vector<int8_t>
-      row_chunk;      // per response row: which of the owner's two chunks (0, 1; -1: none)
-  std::string dtype;  // working dtype
-  int64_t skip_flag =
-      -1;  // kernels: the zero-token flag as reduced on the device (1 skip); -1: not computed
+struct CandidateOutput : CandidateResult {
   std::string error;  // non-empty: the candidate could not run
 };
 
@@ -54,7 +46,7 @@ struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 3;
+inline constexpr int kTrainerAbiVersion = 4;
 
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.
