@@ -7,7 +7,7 @@
 #include <fstream>
 
 #include "cli/command.h"
-#include "cli/weights_svg.h"
+#include "cli/weights_report.h"
 #include "core/errors.h"
 #include "io/capture.h"
 #include "oracle/audit.h"
@@ -97,36 +97,15 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
     }
     nlohmann::ordered_json checks = nlohmann::ordered_json::array();
     for (const auto& c : s.checks) checks.push_back(check_json(c));
-    const auto& d = s.diagnosis;
-    steps_json.push_back(
-        {{"step", s.step},
-         {"reduce", mode_name(s.reduce)},
-         {"global_tokens", s.global_tokens},
-         {"expected", s.expected_skip ? "skip" : "step"},
-         {"ranks", ranks},
-         {"checks", checks},
-         {"diagnosis",
-          {{"kind", d.kind},
-           {"scale", d.kind == "uniform-scale" ? nlohmann::ordered_json(d.scale)
-                                               : nlohmann::ordered_json(nullptr)},
-           {"named",
-            d.named.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(d.named)},
-           {"min_ratio", d.min_ratio},
-           {"max_ratio", d.max_ratio},
-           {"tokens", d.tokens},
-           {"mismatched", d.mismatched},
-           {"masked_weighted", d.masked_weighted},
-           {"worst", d.exact() ? nlohmann::ordered_json(nullptr)
-                               : nlohmann::ordered_json{{"sample", d.worst.sample},
-                                                        {"response_index", d.worst.response_index},
-                                                        {"dp_rank", d.worst.dp_rank},
-                                                        {"microbatch", d.worst.microbatch},
-                                                        {"cp_rank", d.worst.cp_rank},
-                                                        {"got", d.worst.got},
-                                                        {"want", d.worst.want},
-                                                        {"ratio", d.worst.ratio}}}}},
-         {"matches", s.matches},
-         {"weight_rel_tol", s.weight_rel_tol}});
+    steps_json.push_back({{"step", s.step},
+                          {"reduce", mode_name(s.reduce)},
+                          {"global_tokens", s.global_tokens},
+                          {"expected", s.expected_skip ? "skip" : "step"},
+                          {"ranks", ranks},
+                          {"checks", checks},
+                          {"diagnosis", diagnosis_json(s.diagnosis)},
+                          {"matches", s.matches},
+                          {"weight_rel_tol", s.weight_rel_tol}});
   }
   if (!o.svg_path.empty()) {
     const auto& s = steps.front();

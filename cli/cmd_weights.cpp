@@ -10,7 +10,7 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
-#include "cli/weights_svg.h"
+#include "cli/weights_report.h"
 #include "core/contract.h"
 #include "core/errors.h"
 #include "oracle/findings.h"
@@ -36,35 +36,6 @@ struct WeightsOptions {
   std::string svg_path;
   std::vector<std::string> vary = {"dp", "microbatches", "cp"};
 };
-
-nlohmann::ordered_json coord_json(const oracle::TokenCoord& c) {
-  auto opt = [](int64_t v) {
-    return v < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v);
-  };
-  return {{"sample", c.sample},
-          {"response_index", c.response_index},
-          {"dp_rank", opt(c.dp_rank)},
-          {"microbatch", opt(c.microbatch)},
-          {"cp_rank", opt(c.cp_rank)},
-          {"got", c.got},
-          {"want", c.want},
-          {"ratio", c.ratio},
-          {"unit_tokens", c.unit_tokens}};
-}
-
-nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& d) {
-  return {{"kind", d.kind},
-          {"scale", d.kind == "uniform-scale" ? nlohmann::ordered_json(d.scale)
-                                              : nlohmann::ordered_json(nullptr)},
-          {"named",
-           d.named.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(d.named)},
-          {"min_ratio", d.min_ratio},
-          {"max_ratio", d.max_ratio},
-          {"tokens", d.tokens},
-          {"mismatched", d.mismatched},
-          {"masked_weighted", d.masked_weighted},
-          {"worst", d.kind == "exact" ? nlohmann::ordered_json(nullptr) : coord_json(d.worst)}};
-}
 
 std::string ratio_text(const oracle::ShardRatio& r) {
   if (r.masked_weighted > 0) return "MASKED";

@@ -287,6 +287,13 @@ bool same(double a, double b, double tol = kWeightRelTol) {
   return std::fabs(a - b) <= tol * std::max(std::fabs(a), std::fabs(b));
 }
 
+bool same_weights(const std::vector<double>& a, const std::vector<double>& b, double tol) {
+  for (std::size_t t = 0; t < a.size(); ++t) {
+    if (!same(a[t], b[t], tol)) return false;
+  }
+  return true;
+}
+
 TokenCoord coord_of(const Batch& b, int64_t i, int64_t t, const TokenPlace& place,
                     const StepLayout& l, double got, double want) {
   TokenCoord c;
@@ -609,9 +616,7 @@ std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layo
   std::vector<std::string> out;
   for (const auto& p : contract_presets()) {
     const ContractWeights w = contract_weights(b, layout, preset_contract(p.name, reduce), sizes);
-    bool equal = true;
-    for (std::size_t t = 0; t < got.size() && equal; ++t) equal = same(got[t], w.weight[t], tol);
-    if (equal) out.push_back(p.name);
+    if (same_weights(got, w.weight, tol)) out.push_back(p.name);
   }
   if (!out.empty()) return out;
   // Single component changes: of the truth, then of every preset (the first level that matches).
@@ -632,9 +637,8 @@ std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layo
       const Contract c = parse_contract(contract_components(base) + "," + change, reduce);
       if (c == base) continue;
       const ContractWeights w = contract_weights(b, layout, c, sizes);
-      bool equal = true;
-      for (std::size_t t = 0; t < got.size() && equal; ++t) equal = same(got[t], w.weight[t], tol);
-      if (equal) out.push_back(fmt::format("{} with {}", p.name, change));
+      if (same_weights(got, w.weight, tol))
+        out.push_back(fmt::format("{} with {}", p.name, change));
     }
     if (!out.empty()) break;
   }

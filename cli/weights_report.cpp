@@ -1,8 +1,9 @@
+// Reports of a weight diagnosis: its JSON (weights and audit) and the weight-ratio grid SVG.
 // Weight-ratio grid: one row per (DP rank, micro-batch), one column per CP rank; white is the
 // truth, red heavier, blue lighter (log scale, saturating at 4x), purple where masked tokens carry
 // weight. Layouts with many micro-batches are drawn as their first 256 rows, said so in the
 // caption.
-#include "cli/weights_svg.h"
+#include "cli/weights_report.h"
 
 #include <fmt/format.h>
 
@@ -47,6 +48,35 @@ std::string escape(const std::string& s) {
 }
 
 }  // namespace
+
+nlohmann::ordered_json coord_json(const oracle::TokenCoord& c) {
+  auto opt = [](int64_t v) {
+    return v < 0 ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(v);
+  };
+  return {{"sample", c.sample},
+          {"response_index", c.response_index},
+          {"dp_rank", opt(c.dp_rank)},
+          {"microbatch", opt(c.microbatch)},
+          {"cp_rank", opt(c.cp_rank)},
+          {"got", c.got},
+          {"want", c.want},
+          {"ratio", c.ratio},
+          {"unit_tokens", c.unit_tokens}};
+}
+
+nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& d) {
+  return {{"kind", d.kind},
+          {"scale", d.kind == "uniform-scale" ? nlohmann::ordered_json(d.scale)
+                                              : nlohmann::ordered_json(nullptr)},
+          {"named",
+           d.named.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(d.named)},
+          {"min_ratio", d.min_ratio},
+          {"max_ratio", d.max_ratio},
+          {"tokens", d.tokens},
+          {"mismatched", d.mismatched},
+          {"masked_weighted", d.masked_weighted},
+          {"worst", d.kind == "exact" ? nlohmann::ordered_json(nullptr) : coord_json(d.worst)}};
+}
 
 std::string weights_svg(const StepLayout& layout, const std::vector<oracle::ShardRatio>& shards,
                         const oracle::WeightDiagnosis& diagnosis, const Contract& contract) {
