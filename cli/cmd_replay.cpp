@@ -99,11 +99,11 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   const oracle::ReplayInputs in =
       oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
   oracle::ReplayResult result;
-  dist::RealReplayInput real;
+  distributed::RealReplayInput real;
   if (o.backend == "sim") {
     result = oracle::simulate(in);
   } else {
-    real.env = dist::launch_env_from_environment();
+    real.env = distributed::launch_env_from_environment();
     real.inputs = &in;
     real.timeout_s = o.timeout_s;
     if (real.env.world_size != topo.world()) {
@@ -118,21 +118,21 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
             "--backend nccl needs NCCL and a CUDA device, one per local rank; this process has {}",
             d.nccl_compiled ? "no device (" + d.status + ")" : "a build without NCCL"));
       }
-      real.backend = dist::Backend::kNccl;
+      real.backend = distributed::Backend::kNccl;
     }
-    dist::RealReplayOutput got;
-    dist::dist_api().run(&real, &got);
+    distributed::RealReplayOutput got;
+    distributed::dist_api().run(&real, &got);
     if (!got.error.empty()) {
       report.fault();
       throw InputError(fmt::format("rank {}: {}", real.env.rank, got.error));
     }
     if (real.env.rank != 0) {  // rank 0 alone reports; every rank exits with its verdict
-      const int code = dist::dist_api().agree_exit_code(&real, -1);
+      const int code = distributed::dist_api().agree_exit_code(&real, -1);
       report.verified();
       report.suppress_outputs();
       report.force_exit_code(code < 0 ? kExitFault : code);
       if (code != 0) {
-        dist::write_error_file(
+        distributed::write_error_file(
             real.env, fmt::format("lossguard replay rank {}: the job's verdict is exit code {}{}",
                                   real.env.rank, code < 0 ? kExitFault : code,
                                   code < 0 ? " (no verdict from rank 0)" : ""));
@@ -241,9 +241,9 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   if (result.wrong_decision) report.fail();
   if (o.backend != "sim") {
     ctx.out << std::flush;  // a launcher may stop the other ranks once one exits non-zero
-    dist::dist_api().agree_exit_code(&real, report.exit_code());
+    distributed::dist_api().agree_exit_code(&real, report.exit_code());
     if (report.exit_code() != 0) {
-      dist::write_error_file(
+      distributed::write_error_file(
           real.env, fmt::format("lossguard replay: verdict {} (exit code {}): {}",
                                 verdict_name(report.verdict()), report.exit_code(),
                                 result.findings.empty() ? "" : result.findings.back().message));

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/errors.h"
 #include "oracle/findings.h"
 
 namespace CLI {
@@ -16,15 +17,6 @@ namespace lossguard::cli {
 
 enum class Verdict { kPass, kFail, kError, kFault, kUnverified };
 const char* verdict_name(Verdict v);
-
-// SPEC §8 exit codes.
-enum ExitCode : int {
-  kExitPass = 0,
-  kExitFail = 1,
-  kExitError = 2,
-  kExitFault = 3,
-  kExitUnverified = 4
-};
 
 struct JunitCase {
   std::string classname;  // "lossguard.count"

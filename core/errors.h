@@ -8,6 +8,17 @@
 
 namespace lossguard {
 
+// The exit codes (docs/exit-codes.md): when several apply, 3 > 1 > 2 > 4. cli/report.cpp maps
+// results and errors to them; the real-mode SIGTERM handler (distributed/) exits with kExitFault
+// directly.
+enum ExitCode : int {
+  kExitPass = 0,
+  kExitFail = 1,
+  kExitError = 2,
+  kExitFault = 3,
+  kExitUnverified = 4
+};
+
 // Bad input or invocation: exit code 2. The message names the file, sample and field.
 class InputError : public std::runtime_error {
  public:

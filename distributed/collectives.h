@@ -8,7 +8,7 @@
 #include "distributed/real_replay.h"
 #include "oracle/replay.h"
 
-namespace lossguard::dist {
+namespace lossguard::distributed {
 
 // The groups the protocols use; every rank builds its own group of each kind, in this order.
 inline constexpr oracle::GroupKind kRealGroupKinds[] = {
@@ -31,4 +31,4 @@ std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv& env, const o
                                                    const c10::intrusive_ptr<c10d::Store>& store,
                                                    std::chrono::milliseconds timeout);
 
-}  // namespace lossguard::dist
+}  // namespace lossguard::distributed

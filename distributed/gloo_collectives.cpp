@@ -9,7 +9,7 @@
 
 #include "distributed/collectives.h"
 
-namespace lossguard::dist {
+namespace lossguard::distributed {
 
 namespace {
 
@@ -78,4 +78,4 @@ std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env, const o
   return std::make_unique<GlooCollectives>(env, t, store, timeout);
 }
 
-}  // namespace lossguard::dist
+}  // namespace lossguard::distributed

@@ -11,7 +11,7 @@
 #include "distributed/real_replay.h"
 #include "lossguard/build_config.h"
 
-namespace lossguard::dist {
+namespace lossguard::distributed {
 
 namespace {
 std::string env_or(const char* name, const std::string& fallback) {
@@ -107,4 +107,4 @@ const DistApi& dist_api() {
                         LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
 }
 
-}  // namespace lossguard::dist
+}  // namespace lossguard::distributed

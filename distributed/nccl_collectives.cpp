@@ -17,7 +17,7 @@
 #include <nccl.h>
 #endif
 
-namespace lossguard::dist {
+namespace lossguard::distributed {
 
 #if LOSSGUARD_HAVE_NCCL
 
@@ -146,4 +146,4 @@ std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv&, const oracl
 
 #endif
 
-}  // namespace lossguard::dist
+}  // namespace lossguard::distributed

@@ -17,9 +17,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include "core/errors.h"
 #include "distributed/collectives.h"
 
-namespace lossguard::dist {
+namespace lossguard::distributed {
 
 namespace {
 
@@ -57,7 +58,7 @@ std::size_t g_term_message_size = 0;
 extern "C" void on_sigterm(int) {
   if (::write(2, g_term_message, g_term_message_size) < 0) {
   }
-  ::_exit(3);
+  ::_exit(kExitFault);
 }
 void exit_3_on_sigterm(int64_t rank) {
   const int n = std::snprintf(g_term_message, sizeof g_term_message,
@@ -117,24 +118,15 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   while (ready) {
     std::optional<oracle::CollectiveCall> call = prog.next();
     if (!call) break;
-    if (auto err = oracle::check_call(t, env.rank, *call)) {  // where torch.distributed checks it
-      prog.fail(oracle::Outcome::kError,
-                fmt::format("{} on the {} group: src not in group", oracle::op_name(call->op),
-                            oracle::group_kind_name(call->group.kind)),
-                *err);
-      break;
-    }
+    if (prog.reject(t, *call)) break;  // where torch.distributed checks it
     const int seq = ++issued[call->group.kind];
     if (++calls == kill_before) std::raise(SIGKILL);
     try {
       prog.complete(coll->run(*call));
     } catch (const std::exception& e) {
-      prog.fail(
-          oracle::Outcome::kBlocked,
-          fmt::format("in {} ({}) on the {} group, collective #{} there", oracle::op_name(call->op),
-                      call->purpose, oracle::group_kind_name(call->group.kind), seq),
-          fmt::format("waiting in {}: {} (gave up after {} s)", t.describe(call->group),
-                      first_line(e.what()), in->timeout_s));
+      prog.block(*call, seq,
+                 fmt::format("waiting in {}: {} (gave up after {} s)", t.describe(call->group),
+                             first_line(e.what()), in->timeout_s));
       break;
     }
   }
@@ -204,9 +196,9 @@ const DistApi kApi = {kDistAbiVersion, run, agree_exit_code};
 
 }  // namespace
 
-}  // namespace lossguard::dist
+}  // namespace lossguard::distributed
 
-extern "C" __attribute__((visibility("default"))) const lossguard::dist::DistApi*
+extern "C" __attribute__((visibility("default"))) const lossguard::distributed::DistApi*
 lossguard_dist_api() {
-  return &lossguard::dist::kApi;
+  return &lossguard::distributed::kApi;
 }

@@ -10,7 +10,7 @@
 
 #include "oracle/replay.h"
 
-namespace lossguard::dist {
+namespace lossguard::distributed {
 
 // What the launcher's environment says (torchrun, or any launcher setting these variables).
 struct LaunchEnv {
@@ -58,6 +58,6 @@ void write_error_file(const LaunchEnv& env, const std::string& message);
 std::string rank_result_to_json(const oracle::RankResult& r);
 oracle::RankResult rank_result_from_json(const std::string& text);
 
-}  // namespace lossguard::dist
+}  // namespace lossguard::distributed
 
-extern "C" const lossguard::dist::DistApi* lossguard_dist_api();
+extern "C" const lossguard::distributed::DistApi* lossguard_dist_api();

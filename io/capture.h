@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "core/capture.h"
+#include "core/rank_capture.h"
 
 namespace lossguard::io {
 

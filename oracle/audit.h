@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "core/batch.h"
-#include "core/capture.h"
 #include "core/layout.h"
+#include "core/rank_capture.h"
 #include "oracle/findings.h"
 #include "oracle/weights.h"
 

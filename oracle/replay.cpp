@@ -200,6 +200,23 @@ void RankProgram::fail(Outcome outcome, const std::string& summary, const std::s
   phase_ = Phase::kFailed;
 }
 
+bool RankProgram::reject(const Topology& topo, const CollectiveCall& call) {
+  const std::optional<std::string> err = check_call(topo, rank_, call);
+  if (!err) return false;
+  fail(Outcome::kError,
+       fmt::format("{} on the {} group: src not in group", op_name(call.op),
+                   group_kind_name(call.group.kind)),
+       *err);
+  return true;
+}
+
+void RankProgram::block(const CollectiveCall& call, int seq, const std::string& detail) {
+  fail(Outcome::kBlocked,
+       fmt::format("in {} ({}) on the {} group, collective #{} there", op_name(call.op),
+                   call.purpose, group_kind_name(call.group.kind), seq),
+       detail);
+}
+
 RankResult RankProgram::result() const {
   RankResult r;
   r.rank = rank_;
@@ -348,13 +365,7 @@ ReplayResult simulate(const ReplayInputs& in) {
     RankProgram& prog = progs[r];
     std::optional<CollectiveCall> call = prog.next();
     if (!call) continue;
-    if (auto err = check_call(t, r, *call)) {
-      prog.fail(Outcome::kError,
-                fmt::format("{} on the {} group: src not in group", op_name(call->op),
-                            group_kind_name(call->group.kind)),
-                *err);
-      continue;
-    }
+    if (prog.reject(t, *call)) continue;
     const int kind = static_cast<int>(call->group.kind);
     const uint16_t seq = issued[r][kind]++;
     auto& slots = groups[key_of(call->group)];
@@ -419,12 +430,9 @@ ReplayResult simulate(const ReplayInputs& in) {
         if (!s.present[m]) missing.push_back(t.member(w.group, m));
       }
       const CollectiveCall& mine = s.calls[t.index_in_group(w.group, r)];
-      progs[r].fail(
-          Outcome::kBlocked,
-          fmt::format("in {} ({}) on the {} group, collective #{} there", op_name(mine.op),
-                      mine.purpose, group_kind_name(w.group.kind), w.seq + 1),
-          fmt::format("waiting in {} for rank(s) {} that never issue it", t.describe(w.group),
-                      format_rank_set(missing, 4)));
+      progs[r].block(mine, w.seq + 1,
+                     fmt::format("waiting in {} for rank(s) {} that never issue it",
+                                 t.describe(w.group), format_rank_set(missing, 4)));
     }
     results.push_back(progs[r].result());
   }

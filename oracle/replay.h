@@ -86,6 +86,12 @@ class RankProgram {
   std::optional<CollectiveCall> next();
   void complete(int64_t result);
   void fail(Outcome outcome, const std::string& summary, const std::string& detail);
+  // How every executor (the simulator, the real Gloo/NCCL backends) fails a call, worded once:
+  // reject() fails the program when torch.distributed would reject `call` on this rank (src not in
+  // group) and says whether it did; block() when the call cannot complete (`seq`: the call's number
+  // on its group, from 1; `detail`: what the executor waited for).
+  bool reject(const Topology& topo, const CollectiveCall& call);
+  void block(const CollectiveCall& call, int seq, const std::string& detail);
   bool finished() const { return phase_ == Phase::kDone || phase_ == Phase::kFailed; }
   RankResult result() const;
 
