@@ -37,6 +37,28 @@ class InternalError : public std::logic_error {
   using std::logic_error::logic_error;
 };
 
+// A failure crossing a plugin boundary travels as data (a kind beside the message), so that an
+// internal failure (out of memory, a CUDA error) is not reported as bad input on the other side.
+enum class ErrorKind { kNone, kInput, kUnverified, kInternal };
+inline ErrorKind error_kind_of(const std::exception& e) {
+  if (dynamic_cast<const InputError*>(&e) != nullptr) return ErrorKind::kInput;
+  if (dynamic_cast<const UnverifiedError*>(&e) != nullptr) return ErrorKind::kUnverified;
+  return ErrorKind::kInternal;
+}
+// Throws the exception of `kind` (kNone: nothing).
+inline void rethrow_error(ErrorKind kind, const std::string& message) {
+  switch (kind) {
+    case ErrorKind::kNone:
+      return;
+    case ErrorKind::kInput:
+      throw InputError(message);
+    case ErrorKind::kUnverified:
+      throw UnverifiedError(message);
+    case ErrorKind::kInternal:
+      throw InternalError(message);
+  }
+}
+
 template <typename... Args>
 [[noreturn]] void throw_input_error(fmt::format_string<Args...> f, Args&&... args) {
   throw InputError(fmt::format(f, std::forward<Args>(args)...));

@@ -9,6 +9,7 @@
 #include <c10/core/GradMode.h>
 
 #include <cstring>
+#include <new>
 
 #include "trainer/contract_plan.h"
 #include "trainer/shard_plan.h"
@@ -142,9 +143,13 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     out->grad = HostArray::zeros(x_host.dtype, x_host.shape);
     const at::Tensor g = grad.contiguous();
     std::memcpy(out->grad.mutable_data(), g.data_ptr(), out->grad.size_bytes());
+  } catch (const std::bad_alloc&) {
+    out->error = "out of memory";
+    out->error_kind = ErrorKind::kInternal;
   } catch (const std::exception& e) {
     std::string msg = e.what();
     out->error = msg.substr(0, msg.find('\n'));
+    out->error_kind = error_kind_of(e);
   }
 }
 

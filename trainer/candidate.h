@@ -12,6 +12,7 @@
 #include "core/batch.h"
 #include "core/candidate_result.h"
 #include "core/contract.h"
+#include "core/errors.h"
 #include "core/layout.h"
 #include "core/modes.h"
 #include "kernels/device.h"
@@ -40,13 +41,14 @@ struct CandidateInput {
 
 struct CandidateOutput : CandidateResult {
   std::string error;  // non-empty: the candidate could not run
+  ErrorKind error_kind = ErrorKind::kNone;
 };
 
 struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 4;
+inline constexpr int kTrainerAbiVersion = 5;
 
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.

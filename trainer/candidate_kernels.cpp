@@ -207,9 +207,13 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     out->row_chunk = std::move(plan.row_chunk);
     out->skip_flag = kernels::read_skip_decision(decision.as<kernels::SkipDecision>(), device)
                          .skip;  // the one sync
+  } catch (const std::bad_alloc&) {
+    out->error = "out of memory";
+    out->error_kind = ErrorKind::kInternal;
   } catch (const std::exception& e) {
     std::string msg = e.what();
     out->error = msg.substr(0, msg.find('\n'));
+    out->error_kind = error_kind_of(e);
   }
 }
 

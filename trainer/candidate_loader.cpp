@@ -29,8 +29,10 @@ CandidateOutput run_candidate(const CandidateInput& in) {
                           LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api", kTrainerAbiVersion));
     api->run(&in, &out);
   }
-  if (!out.error.empty())
-    throw InputError(std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
+  if (!out.error.empty()) {
+    rethrow_error(out.error_kind == ErrorKind::kNone ? ErrorKind::kInternal : out.error_kind,
+                  std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
+  }
   return out;
 }
 
