@@ -208,7 +208,10 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
 
   // Logits [R, V].
   const int64_t rows_before = batch_.response_offsets.back();
-  if (f.logits != nullptr) {
+  // An empty response may state its zero logits rows as a plain empty list (JSON "logits": []).
+  const bool no_rows =
+      f.logits != nullptr && r == 0 && f.logits->shape.size() == 1 && f.logits->shape[0] == 0;
+  if (f.logits != nullptr && !no_rows) {
     const HostArray& l = *f.logits;
     if (l.shape.size() != 2)
       fail_sample(idx, fmt::format("logits must be 2-D [R, V], has shape {}", l.shape_string()));

@@ -452,6 +452,15 @@ DumpFormat detect_format(const std::string& path) {
   char head[9] = {};
   f.read(head, 9);
   const auto n = f.gcount();
+  // safetensors first, by its structure: an 8-byte little-endian header length that fits the file,
+  // then '{'. Its first byte is the length's low byte and may be anything, 0x80 (a pickle's PROTO)
+  // included, so the pickle test must come after this one.
+  if (n >= 9 && head[8] == '{') {
+    uint64_t header_len = 0;
+    for (int k = 7; k >= 0; --k) header_len = (header_len << 8) | static_cast<uint8_t>(head[k]);
+    const auto size = fs::file_size(path, ec);
+    if (!ec && header_len >= 2 && header_len <= size - 8) return DumpFormat::kSafetensors;
+  }
   if (n >= 4 && std::string_view(head, 4) == std::string_view("PK\x03\x04", 4))
     return DumpFormat::kTorchSave;
   if (n >= 1 && static_cast<uint8_t>(head[0]) == 0x80)
