@@ -158,6 +158,74 @@ HostArray to_array(const Value& v, const std::string& where) {
                    : HostArray::from_i64(DType::kInt64, {rows, cols}, ivals);
 }
 
+// A packed field given as a list of per-sample arrays (how slime and Relax hold rollout_data:
+// {"tokens": [tensor, ...], "loss_masks": [tensor, ...]}): the arrays concatenated along their first
+// dimension, in their own dtype when they share one (bf16 log-probs stay bf16). Anything else goes to
+// to_array.
+HostArray to_packed_array(const Value& v, const std::string& where) {
+  const bool per_sample =
+      v.is_sequence() && !v.items.empty() &&
+      std::any_of(v.items.begin(), v.items.end(), [](const ValuePtr& x) {
+        return x->kind == Kind::kTensor && !x->array.shape.empty();
+      });
+  if (!per_sample) return to_array(v, where);
+  std::vector<HostArray> parts;
+  parts.reserve(v.items.size());
+  for (std::size_t k = 0; k < v.items.size(); ++k) {
+    parts.push_back(to_array(*v.items[k], fmt::format("{}[{}]", where, k)));
+    const HostArray& p = parts.back();
+    if (p.shape.empty()) {
+      throw_input_error("{}[{}] is a scalar among per-sample arrays (sample {} needs a list or a 1-D tensor)",
+                        where, k, k);
+    }
+    const HostArray& first = parts.front();
+    if (p.shape.size() != first.shape.size() ||
+        !std::equal(p.shape.begin() + 1, p.shape.end(), first.shape.begin() + 1)) {
+      if (!(p.numel() == 0 && p.shape.size() == 1)) {  // an empty response's [] fits any row shape
+        throw_input_error("{}[{}] has shape {} but {}[0] has {}: per-sample arrays must agree past their first dimension",
+                          where, k, p.shape_string(), where, first.shape_string());
+      }
+    }
+  }
+  // The row shape: from the first part with rows of that shape.
+  std::vector<int64_t> row_shape;
+  for (const HostArray& p : parts) {
+    if (!(p.numel() == 0 && p.shape.size() == 1)) {
+      row_shape.assign(p.shape.begin() + 1, p.shape.end());
+      break;
+    }
+  }
+  int64_t rows = 0;
+  bool same_dtype = true;
+  for (const HostArray& p : parts) {
+    if (p.numel() == 0) continue;
+    rows += p.shape[0];
+    same_dtype &= p.dtype == parts.front().dtype;
+  }
+  DType dtype = parts.front().dtype;
+  if (!same_dtype) {
+    bool any_float = false;
+    for (const HostArray& p : parts) any_float |= dtype_is_float(p.dtype);
+    dtype = any_float ? DType::kFloat64 : DType::kInt64;
+  }
+  std::vector<int64_t> shape = {rows};
+  shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+  HostArray out = HostArray::zeros(dtype, shape);
+  std::size_t offset = 0;
+  for (const HostArray& p : parts) {
+    if (p.numel() == 0) continue;
+    if (p.dtype == dtype) {
+      std::memcpy(out.mutable_data() + offset, p.data, p.size_bytes());
+    } else if (dtype == DType::kFloat64) {
+      p.copy_f64(0, p.numel(), reinterpret_cast<double*>(out.mutable_data() + offset));
+    } else {
+      p.copy_i64(0, p.numel(), reinterpret_cast<int64_t*>(out.mutable_data() + offset));
+    }
+    offset += static_cast<std::size_t>(p.numel()) * dtype_size_bytes(dtype);
+  }
+  return out;
+}
+
 int64_t to_length(const Value& v, const std::string& where) {
   if (v.kind == Kind::kInt) return v.i;
   if (v.kind == Kind::kTensor && v.array.numel() == 1 && !dtype_is_float(v.array.dtype))
@@ -266,7 +334,7 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
   auto array_field = [&](const std::string& name) -> const HostArray* {
     const Value* v = find_field(root, name, map, &key);
     if (v == nullptr || v->kind == Kind::kNone) return nullptr;
-    keep.push_back(to_array(*v, fmt::format("{}: field '{}'", path, key)));
+    keep.push_back(to_packed_array(*v, fmt::format("{}: field '{}'", path, key)));
     return &keep.back();
   };
   f.tokens = array_field("tokens");
