@@ -67,6 +67,10 @@ void BatchBuilder::fail_sample(int64_t index_in_file, const std::string& what) c
   throw InputError(fmt::format("{}: sample {}: {}", batch_.files.back(), index_in_file, what));
 }
 
+void BatchBuilder::mark_partial(const std::string& field, const std::string& reason) {
+  partial_.emplace(field, reason);  // the first reason is kept
+}
+
 void BatchBuilder::add_metadata(const std::string& key, const nlohmann::json& value) {
   batch_.metadata[key] = value;
 }
@@ -233,22 +237,25 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
 
   // Per-token fields [R].
   for (const auto& [name, arr] : f.per_token) {
-    if (arr == nullptr) continue;
+    if (arr == nullptr || partial_.count(name)) continue;
     require_1d(batch_.files.back(), idx, name.c_str(), *arr);
     if (arr->numel() != r) {
       fail_sample(idx,
                   fmt::format("len({}) = {} but response_length R = {}", name, arr->numel(), r));
     }
     if (per_token_rows_[name] != rows_before) {
-      fail_sample(idx,
-                  fmt::format("has '{}' but an earlier sample with a response has none", name));
+      mark_partial(name,
+                   fmt::format("{} sample {} has it but an earlier sample with a response has not",
+                               batch_.files.back(), idx));
+      continue;
     }
     if (needs_.per_token) append_float_rows(name, *arr, idx);
     per_token_rows_[name] += r;
   }
   for (const auto& [name, rows] : per_token_rows_) {
-    if (r > 0 && rows == rows_before && !f.per_token.count(name)) {
-      fail_sample(idx, fmt::format("field '{}' is missing (earlier samples have it)", name));
+    if (r > 0 && rows == rows_before && !f.per_token.count(name) && !partial_.count(name)) {
+      mark_partial(name, fmt::format("{} sample {} lacks it (earlier samples have it)",
+                                     batch_.files.back(), idx));
     }
   }
 
@@ -328,15 +335,15 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   if (vocab_size_ >= 0 && f.logits == nullptr && sum_r > 0)
     throw_input_error("{}: field 'logits' is missing (earlier dumps have it)", file);
   for (const auto& [name, rows] : per_token_rows_) {
-    if (sum_r > 0 && !f.per_token.count(name))
-      throw_input_error("{}: field '{}' is missing (earlier dumps have it)", file, name);
+    if (sum_r > 0 && !f.per_token.count(name) && !partial_.count(name))
+      mark_partial(name, fmt::format("{} lacks it (earlier dumps have it)", file));
   }
   for (const auto& [name, a] : f.per_token) {
     if (a == nullptr) continue;
     if (a->shape.size() != 1)
       throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
-    if (per_token_rows_[name] != rows_before)
-      throw_input_error("{}: has '{}' but earlier dumps have none", file, name);
+    if (per_token_rows_[name] != rows_before && !partial_.count(name))
+      mark_partial(name, fmt::format("{} has it but earlier dumps have not", file));
   }
   if (f.logits != nullptr) {
     const HostArray& l = *f.logits;
@@ -406,7 +413,7 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     logits_rows_ += sum_r;
   }
   for (const auto& [name, a] : f.per_token) {
-    if (a == nullptr) continue;
+    if (a == nullptr || partial_.count(name)) continue;
     if (needs_.per_token) append_float_rows(name, *a, 0);
     per_token_rows_[name] += sum_r;
   }
@@ -427,6 +434,21 @@ Batch BatchBuilder::finish() {
       std::memcpy(a.mutable_data(), logits_bytes_.data(), logits_bytes_.size());
     batch_.logits = std::move(a);
     logits_bytes_ = {};
+  }
+  // A field some dumps have and others lack is dropped: it fails only a command that needs it
+  // (loss_input names the dumps), never a count.
+  for (const auto& [name, covered] : per_token_rows_) {
+    if (!partial_.count(name) && covered != rows && covered > 0) {
+      mark_partial(
+          name,
+          fmt::format("the samples after the last that has it lack it ({} of {} response tokens)",
+                      covered, rows));
+    }
+  }
+  for (const auto& [name, reason] : partial_) {
+    per_token_bytes_.erase(name);
+    per_token_rows_.erase(name);
+    batch_.metadata["lossguard.partial_fields"][name] = reason;
   }
   for (const auto& [name, covered] : per_token_rows_) {
     if (covered != rows) {
@@ -462,6 +484,13 @@ const std::vector<Reduction>& all_reductions() {
 
 LossInput loss_input(const Batch& b, LossKind loss) {
   auto need = [&](const char* field) {
+    const auto& partial = b.metadata.contains("lossguard.partial_fields")
+                              ? b.metadata["lossguard.partial_fields"]
+                              : nlohmann::json::object();
+    if (!b.per_token.count(field) && partial.contains(field)) {
+      throw_input_error("--loss {} needs the per-token field '{}', which only some dumps have: {}",
+                        loss_kind_name(loss), field, partial[field].get<std::string>());
+    }
     if (!b.per_token.count(field)) {
       throw_input_error("--loss {} needs the per-token field '{}', which the dump lacks",
                         loss_kind_name(loss), field);

@@ -107,6 +107,7 @@ class BatchBuilder {
  private:
   void append_float_rows(const std::string& field, const HostArray& src, int64_t index_in_file);
   [[noreturn]] void fail_sample(int64_t index_in_file, const std::string& what) const;
+  void mark_partial(const std::string& field, const std::string& reason);
 
   LoadNeeds needs_;
   Batch batch_;
@@ -115,6 +116,7 @@ class BatchBuilder {
   std::map<std::string, std::vector<std::byte>> per_token_bytes_;
   std::map<std::string, DType> per_token_dtype_;
   std::map<std::string, int64_t> per_token_rows_;
+  std::map<std::string, std::string> partial_;  // per-token fields some samples lack: dropped
   std::optional<DType> logits_dtype_;
   int64_t vocab_size_ = -1;
   int64_t logits_rows_ = 0;

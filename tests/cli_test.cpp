@@ -215,6 +215,24 @@ TEST(CliCount, BadInputsExitTwo) {
 namespace lossguard::cli {
 namespace {
 
+// Dumps of one batch whose optional fields differ: only a command that needs the field fails.
+TEST(CliCount, OptionalFieldsThatDifferBetweenDumpsFailOnlyWhereNeeded) {
+  const auto dir = testing::temp_dir("cli-partial");
+  testing::write_file(dir / "a.json", R"({"samples": [{"tokens": [1, 2, 3], "response_length": 2,
+      "loss_mask": [1, 1], "log_probs": [-0.1, -0.2], "old_log_probs": [-0.1, -0.2],
+      "advantages": [0.5, 0.5]}]})");
+  testing::write_file(dir / "b.json", R"({"samples": [{"tokens": [1, 2, 3, 4], "response_length": 2,
+      "loss_mask": [1, 0], "log_probs": [-0.3, -0.4], "old_log_probs": [-0.3, -0.4]}]})");
+  Result count = run_cli({"count", dir.string(), "--cp", "1,2"});
+  EXPECT_EQ(count.code, 0) << count.err;
+  Result nll = run_cli({"check", dir.string(), "--cp", "1,2", "--loss", "nll"});
+  EXPECT_EQ(nll.code, 0) << nll.err;  // nll from log_probs needs no advantages
+  Result ppo = run_cli({"check", dir.string(), "--cp", "1,2", "--loss", "ppo-clip"});
+  EXPECT_EQ(ppo.code, 2);
+  EXPECT_NE(ppo.err.find("'advantages', which only some dumps have"), std::string::npos) << ppo.err;
+  EXPECT_NE(ppo.err.find("b.json"), std::string::npos) << ppo.err;
+}
+
 TEST(CliWeights, HfGradientAccumulationBugIsNamedAndFails) {
   const std::string dump = fixture("gen_random.safetensors");
   Result ga = run_cli(
