@@ -99,17 +99,10 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
       oracle::check_split_invariance(b, layout, contract, sizes, split, truth, vary);
   const auto shards = oracle::shard_ratios(b, got.weight, truth, got.place, layout);
 
-  // The verdict: the weights on this layout, and on every variation of it (a contract that is right
-  // here by accident of the layout is still wrong).
-  const bool here_fails = dg.fails(o.strict_scale) || !got.problems.empty();
-  const oracle::InvarianceResult* first_break = nullptr;
-  for (const auto& r : invariance) {
-    if (!r.ok && first_break == nullptr) first_break = &r;
-  }
-  // A contract whose weights change with the layout fails even where it happens to be right or only
-  // uniformly off: the same batch then trains differently under another DP, micro-batch or CP size
-  // (bug 1 is exactly this at CP = 1 vs CP > 1).
-  const bool fails = here_fails || first_break != nullptr;
+  const oracle::WeightsVerdict verdict_of =
+      oracle::weights_verdict(dg, got, invariance, o.strict_scale);
+  const bool here_fails = verdict_of.here_fails, fails = verdict_of.fails;
+  const oracle::InvarianceResult* first_break = verdict_of.first_break;
 
   std::ostream& out = ctx.out;
   out << fmt::format("lossguard weights: {} samples, {} effective tokens; objective {} (B = {})\n",
@@ -210,8 +203,10 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
                    {"split", mode_name(split)},
                    {"cp_layout", mode_name(layout.cp_layout)},
                    {"source", o.dumps.dp_shards ? "dump" : "flags"}};
-  nlohmann::ordered_json step = {{"step", b.metadata.value("step", 0)},
-                                 {"diagnosis", diagnosis_json(dg)}};
+  const int64_t step_number = b.metadata.contains("step") && b.metadata["step"].is_number_integer()
+                                  ? b.metadata["step"].get<int64_t>()
+                                  : 0;
+  nlohmann::ordered_json step = {{"step", step_number}, {"diagnosis", diagnosis_json(dg)}};
   nlohmann::ordered_json inv = nlohmann::ordered_json::array();
   for (const auto& r : invariance) {
     inv.push_back({{"layout", r.layout},

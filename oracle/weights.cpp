@@ -610,6 +610,20 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
   return out;
 }
 
+WeightsVerdict weights_verdict(const WeightDiagnosis& dg, const ContractWeights& w,
+                               const std::vector<InvarianceResult>& invariance, bool strict_scale) {
+  WeightsVerdict v;
+  v.here_fails = dg.fails(strict_scale) || !w.problems.empty();
+  for (const auto& r : invariance) {
+    if (!r.ok) {
+      v.first_break = &r;
+      break;
+    }
+  }
+  v.fails = v.here_fails || v.first_break != nullptr;
+  return v;
+}
+
 std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layout,
                                           const std::vector<double>& got, Reduction reduce,
                                           const ObjectiveSizes& sizes, double tol) {

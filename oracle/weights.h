@@ -117,6 +117,18 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& batch, const S
                                                      const std::vector<double>& truth,
                                                      Variations vary = {});
 
+// The verdict of `weights`: the contract on the given layout, and on every variation of it. A
+// contract whose weights change with the layout fails even where it happens to be right or only
+// uniformly off: the same batch then trains differently under another DP, micro-batch or CP size
+// (bug 1 is exactly this at CP = 1 against CP > 1).
+struct WeightsVerdict {
+  bool here_fails = false;                        // on the given layout (or a sample placed twice)
+  const InvarianceResult* first_break = nullptr;  // the first variation whose weights differ
+  bool fails = false;
+};
+WeightsVerdict weights_verdict(const WeightDiagnosis& diagnosis, const ContractWeights& weights,
+                               const std::vector<InvarianceResult>& invariance, bool strict_scale);
+
 // The contracts whose weights on `layout` equal `got` (to `rel_tol`): the presets first, then, when
 // none does, every single-component change of the truth's contract ("norm=global:dp").
 std::vector<std::string> matching_presets(const Batch& batch, const StepLayout& layout,
