@@ -82,8 +82,28 @@ std::string weights_svg(const StepLayout& layout, const std::vector<oracle::Shar
                         const oracle::WeightDiagnosis& diagnosis, const Contract& contract) {
   const int64_t rows = std::min<int64_t>(static_cast<int64_t>(layout.microbatches.size()), 256);
   const int64_t cols = layout.cp;
-  const int cell_w = 72, cell_h = 22, left = 150, top = 70;
-  const int64_t width = std::max<int64_t>(left + cols * cell_w + 20, 640);
+  // The diagnosis, wrapped at its "; " and ", " breaks into lines of about 90 characters.
+  std::vector<std::string> lines;
+  {
+    const std::string text = diagnosis.summary();
+    std::size_t start = 0;
+    while (start < text.size()) {
+      std::size_t end = text.size();
+      if (end - start > 90) {
+        const std::size_t cut = text.rfind("; ", start + 90);
+        const std::size_t comma = text.rfind(", ", start + 90);
+        end = cut != std::string::npos && cut > start       ? cut + 1
+              : comma != std::string::npos && comma > start ? comma + 1
+                                                            : start + 90;
+      }
+      lines.push_back(text.substr(start, end - start));
+      start = end;
+      while (start < text.size() && text[start] == ' ') ++start;
+    }
+  }
+  const int cell_w = 72, cell_h = 22, left = 150;
+  const int top = 56 + 16 * static_cast<int>(lines.size());
+  const int64_t width = std::max<int64_t>(left + cols * cell_w + 20, 660);
   const int64_t height = top + rows * cell_h + 60;
   std::string s = fmt::format(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{}\" height=\"{}\" "
@@ -95,8 +115,9 @@ std::string weights_svg(const StepLayout& layout, const std::vector<oracle::Shar
       "weight, "
       "contract {}</text>\n",
       escape(contract.preset.empty() ? contract_components(contract) : contract.preset));
-  s += fmt::format("<text x=\"10\" y=\"38\">{}</text>\n",
-                   escape(diagnosis.summary().substr(0, 160)));
+  for (std::size_t k = 0; k < lines.size(); ++k) {
+    s += fmt::format("<text x=\"10\" y=\"{}\">{}</text>\n", 38 + 16 * k, escape(lines[k]));
+  }
   for (int64_t c = 0; c < cols; ++c) {
     s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">CP rank {}</text>\n",
                      left + c * cell_w + cell_w / 2, top - 8, c);
