@@ -96,7 +96,7 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
       throw_input_error("--vary takes dp, microbatches, cp or none, got '{}'", v);
   }
   const auto invariance =
-      oracle::check_split_invariance(b, layout, contract, sizes, split, truth, vary);
+      oracle::check_split_invariance(b, layout, contract, sizes, split, truth, vary, &got);
   const auto shards = oracle::shard_ratios(b, got.weight, truth, got.place, layout);
 
   const oracle::WeightsVerdict verdict_of =

@@ -532,8 +532,11 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
                                                      const Contract& contract,
                                                      const ObjectiveSizes& sizes, Split split,
                                                      const std::vector<double>& truth,
-                                                     Variations vary) {
-  const ContractWeights ref = contract_weights(b, base, contract, sizes);
+                                                     Variations vary,
+                                                     const ContractWeights* base_weights) {
+  const ContractWeights computed =
+      base_weights != nullptr ? ContractWeights{} : contract_weights(b, base, contract, sizes);
+  const ContractWeights& ref = base_weights != nullptr ? *base_weights : computed;
   const int64_t base_m = base.dp > 0 ? base.num_microbatches(0) : 1;
   struct Variant {
     int64_t dp, m, cp;

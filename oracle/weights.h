@@ -110,12 +110,14 @@ struct Variations {
   bool dp = true, microbatches = true, cp = true;
 };
 // I5: the contract's weights on `base` varied in DP (1, 2, 4, 8), micro-batches (1, 2, 4, 8) and CP
-// (1, 2, 4, 8), one at a time, each compared with its weights on `base` and with `truth`.
+// (1, 2, 4, 8), one at a time, each compared with its weights on `base` (`base_weights` when the
+// caller has them, else computed) and with `truth`.
 std::vector<InvarianceResult> check_split_invariance(const Batch& batch, const StepLayout& base,
                                                      const Contract& contract,
                                                      const ObjectiveSizes& sizes, Split split,
                                                      const std::vector<double>& truth,
-                                                     Variations vary = {});
+                                                     Variations vary = {},
+                                                     const ContractWeights* base_weights = nullptr);
 
 // The verdict of `weights`: the contract on the given layout, and on every variation of it. A
 // contract whose weights change with the layout fails even where it happens to be right or only

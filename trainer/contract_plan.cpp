@@ -119,17 +119,29 @@ ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan
         break;
     }
   }
+  // Each rank's factor for each of its micro-batches, once (the all-reduced counts are per rank and
+  // micro-batch, not per token).
+  std::map<std::pair<int64_t, int64_t>, std::vector<double>> factor;
+  for (const auto& [key, counts] : local) {
+    sizes.microbatches = static_cast<int64_t>(placement[key.first].size());
+    const double scale = scale_value(c.scale, sizes);
+    std::vector<double>& f = factor[key];
+    f.resize(static_cast<std::size_t>(cp));
+    for (int64_t r = 0; r < cp; ++r) {
+      f[r] = scale /
+             static_cast<double>(std::max<int64_t>(denominator(key.first, key.second, r), 1)) /
+             group;
+    }
+  }
   out.coeff.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
   for (int64_t r = 0; r < cp; ++r) {
     for (const OwnedRow& o : plan.owned[r]) {
-      const auto [d, k] = where[o.sample];
-      if (d < 0 || !b.loss_mask[o.row]) continue;
-      sizes.microbatches = static_cast<int64_t>(placement[d].size());
-      double w = scale_value(c.scale, sizes) /
-                 static_cast<double>(std::max<int64_t>(denominator(d, k, r), 1));
+      const auto& place = where[o.sample];
+      if (place.first < 0 || !b.loss_mask[o.row]) continue;
+      double w = factor[place][r];
       if (c.sample == SampleRule::kMean)
         w /= static_cast<double>(std::max<int64_t>(full[o.sample], 1));
-      out.coeff[o.row] = w / group;
+      out.coeff[o.row] = w;
     }
   }
   return out;
