@@ -74,7 +74,13 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
       // Per-token loss and its derivative w.r.t. the input.
       double l = 0.0, scale = 0.0;
       if (o.input == LossInput::kLogits) {
-        const int64_t y = b.tokens[b.token_offsets[i] + p + j];
+        // The target (SPEC §1, §4): RL row j predicts response token j, tokens[P + j]; an SFT
+        // sample's row j is the logit at position j, predicting tokens[j + 1], and its last row
+        // has no next token: Relax's dummy label 0.
+        const int64_t* sample_tokens = b.tokens.data() + b.token_offsets[i];
+        const int64_t y = p > 0                        ? sample_tokens[p + j]
+                          : j + 1 < b.total_lengths[i] ? sample_tokens[j + 1]
+                                                       : 0;
         if (y < 0 || y >= v)
           throw_input_error("{}: response token {} = {} is outside the vocabulary [0, {})",
                             b.describe_sample(i), j, y, v);

@@ -109,8 +109,12 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         coeff.push_back(in->contract != nullptr
                             ? by_contract.coeff[o.row]
                             : token_coefficient(d, spec, i, b.loss_mask[o.row]));
-        if (input == LossInput::kLogits)
-          targets.push_back(b.tokens[b.token_offsets[i] + b.prompt_length(i) + j]);
+        if (input == LossInput::kLogits) {
+          // RL: tokens[P + j]. SFT (P = 0): row j is position j, predicting tokens[j + 1]; the
+          // last row's label is 0, as Relax's compute_sft_response_chunk pads it.
+          const int64_t p = b.prompt_length(i), next = p > 0 ? p + j : j + 1;
+          targets.push_back(next < b.total_lengths[i] ? b.tokens[b.token_offsets[i] + next] : 0);
+        }
       }
       const at::Tensor rows_idx = at::tensor(idx, at::kLong);
       const at::Tensor leaf = x.index_select(0, rows_idx).detach().requires_grad_(true);

@@ -94,7 +94,7 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     // 1. Counts: every rank's effective tokens for every sample, one pass over the masks on the
     // device.
     for (int64_t i = 0; i < s; ++i)
-      chunk_size(b.total_lengths[i], cp, in.layout);  // throws on a bad layout
+      chunk_size(b.total_lengths[i], cp, in.layout, b.padded_total_length(i));  // throws if bad
     std::vector<DeviceBuffer> keep;
     kernels::TokenCountArgs ca;
     ca.loss_mask = on_device(b.loss_mask.data(), b.loss_mask.size(), device, keep);
@@ -106,6 +106,10 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     ca.cp_sizes = &cp;
     ca.num_cp = 1;
     ca.chunk = kernels::chunk_rule(in.layout);
+    if (!b.padded_total_lengths.empty()) {
+      ca.chunk.padded_lengths =
+          on_device(b.padded_total_lengths.data(), b.padded_total_lengths.size(), device, keep);
+    }
     const std::size_t num_counts = static_cast<std::size_t>(s * cp);
     DeviceBuffer counts(device, std::max<std::size_t>(num_counts, 1) * sizeof(int64_t));
     ca.counts = counts.as<int64_t>();
@@ -156,7 +160,10 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
       for (int64_t i = 0; i < s; ++i) {
         for (int64_t j = 0; j < b.response_lengths[i]; ++j) {
           const int64_t row = b.response_offsets[i] + j;
-          targets[row] = b.tokens[b.token_offsets[i] + b.prompt_length(i) + j];
+          // RL: tokens[P + j]. SFT (P = 0): row j predicts tokens[j + 1]; the last row's label
+          // is 0 (Relax's compute_sft_response_chunk).
+          const int64_t p = b.prompt_length(i), next = p > 0 ? p + j : j + 1;
+          targets[row] = next < b.total_lengths[i] ? b.tokens[b.token_offsets[i] + next] : 0;
           scale[row] = static_cast<float>(coeff[row]);
           active[row] = plan.row_rank[row] >= 0 && coeff[row] != 0.0;
           if (active[row] && (targets[row] < 0 || targets[row] >= v)) {
