@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -42,6 +43,52 @@ std::string Batch::describe_sample(int64_t i) const {
   return fmt::format("{}: sample {} (global sample {})", files[o.file_index], o.index_in_file, i);
 }
 
+Batch Batch::subset(const std::vector<int64_t>& picked) const {
+  Batch out;
+  out.files = files;
+  out.loss_mask_given = loss_mask_given;
+  out.metadata = metadata;
+  out.token_offsets.push_back(0);
+  out.response_offsets.push_back(0);
+  int64_t rows = 0;
+  for (int64_t i : picked) {
+    LG_CHECK(i >= 0 && i < num_samples(), "subset: sample {} of {}", i, num_samples());
+    rows += response_lengths[i];
+  }
+  const int64_t v = vocab_size();
+  if (logits) out.logits = HostArray::zeros(logits->dtype, {rows, v});
+  for (const auto& [name, a] : per_token) out.per_token[name] = HostArray::zeros(a.dtype, {rows});
+  int64_t row = 0;
+  for (int64_t i : picked) {
+    const int64_t t = total_lengths[i], r = response_lengths[i], r0 = response_offsets[i];
+    out.origins.push_back(origins[i]);
+    out.total_lengths.push_back(t);
+    out.response_lengths.push_back(r);
+    if (!tokens.empty())
+      out.tokens.insert(out.tokens.end(), tokens.begin() + token_offsets[i],
+                        tokens.begin() + token_offsets[i] + t);
+    out.token_offsets.push_back(out.token_offsets.back() + t);
+    out.response_offsets.push_back(out.response_offsets.back() + r);
+    out.loss_mask.insert(out.loss_mask.end(), loss_mask.begin() + r0, loss_mask.begin() + r0 + r);
+    if (logits && r > 0) {
+      const std::size_t row_bytes = static_cast<std::size_t>(v) * dtype_size_bytes(logits->dtype);
+      std::memcpy(out.logits->mutable_data() + row * row_bytes, logits->data + r0 * row_bytes,
+                  static_cast<std::size_t>(r) * row_bytes);
+    }
+    for (const auto& [name, a] : per_token) {
+      const std::size_t e = dtype_size_bytes(a.dtype);
+      if (r > 0)
+        std::memcpy(out.per_token[name].mutable_data() + row * e, a.data + r0 * e,
+                    static_cast<std::size_t>(r) * e);
+    }
+    if (!padded_total_lengths.empty()) out.padded_total_lengths.push_back(padded_total_lengths[i]);
+    if (!sample_denoms.empty()) out.sample_denoms.push_back(sample_denoms[i]);
+    if (!removed.empty()) out.removed.push_back(removed[i]);
+    row += r;
+  }
+  return out;
+}
+
 namespace {
 
 bool is_integer_dtype(DType d) { return !dtype_is_float(d); }
@@ -69,6 +116,14 @@ void BatchBuilder::fail_sample(int64_t index_in_file, const std::string& what) c
 
 void BatchBuilder::mark_partial(const std::string& field, const std::string& reason) {
   partial_.emplace(field, reason);  // the first reason is kept
+}
+
+void BatchBuilder::add_steps(std::vector<BatchStep> steps) {
+  const int64_t first = batch_.steps.empty() ? 0 : batch_.steps.back().step + 1;
+  for (auto& s : steps) {
+    s.step += first;
+    batch_.steps.push_back(std::move(s));
+  }
 }
 
 void BatchBuilder::add_metadata(const std::string& key, const nlohmann::json& value) {
@@ -269,6 +324,36 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   }
   batch_.token_offsets.push_back(batch_.token_offsets.back() + t);
   batch_.response_offsets.push_back(rows_before + r);
+  set_sample_values(batch_.num_samples() - 1, idx, f.padded_total_length, f.sample_denom,
+                    f.removed);
+}
+
+void BatchBuilder::set_sample_values(int64_t global, int64_t idx, std::optional<int64_t> padded,
+                                     std::optional<double> denom, std::optional<bool> removed) {
+  const auto n = static_cast<std::size_t>(global) + 1;
+  if (padded) {
+    const int64_t t = batch_.total_lengths[global];
+    if (*padded < t) {
+      fail_sample(idx,
+                  fmt::format("padded_total_length = {} is below total_length T = {}", *padded, t));
+    }
+    batch_.padded_total_lengths.resize(n, 0);
+    batch_.padded_total_lengths[global] = *padded;
+  }
+  if (denom) {
+    if (!(*denom >= 0.0) || !std::isfinite(*denom))
+      fail_sample(idx, fmt::format("sample_denom = {} must be a finite number >= 0", *denom));
+    batch_.sample_denoms.resize(n, -1.0);
+    batch_.sample_denoms[global] = *denom;
+  }
+  if (removed && *removed) {
+    batch_.removed.resize(n, 0);
+    batch_.removed[global] = 1;
+    // slime zeroes a removed sample's loss mask: it counts 0 everywhere (SPEC §3).
+    std::fill(batch_.loss_mask.begin() + batch_.response_offsets[global],
+              batch_.loss_mask.begin() + batch_.response_offsets[global + 1], uint8_t{0});
+    any_mask_ = true;
+  }
 }
 
 void BatchBuilder::add_packed(const PackedFields& f) {
@@ -321,7 +406,21 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   };
   check_rows(f.loss_masks, "loss_masks");
   check_rows(f.logits, "logits");
-  for (const auto& [name, a] : f.per_token) check_rows(a, name.c_str());
+  // A per-token field of another length is dropped with the reason, failing only a command that
+  // needs it: a per-rank dump of a CP > 1 run holds each CP rank's own tokens' values there.
+  std::map<std::string, const HostArray*> per_token;
+  for (const auto& [name, a] : f.per_token) {
+    if (a == nullptr) continue;
+    if (a->shape.size() == 1 && a->shape[0] != sum_r) {
+      mark_partial(name, fmt::format("{} has {} values but sum(response_lengths) = {}: a CP-local "
+                                     "shard (one CP rank's tokens, as per-rank dumps of a CP > 1 "
+                                     "run hold them) or a malformed field",
+                                     file, a->shape[0], sum_r));
+      continue;
+    }
+    check_rows(a, name.c_str());
+    per_token[name] = a;
+  }
   if (f.loss_masks && f.loss_masks->shape.size() != 1) {
     throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file,
                       f.loss_masks->shape_string());
@@ -335,10 +434,10 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   if (vocab_size_ >= 0 && f.logits == nullptr && sum_r > 0)
     throw_input_error("{}: field 'logits' is missing (earlier dumps have it)", file);
   for (const auto& [name, rows] : per_token_rows_) {
-    if (sum_r > 0 && !f.per_token.count(name) && !partial_.count(name))
+    if (sum_r > 0 && !per_token.count(name) && !partial_.count(name))
       mark_partial(name, fmt::format("{} lacks it (earlier dumps have it)", file));
   }
-  for (const auto& [name, a] : f.per_token) {
+  for (const auto& [name, a] : per_token) {
     if (a == nullptr) continue;
     if (a->shape.size() != 1)
       throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
@@ -407,12 +506,32 @@ void BatchBuilder::add_packed(const PackedFields& f) {
       }
     }
   }
+  // Per-sample values, one per sample.
+  auto per_sample = [&](const HostArray* a, const char* name) {
+    if (a != nullptr && (a->shape.size() != 1 || a->numel() != s)) {
+      throw_input_error("{}: field '{}' has shape {}, but the dump has {} samples", file, name,
+                        a->shape_string(), s);
+    }
+    return a;
+  };
+  const HostArray* padded = per_sample(f.padded_total_lengths, "padded_total_lengths");
+  const HostArray* denoms = per_sample(f.sample_denoms, "sample_denoms");
+  const HostArray* removed = per_sample(f.removed, "removed");
+  if (padded != nullptr && dtype_is_float(padded->dtype))
+    throw_input_error("{}: field 'padded_total_lengths' has dtype {}, must be an integer dtype",
+                      file, dtype_name(padded->dtype));
+  for (int64_t i = 0; i < s && (padded || denoms || removed); ++i) {
+    set_sample_values(static_cast<int64_t>(s0) + i, i,
+                      padded ? std::optional<int64_t>(padded->get_i64(i)) : std::nullopt,
+                      denoms ? std::optional<double>(denoms->get_f64(i)) : std::nullopt,
+                      removed ? std::optional<bool>(removed->get_f64(i) != 0.0) : std::nullopt);
+  }
   if (f.logits != nullptr) {
     vocab_size_ = f.logits->shape[1];
     if (needs_.logits) append_float_rows("logits", *f.logits, 0);
     logits_rows_ += sum_r;
   }
-  for (const auto& [name, a] : f.per_token) {
+  for (const auto& [name, a] : per_token) {
     if (a == nullptr || partial_.count(name)) continue;
     if (needs_.per_token) append_float_rows(name, *a, 0);
     per_token_rows_[name] += sum_r;
@@ -425,6 +544,16 @@ Batch BatchBuilder::finish() {
     batch_.response_offsets.push_back(0);
   }
   batch_.loss_mask_given = any_mask_;
+  for (const BatchStep& st : batch_.steps) {
+    for (int64_t i : st.samples) {
+      LG_CHECK(i >= 0 && i < batch_.num_samples(), "step {} names sample {} of {}", st.step, i,
+               batch_.num_samples());
+    }
+  }
+  const auto s = static_cast<std::size_t>(batch_.num_samples());
+  if (!batch_.padded_total_lengths.empty()) batch_.padded_total_lengths.resize(s, 0);
+  if (!batch_.sample_denoms.empty()) batch_.sample_denoms.resize(s, -1.0);
+  if (!batch_.removed.empty()) batch_.removed.resize(s, 0);
   const int64_t rows = batch_.num_response_tokens();
   if (logits_dtype_ && needs_.logits) {
     HostArray a = HostArray::zeros(*logits_dtype_, {rows, vocab_size_});

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/array.h"
+#include "core/layout.h"
 #include "core/modes.h"
 
 namespace lossguard {
@@ -29,6 +30,16 @@ struct SampleOrigin {
   int64_t index_in_file = 0;  // the sample's index inside that dump
 };
 
+// One optimizer step of a dump that holds several, with the trainer's own layout where the dump
+// records it (SPEC §1 "Steps and layout"; slime's format-2 train dumps).
+struct BatchStep {
+  int64_t step = 0;              // as the dump numbers it
+  std::vector<int64_t> samples;  // the step's global sample indices, ascending
+  Placement placement;           // [dp][micro-batch] -> global sample indices; empty: none recorded
+  int64_t global_batch_size = 0;  // as the dump states it (slime: rollouts over all DP ranks)
+  std::string source;             // where the layout came from, for reports
+};
+
 struct Batch {
   std::vector<std::string> files;         // the dumps, in the order given
   std::vector<SampleOrigin> origins;      // [S]
@@ -40,7 +51,13 @@ struct Batch {
   std::vector<uint8_t> loss_mask;         // [sum R], 0/1; all ones where the dump had none
   bool loss_mask_given = false;           // false when no dump stated a loss mask
   std::optional<HostArray> logits;        // [sum R, V]
-  std::map<std::string, HostArray> per_token;          // each [sum R]
+  std::map<std::string, HostArray> per_token;  // each [sum R]
+  // Per-sample values a dump may state (SPEC §1); each is empty when no sample states it, else [S]
+  // with 0 (padded length), -1 (denominator) or 0 (removed) where a sample does not.
+  std::vector<int64_t> padded_total_lengths;  // the length the trainer padded to before CP sharding
+  std::vector<double> sample_denoms;          // d_i of the sample-mean modes when it is not m_i
+  std::vector<uint8_t> removed;               // the trainer dropped the sample: its mask is zeroed
+  std::vector<BatchStep> steps;  // empty: the whole batch is one step with no recorded layout
   nlohmann::json metadata = nlohmann::json::object();  // batch-level metadata, per SPEC §1
 
   int64_t num_samples() const { return static_cast<int64_t>(total_lengths.size()); }
@@ -52,8 +69,21 @@ struct Batch {
   SampleKind kind(int64_t i) const { return kind(i, mask_sum(i)); }
   SampleKind kind(int64_t i, int64_t mask_sum) const;  // when the mask sum is already known
   int64_t vocab_size() const { return logits ? logits->shape[1] : 0; }
+  // The padded length sample i states, or 0.
+  int64_t padded_total_length(int64_t i) const {
+    return padded_total_lengths.empty() ? 0 : padded_total_lengths[i];
+  }
+  // d_i of SPEC §3: the sample's own denominator if it states one, else m_i.
+  double sample_denom(int64_t i, int64_t mask_sum) const {
+    return sample_denoms.empty() || sample_denoms[i] < 0 ? static_cast<double>(mask_sum)
+                                                         : sample_denoms[i];
+  }
+  bool is_removed(int64_t i) const { return !removed.empty() && removed[i] != 0; }
   // "file.pt sample 3" (the index within its own dump) for messages.
   std::string describe_sample(int64_t i) const;
+  // A batch of the given samples, in that order, with every field (steps dropped). Sample i of the
+  // result is samples[i] of this batch; its origin still names its dump.
+  Batch subset(const std::vector<int64_t>& samples) const;
 };
 
 // What one dump states about one sample, before validation. Arrays are 1-D except logits [R, V].
@@ -64,6 +94,9 @@ struct SampleFields {
   const HostArray* loss_mask = nullptr;    // absent: all ones
   const HostArray* logits = nullptr;
   std::map<std::string, const HostArray*> per_token;
+  std::optional<int64_t> padded_total_length;
+  std::optional<double> sample_denom;
+  std::optional<bool> removed;
 };
 
 // What a packed dump states (SPEC §8 safetensors layout).
@@ -74,6 +107,9 @@ struct PackedFields {
   const HostArray* loss_masks = nullptr;        // [sum R], optional
   const HostArray* logits = nullptr;            // [sum R, V], optional
   std::map<std::string, const HostArray*> per_token;
+  const HostArray* padded_total_lengths = nullptr;  // [S], optional
+  const HostArray* sample_denoms = nullptr;         // [S], optional
+  const HostArray* removed = nullptr;               // [S], optional
 };
 
 // Memory lossguard may use for batch data: $LOSSGUARD_MEMORY_LIMIT (bytes) if set, else
@@ -102,12 +138,18 @@ class BatchBuilder {
   void add_sample(int64_t index_in_file, const SampleFields& fields);
   void add_packed(const PackedFields& fields);
   void add_metadata(const std::string& key, const nlohmann::json& value);
+  // Steps with global sample indices (the dump's layout, SPEC §1); validated by finish().
+  void add_steps(std::vector<BatchStep> steps);
+  int64_t num_samples() const { return batch_.num_samples(); }
   Batch finish();
 
  private:
   void append_float_rows(const std::string& field, const HostArray& src, int64_t index_in_file);
   [[noreturn]] void fail_sample(int64_t index_in_file, const std::string& what) const;
   void mark_partial(const std::string& field, const std::string& reason);
+  // Validates and stores sample `global`'s optional per-sample values (SPEC §1).
+  void set_sample_values(int64_t global, int64_t index_in_file, std::optional<int64_t> padded,
+                         std::optional<double> denom, std::optional<bool> removed);
 
   LoadNeeds needs_;
   Batch batch_;

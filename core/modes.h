@@ -125,11 +125,16 @@ struct ShardLayout {
   int64_t padded_total_length =
       0;                    // thd: pad every sample to this length (0: ceil(T / 2cp) chunks)
   int64_t max_seq_len = 0;  // bshd: chunks of ceil(max_seq_len / 2cp)
+  int64_t pad_multiple =
+      0;  // thd: pad each sample to a multiple of lcm(this, 2cp) (Relax's VL path)
 };
 
 // Chunk size for a sample of length T on `cp` ranks (the zig-zag cut is 2·cp chunks of this size);
-// throws InputError when the layout cannot hold T.
-int64_t chunk_size(int64_t total_length, int64_t cp, const ShardLayout& layout);
+// throws InputError when the layout cannot hold T. `sample_padded` > 0 is the length the sample
+// itself says it was padded to (Batch::padded_total_length); it takes precedence over the layout's
+// padding and is rounded up to a multiple of 2·cp when it was recorded at another CP size.
+int64_t chunk_size(int64_t total_length, int64_t cp, const ShardLayout& layout,
+                   int64_t sample_padded = 0);
 
 // What loss a trainer computes and how it reduces it (SPEC §3, §4).
 struct LossSpec {

@@ -29,7 +29,11 @@ namespace lossguard::kernels {
 struct ChunkRule {
   int64_t padded_total_length = 0;  // > 0: every sample padded to this (thd with padding)
   int64_t max_seq_len = 0;          // > 0: bshd, chunks of ceil(max_seq_len / 2cp)
-  // neither: chunks of ceil(T / 2cp)
+  int64_t pad_multiple = 0;         // > 0: each sample padded to a multiple of lcm(this, 2cp)
+  // [S] or null, in the op's device memory: each sample's own padded length (0: none), which
+  // takes precedence over padded_total_length and pad_multiple.
+  const int64_t* padded_lengths = nullptr;
+  // none of these: chunks of ceil(T / 2cp)
 };
 
 struct TokenCountArgs {
@@ -51,6 +55,7 @@ inline ChunkRule chunk_rule(const ShardLayout& layout) {
     rule.max_seq_len = layout.max_seq_len;
   else
     rule.padded_total_length = layout.padded_total_length;
+  rule.pad_multiple = layout.pad_multiple;
   return rule;
 }
 // The arguments for a batch in host memory; `counts` is left to the caller.
@@ -60,11 +65,29 @@ TokenCountArgs host_token_count_args(const Batch& batch, const std::vector<int64
 // Total int64 entries of `counts`: S * sum of cp sizes.
 int64_t token_count_size(const TokenCountArgs& a);
 
-// The chunk size of a sample of length t on cp ranks under `rule` (no validation).
-inline int64_t chunk_size_of(int64_t t, int64_t cp, const ChunkRule& rule) {
-  if (rule.max_seq_len > 0) return (rule.max_seq_len + 2 * cp - 1) / (2 * cp);
-  if (rule.padded_total_length > 0) return rule.padded_total_length / (2 * cp);
-  return (t + 2 * cp - 1) / (2 * cp);
+// The chunk size of a sample of length t, whose own padded length is `padded` (0: none), on cp
+// ranks under `rule` (no validation; core's chunk_size validates). A padded length that is not a
+// multiple of 2cp (recorded at another CP size) is rounded up to one.
+#ifdef __CUDACC__
+__host__ __device__
+#endif
+    inline int64_t
+    chunk_size_of(int64_t t, int64_t cp, const ChunkRule& rule, int64_t padded = 0) {
+  const int64_t parts = 2 * cp;
+  if (rule.max_seq_len > 0) return (rule.max_seq_len + parts - 1) / parts;
+  const int64_t length = padded > 0 ? padded : rule.padded_total_length;
+  if (length > 0) return (length + parts - 1) / parts;
+  if (rule.pad_multiple > 0) {
+    int64_t a = rule.pad_multiple, b = parts;
+    while (b != 0) {
+      const int64_t c = a % b;
+      a = b;
+      b = c;
+    }
+    const int64_t unit = rule.pad_multiple / a * parts;  // lcm(pad_multiple, 2cp)
+    return (t + unit - 1) / unit * unit / parts;
+  }
+  return (t + parts - 1) / parts;
 }
 
 void count_tokens(const TokenCountArgs& a, Device device);

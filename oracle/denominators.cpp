@@ -8,6 +8,7 @@
 #include <map>
 
 #include "core/errors.h"
+#include "oracle/weights.h"
 
 namespace lossguard::oracle {
 
@@ -55,13 +56,45 @@ OwnedCounts count_owned_tokens(const Batch& b, const std::vector<int64_t>& cp_si
         dst[0] = acc;
         continue;
       }
-      const int64_t cs = chunk_size(t, cp, layout);
+      const int64_t cs = chunk_size(t, cp, layout, b.padded_total_length(i));
       for (int64_t rank = 0; rank < cp; ++rank) {
         int64_t owned = 0;
         for (const IndexRange& ir : owned_mask_ranges(t, r, cp, rank, cs)) {
           if (ir.size() > 0) owned += prefix[ir.end] - prefix[ir.begin];
         }
         dst[rank] = owned;
+      }
+    }
+  }
+  return out;
+}
+
+OwnedCounts count_owned_tokens(const Batch& b, const std::vector<StepLayout>& layouts,
+                               std::vector<std::string>* problems) {
+  OwnedCounts out;
+  const int64_t s = b.num_samples();
+  out.samples.resize(static_cast<std::size_t>(s));
+  out.mask_sums.resize(static_cast<std::size_t>(s));
+  for (int64_t i = 0; i < s; ++i) {
+    out.samples[i] = i;
+    out.mask_sums[i] = b.mask_sum(i);
+  }
+  for (const StepLayout& layout : layouts) {
+    const int64_t cp = layout.cp;
+    out.cp_sizes.push_back(cp);
+    std::vector<int64_t> per_rank(static_cast<std::size_t>(s * cp), 0);
+    PlacedTokens placed = place_tokens(b, layout);
+    for (int64_t i = 0; i < s; ++i) {
+      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+        const int16_t o = placed.place.owner[t];
+        if (o >= 0 && b.loss_mask[t]) ++per_rank[static_cast<std::size_t>(i * cp + o)];
+      }
+    }
+    out.per_rank.push_back(std::move(per_rank));
+    if (problems != nullptr) {
+      for (auto& p : placed.problems) {
+        if (std::find(problems->begin(), problems->end(), p) == problems->end())
+          problems->push_back(std::move(p));
       }
     }
   }

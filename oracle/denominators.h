@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "core/layout.h"
 #include "oracle/cp_shard.h"
 #include "oracle/placement.h"
 
@@ -29,6 +30,13 @@ struct OwnedCounts {
 OwnedCounts count_owned_tokens(const Batch& batch, const std::vector<int64_t>& cp_sizes,
                                const ShardLayout& layout,
                                const std::vector<int64_t>* samples = nullptr);
+
+// The same counts from a per-token formulation on one step layout per CP size (layouts[c] has
+// CP size cp_sizes[c]): every token's owner (place_tokens: zig-zag or all-gather, static or
+// dynamic CP), summed per sample and static CP rank. Needed where a token's owner depends on its
+// micro-batch, not on its sample alone. `problems` gets samples placed twice or nowhere.
+OwnedCounts count_owned_tokens(const Batch& batch, const std::vector<StepLayout>& layouts,
+                               std::vector<std::string>* problems);
 
 // What rank r of a CP group of size cp counts for a sample under `policy` (SPEC §3 table).
 int64_t policy_rank_count(Policy policy, int64_t owned, int64_t mask_sum, int64_t cp);

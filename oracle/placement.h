@@ -1,6 +1,7 @@
 // Data placement (SPEC §7): a global batch split over DP ranks, then into micro-batches.
 #pragma once
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/layout.h"
@@ -19,5 +20,18 @@ Placement place_samples(int64_t num_samples, int64_t dp, int64_t microbatches, S
 // rank.
 Placement place_shards(const std::vector<int>& shard_of_sample, int64_t num_shards,
                        int64_t microbatches);
+
+// What keeps a placement from being a partition of samples 0..S-1: "sample 3 is placed twice (DP
+// rank 1 micro-batch 0 again)", "sample 5 is placed nowhere", an index out of range.
+std::vector<std::string> placement_problems(const Placement& placement, int64_t num_samples);
+
+// Relax's dynamic CP (SPEC §2, `dynamic_cp_split_data`): for micro-batch index k, cp_k is the
+// smallest power of two >= ceil(max T / max_tokens_per_gpu) over every DP rank's micro-batch k
+// (the MAX all-reduce over DP), at most static_cp, then doubled while static_cp / cp_k exceeds the
+// smallest sample count of micro-batch k over DP ranks. Each micro-batch is then trained by
+// static_cp / cp_k sub-groups, its samples dealt by sequence length (longest first, to the
+// sub-group with the fewest tokens so far: a balanced partition; any partition gives the same N).
+StepLayout dynamic_cp_layout(const std::vector<int64_t>& total_lengths, const Placement& placement,
+                             int64_t static_cp, int64_t max_tokens_per_gpu);
 
 }  // namespace lossguard::oracle

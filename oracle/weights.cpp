@@ -49,7 +49,7 @@ std::vector<double> true_weights(const Batch& b, Reduction reduce, const Objecti
         c = 1.0 / static_cast<double>(std::max<int64_t>(n, 1));
         break;
       case Reduction::kSampleMean:
-        c = 1.0 / (batch * static_cast<double>(m[i]));
+        c = 1.0 / (batch * std::max(b.sample_denom(i, m[i]), 1.0));  // d_i, SPEC §3
         break;
       case Reduction::kSeqMeanTokenSum:
         c = 1.0 / batch;
@@ -92,7 +92,7 @@ void mark_owners(const Batch& b, int64_t i, const StepLayout& layout, int64_t cp
     }
     return;
   }
-  const int64_t cs = chunk_size(t, cp_size, layout.shard);
+  const int64_t cs = chunk_size(t, cp_size, layout.shard, b.padded_total_length(i));
   for (int64_t rank = 0; rank < cp_size; ++rank) {
     for (const IndexRange& range : owned_mask_ranges(t, r, cp_size, rank, cs)) {
       for (int64_t j = range.begin; j < range.end; ++j)
@@ -117,26 +117,13 @@ int64_t group_size(ReduceGroup g, const StepLayout& l) {
 
 }  // namespace
 
-ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const Contract& contract,
-                                 const ObjectiveSizes& sizes_in) {
-  const ObjectiveSizes z = resolve_sizes(b, sizes_in);
+PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
   const int64_t s = b.num_samples(), cp = layout.cp;
   if (cp < 1 || cp > 32767) throw_input_error("CP size {} is out of range", cp);
-  ContractWeights out;
+  PlacedTokens out;
   out.place.sample_microbatch.assign(static_cast<std::size_t>(s), -1);
   out.place.owner.assign(static_cast<std::size_t>(b.num_response_tokens()), -1);
   const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
-
-  std::vector<int64_t> m(static_cast<std::size_t>(s));
-  int64_t nonzero = 0;
-  for (int64_t i = 0; i < s; ++i) {
-    m[i] = b.mask_sum(i);
-    nonzero += m[i] > 0;
-  }
-
-  // 1. Ownership, and each rank's count per micro-batch as the contract counts it.
-  out.count.assign(static_cast<std::size_t>(num_mb * cp), 0);
-  std::vector<int64_t> owned;
   for (int64_t k = 0; k < num_mb; ++k) {
     const MicroBatch& mb = layout.microbatches[k];
     if (mb.dummy) continue;
@@ -166,11 +153,50 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
           out.problems.push_back(
               fmt::format("sample {} is placed twice (DP rank {} micro-batch {} again)", i,
                           mb.dp_rank, mb.index));
+          stream += b.total_lengths[i];
           continue;
         }
         out.place.sample_microbatch[i] = static_cast<int32_t>(k);
         mark_owners(b, i, layout, cs, base, stream, part, out.place.owner);
         stream += b.total_lengths[i];
+      }
+    }
+  }
+  for (int64_t i = 0; i < s; ++i) {
+    if (out.place.sample_microbatch[i] < 0)
+      out.problems.push_back(fmt::format("sample {} is placed nowhere", i));
+  }
+  return out;
+}
+
+ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const Contract& contract,
+                                 const ObjectiveSizes& sizes_in) {
+  const ObjectiveSizes z = resolve_sizes(b, sizes_in);
+  const int64_t s = b.num_samples(), cp = layout.cp;
+  ContractWeights out;
+  PlacedTokens placed = place_tokens(b, layout);
+  out.place = std::move(placed.place);
+  out.problems = std::move(placed.problems);
+  const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
+
+  std::vector<int64_t> m(static_cast<std::size_t>(s));
+  int64_t nonzero = 0;
+  for (int64_t i = 0; i < s; ++i) {
+    m[i] = b.mask_sum(i);
+    nonzero += m[i] > 0;
+  }
+
+  // 1. Each rank's count per micro-batch as the contract counts it.
+  out.count.assign(static_cast<std::size_t>(num_mb * cp), 0);
+  std::vector<int64_t> owned;
+  for (int64_t k = 0; k < num_mb; ++k) {
+    const MicroBatch& mb = layout.microbatches[k];
+    if (mb.dummy) continue;
+    const int64_t cs = mb.cp_size;
+    for (std::size_t g = 0; g < mb.groups.size(); ++g) {
+      const int64_t base = static_cast<int64_t>(g) * cs;
+      for (int64_t i : mb.groups[g]) {
+        if (out.place.sample_microbatch[i] != k) continue;  // placed twice: counted where first
         const bool clamp = contract.clamp == ClampRule::kPerSample ||
                            (contract.clamp == ClampRule::kAtCp1 && cs == 1);
         auto clamped = [&](int64_t x) { return clamp ? std::max<int64_t>(x, 1) : x; };
@@ -196,10 +222,6 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     }
   }
   for (int64_t x : out.count) out.global_count += x;
-  for (int64_t i = 0; i < s; ++i) {
-    if (out.place.sample_microbatch[i] < 0)
-      out.problems.push_back(fmt::format("sample {} is placed nowhere", i));
-  }
 
   // 2. The denominator D of every (micro-batch, CP rank).
   std::vector<int64_t> rank_total(static_cast<std::size_t>(layout.dp * cp), 0);
@@ -269,7 +291,7 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
         if (out.place.sample_microbatch[i] != k)
           continue;  // placed twice: counted where first placed
         const double per_sample = contract.sample == SampleRule::kMean
-                                      ? 1.0 / static_cast<double>(std::max<int64_t>(m[i], 1))
+                                      ? 1.0 / std::max(b.sample_denom(i, m[i]), 1.0)
                                       : 1.0;
         for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
           const int16_t o = out.place.owner[t];

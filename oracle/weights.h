@@ -38,6 +38,15 @@ struct TokenPlace {
   std::vector<int16_t> owner;  // [sum R] the CP rank (static numbering) that owns it; -1: none
 };
 
+// Which micro-batch holds each sample and which CP rank owns each token on a layout (SPEC §2: the
+// zig-zag or all-gather cut, the ownership rule, dynamic CP sub-groups). Throws InputError when
+// the layout cannot hold the batch (a sample index out of range, a CP size that does not fit).
+struct PlacedTokens {
+  TokenPlace place;
+  std::vector<std::string> problems;  // a sample placed twice (kept where first placed) or nowhere
+};
+PlacedTokens place_tokens(const Batch& batch, const StepLayout& layout);
+
 struct ContractWeights {
   std::vector<double> weight;  // [sum R]
   TokenPlace place;

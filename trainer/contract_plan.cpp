@@ -140,7 +140,7 @@ ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan
       if (place.first < 0 || !b.loss_mask[o.row]) continue;
       double w = factor[place][r];
       if (c.sample == SampleRule::kMean)
-        w /= static_cast<double>(std::max<int64_t>(full[o.sample], 1));
+        w /= std::max(b.sample_denom(o.sample, full[o.sample]), 1.0);
       out.coeff[o.row] = w;
     }
   }

@@ -21,7 +21,8 @@ ShardPlan plan_shards(const Batch& b, int64_t cp, const ShardLayout& layout) {
       for (int64_t j = 0; j < r; ++j) plan.owned[0].push_back({b.response_offsets[i] + j, i, 0});
       continue;
     }
-    const int64_t cs = kernels::chunk_size_of(t, cp, kernels::chunk_rule(layout));  // header-only
+    const int64_t cs = kernels::chunk_size_of(t, cp, kernels::chunk_rule(layout),
+                                              b.padded_total_length(i));  // header-only
     for (int64_t rank = 0; rank < cp; ++rank) {
       const int64_t chunks[2] = {rank, 2 * cp - 1 - rank};
       for (int8_t c = 0; c < 2; ++c) {
@@ -79,6 +80,9 @@ TrainerDenominators trainer_denominators(const Batch& b, const LossSpec& spec, i
       break;
   }
   d.m = std::move(m);
+  d.sample_denom.resize(d.m.size());
+  for (std::size_t i = 0; i < d.m.size(); ++i)
+    d.sample_denom[i] = b.sample_denom(static_cast<int64_t>(i), d.m[i]);
   return d;
 }
 
@@ -90,7 +94,7 @@ double token_coefficient(const TrainerDenominators& d, const LossSpec& spec, int
       c = d.cp_scale / static_cast<double>(std::max<int64_t>(d.n, 1));
       break;
     case Reduction::kSampleMean:
-      c = 1.0 / (static_cast<double>(std::max<int64_t>(d.m[i], 1)) * d.batch_size);
+      c = 1.0 / (std::max(d.sample_denom[i], 1.0) * d.batch_size);
       break;
     case Reduction::kSeqMeanTokenSum:
       c = 1.0 / d.batch_size;

@@ -34,6 +34,7 @@ struct TrainerDenominators {
   int64_t n = 0;            // the per-token count after the policy
   double cp_scale = 1.0;    // slime multiplies the per-token loss by cp
   std::vector<int64_t> m;   // per sample
+  std::vector<double> sample_denom;  // d_i per sample: the dump's own, else m_i (SPEC §3)
   int64_t k_nonempty = 0;
   double batch_size = 1.0, l_norm = 1.0;
 };

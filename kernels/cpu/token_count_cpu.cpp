@@ -48,6 +48,7 @@ TokenCountArgs host_token_count_args(const Batch& b, const std::vector<int64_t>&
   a.cp_sizes = cp_sizes.data();
   a.num_cp = static_cast<int>(cp_sizes.size());
   a.chunk = chunk_rule(layout);
+  if (!b.padded_total_lengths.empty()) a.chunk.padded_lengths = b.padded_total_lengths.data();
   return a;
 }
 
@@ -76,6 +77,7 @@ void count_tokens_cpu(const TokenCountArgs& a) {
     prefix.reserve(static_cast<std::size_t>(max_cuts));
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = a.total_lengths[i], r = a.response_lengths[i];
+      const int64_t padded = a.chunk.padded_lengths != nullptr ? a.chunk.padded_lengths[i] : 0;
       const bool sft = r == t;
       // Mask index k is predicted by the logit at position k + off; the last position predicts
       // nothing.
@@ -90,7 +92,7 @@ void count_tokens_cpu(const TokenCountArgs& a) {
         full_prefix[0] = 0;
         for (int64_t k = 0; k < r; ++k) full_prefix[k + 1] = full_prefix[k] + mask[k];
         for (int c = 0; c < a.num_cp; ++c) {
-          const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk);
+          const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk, padded);
           int64_t* out = a.counts + out_offset[c] + i * cp;
           if (cp == 1) {
             out[0] = full_prefix[r];
@@ -105,7 +107,7 @@ void count_tokens_cpu(const TokenCountArgs& a) {
       }
       cuts.assign({0, owned_len, r});
       for (int c = 0; c < a.num_cp; ++c) {
-        const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk);
+        const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk, padded);
         for (int64_t b = 1; b < 2 * cp; ++b) cuts.push_back(clip(b * cs));
       }
       std::sort(cuts.begin(), cuts.end());
@@ -117,7 +119,7 @@ void count_tokens_cpu(const TokenCountArgs& a) {
         return prefix[std::lower_bound(cuts.begin(), cuts.end(), k) - cuts.begin()];
       };
       for (int c = 0; c < a.num_cp; ++c) {
-        const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk);
+        const int64_t cp = a.cp_sizes[c], cs = chunk_size_of(t, cp, a.chunk, padded);
         int64_t* out = a.counts + out_offset[c] + i * cp;
         if (cp == 1) {
           out[0] = prefix_at(r);

@@ -21,11 +21,6 @@ struct CpList {
   int64_t out_offset[kMaxCp];
 };
 
-__device__ int64_t chunk_of(int64_t t, int64_t cp, ChunkRule rule) {
-  if (rule.max_seq_len > 0) return (rule.max_seq_len + 2 * cp - 1) / (2 * cp);
-  if (rule.padded_total_length > 0) return rule.padded_total_length / (2 * cp);
-  return (t + 2 * cp - 1) / (2 * cp);
-}
 
 __global__ void count_kernel(TokenCountArgs a, CpList cps) {
   extern __shared__ long long shared[];
@@ -33,6 +28,7 @@ __global__ void count_kernel(TokenCountArgs a, CpList cps) {
   __shared__ long long warp_sums[kThreads / 32];
   const int64_t i = blockIdx.x;
   const int64_t t = a.total_lengths[i], r = a.response_lengths[i];
+  const int64_t padded = a.chunk.padded_lengths != nullptr ? a.chunk.padded_lengths[i] : 0;
   const bool sft = r == t;
   const int64_t off = sft ? 0 : t - r - 1;
   const int64_t owned_len = sft ? (t > 1 ? t - 1 : 0) : r;
@@ -56,7 +52,7 @@ __global__ void count_kernel(TokenCountArgs a, CpList cps) {
     insert(owned_len);
     insert(r);  // at CP = 1 the unsharded trainer sums the whole mask
     for (int c = 0; c < cps.n; ++c) {
-      const int64_t cs = chunk_of(t, cps.cp[c], a.chunk);
+      const int64_t cs = chunk_size_of(t, cps.cp[c], a.chunk, padded);
       for (int64_t b = 1; b < 2 * cps.cp[c]; ++b) insert(clip(b * cs));
     }
     num_cuts = n;
@@ -90,7 +86,7 @@ __global__ void count_kernel(TokenCountArgs a, CpList cps) {
     return prefix[lo];
   };
   for (int c = 0; c < cps.n; ++c) {
-    const int64_t cp = cps.cp[c], cs = chunk_of(t, cp, a.chunk);
+    const int64_t cp = cps.cp[c], cs = chunk_size_of(t, cp, a.chunk, padded);
     int64_t* out = a.counts + cps.out_offset[c] + i * cp;
     if (cp == 1) {
       if (threadIdx.x == 0) out[0] = prefix_at(r);
