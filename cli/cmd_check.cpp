@@ -10,6 +10,7 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
+#include "cli/steps.h"
 #include "core/contract.h"
 #include "core/errors.h"
 #include "kernels/device.h"
@@ -95,159 +96,165 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   }
   const ShardLayout layout = o.layout.layout();
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
-  const Batch& b = loaded.batch;
-  if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
-  // check --contract: each micro-batch of each DP rank trained under the contract (SPEC §9).
-  const Placement placement = o.placement.placement(b, o.dumps.dp_shards);
-  int64_t global_batch_size = o.global_batch_size;
-  if (global_batch_size == 0 && b.metadata.contains("global_batch_size") &&
-      b.metadata["global_batch_size"].is_number_integer()) {
-    global_batch_size = b.metadata["global_batch_size"].get<int64_t>();
-  }
-  std::ostream& out = ctx.out;
-  out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}, candidate {}{}\n",
-                     b.num_samples(), policy_name(policy), fmt::join(o.cp_sizes, ", "),
-                     fmt::join(o.impls, " and "),
-                     device == kernels::Device::kCuda ? " (kernels on CUDA)" : "");
+  if (loaded.batch.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  run_per_step(loaded.batch, o.dumps.step, report, ctx, [&](const StepView& v) {
+    const Batch& b = *v.batch;
+    // check --contract: each micro-batch of each DP rank trained under the contract (SPEC §9), on
+    // the trainer's own layout where the dump records it.
+    const Placement placement =
+        v.layout != nullptr ? *v.layout : o.placement.placement(b, o.dumps.dp_shards);
+    int64_t global_batch_size = o.global_batch_size;
+    if (global_batch_size == 0 && b.metadata.contains("global_batch_size") &&
+        b.metadata["global_batch_size"].is_number_integer()) {
+      global_batch_size = b.metadata["global_batch_size"].get<int64_t>();
+    }
+    std::ostream& out = ctx.out;
+    out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}, candidate {}{}\n",
+                       b.num_samples(), policy_name(policy), fmt::join(o.cp_sizes, ", "),
+                       fmt::join(o.impls, " and "),
+                       device == kernels::Device::kCuda ? " (kernels on CUDA)" : "");
 
-  if (policy == Policy::kLegacy) report.add_findings(oracle::legacy_slicing_findings(b));
+    if (policy == Policy::kLegacy) report.add_findings(oracle::legacy_slicing_findings(b));
 
-  nlohmann::ordered_json cases = nlohmann::ordered_json::array();
-  bool all_ok = true;
-  for (LossKind loss : losses) {
-    for (Reduction reduce : reduces) {
-      LossSpec spec;
-      spec.loss = loss;
-      spec.reduce = reduce;
-      spec.policy = policy;
-      spec.eps_low = o.eps_low;
-      spec.eps_high = o.eps_high;
-      if (!o.contract.empty()) spec.global_batch_size = global_batch_size;
-      const LossInput which = loss_input(b, loss);
-      const HostArray& input = which == LossInput::kLogits     ? *b.logits
-                               : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
-                                                               : b.per_token.at("token_loss");
-      oracle::CheckSettings settings;
-      settings.rtol = o.rtol;
-      settings.atol = o.atol;
-      settings.judge_denominator = o.contract.empty();
-      spec = oracle::with_rounding_slack(spec, input.dtype, settings);
-      const oracle::OracleLoss want = oracle::oracle_loss(b, spec);
-      out << fmt::format(
-          "\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n",
-          loss_kind_name(loss), loss_input_name(want.input), fmt::join(input.shape, ", "),
-          dtype_name(input.dtype), reduction_name(reduce), want.loss, want.denominator,
-          want.no_signal
-              ? " (zero effective tokens: a no-signal step; loss and gradient must be exactly 0)"
-              : "");
-      out << fmt::format("  {:>3}  {:<7} {:<22} {:<34} {:<28} {}\n", "cp", "impl",
-                         "denominator got/want", "loss got (|diff| <= bound)",
-                         "grad mismatched/checked", "max |diff|");
-      for (int64_t cp : o.cp_sizes) {
-        for (trainer::Impl impl : impls) {
-          trainer::CandidateInput in;
-          in.batch = &b;
-          in.spec = spec;
-          in.cp = cp;
-          in.layout = layout;
-          in.impl = impl;
-          in.device = device;
-          Contract contract;
-          if (!o.contract.empty()) {
-            contract = parse_contract(o.contract, reduce);
-            in.contract = &contract;
-            in.placement = &placement;
-            in.tp = o.tp;
-            in.global_batch_size = global_batch_size;
+    nlohmann::ordered_json cases = nlohmann::ordered_json::array();
+    bool all_ok = true;
+    for (LossKind loss : losses) {
+      for (Reduction reduce : reduces) {
+        LossSpec spec;
+        spec.loss = loss;
+        spec.reduce = reduce;
+        spec.policy = policy;
+        spec.eps_low = o.eps_low;
+        spec.eps_high = o.eps_high;
+        if (!o.contract.empty()) spec.global_batch_size = global_batch_size;
+        const LossInput which = loss_input(b, loss);
+        const HostArray& input = which == LossInput::kLogits     ? *b.logits
+                                 : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
+                                                                 : b.per_token.at("token_loss");
+        oracle::CheckSettings settings;
+        settings.rtol = o.rtol;
+        settings.atol = o.atol;
+        settings.judge_denominator = o.contract.empty();
+        spec = oracle::with_rounding_slack(spec, input.dtype, settings);
+        const oracle::OracleLoss want = oracle::oracle_loss(b, spec);
+        out << fmt::format(
+            "\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n",
+            loss_kind_name(loss), loss_input_name(want.input), fmt::join(input.shape, ", "),
+            dtype_name(input.dtype), reduction_name(reduce), want.loss, want.denominator,
+            want.no_signal
+                ? " (zero effective tokens: a no-signal step; loss and gradient must be exactly 0)"
+                : "");
+        out << fmt::format("  {:>3}  {:<7} {:<22} {:<34} {:<28} {}\n", "cp", "impl",
+                           "denominator got/want", "loss got (|diff| <= bound)",
+                           "grad mismatched/checked", "max |diff|");
+        for (int64_t cp : o.cp_sizes) {
+          for (trainer::Impl impl : impls) {
+            trainer::CandidateInput in;
+            in.batch = &b;
+            in.spec = spec;
+            in.cp = cp;
+            in.layout = layout;
+            in.impl = impl;
+            in.device = device;
+            Contract contract;
+            if (!o.contract.empty()) {
+              contract = parse_contract(o.contract, reduce);
+              in.contract = &contract;
+              in.placement = &placement;
+              in.tp = o.tp;
+              in.global_batch_size = global_batch_size;
+            }
+            const trainer::CandidateOutput got = trainer::run_candidate(in);
+            // Under a contract the trainer's own count is shown, not judged (slime's full-sample
+            // count is cp·N by design): its loss and gradient say whether the tokens are weighted
+            // right.
+            const oracle::CheckCase c =
+                oracle::evaluate_check(b, spec, want, got, input.dtype, settings);
+            const bool den_ok = c.den_ok, loss_ok = c.loss_ok, flag_ok = c.flag_ok, ok = c.ok();
+            const double bound = c.loss_bound, loss_diff = c.loss_diff;
+            const oracle::GradComparison& g = c.grad;
+            const oracle::Tolerance& grad_tol = c.grad_tol;
+            const std::vector<std::string>& why = c.why;
+            all_ok &= ok;
+            out << fmt::format("  {:>3}  {:<7} {:<22} {:<34} {:<28} {:<10.3g} {}\n", cp,
+                               trainer::impl_name(impl),
+                               fmt::format("{} / {} {}", got.denominator, want.denominator,
+                                           den_ok ? "ok" : "WRONG"),
+                               fmt::format("{:.10g} ({:.2g} {} {:.2g})", got.loss, loss_diff,
+                                           loss_ok ? "<=" : ">", bound),
+                               fmt::format("{}/{} ({:.2f}%)", g.mismatched, g.checked,
+                                           g.checked ? 100.0 * g.mismatched / g.checked : 0.0),
+                               g.max_abs_diff, ok ? "pass" : "FAIL");
+            for (const auto& w : why) out << "       " << w << "\n";
+            const std::string name = fmt::format(
+                "cp={} {} {} {}{}", cp, loss_kind_name(loss), reduction_name(reduce), got.dtype,
+                impl == trainer::Impl::kTorch ? ""
+                                              : fmt::format(" [{}]", trainer::impl_name(impl)));
+            report.add_case({"lossguard.check", name + " denominator", den_ok,
+                             den_ok ? "" : why.front(), false});
+            report.add_case({"lossguard.check", name + " loss", loss_ok,
+                             loss_ok ? ""
+                                     : fmt::format("|{} - {}| = {} > {}", got.loss, want.loss,
+                                                   loss_diff, bound),
+                             false});
+            report.add_case({"lossguard.check", name + " gradient", g.ok(),
+                             g.ok() ? ""
+                                    : fmt::format("{}/{} mismatched; {}", g.mismatched, g.checked,
+                                                  oracle::describe(g.worst)),
+                             false});
+            if (got.skip_flag >= 0) {
+              report.add_case({"lossguard.check", name + " skip flag", flag_ok,
+                               flag_ok ? "" : why.back(), false});
+            }
+            cases.push_back(
+                {{"cp", cp},
+                 {"impl", trainer::impl_name(impl)},
+                 {"loss", loss_kind_name(loss)},
+                 {"reduce", reduction_name(reduce)},
+                 {"dtype", got.dtype},
+                 {"input", loss_input_name(want.input)},
+                 {"denominator",
+                  {{"want", want.denominator}, {"got", got.denominator}, {"ok", den_ok}}},
+                 {"loss_value",
+                  {{"want", want.loss},
+                   {"got", got.loss},
+                   {"abs_diff", loss_diff},
+                   {"bound", bound},
+                   {"ok", loss_ok}}},
+                 {"grad",
+                  {{"checked", g.checked},
+                   {"mismatched", g.mismatched},
+                   {"masked_nonzero", g.masked_nonzero},
+                   {"not_compared", g.not_compared},
+                   {"max_abs_diff", g.max_abs_diff},
+                   {"max_rel_diff", g.max_rel_diff},
+                   {"worst", location_json(g.worst)},
+                   {"worst_relative", location_json(g.worst_relative)},
+                   {"rtol", grad_tol.rtol},
+                   {"atol", grad_tol.atol},
+                   {"ok", g.ok()}}},
+                 {"no_signal", want.no_signal},
+                 {"skip_flag", got.skip_flag < 0 ? nlohmann::ordered_json(nullptr)
+                                                 : nlohmann::ordered_json(got.skip_flag == 1)},
+                 {"ok", ok}});
           }
-          const trainer::CandidateOutput got = trainer::run_candidate(in);
-          // Under a contract the trainer's own count is shown, not judged (slime's full-sample
-          // count is cp·N by design): its loss and gradient say whether the tokens are weighted
-          // right.
-          const oracle::CheckCase c =
-              oracle::evaluate_check(b, spec, want, got, input.dtype, settings);
-          const bool den_ok = c.den_ok, loss_ok = c.loss_ok, flag_ok = c.flag_ok, ok = c.ok();
-          const double bound = c.loss_bound, loss_diff = c.loss_diff;
-          const oracle::GradComparison& g = c.grad;
-          const oracle::Tolerance& grad_tol = c.grad_tol;
-          const std::vector<std::string>& why = c.why;
-          all_ok &= ok;
-          out << fmt::format(
-              "  {:>3}  {:<7} {:<22} {:<34} {:<28} {:<10.3g} {}\n", cp, trainer::impl_name(impl),
-              fmt::format("{} / {} {}", got.denominator, want.denominator, den_ok ? "ok" : "WRONG"),
-              fmt::format("{:.10g} ({:.2g} {} {:.2g})", got.loss, loss_diff, loss_ok ? "<=" : ">",
-                          bound),
-              fmt::format("{}/{} ({:.2f}%)", g.mismatched, g.checked,
-                          g.checked ? 100.0 * g.mismatched / g.checked : 0.0),
-              g.max_abs_diff, ok ? "pass" : "FAIL");
-          for (const auto& w : why) out << "       " << w << "\n";
-          const std::string name = fmt::format(
-              "cp={} {} {} {}{}", cp, loss_kind_name(loss), reduction_name(reduce), got.dtype,
-              impl == trainer::Impl::kTorch ? "" : fmt::format(" [{}]", trainer::impl_name(impl)));
-          report.add_case(
-              {"lossguard.check", name + " denominator", den_ok, den_ok ? "" : why.front(), false});
-          report.add_case(
-              {"lossguard.check", name + " loss", loss_ok,
-               loss_ok ? ""
-                       : fmt::format("|{} - {}| = {} > {}", got.loss, want.loss, loss_diff, bound),
-               false});
-          report.add_case({"lossguard.check", name + " gradient", g.ok(),
-                           g.ok() ? ""
-                                  : fmt::format("{}/{} mismatched; {}", g.mismatched, g.checked,
-                                                oracle::describe(g.worst)),
-                           false});
-          if (got.skip_flag >= 0) {
-            report.add_case({"lossguard.check", name + " skip flag", flag_ok,
-                             flag_ok ? "" : why.back(), false});
-          }
-          cases.push_back(
-              {{"cp", cp},
-               {"impl", trainer::impl_name(impl)},
-               {"loss", loss_kind_name(loss)},
-               {"reduce", reduction_name(reduce)},
-               {"dtype", got.dtype},
-               {"input", loss_input_name(want.input)},
-               {"denominator",
-                {{"want", want.denominator}, {"got", got.denominator}, {"ok", den_ok}}},
-               {"loss_value",
-                {{"want", want.loss},
-                 {"got", got.loss},
-                 {"abs_diff", loss_diff},
-                 {"bound", bound},
-                 {"ok", loss_ok}}},
-               {"grad",
-                {{"checked", g.checked},
-                 {"mismatched", g.mismatched},
-                 {"masked_nonzero", g.masked_nonzero},
-                 {"not_compared", g.not_compared},
-                 {"max_abs_diff", g.max_abs_diff},
-                 {"max_rel_diff", g.max_rel_diff},
-                 {"worst", location_json(g.worst)},
-                 {"worst_relative", location_json(g.worst_relative)},
-                 {"rtol", grad_tol.rtol},
-                 {"atol", grad_tol.atol},
-                 {"ok", g.ok()}}},
-               {"no_signal", want.no_signal},
-               {"skip_flag", got.skip_flag < 0 ? nlohmann::ordered_json(nullptr)
-                                               : nlohmann::ordered_json(got.skip_flag == 1)},
-               {"ok", ok}});
         }
       }
     }
-  }
-  const auto findings = oracle::batch_findings(b);
-  report.add_findings(findings);
-  print_findings(out, report.findings());
-  out << fmt::format("\nverdict: {}\n", all_ok ? "pass: the candidate matches the oracle"
-                                               : "FAIL: the candidate differs from the oracle");
-  auto& res = report.results();
-  res["policy"] = policy_name(policy);
-  res["cp_sizes"] = o.cp_sizes;
-  res["impls"] = o.impls;
-  res["device"] = o.device;
-  res["cases"] = cases;
-  report.verified();
-  if (!all_ok) report.fail();
+    const auto findings = oracle::batch_findings(b);
+    report.add_findings(findings);
+    print_findings(out, report.findings());
+    out << fmt::format("\nverdict: {}\n", all_ok ? "pass: the candidate matches the oracle"
+                                                 : "FAIL: the candidate differs from the oracle");
+    auto& res = report.results();
+    res["policy"] = policy_name(policy);
+    res["cp_sizes"] = o.cp_sizes;
+    res["impls"] = o.impls;
+    res["device"] = o.device;
+    res["cases"] = cases;
+    report.verified();
+    if (!all_ok) report.fail();
+  });
 }
 
 }  // namespace
@@ -274,6 +281,7 @@ void register_check(CLI::App& root, Commands& commands) {
       "  lossguard check batch.safetensors --impl torch,kernels # both candidates against the "
       "oracle");
   add_dump_options(*app, opts->dumps, false);
+  add_step_option(*app, opts->dumps);
   app->add_option("--cp", opts->cp_sizes, "CP sizes (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();

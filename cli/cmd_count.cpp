@@ -8,9 +8,11 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
+#include "cli/steps.h"
 #include "core/errors.h"
 #include "oracle/denominators.h"
 #include "oracle/findings.h"
+#include "oracle/placement.h"
 
 namespace lossguard::cli {
 
@@ -21,9 +23,15 @@ struct CountOptions {
   std::vector<int64_t> cp_sizes = {1, 2, 4, 8};
   std::string policy = "fixed";
   LayoutOptions layout;
+  CpLayoutOptions cp_layout;
+  int64_t tp = 1;
   PlacementOptions placement;
   int64_t max_rows = 40;
 };
+
+void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, Policy policy,
+                const std::vector<int64_t>& cps, bool cp1_requested, const ShardLayout& layout,
+                Report& report, Context& ctx);
 
 void run_count(const CountOptions& o, const CLI::App& app, Report& report, Context& ctx) {
   const Policy policy = policy_from_option(o.policy);
@@ -38,17 +46,59 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   const ShardLayout layout = o.layout.layout();
 
   LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, false});
-  const Batch& b = loaded.batch;
-  const oracle::OwnedCounts counts = oracle::count_owned_tokens(b, cps, layout);
-  const bool split_given = o.placement.given(app) || o.dumps.dp_shards;
+  run_per_step(loaded.batch, o.dumps.step, report, ctx, [&](const StepView& v) {
+    count_step(o, app, v, policy, cps, cp1_requested, layout, report, ctx);
+  });
+}
+
+void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, Policy policy,
+                const std::vector<int64_t>& cps, bool cp1_requested, const ShardLayout& layout,
+                Report& report, Context& ctx) {
+  const Batch& b = *v.batch;
+  // The trainer's own layout where the dump records it, else the flags' split.
+  const bool split_given = v.layout != nullptr || o.placement.given(app) || o.dumps.dp_shards;
   oracle::Placement placement;
-  if (split_given) placement = o.placement.placement(b, o.dumps.dp_shards);
-  const auto invariants =
+  std::string placement_text;
+  if (v.layout != nullptr) {
+    placement = *v.layout;
+    std::size_t max_mb = 0;
+    for (const auto& r : placement) max_mb = std::max(max_mb, r.size());
+    placement_text = fmt::format(
+        "{} DP rank(s) x up to {} micro-batch(es), from {}{}", placement.size(), max_mb,
+        v.layout_source, o.placement.given(app) ? " (--dp/--microbatches/--split ignored)" : "");
+  } else if (split_given) {
+    placement = o.placement.placement(b, o.dumps.dp_shards);
+    placement_text = fmt::format(
+        "{} DP rank(s) x {} micro-batch(es){}", placement.size(), o.placement.microbatches,
+        o.dumps.dp_shards ? " (one dump per DP rank)" : ", split " + o.placement.split);
+  }
+  // Zig-zag owners depend on the sample alone; all-gather and dynamic CP owners on the
+  // micro-batch: those are counted token by token on the layout of each CP size.
+  oracle::OwnedCounts counts;
+  std::vector<std::string> placement_problems;
+  if (o.cp_layout.per_token_needed()) {
+    const oracle::Placement p =
+        split_given ? placement : oracle::place_samples(b.num_samples(), 1, 1, Split::kContiguous);
+    std::vector<StepLayout> layouts;
+    for (int64_t cp : cps) layouts.push_back(o.cp_layout.step_layout(b, p, cp, o.tp, layout));
+    counts = oracle::count_owned_tokens(b, layouts, &placement_problems);
+  } else {
+    counts = oracle::count_owned_tokens(b, cps, layout);
+    if (split_given) placement_problems = oracle::placement_problems(placement, b.num_samples());
+  }
+  auto invariants =
       oracle::check_invariants(b, counts, policy, layout, split_given ? &placement : nullptr);
+  for (auto& inv : invariants) {
+    if (inv.name != "I3" || placement_problems.empty()) continue;
+    inv.ok = false;
+    inv.detail =
+        fmt::format("the placement is not a partition: {}", fmt::join(placement_problems, "; "));
+  }
 
   std::ostream& out = ctx.out;
-  out << fmt::format("lossguard count: {} samples from {} dump(s), policy {}, CP sizes {}\n\n",
-                     b.num_samples(), b.files.size(), policy_name(policy), fmt::join(cps, ", "));
+  out << fmt::format("lossguard count: {} samples from {} dump(s), policy {}, CP sizes {}, {}\n\n",
+                     b.num_samples(), b.files.size(), policy_name(policy), fmt::join(cps, ", "),
+                     o.cp_layout.describe());
   // Per-sample table: T, R, mask sum, the policy's count on each rank of each CP size.
   std::string head =
       fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", "sample", "T", "R", "mask", "kind");
@@ -123,10 +173,14 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
   if (!straddling.empty())
     out << fmt::format("samples straddling CP ranks: {}\n", oracle::format_index_list(straddling));
   if (split_given) {
-    out << fmt::format(
-        "placement: {} DP rank(s) x {} micro-batch(es){}\n", placement.size(),
-        o.placement.microbatches,
-        o.dumps.dp_shards ? " (one dump per DP rank)" : ", split " + o.placement.split);
+    out << "placement: " << placement_text << "\n";
+    if (v.layout != nullptr) {
+      for (std::size_t d = 0; d < placement.size(); ++d) {
+        std::vector<std::string> mbs;
+        for (const auto& mb : placement[d]) mbs.push_back(fmt::format("[{}]", fmt::join(mb, " ")));
+        out << fmt::format("  DP rank {}: {}\n", d, fmt::join(mbs, " "));
+      }
+    }
   }
 
   out << fmt::format("\ninvariants (policy {}):\n", policy_name(policy));
@@ -161,9 +215,24 @@ void run_count(const CountOptions& o, const CLI::App& app, Report& report, Conte
       layout.packing == Packing::kBshd
           ? nlohmann::ordered_json{{"packing", "bshd"}, {"max_seq_len", layout.max_seq_len}}
           : nlohmann::ordered_json{{"packing", "thd"},
-                                   {"padded_total_length", layout.padded_total_length}};
-  if (split_given)
-    res["placement"] = {{"dp", placement.size()}, {"microbatches", o.placement.microbatches}};
+                                   {"padded_total_length", layout.padded_total_length},
+                                   {"pad_multiple", layout.pad_multiple},
+                                   {"per_sample_padded_lengths", !b.padded_total_lengths.empty()}};
+  res["layout"]["cp_layout"] = o.cp_layout.cp_layout;
+  if (o.cp_layout.cp_layout == "allgather")
+    res["layout"]["allgather_pad"] = o.cp_layout.allgather_pad;
+  res["layout"]["dynamic_cp"] = o.cp_layout.dynamic_cp > 0
+                                    ? nlohmann::ordered_json(o.cp_layout.dynamic_cp)
+                                    : nlohmann::ordered_json(nullptr);
+  if (split_given) {
+    res["placement"] = {{"dp", placement.size()},
+                        {"microbatches", o.placement.microbatches},
+                        {"source", v.layout != nullptr ? "dump" : "flags"}};
+    if (v.layout != nullptr) {
+      res["placement"]["microbatches"] = nullptr;
+      res["placement"]["samples"] = placement;
+    }
+  }
   res["samples"] = samples_json;
   res["totals"] = totals;
   res["invariants"] = inv_json;
@@ -193,12 +262,16 @@ void register_count(CLI::App& root, Commands& commands) {
       "denominator bug\n"
       "  lossguard count rank0.pt rank1.pt --dp-shards --microbatches 4 --json -");
   add_dump_options(*app, opts->dumps, true);
+  add_step_option(*app, opts->dumps);
   app->add_option("--cp", opts->cp_sizes, "CP sizes to count for (comma-separated)")
       ->delimiter(',')
       ->capture_default_str();
   app->add_option("--policy", opts->policy, "Counting policy: fixed, legacy or slime")
       ->capture_default_str();
   add_layout_options(*app, opts->layout);
+  add_cp_layout_options(*app, opts->cp_layout);
+  app->add_option("--tp", opts->tp, "Tensor-parallel size (allgather pads to cp*tp*pad)")
+      ->capture_default_str();
   add_placement_options(*app, opts->placement, false);
   app->add_option("--max-rows", opts->max_rows, "Sample rows in the text table (0: all)")
       ->capture_default_str();

@@ -11,6 +11,7 @@
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
 #include "cli/replay_svg.h"
+#include "cli/steps.h"
 #include "core/errors.h"
 #include "distributed/real_replay.h"
 #include "kernels/device_info.h"
@@ -66,6 +67,10 @@ void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t ma
   }
 }
 
+void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol protocol,
+                 oracle::ReduceMode reduce, Policy policy, const oracle::Topology& topo,
+                 const PlacementOptions& placement_options, Report& report, Context& ctx);
+
 void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   oracle::Protocol protocol;
   if (!oracle::parse_protocol(o.protocol, &protocol)) {
@@ -94,8 +99,32 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
                       io::expand_dump_paths(o.dumps.paths).size(), o.sizes.dp);
   }
   LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, true});
-  const Batch& b = loaded.batch;
-  const oracle::Placement placement = placement_options.placement(b, o.dumps.dp_shards);
+  if (o.backend != "sim" && loaded.batch.steps.size() > 1 && o.dumps.step < 0) {
+    throw_input_error(
+        "the dumps hold {} optimizer steps; a real-mode replay runs one: pass --step N (the "
+        "simulator replays them all)",
+        loaded.batch.steps.size());
+  }
+  run_per_step(loaded.batch, o.dumps.step, report, ctx, [&](const StepView& v) {
+    replay_step(o, v, protocol, reduce, policy, topo, placement_options, report, ctx);
+  });
+}
+
+void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol protocol,
+                 oracle::ReduceMode reduce, Policy policy, const oracle::Topology& topo,
+                 const PlacementOptions& placement_options, Report& report, Context& ctx) {
+  const Batch& b = *v.batch;
+  oracle::Placement placement;
+  if (v.layout != nullptr) {
+    placement = *v.layout;
+    if (static_cast<int64_t>(placement.size()) != o.sizes.dp) {
+      throw_input_error("step {}: {} has {} DP rank(s) but --dp {}", v.step, v.layout_source,
+                        placement.size(), o.sizes.dp);
+    }
+    ctx.out << fmt::format("placement: {} (--microbatches and --split ignored)\n", v.layout_source);
+  } else {
+    placement = placement_options.placement(b, o.dumps.dp_shards);
+  }
   const oracle::ReplayInputs in =
       oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
   oracle::ReplayResult result;
@@ -273,6 +302,7 @@ void register_replay(CLI::App& root, Commands& commands) {
       "  torchrun --nproc-per-node 4 --no-python lossguard replay batch.safetensors --tp 2 --pp 2 "
       "--backend gloo");
   add_dump_options(*app, opts->dumps, true);
+  add_step_option(*app, opts->dumps);
   add_topology_options(*app, opts->sizes);
   app->add_option("--microbatches", opts->placement.microbatches, "Micro-batches per DP rank")
       ->capture_default_str();

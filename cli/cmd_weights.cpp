@@ -10,6 +10,7 @@
 #include "cli/command.h"
 #include "cli/inputs.h"
 #include "cli/placement_options.h"
+#include "cli/steps.h"
 #include "cli/weights_report.h"
 #include "core/contract.h"
 #include "core/errors.h"
@@ -25,8 +26,7 @@ struct WeightsOptions {
   std::string reduce = "per-token";
   std::string contract;
   int64_t cp = 1, tp = 1;
-  std::string cp_layout = "zigzag";
-  int64_t allgather_pad = 128;
+  CpLayoutOptions cp_layout;
   LayoutOptions layout;
   PlacementOptions placement;
   int64_t global_batch_size = 0;
@@ -48,29 +48,39 @@ std::string ratio_text(const oracle::ShardRatio& r) {
   return fmt::format("{:.3g}-{:.3g}", r.min_ratio, r.max_ratio);
 }
 
+void weights_step(const WeightsOptions& o, const StepView& v, Reduction reduce,
+                  const Contract& contract, Report& report, Context& ctx);
+
 void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
   Reduction reduce;
   if (!parse_reduction(o.reduce, &reduce)) {
     throw_input_error("--reduce must be {}, got '{}'", mode_choices<Reduction>(), o.reduce);
   }
   const Contract contract = parse_contract(o.contract, reduce);
-  CpLayout cp_layout;
-  if (!parse_mode(o.cp_layout, &cp_layout)) {
-    throw_input_error("--cp-layout must be {}, got '{}'", mode_choices<CpLayout>(), o.cp_layout);
-  }
   if (o.cp < 1 || o.tp < 1) throw_input_error("--cp and --tp must be >= 1");
   Split split;
   if (!parse_mode(o.placement.split, &split)) {
     throw_input_error("--split must be {}, got '{}'", mode_choices<Split>(), o.placement.split);
   }
   LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, false});
-  const Batch& b = loaded.batch;
-  if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  if (loaded.batch.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  run_per_step(loaded.batch, o.dumps.step, report, ctx,
+               [&](const StepView& v) { weights_step(o, v, reduce, contract, report, ctx); });
+}
 
-  StepLayout layout =
-      static_layout(o.placement.placement(b, o.dumps.dp_shards), o.cp, o.tp, o.layout.layout());
-  layout.cp_layout = cp_layout;
-  layout.allgather_pad = o.allgather_pad;
+void weights_step(const WeightsOptions& o, const StepView& v, Reduction reduce,
+                  const Contract& contract, Report& report, Context& ctx) {
+  const Batch& b = *v.batch;
+  Split split = Split::kContiguous;
+  parse_mode(o.placement.split, &split);  // validated by run_weights
+  // The trainer's own layout where the dump records it, else the flags'.
+  const std::string layout_source =
+      v.layout != nullptr ? v.layout_source
+                          : (o.dumps.dp_shards ? "the dumps: one per DP rank" : "flags");
+  StepLayout layout = o.cp_layout.step_layout(
+      b, v.layout != nullptr ? *v.layout : o.placement.placement(b, o.dumps.dp_shards), o.cp, o.tp,
+      o.layout.layout());
+  layout.source = v.layout != nullptr || o.dumps.dp_shards ? "dump" : "flags";
   oracle::ObjectiveSizes sizes{o.global_batch_size, o.l_norm};
   if (sizes.global_batch_size == 0 && b.metadata.contains("global_batch_size") &&
       b.metadata["global_batch_size"].is_number_integer()) {
@@ -113,7 +123,7 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
   for (int64_t d = 0; d < layout.dp; ++d) max_m = std::max(max_m, layout.num_microbatches(d));
   out << fmt::format("layout: DP {} x {} micro-batch(es), CP {} ({}), TP {} (from {})\n\n",
                      layout.dp, max_m, layout.cp, mode_name(layout.cp_layout), layout.tp,
-                     o.dumps.dp_shards ? "the dumps: one per DP rank" : "flags");
+                     layout_source);
   for (const auto& p : got.problems) out << "  layout problem: " << p << "\n";
   out << fmt::format("weights: {}\n", dg.summary());
   if (!dg.exact() && shards.size() <= 64 * 8) {
@@ -196,14 +206,12 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
                                   : std::string(mode_name(contract.grad))},
                      {"preset", contract.preset.empty() ? nlohmann::ordered_json(nullptr)
                                                         : nlohmann::ordered_json(contract.preset)}};
-  res["layout"] = {{"dp", layout.dp},
-                   {"cp", layout.cp},
-                   {"tp", layout.tp},
-                   {"microbatches", max_m},
-                   {"split", mode_name(split)},
-                   {"cp_layout", mode_name(layout.cp_layout)},
-                   {"source", o.dumps.dp_shards ? "dump" : "flags"}};
-  const int64_t step_number = b.metadata.contains("step") && b.metadata["step"].is_number_integer()
+  res["layout"] = {{"dp", layout.dp},           {"cp", layout.cp},
+                   {"tp", layout.tp},           {"microbatches", max_m},
+                   {"split", mode_name(split)}, {"cp_layout", mode_name(layout.cp_layout)},
+                   {"source", layout.source}};
+  const int64_t step_number = !v.layout_source.empty() ? v.step
+                             : b.metadata.contains("step") && b.metadata["step"].is_number_integer()
                                   ? b.metadata["step"].get<int64_t>()
                                   : 0;
   nlohmann::ordered_json step = {{"step", step_number}, {"diagnosis", diagnosis_json(dg)}};
@@ -279,6 +287,7 @@ void register_weights(CLI::App& root, Commands& commands) {
       "  lossguard weights batch.safetensors --reduce sample-mean --contract slime --dp 4 --cp 2 "
       "--svg w.svg");
   add_dump_options(*app, opts->dumps, true);
+  add_step_option(*app, opts->dumps);
   app->add_option("--reduce", opts->reduce, "The objective: " + mode_choices<Reduction>())
       ->capture_default_str();
   app->add_option("--contract", opts->contract,
@@ -288,12 +297,7 @@ void register_weights(CLI::App& root, Commands& commands) {
   app->add_option("--tp", opts->tp,
                   "Tensor-parallel size (counts summed over the world group include it)")
       ->capture_default_str();
-  app->add_option("--cp-layout", opts->cp_layout,
-                  "How a sample is cut over CP ranks: zigzag or allgather")
-      ->capture_default_str();
-  app->add_option("--allgather-pad", opts->allgather_pad,
-                  "All-gather layout: the stream is padded to a multiple of cp*tp*this")
-      ->capture_default_str();
+  add_cp_layout_options(*app, opts->cp_layout);
   add_layout_options(*app, opts->layout);
   add_placement_options(*app, opts->placement, false);
   app->add_option(

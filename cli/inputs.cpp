@@ -25,6 +25,12 @@ void add_dump_options(CLI::App& app, DumpOptions& o, bool with_dp_shards) {
   }
 }
 
+void add_step_option(CLI::App& app, DumpOptions& o) {
+  app.add_option("--step", o.step,
+                 "Only this optimizer step of a dump that holds several (slime's format-2 train "
+                 "dumps); default: every step, reported one by one");
+}
+
 namespace {
 
 class Progress {

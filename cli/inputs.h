@@ -12,8 +12,11 @@ struct DumpOptions {
   std::vector<std::string> paths;
   std::vector<std::string> field_maps;  // --field NAME=KEY
   bool dp_shards = false;
+  int64_t step = -1;  // --step N: only that step of a multi-step dump
 };
 void add_dump_options(CLI::App& app, DumpOptions& options, bool with_dp_shards);
+// --step N, for the commands that decide per step.
+void add_step_option(CLI::App& app, DumpOptions& options);
 
 struct LoadedBatch {
   std::vector<io::Dump> dumps;

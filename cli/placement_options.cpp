@@ -1,6 +1,8 @@
 // CP layout and placement options.
 #include "cli/placement_options.h"
 
+#include <fmt/format.h>
+
 #include "core/errors.h"
 
 namespace lossguard::cli {
@@ -27,7 +29,49 @@ ShardLayout LayoutOptions::layout() const {
   l.packing = max_seq_len > 0 ? Packing::kBshd : Packing::kThd;
   l.max_seq_len = max_seq_len;
   l.padded_total_length = padded_total_length;
+  if (pad_multiple < 0) throw_input_error("--pad-multiple must be >= 1, got {}", pad_multiple);
+  if (pad_multiple > 0 && (padded_total_length > 0 || max_seq_len > 0)) {
+    throw InputError("--pad-multiple excludes --padded-total-length and --max-seq-len");
+  }
+  l.pad_multiple = pad_multiple;
   return l;
+}
+
+StepLayout CpLayoutOptions::step_layout(const Batch& b, const Placement& placement, int64_t cp,
+                                        int64_t tp, const ShardLayout& shard) const {
+  CpLayout kind;
+  if (!parse_mode(cp_layout, &kind)) {
+    throw_input_error("--cp-layout must be {}, got '{}'", mode_choices<CpLayout>(), cp_layout);
+  }
+  if (allgather_pad < 1) throw_input_error("--allgather-pad must be >= 1, got {}", allgather_pad);
+  StepLayout l = dynamic_cp > 0
+                     ? oracle::dynamic_cp_layout(b.total_lengths, placement, cp, dynamic_cp)
+                     : static_layout(placement, cp, tp, shard);
+  l.tp = tp;
+  l.shard = shard;
+  l.cp_layout = kind;
+  l.allgather_pad = allgather_pad;
+  return l;
+}
+
+std::string CpLayoutOptions::describe() const {
+  std::string s =
+      cp_layout == "allgather" ? fmt::format("allgather (pad {})", allgather_pad) : cp_layout;
+  if (dynamic_cp > 0) s += fmt::format(", dynamic CP ({} tokens per GPU)", dynamic_cp);
+  return s;
+}
+
+void add_cp_layout_options(CLI::App& app, CpLayoutOptions& o) {
+  app.add_option("--cp-layout", o.cp_layout,
+                 "How a micro-batch is cut over CP ranks: zigzag (each sample in 2*cp chunks) or "
+                 "allgather (the micro-batch concatenated, padded, cut in cp contiguous parts)")
+      ->capture_default_str();
+  app.add_option("--allgather-pad", o.allgather_pad,
+                 "allgather: the stream is padded to a multiple of cp*tp*this")
+      ->capture_default_str();
+  app.add_option("--dynamic-cp", o.dynamic_cp,
+                 "Relax's dynamic CP: each micro-batch's CP size is the smallest power of two that "
+                 "keeps its longest sample within this many tokens per GPU");
 }
 
 void add_layout_options(CLI::App& app, LayoutOptions& o) {
@@ -35,6 +79,9 @@ void add_layout_options(CLI::App& app, LayoutOptions& o) {
                  "thd packing with every sample padded to this length (a multiple of 2*cp); "
                  "default: ceil(T / 2cp) chunks");
   app.add_option("--max-seq-len", o.max_seq_len, "bshd packing: chunks of ceil(max_seq_len / 2cp)");
+  app.add_option("--pad-multiple", o.pad_multiple,
+                 "thd packing with each sample padded to a multiple of K (and of 2*cp), as Relax's "
+                 "VL path pads to tp*cp*2; a sample's own padded_total_length field wins");
 }
 
 oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards) const {

@@ -21,9 +21,24 @@ void add_topology_options(CLI::App& app, TopologySizes& sizes);
 struct LayoutOptions {
   int64_t padded_total_length = 0;
   int64_t max_seq_len = 0;
+  int64_t pad_multiple = 0;
   ShardLayout layout() const;
 };
 void add_layout_options(CLI::App& app, LayoutOptions& o);
+
+// How a micro-batch is cut over its CP group (SPEC §2): zig-zag or all-gather, static or dynamic
+// CP size.
+struct CpLayoutOptions {
+  std::string cp_layout = "zigzag";
+  int64_t allgather_pad = 128;
+  int64_t dynamic_cp = 0;  // > 0: Relax's dynamic CP with this many tokens per GPU
+  bool per_token_needed() const { return cp_layout != "zigzag" || dynamic_cp > 0; }
+  // The step layout of `placement` on a CP group of `cp` (and `tp`), with these options.
+  StepLayout step_layout(const Batch& batch, const Placement& placement, int64_t cp, int64_t tp,
+                         const ShardLayout& shard) const;
+  std::string describe() const;  // "zigzag", "allgather (pad 128)", "zigzag, dynamic CP (4096 ...)"
+};
+void add_cp_layout_options(CLI::App& app, CpLayoutOptions& o);
 
 struct PlacementOptions {
   int64_t dp = 1;

@@ -52,7 +52,11 @@ class Report {
 
   void add_input(const std::string& path, const std::string& format);
   void add_findings(const std::vector<oracle::Finding>& findings);
-  void add_case(JunitCase c) { cases_.push_back(std::move(c)); }
+  void add_case(JunitCase c) {
+    c.name = case_prefix_ + c.name;
+    cases_.push_back(std::move(c));
+  }
+  void set_case_prefix(std::string prefix) { case_prefix_ = std::move(prefix); }
   nlohmann::ordered_json& results() { return results_; }  // command-specific fields
   const std::vector<oracle::Finding>& findings() const { return findings_; }
 
@@ -63,6 +67,7 @@ class Report {
 
  private:
   std::string command_;
+  std::string case_prefix_;
   int forced_exit_code_ = -1;
   bool suppress_outputs_ = false;
   bool failed_ = false, faulted_ = false, errored_ = false, unverified_ = false, verified_ = false;

@@ -53,6 +53,12 @@ const std::vector<FieldSpec>& field_specs() {
       {"ref_log_probs", {"ref_log_probs"}},
       {"advantages", {"advantages"}},
       {"token_loss", {"token_loss"}},
+      // Per-sample values (SPEC §1), under the names slime and Relax use.
+      {"padded_total_length",
+       {"padded_total_length", "padded_total_lengths", "maybe_padded_total_lengths"}},
+      {"sample_denom",
+       {"sample_denom", "sample_denoms", "rollout_mask_sums", "sample_index_mask_sums"}},
+      {"removed", {"removed", "remove_sample", "remove_samples"}},
   };
   return kSpecs;
 }
@@ -159,15 +165,14 @@ HostArray to_array(const Value& v, const std::string& where) {
 }
 
 // A packed field given as a list of per-sample arrays (how slime and Relax hold rollout_data:
-// {"tokens": [tensor, ...], "loss_masks": [tensor, ...]}): the arrays concatenated along their first
-// dimension, in their own dtype when they share one (bf16 log-probs stay bf16). Anything else goes to
-// to_array.
+// {"tokens": [tensor, ...], "loss_masks": [tensor, ...]}): the arrays concatenated along their
+// first dimension, in their own dtype when they share one (bf16 log-probs stay bf16). Anything else
+// goes to to_array.
 HostArray to_packed_array(const Value& v, const std::string& where) {
-  const bool per_sample =
-      v.is_sequence() && !v.items.empty() &&
-      std::any_of(v.items.begin(), v.items.end(), [](const ValuePtr& x) {
-        return x->kind == Kind::kTensor && !x->array.shape.empty();
-      });
+  const bool per_sample = v.is_sequence() && !v.items.empty() &&
+                          std::any_of(v.items.begin(), v.items.end(), [](const ValuePtr& x) {
+                            return x->kind == Kind::kTensor && !x->array.shape.empty();
+                          });
   if (!per_sample) return to_array(v, where);
   std::vector<HostArray> parts;
   parts.reserve(v.items.size());
@@ -175,15 +180,18 @@ HostArray to_packed_array(const Value& v, const std::string& where) {
     parts.push_back(to_array(*v.items[k], fmt::format("{}[{}]", where, k)));
     const HostArray& p = parts.back();
     if (p.shape.empty()) {
-      throw_input_error("{}[{}] is a scalar among per-sample arrays (sample {} needs a list or a 1-D tensor)",
-                        where, k, k);
+      throw_input_error(
+          "{}[{}] is a scalar among per-sample arrays (sample {} needs a list or a 1-D tensor)",
+          where, k, k);
     }
     const HostArray& first = parts.front();
     if (p.shape.size() != first.shape.size() ||
         !std::equal(p.shape.begin() + 1, p.shape.end(), first.shape.begin() + 1)) {
       if (!(p.numel() == 0 && p.shape.size() == 1)) {  // an empty response's [] fits any row shape
-        throw_input_error("{}[{}] has shape {} but {}[0] has {}: per-sample arrays must agree past their first dimension",
-                          where, k, p.shape_string(), where, first.shape_string());
+        throw_input_error(
+            "{}[{}] has shape {} but {}[0] has {}: per-sample arrays must agree past their first "
+            "dimension",
+            where, k, p.shape_string(), where, first.shape_string());
       }
     }
   }
@@ -232,6 +240,15 @@ int64_t to_length(const Value& v, const std::string& where) {
     return v.array.get_i64(0);
   if (v.is_sequence() && v.items.size() == 1) return to_length(*v.items[0], where);
   throw_input_error("{} is a {}, expected an integer length", where, v.type_name());
+}
+
+double to_scalar(const Value& v, const std::string& where) {
+  if (v.kind == Kind::kInt) return static_cast<double>(v.i);
+  if (v.kind == Kind::kBool) return v.b ? 1.0 : 0.0;
+  if (v.kind == Kind::kFloat) return v.f;
+  if (v.kind == Kind::kTensor && v.array.numel() == 1) return v.array.get_f64(0);
+  if (v.is_sequence() && v.items.size() == 1) return to_scalar(*v.items[0], where);
+  throw_input_error("{} is a {}, expected a number", where, v.type_name());
 }
 
 nlohmann::json to_metadata(const Value& v) {
@@ -284,6 +301,18 @@ void add_samples(BatchBuilder& builder, const Value& samples, const std::string&
     if (const Value* v = find_field(s, "total_length", map, &key)) {
       f.total_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
     }
+    if (const Value* v = find_field(s, "padded_total_length", map, &key);
+        v != nullptr && v->kind != Kind::kNone) {
+      f.padded_total_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
+    }
+    if (const Value* v = find_field(s, "sample_denom", map, &key);
+        v != nullptr && v->kind != Kind::kNone) {
+      f.sample_denom = to_scalar(*v, fmt::format("{} field '{}'", where_sample, key));
+    }
+    if (const Value* v = find_field(s, "removed", map, &key);
+        v != nullptr && v->kind != Kind::kNone) {
+      f.removed = to_scalar(*v, fmt::format("{} field '{}'", where_sample, key)) != 0.0;
+    }
     f.loss_mask = array_field("loss_mask");
     f.logits = array_field("logits");
     for (const std::string& name : per_token_field_names()) {
@@ -291,6 +320,157 @@ void add_samples(BatchBuilder& builder, const Value& samples, const std::string&
     }
     builder.add_sample(static_cast<int64_t>(i), f);
   }
+}
+
+std::vector<int64_t> to_int_list(const Value& v, const std::string& where) {
+  const HostArray a = to_array(v, where);
+  if (a.shape.size() > 1)
+    throw_input_error("{} has shape {}, expected a list of integers", where, a.shape_string());
+  if (dtype_is_float(a.dtype)) {
+    for (int64_t k = 0; k < a.numel(); ++k) {
+      const double x = a.get_f64(k);
+      if (x != static_cast<double>(static_cast<int64_t>(x)))
+        throw_input_error("{}[{}] = {} is not an integer", where, k, x);
+    }
+  }
+  std::vector<int64_t> out(static_cast<std::size_t>(a.numel()));
+  for (int64_t k = 0; k < a.numel(); ++k) out[k] = a.get_i64(k);
+  return out;
+}
+
+// slime's format-2 train dump (`format_version: 2`): `samples` in rollout order and `dp_shards`,
+// one schedule per DP rank: `partition` (or `rollout_positions`), the global rollout positions of
+// the rank's samples in execution order; `num_microbatches[s]` per rank in step s;
+// `micro_batch_indices`, one flat list over all steps of runs of rank-local indices into
+// `partition`. Step s of rank r is micro-batches [sum(nmb[:s]), sum(nmb[:s+1])). `first` is the
+// batch index of samples[0].
+std::vector<BatchStep> slime_format2_steps(const Value& root, const Value& samples,
+                                           const std::string& path, int64_t first) {
+  const Value* shards = root.get("dp_shards");
+  if (shards == nullptr || shards->kind == Kind::kNone) return {};
+  if (!shards->is_sequence())
+    throw_input_error("{}: field 'dp_shards' is a {}, expected a list of per-DP-rank schedules",
+                      path, shards->type_name());
+  // rollout position -> batch index
+  std::map<int64_t, int64_t> by_position, by_sample_index;
+  for (std::size_t k = 0; k < samples.items.size(); ++k) {
+    const Value& s = *samples.items[k];
+    const auto index = first + static_cast<int64_t>(k);
+    const Value* pos = s.is_dict() ? s.get("rollout_position") : nullptr;
+    const int64_t p =
+        pos != nullptr && pos->kind != Kind::kNone
+            ? to_length(*pos, fmt::format("{}: sample {} field 'rollout_position'", path, k))
+            : static_cast<int64_t>(k);
+    if (!by_position.emplace(p, index).second)
+      throw_input_error("{}: samples {} and {} have the same rollout_position {}", path,
+                        by_position[p] - first, k, p);
+    if (const Value* si = s.is_dict() ? s.get("sample_index") : nullptr;
+        si && si->kind != Kind::kNone)
+      by_sample_index.emplace(
+          to_length(*si, fmt::format("{}: sample {} field 'sample_index'", path, k)), index);
+  }
+  std::vector<BatchStep> steps;
+  std::size_t num_steps = 0;
+  for (std::size_t r = 0; r < shards->items.size(); ++r) {
+    const Value& shard = *shards->items[r];
+    const std::string where = fmt::format("{}: dp_shards[{}]", path, r);
+    if (!shard.is_dict())
+      throw_input_error("{} is a {}, expected a dict", where, shard.type_name());
+    auto field = [&](const char* name) -> const Value* {
+      const Value* v = shard.get(name);
+      return v != nullptr && v->kind != Kind::kNone ? v : nullptr;
+    };
+    int64_t dp_rank = static_cast<int64_t>(r);
+    if (const Value* d = field("data_parallel_rank"))
+      dp_rank = to_length(*d, where + " field 'data_parallel_rank'");
+    // The rank's samples as batch indices, in its execution order.
+    std::vector<int64_t> local;
+    const char* position_key = field("partition") ? "partition" : "rollout_positions";
+    if (const Value* part = field(position_key)) {
+      for (int64_t p : to_int_list(*part, fmt::format("{} field '{}'", where, position_key))) {
+        auto it = by_position.find(p);
+        if (it == by_position.end())
+          throw_input_error("{} field '{}' names rollout position {}, which no sample has", where,
+                            position_key, p);
+        local.push_back(it->second);
+      }
+    } else if (const Value* si = field("sample_indices")) {
+      for (int64_t x : to_int_list(*si, where + " field 'sample_indices'")) {
+        auto it = by_sample_index.find(x);
+        if (it == by_sample_index.end())
+          throw_input_error("{} field 'sample_indices' names sample_index {}, which no sample has",
+                            where, x);
+        local.push_back(it->second);
+      }
+    } else {
+      throw_input_error("{} has neither 'partition', 'rollout_positions' nor 'sample_indices'",
+                        where);
+    }
+    const Value* mbi = field("micro_batch_indices");
+    if (mbi == nullptr || !mbi->is_sequence())
+      throw_input_error("{}: field 'micro_batch_indices' is missing or not a list", where);
+    std::vector<int64_t> nmb;
+    if (const Value* n = field("num_microbatches"))
+      nmb = to_int_list(*n, where + " field 'num_microbatches'");
+    else
+      nmb = {static_cast<int64_t>(mbi->items.size())};  // one step
+    std::vector<int64_t> gbs;
+    if (const Value* g = field("global_batch_sizes"))
+      gbs = to_int_list(*g, where + " field 'global_batch_sizes'");
+    if (!gbs.empty() && gbs.size() != nmb.size())
+      throw_input_error("{}: {} global_batch_sizes but {} num_microbatches: one of each per step",
+                        where, gbs.size(), nmb.size());
+    if (r == 0) {
+      num_steps = nmb.size();
+      steps.resize(num_steps);
+      for (std::size_t s = 0; s < num_steps; ++s) {
+        steps[s].step = static_cast<int64_t>(s);
+        steps[s].global_batch_size = gbs.empty() ? 0 : gbs[s];
+        steps[s].source = "the dump's dp_shards (slime format 2)";
+      }
+    } else if (nmb.size() != num_steps) {
+      throw_input_error("{}: {} steps, but dp_shards[0] has {}", where, nmb.size(), num_steps);
+    }
+    int64_t total = 0;
+    for (int64_t n : nmb) {
+      if (n < 0) throw_input_error("{}: num_microbatches has a negative entry {}", where, n);
+      total += n;
+    }
+    if (total != static_cast<int64_t>(mbi->items.size())) {
+      throw_input_error("{}: sum(num_microbatches) = {} but micro_batch_indices has {} entries",
+                        where, total, mbi->items.size());
+    }
+    std::size_t k = 0;
+    for (std::size_t s = 0; s < num_steps; ++s) {
+      BatchStep& step = steps[s];
+      if (static_cast<int64_t>(step.placement.size()) <= dp_rank)
+        step.placement.resize(dp_rank + 1);
+      auto& rank_mbs = step.placement[dp_rank];
+      if (!rank_mbs.empty())
+        throw_input_error("{}: data_parallel_rank {} appears twice in dp_shards", where, dp_rank);
+      for (int64_t m = 0; m < nmb[s]; ++m, ++k) {
+        const std::string what = fmt::format("{} micro_batch_indices[{}]", where, k);
+        std::vector<int64_t> mb;
+        for (int64_t li : to_int_list(*mbi->items[k], what)) {
+          if (li < 0 || li >= static_cast<int64_t>(local.size()))
+            throw_input_error("{} has local index {}, but the rank holds {} samples", what, li,
+                              local.size());
+          mb.push_back(local[li]);
+          step.samples.push_back(local[li]);
+        }
+        rank_mbs.push_back(std::move(mb));
+      }
+    }
+  }
+  for (auto& step : steps) {
+    std::sort(step.samples.begin(), step.samples.end());
+    step.samples.erase(std::unique(step.samples.begin(), step.samples.end()), step.samples.end());
+    for (std::size_t d = 0; d < step.placement.size(); ++d) {
+      if (step.placement[d].empty() && num_steps > 0)
+        throw_input_error("{}: dp_shards has no schedule for data_parallel_rank {}", path, d);
+    }
+  }
+  return steps;
 }
 
 void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
@@ -317,7 +497,15 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
     if (!samples->is_sequence())
       throw_input_error("{}: field '{}' is a {}, expected a list of samples", path, key,
                         samples->type_name());
+    const int64_t first = builder.num_samples();
     add_samples(builder, *samples, path, map);
+    builder.add_steps(slime_format2_steps(root, *samples, path, first));
+    return;
+  }
+  // slime's per-rank train dump: {"rollout_id", "rank", "rollout_data": {packed fields}}.
+  if (const Value* data = root.get("rollout_data");
+      data != nullptr && data->is_dict() && find_field(root, "tokens", map, &key) == nullptr) {
+    add_tree(builder, *data, path, map);
     return;
   }
   if (find_field(root, "tokens", map, &key) == nullptr) {
@@ -345,6 +533,9 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
   for (const std::string& name : per_token_field_names()) {
     if (const HostArray* a = array_field(name)) f.per_token[name] = a;
   }
+  f.padded_total_lengths = array_field("padded_total_length");
+  f.sample_denoms = array_field("sample_denom");
+  f.removed = array_field("removed");
   builder.add_packed(f);
 }
 
@@ -584,11 +775,74 @@ Dump read_dump(const std::string& path) {
   return d;
 }
 
+namespace {
+
+bool is_per_rank_dump(const Dump& d) {
+  const Value* data = d.tree->is_dict() ? d.tree->get("rollout_data") : nullptr;
+  return data != nullptr && data->is_dict() && d.tree->get("rank") != nullptr;
+}
+
+// The first difference between two dumps' samples, or "" when they hold the same samples.
+std::string replica_difference(const Batch& a, const Batch& b) {
+  if (a.num_samples() != b.num_samples())
+    return fmt::format("{} samples against {}", b.num_samples(), a.num_samples());
+  for (int64_t i = 0; i < a.num_samples(); ++i) {
+    const bool same =
+        a.total_lengths[i] == b.total_lengths[i] &&
+        a.response_lengths[i] == b.response_lengths[i] &&
+        std::equal(a.tokens.begin() + a.token_offsets[i], a.tokens.begin() + a.token_offsets[i + 1],
+                   b.tokens.begin() + b.token_offsets[i]) &&
+        std::equal(a.loss_mask.begin() + a.response_offsets[i],
+                   a.loss_mask.begin() + a.response_offsets[i + 1],
+                   b.loss_mask.begin() + b.response_offsets[i]);
+    if (!same) return fmt::format("sample {} differs (tokens, lengths or loss mask)", i);
+  }
+  return "";
+}
+
+}  // namespace
+
 Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNeeds needs) {
-  BatchBuilder builder(needs);
+  // slime's per-rank train dumps ({"rollout_id", "rank", "rollout_data"}): every TP and CP rank
+  // of a DP rank (every pipeline stage too) writes the same samples. The lowest rank's dump of
+  // each set stands for it; the others must hold exactly the same samples.
+  std::vector<const Dump*> kept;
+  std::vector<Batch> kept_samples;
+  std::vector<std::string> replicas;
   for (const auto& d : dumps) {
-    builder.begin_file(d.path);
-    add_tree(builder, *d.tree, d.path, fields);
+    if (!is_per_rank_dump(d)) {
+      kept.push_back(&d);
+      kept_samples.emplace_back();
+      continue;
+    }
+    BatchBuilder one(LoadNeeds{true, false, false});
+    one.begin_file(d.path);
+    add_tree(one, *d.tree, d.path, fields);
+    Batch b = one.finish();
+    bool replica = false;
+    for (std::size_t k = 0; k < kept.size() && !replica; ++k) {
+      if (!is_per_rank_dump(*kept[k]) || kept_samples[k].num_samples() == 0) continue;
+      if (kept_samples[k].tokens != b.tokens) continue;  // another DP rank's samples
+      const std::string diff = replica_difference(kept_samples[k], b);
+      if (!diff.empty()) {
+        throw_input_error("{} and {} hold the same tokens but {}: ranks of one DP rank disagree",
+                          kept[k]->path, d.path, diff);
+      }
+      replicas.push_back(fmt::format("{} = {}", d.path, kept[k]->path));
+      replica = true;
+    }
+    if (!replica) {
+      kept.push_back(&d);
+      kept_samples.push_back(std::move(b));
+    }
+  }
+  BatchBuilder builder(needs);
+  for (const Dump* d : kept) {
+    builder.begin_file(d->path);
+    add_tree(builder, *d->tree, d->path, fields);
+  }
+  if (!replicas.empty()) {
+    builder.add_metadata("lossguard.replica_dumps", replicas);
   }
   return builder.finish();
 }
@@ -607,6 +861,18 @@ std::vector<std::pair<std::string, HostArray>> packed_arrays(const Batch& b) {
   t.emplace_back("loss_masks", HostArray::from_i64(DType::kInt64, {b.num_response_tokens()}, mask));
   if (b.logits) t.emplace_back("logits", *b.logits);
   for (const auto& [name, a] : b.per_token) t.emplace_back(name, a);
+  if (!b.padded_total_lengths.empty()) {
+    t.emplace_back("padded_total_lengths",
+                   HostArray::from_i64(DType::kInt64, {b.num_samples()}, b.padded_total_lengths));
+  }
+  if (!b.sample_denoms.empty()) {
+    t.emplace_back("sample_denoms",
+                   HostArray::from_f64(DType::kFloat64, {b.num_samples()}, b.sample_denoms));
+  }
+  if (!b.removed.empty()) {
+    std::vector<int64_t> removed(b.removed.begin(), b.removed.end());
+    t.emplace_back("removed", HostArray::from_i64(DType::kInt64, {b.num_samples()}, removed));
+  }
   return t;
 }
 
@@ -664,6 +930,10 @@ void write_batch(const Batch& b, const std::string& path) {
         for (int64_t j = 0; j < r; ++j) vals[j] = a.get_f64(r0 + j);
         s[name] = vals;
       }
+      if (b.padded_total_length(i) > 0) s["padded_total_length"] = b.padded_total_length(i);
+      if (!b.sample_denoms.empty() && b.sample_denoms[i] >= 0)
+        s["sample_denom"] = b.sample_denoms[i];
+      if (b.is_removed(i)) s["removed"] = true;
       samples.push_back(s);
     }
     doc["samples"] = samples;

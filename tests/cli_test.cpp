@@ -1,7 +1,9 @@
 // The command line through run(argc, argv, out, err): exit codes, text, JSON and JUnit reports.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -384,5 +386,141 @@ TEST(CliLimits, LogitsLargerThanTheMemoryBudgetAreRefusedWithTheSizeNeeded) {
   EXPECT_EQ(run_cli({"inspect", fixture("gen_random.safetensors")}).code, 0);
 }
 
+
+nlohmann::json expected_slime(const std::string& name) {
+  std::ifstream f(fixture("expected_slime/" + name));
+  return nlohmann::json::parse(f);
+}
+
+// slime's format-2 train dump: two optimizer steps whose first has no effective token, and the
+// trainer's own DP / micro-batch layout (expected values from fixtures/make_slime_fixtures.py).
+TEST(CliDumps, Format2StepsAreReplayedAndCountedOneByOne) {
+  const nlohmann::json want = expected_slime("slime_format2_two_steps.json");
+  const std::string dump = fixture("slime_format2_two_steps.pt");
+  Result r = run_cli({"replay", dump, "--dp", "2", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  ASSERT_EQ(doc["steps"].size(), 2u);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(doc["steps"][s]["step"], s);
+    EXPECT_EQ(doc["steps"][s]["expected"], want["steps"][s]["expected"]) << s;
+    EXPECT_EQ(doc["steps"][s]["global_tokens"], want["steps"][s]["num_tokens"]) << s;
+  }
+  // A protocol that never skips steps on the zero-token step 0 only: exit 1, step 0 named.
+  Result drift = run_cli({"replay", dump, "--dp", "2", "--protocol", "no-skip"});
+  EXPECT_EQ(drift.code, 1) << drift.out;
+  EXPECT_NE(drift.out.find("== step 0 of 2"), std::string::npos) << drift.out;
+  // count reports the trainer's placement (in batch indices), not a contiguous split.
+  Result c = run_cli({"count", dump, "--json", "-", "--cp", "1,2"});
+  ASSERT_EQ(c.code, 0) << c.out << c.err;
+  const auto cdoc = nlohmann::json::parse(c.out.substr(c.out.find("{\n")));
+  for (int s = 0; s < 2; ++s) {
+    const auto& st = cdoc["steps"][s];
+    EXPECT_EQ(st["placement"]["source"], "dump");
+    // Samples are renumbered within the step: map the expected batch indices the same way.
+    std::vector<int64_t> members = want["steps"][s]["sample_indices"];
+    std::sort(members.begin(), members.end());
+    nlohmann::json placement = want["steps"][s]["placement"];
+    for (auto& rank : placement)
+      for (auto& mb : rank)
+        for (auto& i : mb)
+          i = std::lower_bound(members.begin(), members.end(), i.get<int64_t>()) - members.begin();
+    EXPECT_EQ(st["placement"]["samples"], placement) << s;
+    EXPECT_EQ(st["totals"]["1"], want["steps"][s]["num_tokens"]);
+  }
+  Result one = run_cli({"count", dump, "--step", "1", "--json", "-"});
+  ASSERT_EQ(one.code, 0) << one.err;
+  const auto odoc = nlohmann::json::parse(one.out.substr(one.out.find("{\n")));
+  EXPECT_EQ(odoc["step"], 1);
+  EXPECT_EQ(odoc["totals"]["1"], 13);
+  EXPECT_EQ(run_cli({"count", dump, "--step", "2"}).code, 2);
+  // The rollout_positions spelling of slime@1706a09.
+  const nlohmann::json want2 = expected_slime("slime_format2_rollout_positions.json");
+  Result p = run_cli({"count", fixture("slime_format2_rollout_positions.pt"), "--json", "-"});
+  ASSERT_EQ(p.code, 0) << p.err;
+  const auto pdoc = nlohmann::json::parse(p.out.substr(p.out.find("{\n")));
+  EXPECT_EQ(pdoc["placement"]["samples"], want2["steps"][0]["placement"]);
+  EXPECT_EQ(pdoc["totals"]["1"], want2["steps"][0]["num_tokens"]);
+}
+
+TEST(CliDumps, PerRankRolloutDataDirectoryCountsEachDpRankOnce) {
+  const nlohmann::json want = expected_slime("slime_per_rank_cp2.json");
+  Result r = run_cli({"count", fixture("slime_per_rank_cp2"), "--cp", "1,2", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  std::vector<nlohmann::json> samples;
+  for (const auto& rank : want["dp_ranks"])
+    for (const auto& s : rank["samples"]) samples.push_back(s);
+  ASSERT_EQ(doc["samples"].size(), samples.size());  // the CP replicas are one DP rank's samples
+  int64_t n = 0;
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    EXPECT_EQ(doc["samples"][i]["per_rank"]["2"], samples[i]["cp_effective"]) << i;
+    n += samples[i]["mask_sum"].get<int64_t>();
+  }
+  EXPECT_EQ(doc["totals"]["1"], n);
+  // The CP-local log-probs are not taken for full ones: a command that needs them says why.
+  Result c = run_cli({"check", fixture("slime_per_rank_cp2"), "--loss", "ppo-clip"});
+  EXPECT_EQ(c.code, 2);
+  EXPECT_NE(c.err.find("CP-local"), std::string::npos) << c.err;
+}
+
+TEST(CliDumps, PerSamplePaddedLengthsRemovedSamplesAndDenominators) {
+  const nlohmann::json want = expected_slime("relax_vl_padded.json");
+  Result r = run_cli({"count", fixture("relax_vl_padded.pt"), "--cp", "1,2", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  for (std::size_t i = 0; i < want["samples"].size(); ++i)
+    EXPECT_EQ(doc["samples"][i]["per_rank"]["2"], want["samples"][i]["effective_padded"]) << i;
+  // The same without the field, padded by --pad-multiple tp*cp*2 = 8.
+  Result m = run_cli({"count", fixture("relax_vl_padded.pt"), "--cp", "2", "--pad-multiple", "8",
+                      "--field", "padded_total_length=none", "--json", "-"});
+  ASSERT_EQ(m.code, 0) << m.out << m.err;
+  doc = nlohmann::json::parse(m.out.substr(m.out.find("{\n")));
+  for (std::size_t i = 0; i < want["samples"].size(); ++i)
+    EXPECT_EQ(doc["samples"][i]["per_rank"]["2"], want["samples"][i]["effective_padded"]) << i;
+  Result u = run_cli({"count", fixture("relax_vl_padded.pt"), "--cp", "2", "--field",
+                      "padded_total_length=none", "--json", "-"});
+  doc = nlohmann::json::parse(u.out.substr(u.out.find("{\n")));
+  for (std::size_t i = 0; i < want["samples"].size(); ++i)
+    EXPECT_EQ(doc["samples"][i]["per_rank"]["2"], want["samples"][i]["effective_unpadded"]) << i;
+
+  const nlohmann::json rd = expected_slime("slime_removed_and_denoms.json");
+  Result c = run_cli({"count", fixture("slime_removed_and_denoms.json"), "--json", "-"});
+  ASSERT_EQ(c.code, 0) << c.err;
+  doc = nlohmann::json::parse(c.out.substr(c.out.find("{\n")));
+  EXPECT_EQ(doc["totals"]["1"], rd["num_tokens"]);
+  for (std::size_t i = 0; i < rd["samples"].size(); ++i)
+    EXPECT_EQ(doc["samples"][i]["mask_sum"], rd["samples"][i]["mask_sum"]) << i;
+  // Under sample-mean each sample's weights are m_t / (B d_i) with the dump's d_i.
+  Result w = run_cli({"weights", fixture("slime_removed_and_denoms.json"), "--reduce",
+                      "sample-mean", "--contract", "truth", "--per-token", "--json", "-"});
+  ASSERT_EQ(w.code, 0) << w.out << w.err;
+  doc = nlohmann::json::parse(w.out.substr(w.out.find("{\n")));
+  const auto& samples = doc["steps"][0]["samples"];
+  const double b = static_cast<double>(rd["samples"].size());
+  for (std::size_t i = 0; i < rd["samples"].size(); ++i) {
+    const auto& mask = rd["samples"][i]["effective_mask"];
+    for (std::size_t j = 0; j < mask.size(); ++j) {
+      const double expect =
+          mask[j].get<int>() ? 1.0 / (b * rd["samples"][i]["denominator"].get<double>()) : 0.0;
+      EXPECT_NEAR(samples[i]["truth"][j].get<double>(), expect, 1e-15) << i << " " << j;
+    }
+  }
+}
+
+TEST(CliDumps, AllgatherAndDynamicCpCountsHoldTheInvariants) {
+  for (const std::vector<std::string>& extra :
+       {std::vector<std::string>{"--cp-layout", "allgather", "--allgather-pad", "4"},
+        std::vector<std::string>{"--dynamic-cp", "6", "--microbatches", "2"}}) {
+    std::vector<std::string> args = {"count", fixture("gen_random.safetensors"), "--cp", "1,2,4",
+                                     "--json", "-"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Result r = run_cli(args);
+    ASSERT_EQ(r.code, 0) << r.out << r.err;
+    const auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+    for (const auto& inv : doc["invariants"]) EXPECT_TRUE(inv["ok"].get<bool>()) << inv;
+    EXPECT_EQ(doc["totals"]["1"], doc["totals"]["4"]);
+  }
+}
 }  // namespace
 }  // namespace lossguard::cli
