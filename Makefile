@@ -27,7 +27,8 @@ demo: build
 	@scripts/demo.sh $(BUILD)/cli/lossguard
 
 test: build test-fuzz
-	@cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900
+	@status=0; (cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900) || status=1; \
+	  scripts/test-summary.sh $(BUILD) $(BUILD)-fuzz || status=1; exit $$status
 
 # The loaders and the validator under libFuzzer with ASan + UBSan (a short smoke run of every target),
 # and the oracle, loader, kernel, CLI and check unit tests under the same sanitizers: a separate clang
