@@ -800,6 +800,110 @@ std::string replica_difference(const Batch& a, const Batch& b) {
   return "";
 }
 
+int64_t dump_rank(const Dump& d) {
+  const Value* r = d.tree->get("rank");
+  return r != nullptr && r->kind == Kind::kInt ? r->i : 0;
+}
+
+// The response rows CP rank `c` of `cp` holds for a sample, in the order its CP-local tensors hold
+// them: slime's slice_log_prob_with_cp keeps the logits of chunk c, then of chunk 2cp-1-c, each
+// clipped to the response's logit range [P-1, T-1); logit q is response index q+1-P (an SFT
+// sample's indices are the logit positions themselves).
+std::vector<int64_t> cp_local_rows(int64_t t, int64_t r, int64_t cp, int64_t c) {
+  std::vector<int64_t> rows;
+  const int64_t p = t - r, cs = (t + 2 * cp - 1) / (2 * cp);
+  for (const int64_t chunk : {c, 2 * cp - 1 - c}) {
+    const int64_t lo = std::max(chunk * cs, p == 0 ? int64_t{0} : p - 1);
+    const int64_t hi = std::min((chunk + 1) * cs, t - 1);
+    for (int64_t q = lo; q < hi; ++q) rows.push_back(p == 0 ? q : q + 1 - p);
+  }
+  return rows;
+}
+
+// One DP rank's per-rank dumps (the lowest rank first) hold CP-local per-token fields: each rank
+// its own tokens' values. Rebuilds the full [sum R] field when the members' lengths fit a
+// TP x CP split of the group (tried with TP = 1 first); returns the reason when none fits.
+std::optional<HostArray> reassemble_cp_local(const std::vector<const Dump*>& members,
+                                             const Batch& samples, const std::string& name,
+                                             const FieldMap& map, std::string* why) {
+  std::vector<HostArray> local;               // per member, the field's values concatenated
+  std::vector<std::vector<int64_t>> lengths;  // per member, per sample, when given as a list
+  for (const Dump* d : members) {
+    const Value* data = d->tree->get("rollout_data");
+    std::string key;
+    const Value* v = find_field(*data, name, map, &key);
+    if (v == nullptr || v->kind == Kind::kNone) {
+      *why = fmt::format("{} lacks it", d->path);
+      return std::nullopt;
+    }
+    local.push_back(to_packed_array(*v, fmt::format("{}: field '{}'", d->path, key)));
+    std::vector<int64_t> per_sample;
+    if (v->is_sequence())
+      for (const auto& x : v->items)
+        per_sample.push_back(x->kind == Kind::kTensor ? x->array.numel()
+                                                      : static_cast<int64_t>(x->items.size()));
+    lengths.push_back(std::move(per_sample));
+  }
+  const auto g = static_cast<int64_t>(members.size());
+  const int64_t s = samples.num_samples(), rows = samples.num_response_tokens();
+  for (int64_t tp = 1; tp <= g; ++tp) {
+    if (g % tp != 0) continue;
+    const int64_t cp = g / tp;
+    bool fits = true;
+    for (int64_t m = 0; m < g && fits; ++m) {
+      const int64_t c = m / tp;
+      int64_t total = 0;
+      for (int64_t i = 0; i < s && fits; ++i) {
+        const int64_t n = static_cast<int64_t>(
+            cp == 1 ? samples.response_lengths[i]
+                    : cp_local_rows(samples.total_lengths[i], samples.response_lengths[i], cp, c)
+                          .size());
+        if (!lengths[m].empty() &&
+            (static_cast<int64_t>(lengths[m].size()) != s || lengths[m][i] != n))
+          fits = false;
+        total += n;
+      }
+      fits = fits && local[m].shape.size() == 1 && local[m].shape[0] == total;
+    }
+    if (!fits) continue;
+    std::vector<double> full(static_cast<std::size_t>(rows), 0.0);
+    std::vector<uint8_t> seen(static_cast<std::size_t>(rows), 0);
+    for (int64_t m = 0; m < g; m += tp) {  // TP rank 0 of each CP rank
+      const int64_t c = m / tp;
+      int64_t k = 0;
+      for (int64_t i = 0; i < s; ++i) {
+        const int64_t t = samples.total_lengths[i], r = samples.response_lengths[i];
+        std::vector<int64_t> idx;
+        if (cp == 1) {
+          for (int64_t j = 0; j < r; ++j) idx.push_back(j);
+        } else {
+          idx = cp_local_rows(t, r, cp, c);
+        }
+        for (int64_t j : idx) {
+          full[samples.response_offsets[i] + j] = local[m].get_f64(k++);
+          seen[samples.response_offsets[i] + j] = 1;
+        }
+      }
+    }
+    // TP replicas must agree with their TP rank 0.
+    for (int64_t m = 0; m < g; ++m) {
+      if (m % tp == 0) continue;
+      for (int64_t k = 0; k < local[m].numel(); ++k) {
+        if (local[m].get_f64(k) != local[m - m % tp].get_f64(k)) {
+          *why = fmt::format("{} and {} (TP replicas at TP {}) disagree at value {}",
+                             members[m]->path, members[m - m % tp]->path, tp, k);
+          return std::nullopt;
+        }
+      }
+    }
+    (void)seen;  // rows no rank holds (an SFT sample's last) stay 0: no logit predicts them
+    const DType dt = dtype_is_float(local[0].dtype) ? local[0].dtype : DType::kFloat64;
+    return HostArray::from_f64(dt, {rows}, full);
+  }
+  *why = fmt::format("the {} dumps' lengths fit no TP x CP split of them", g);
+  return std::nullopt;
+}
+
 }  // namespace
 
 Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNeeds needs) {
@@ -808,11 +912,13 @@ Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNe
   // each set stands for it; the others must hold exactly the same samples.
   std::vector<const Dump*> kept;
   std::vector<Batch> kept_samples;
+  std::vector<std::vector<const Dump*>> groups;  // per kept dump: it and its replicas
   std::vector<std::string> replicas;
   for (const auto& d : dumps) {
     if (!is_per_rank_dump(d)) {
       kept.push_back(&d);
       kept_samples.emplace_back();
+      groups.push_back({&d});
       continue;
     }
     BatchBuilder one(LoadNeeds{true, false, false});
@@ -829,18 +935,46 @@ Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNe
                           kept[k]->path, d.path, diff);
       }
       replicas.push_back(fmt::format("{} = {}", d.path, kept[k]->path));
+      groups[k].push_back(&d);
       replica = true;
     }
     if (!replica) {
       kept.push_back(&d);
       kept_samples.push_back(std::move(b));
+      groups.push_back({&d});
     }
   }
   BatchBuilder builder(needs);
-  for (const Dump* d : kept) {
+  std::vector<std::string> reassembled;
+  for (std::size_t k = 0; k < kept.size(); ++k) {
+    const Dump* d = kept[k];
     builder.begin_file(d->path);
-    add_tree(builder, *d->tree, d->path, fields);
+    if (!is_per_rank_dump(*d) || groups[k].size() < 2 || !needs.per_token) {
+      add_tree(builder, *d->tree, d->path, fields);
+      continue;
+    }
+    // CP-local per-token fields of one DP rank's dumps, rebuilt to full length (lowest rank first).
+    auto members = groups[k];
+    std::stable_sort(members.begin(), members.end(),
+                     [](const Dump* a, const Dump* b) { return dump_rank(*a) < dump_rank(*b); });
+    auto data = std::make_shared<Value>(*d->tree->get("rollout_data"));
+    for (const std::string& name : per_token_field_names()) {
+      std::string key;
+      if (find_field(*data, name, fields, &key) == nullptr) continue;
+      std::string why;
+      if (auto full = reassemble_cp_local(members, kept_samples[k], name, fields, &why)) {
+        for (auto& [ek, ev] : data->entries)
+          if (ek->kind == Kind::kString && ek->s == key) ev = Value::make_tensor(*full);
+        reassembled.push_back(fmt::format("{} ({} ranks)", key, members.size()));
+      }
+    }
+    auto root = std::make_shared<Value>(*d->tree);
+    for (auto& [ek, ev] : root->entries)
+      if (ek->kind == Kind::kString && ek->s == "rollout_data") ev = data;
+    add_tree(builder, *root, d->path, fields);
   }
+  if (!reassembled.empty())
+    builder.add_metadata("lossguard.cp_local_fields_reassembled", reassembled);
   if (!replicas.empty()) {
     builder.add_metadata("lossguard.replica_dumps", replicas);
   }
