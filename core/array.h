@@ -39,6 +39,9 @@ struct HostArray {
   std::vector<int64_t> shape;
   std::shared_ptr<const void> owner;  // keeps `data` alive
   const std::byte* data = nullptr;
+  // `data` is a read-only view of a memory-mapped file: a pass over it may drop the pages it read
+  // (they are read from the file again if needed), so GiBs of logits never stay resident.
+  bool file_backed = false;
 
   int64_t numel() const;
   std::size_t size_bytes() const {

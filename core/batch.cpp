@@ -166,6 +166,12 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
                                              dtype_name(src.dtype)));
   }
   const bool is_logits = field == "logits";
+  if (is_logits && borrowed_logits_) {  // a second source: the first is copied after all
+    const HostArray first = *borrowed_logits_;
+    borrowed_logits_.reset();
+    logits_bytes_.resize(first.size_bytes());
+    if (first.size_bytes() > 0) std::memcpy(logits_bytes_.data(), first.data, first.size_bytes());
+  }
   if (is_logits) {
     // The logits are staged and then copied into the batch: twice their size at the peak.
     const uint64_t need = 2 * (static_cast<uint64_t>(logits_bytes_.size()) + src.size_bytes());
@@ -528,7 +534,12 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   }
   if (f.logits != nullptr) {
     vocab_size_ = f.logits->shape[1];
-    if (needs_.logits) append_float_rows("logits", *f.logits, 0);
+    if (needs_.logits && logits_rows_ == 0 && logits_bytes_.empty() && !logits_dtype_) {
+      borrowed_logits_ = *f.logits;  // zero copy
+      logits_dtype_ = f.logits->dtype;
+    } else if (needs_.logits) {
+      append_float_rows("logits", *f.logits, 0);
+    }
     logits_rows_ += sum_r;
   }
   for (const auto& [name, a] : per_token) {
@@ -555,7 +566,12 @@ Batch BatchBuilder::finish() {
   if (!batch_.sample_denoms.empty()) batch_.sample_denoms.resize(s, -1.0);
   if (!batch_.removed.empty()) batch_.removed.resize(s, 0);
   const int64_t rows = batch_.num_response_tokens();
-  if (logits_dtype_ && needs_.logits) {
+  if (borrowed_logits_ && needs_.logits) {
+    LG_CHECK(borrowed_logits_->shape[0] == rows, "borrowed logits rows {} vs {}",
+             borrowed_logits_->shape[0], rows);
+    batch_.logits = std::move(*borrowed_logits_);
+    borrowed_logits_.reset();
+  } else if (logits_dtype_ && needs_.logits) {
     HostArray a = HostArray::zeros(*logits_dtype_, {rows, vocab_size_});
     LG_CHECK(a.size_bytes() == logits_bytes_.size(), "logits bytes {} vs {}", logits_bytes_.size(),
              a.size_bytes());

@@ -155,6 +155,9 @@ class BatchBuilder {
   Batch batch_;
   bool any_mask_ = false;
   std::vector<std::byte> logits_bytes_;
+  // The first dump's packed logits, as they are (memory-mapped): copied only if another dump adds
+  // rows, so a dump's logits are never held twice.
+  std::optional<HostArray> borrowed_logits_;
   std::map<std::string, std::vector<std::byte>> per_token_bytes_;
   std::map<std::string, DType> per_token_dtype_;
   std::map<std::string, int64_t> per_token_rows_;

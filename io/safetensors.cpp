@@ -190,6 +190,7 @@ SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std
     }
     a.owner = mapping;
     a.data = data + begin;
+    a.file_backed = true;
     spans.push_back({begin, end, name});
     out.tensors.emplace_back(name, std::move(a));
   }

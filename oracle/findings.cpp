@@ -3,8 +3,12 @@
 #include "oracle/findings.h"
 
 #include <fmt/format.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <thread>
 
 #include "oracle/denominators.h"
 
@@ -17,12 +21,70 @@ int64_t sample_of_row(const Batch& b, int64_t row) {
   return static_cast<int64_t>(it - b.response_offsets.begin()) - 1;
 }
 
+// Whether elements [begin, end) hold a NaN or an infinity: an all-ones exponent, tested on the bits
+// (vectorisable; a dump's logits are GiBs).
+template <typename U>
+bool any_non_finite_bits(const std::byte* data, int64_t begin, int64_t end, U exponent) {
+  const U* p = reinterpret_cast<const U*>(data);
+  U hit = 0;
+  for (int64_t k = begin; k < end; ++k) hit |= static_cast<U>((p[k] & exponent) == exponent);
+  return hit != 0;
+}
+
+bool any_non_finite(const HostArray& a, int64_t begin, int64_t end) {
+  switch (a.dtype) {
+    case DType::kBFloat16:
+      return any_non_finite_bits<uint16_t>(a.data, begin, end, 0x7f80);
+    case DType::kFloat16:
+      return any_non_finite_bits<uint16_t>(a.data, begin, end, 0x7c00);
+    case DType::kFloat32:
+      return any_non_finite_bits<uint32_t>(a.data, begin, end, 0x7f800000u);
+    case DType::kFloat64:
+      return any_non_finite_bits<uint64_t>(a.data, begin, end, 0x7ff0000000000000ull);
+    default:
+      return true;  // unknown layout: the exact scan decides
+  }
+}
+
+// Lets the kernel drop the pages of elements [begin, end) of a file-backed array (read-only
+// private mapping: they are read from the file again if touched), so a pass over GiBs of logits
+// keeps only a block resident.
+void drop_pages(const HostArray& a, int64_t begin, int64_t end) {
+  const std::size_t e = dtype_size_bytes(a.dtype);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto lo = (reinterpret_cast<uintptr_t>(a.data + begin * e) + page - 1) / page * page;
+  const auto hi = reinterpret_cast<uintptr_t>(a.data + end * e) / page * page;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
+}
+
 void scan_non_finite(const Batch& b, const std::string& field, const HostArray& a, int64_t cols,
                      std::size_t max_reported, std::vector<Finding>& out) {
   if (!dtype_is_float(a.dtype)) return;
   int64_t count = 0;
   const int64_t n = a.numel();
+  // Blocks without a non-finite value are skipped by a bit test, on every core.
+  constexpr int64_t kBlock = int64_t{1} << 20;
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  std::vector<uint8_t> hit(static_cast<std::size_t>(blocks), 0);
+  {
+    const int64_t threads =
+        std::max<int64_t>(1, std::min<int64_t>(blocks, std::thread::hardware_concurrency()));
+    std::vector<std::thread> pool;
+    for (int64_t w = 0; w < threads; ++w) {
+      pool.emplace_back([&, w] {
+        for (int64_t k = w; k < blocks; k += threads) {
+          hit[k] = any_non_finite(a, k * kBlock, std::min(n, (k + 1) * kBlock));
+          if (a.file_backed && !hit[k]) drop_pages(a, k * kBlock, std::min(n, (k + 1) * kBlock));
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+  }
   for (int64_t k = 0; k < n; ++k) {
+    if (!hit[k / kBlock]) {
+      k = (k / kBlock + 1) * kBlock - 1;
+      continue;
+    }
     const double v = a.get_f64(k);
     if (std::isfinite(v)) continue;
     if (static_cast<std::size_t>(count++) >= max_reported) continue;
@@ -40,6 +102,13 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
       f.message = fmt::format("{}: {}[{}, {}] = {}", b.describe_sample(s), field, j, col, v);
     } else {
       f.message = fmt::format("{}: {}[{}] = {}", b.describe_sample(s), field, j, v);
+    }
+    const bool masked = row < static_cast<int64_t>(b.loss_mask.size()) && !b.loss_mask[row];
+    f.detail["masked"] = masked;
+    if (masked) {
+      f.message +=
+          " at a masked position: a trainer that masks by multiplication turns it into NaN (0 * "
+          "NaN = NaN) in the loss and every gradient; mask by selection (where / index)";
     }
     out.push_back(std::move(f));
   }
@@ -105,13 +174,41 @@ std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported) {
           {"sft_mask_not_preshifted",
            fmt::format(
                "{}: SFT mask not pre-shifted: its last entry is 1, counted at CP=1 but never owned "
-               "at CP>1 (SPEC §2)",
+               "at CP>1 (docs/semantics.md §2)",
                b.describe_sample(i)),
            {{"sample", i}}});
     }
   }
   if (b.logits) scan_non_finite(b, "logits", *b.logits, b.vocab_size(), max_reported, out);
   for (const auto& [name, a] : b.per_token) scan_non_finite(b, name, a, 1, max_reported, out);
+  // Targets outside the logits' vocabulary (an effective row's target: RL tokens[P + j]; SFT
+  // tokens[j + 1], 0 for the last row): the loss cannot be computed for them.
+  if (b.logits && !b.tokens.empty()) {
+    const int64_t v = b.vocab_size();
+    std::size_t bad = 0;
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      const int64_t p = b.prompt_length(i), t = b.total_lengths[i];
+      for (int64_t j = 0; j < b.response_lengths[i]; ++j) {
+        if (!b.loss_mask[b.response_offsets[i] + j]) continue;
+        const int64_t next = p > 0 ? p + j : j + 1;
+        const int64_t y = next < t ? b.tokens[b.token_offsets[i] + next] : 0;
+        if (y >= 0 && y < v) continue;
+        if (bad++ < max_reported) {
+          out.push_back({"target_out_of_vocab",
+                         fmt::format("{}: the target of response index {} is token {}, outside the "
+                                     "logits' vocabulary [0, {})",
+                                     b.describe_sample(i), j, y, v),
+                         {{"sample", i}, {"response_index", j}, {"token", y}, {"vocab_size", v}}});
+        }
+      }
+    }
+    if (bad > max_reported) {
+      out.push_back(
+          {"target_out_of_vocab",
+           fmt::format("{} targets outside the vocabulary in all ({} shown)", bad, max_reported),
+           {{"count", bad}}});
+    }
+  }
   return out;
 }
 

@@ -157,7 +157,7 @@ TEST(Batch, ZeroLengthSampleIsLegalAndReported) {
 }
 
 TEST(Batch, NonFiniteValuesAreFindingsWithCoordinates) {
-  HostArray t = ints({1, 2, 3, 4});
+  HostArray t = ints({1, 2, 0, 2});  // targets 0 and 2, inside the vocabulary of 3
   HostArray logits = HostArray::from_f64(DType::kFloat32, {2, 3}, {0, 1, 2, 3, NAN, 5});
   HostArray lp = floats({-1, -INFINITY});
   SampleFields f;
