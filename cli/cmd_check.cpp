@@ -232,6 +232,10 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                    {"worst_relative", location_json(g.worst_relative)},
                    {"rtol", grad_tol.rtol},
                    {"atol", grad_tol.atol},
+                   // From logits with the default tolerances, each element's absolute slack is
+                   // |c| u + half the smallest subnormal (c its token's weight), not atol.
+                   {"atol_scaled_by_weight", want.input == LossInput::kLogits && o.atol < 0 &&
+                                                 o.rtol < 0},
                    {"ok", g.ok()}}},
                  {"no_signal", want.no_signal},
                  {"skip_flag", got.skip_flag < 0 ? nlohmann::ordered_json(nullptr)

@@ -46,7 +46,7 @@ CheckCase evaluate_check(const Batch& b, const LossSpec& spec, const OracleLoss&
       b, want.grad, got.grad, want.grad_cols, got.row_rank, got.row_chunk, c.grad_tol,
       spec.loss == LossKind::kPpoClip ? &want.near_clip_boundary : nullptr,
       want.input == LossInput::kLogits && !overridden ? &want.coeff : nullptr,
-      unit_roundoff(input));
+      unit_roundoff(input), /*atol_by_weight=*/s.atol < 0);
   // The kernels' zero-token flag, reduced on the device, must say what the oracle says.
   c.flag_ok = got.skip_flag < 0 || (got.skip_flag == 1) == want.no_signal;
 

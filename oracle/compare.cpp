@@ -64,9 +64,15 @@ GradComparison compare_gradients(const Batch& b, const std::vector<double>& want
                                  const std::vector<int32_t>& row_rank,
                                  const std::vector<int8_t>& row_chunk, Tolerance t,
                                  const std::vector<uint8_t>* skip_rows,
-                                 const std::vector<double>* logits_coeff, double u) {
+                                 const std::vector<double>* logits_coeff, double u,
+                                 bool atol_by_weight) {
   GradComparison c;
   const int64_t rows = b.num_response_tokens();
+  // Half the smallest positive subnormal of the gradient's dtype.
+  const double subnormal_floor = got.dtype == DType::kFloat16    ? std::ldexp(1.0, -25)
+                                 : got.dtype == DType::kBFloat16 ? std::ldexp(1.0, -134)
+                                 : got.dtype == DType::kFloat32  ? std::ldexp(1.0, -150)
+                                                                 : std::ldexp(1.0, -1075);
   int64_t sample = 0;
   for (int64_t row = 0; row < rows; ++row) {
     while (b.response_offsets[sample + 1] <= row) ++sample;
@@ -83,6 +89,15 @@ GradComparison compare_gradients(const Batch& b, const std::vector<double>& want
       const double rel_diff =
           w != 0.0 ? abs_diff / std::fabs(w) : (abs_diff == 0.0 ? 0.0 : INFINITY);
       double extra = 0.0;
+      double atol = t.atol;
+      if (logits_coeff != nullptr && atol_by_weight) {
+        // PyTorch's atol (1e-5) is for values of order 1; a logits gradient element is c (p -
+        // onehot) with c the token's weight (1/N: often 1e-4 or less), so 1e-5 hid errors of
+        // several percent. Derived instead: the element's absolute error beyond its relative
+        // bound is at most |c| u (p rounded to 0 in the working dtype, p <= u) plus half the
+        // output dtype's smallest subnormal (c p rounded to 0 when written).
+        atol = std::fabs((*logits_coeff)[row]) * u + subnormal_floor;
+      }
       if (logits_coeff != nullptr && (*logits_coeff)[row] != 0.0) {
         // Autograd's log_softmax backward forms p = exp(log p) from log p rounded to the dtype
         // (relative error u |log p| in p) and rounds p itself (absolute error u p): the element c
@@ -96,7 +111,7 @@ GradComparison compare_gradients(const Batch& b, const std::vector<double>& want
       }
       const double rtol = t.rtol;
       const bool bad =
-          !(abs_diff <= t.atol + extra + rtol * std::fabs(w));  // NaN counts as a mismatch
+          !(abs_diff <= atol + extra + rtol * std::fabs(w));  // NaN counts as a mismatch
       if (masked && g != 0.0) ++c.masked_nonzero;
       if (bad) ++c.mismatched;
       auto locate = [&] {

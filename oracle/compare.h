@@ -57,7 +57,7 @@ GradComparison compare_gradients(const Batch& batch, const std::vector<double>& 
                                  const std::vector<int8_t>& row_chunk, Tolerance t,
                                  const std::vector<uint8_t>* skip_rows = nullptr,
                                  const std::vector<double>* logits_coeff = nullptr,
-                                 double unit_roundoff = 0.0);
+                                 double unit_roundoff = 0.0, bool atol_by_weight = false);
 
 // "sample 3, response index 2, vocab index 7, CP rank 1 chunk 0: got ..., want ..."
 std::string describe(const GradLocation& location);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -9,6 +10,7 @@
 
 #include "cli/app.h"
 #include "fixtures/cases.h"
+#include "io/dump.h"
 #include "malformed_catalog.h"
 #include "test_util.h"
 
@@ -371,13 +373,18 @@ namespace lossguard::cli {
 namespace {
 
 TEST(CliLimits, LogitsLargerThanTheMemoryBudgetAreRefusedWithTheSizeNeeded) {
+  // Logits given per sample (a JSON dump) are copied into one array: refused over the budget.
   ::setenv("LOSSGUARD_MEMORY_LIMIT", "100", 1);
-  Result r = run_cli({"inspect", fixture("gen_random.safetensors")});
+  Result r = run_cli({"inspect", fixture("gen_random.json")});
   ::unsetenv("LOSSGUARD_MEMORY_LIMIT");
   EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.err.find("gen_random.safetensors"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("need 832 B of memory but only 100 B are available"), std::string::npos)
-      << r.err;
+  EXPECT_NE(r.err.find("gen_random.json"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("of memory but only 100 B are available"), std::string::npos) << r.err;
+  // A packed dump's logits are read where they are mapped, never copied: the budget is not needed.
+  ::setenv("LOSSGUARD_MEMORY_LIMIT", "100", 1);
+  Result mapped = run_cli({"inspect", fixture("gen_random.safetensors")});
+  ::unsetenv("LOSSGUARD_MEMORY_LIMIT");
+  EXPECT_EQ(mapped.code, 0) << mapped.err;
   // Counting does not load the logits, so the same budget is enough for it.
   ::setenv("LOSSGUARD_MEMORY_LIMIT", "100", 1);
   Result c = run_cli({"count", fixture("gen_random.safetensors")});
@@ -385,7 +392,6 @@ TEST(CliLimits, LogitsLargerThanTheMemoryBudgetAreRefusedWithTheSizeNeeded) {
   EXPECT_EQ(c.code, 0) << c.err;
   EXPECT_EQ(run_cli({"inspect", fixture("gen_random.safetensors")}).code, 0);
 }
-
 
 nlohmann::json expected_slime(const std::string& name) {
   std::ifstream f(fixture("expected_slime/" + name));
@@ -458,8 +464,25 @@ TEST(CliDumps, PerRankRolloutDataDirectoryCountsEachDpRankOnce) {
     n += samples[i]["mask_sum"].get<int64_t>();
   }
   EXPECT_EQ(doc["totals"]["1"], n);
-  // The CP-local log-probs are not taken for full ones: a command that needs them says why.
-  Result c = run_cli({"check", fixture("slime_per_rank_cp2"), "--loss", "ppo-clip"});
+  // Each rank's CP-local log-probs and advantages, put back where the zig-zag rule says they
+  // belong, give the full per-token fields the producer sliced them from.
+  std::vector<io::Dump> dumps;
+  for (const auto& p : io::expand_dump_paths({fixture("slime_per_rank_cp2")}))
+    dumps.push_back(io::read_dump(p));
+  const Batch b = io::build_batch(dumps, {});
+  ASSERT_EQ(b.num_samples(), static_cast<int64_t>(samples.size()));
+  for (const char* field : {"log_probs", "advantages"}) {
+    ASSERT_TRUE(b.per_token.count(field)) << field << " " << b.metadata.dump();
+    for (std::size_t i = 0; i < samples.size(); ++i) {
+      const auto& want_values = samples[i][field];
+      for (std::size_t j = 0; j < want_values.size(); ++j)
+        EXPECT_EQ(b.per_token.at(field).get_f64(b.response_offsets[i] + static_cast<int64_t>(j)),
+                  want_values[j].get<double>())
+            << field << " sample " << i << " index " << j;
+    }
+  }
+  // One rank's dump alone holds only its own tokens' values: set aside, with the reason.
+  Result c = run_cli({"check", fixture("slime_per_rank_cp2/3_1.pt"), "--loss", "nll"});
   EXPECT_EQ(c.code, 2);
   EXPECT_NE(c.err.find("CP-local"), std::string::npos) << c.err;
 }
@@ -512,8 +535,8 @@ TEST(CliDumps, AllgatherAndDynamicCpCountsHoldTheInvariants) {
   for (const std::vector<std::string>& extra :
        {std::vector<std::string>{"--cp-layout", "allgather", "--allgather-pad", "4"},
         std::vector<std::string>{"--dynamic-cp", "6", "--microbatches", "2"}}) {
-    std::vector<std::string> args = {"count", fixture("gen_random.safetensors"), "--cp", "1,2,4",
-                                     "--json", "-"};
+    std::vector<std::string> args = {
+        "count", fixture("gen_random.safetensors"), "--cp", "1,2,4", "--json", "-"};
     args.insert(args.end(), extra.begin(), extra.end());
     Result r = run_cli(args);
     ASSERT_EQ(r.code, 0) << r.out << r.err;
@@ -521,6 +544,93 @@ TEST(CliDumps, AllgatherAndDynamicCpCountsHoldTheInvariants) {
     for (const auto& inv : doc["invariants"]) EXPECT_TRUE(inv["ok"].get<bool>()) << inv;
     EXPECT_EQ(doc["totals"]["1"], doc["totals"]["4"]);
   }
+}
+
+// A dump over 2 GiB (SPEC §8: files of any size; no 32-bit size or offset anywhere): a sparse
+// safetensors file whose bf16 logits [4,000 x 300,000] are a hole on disk, its counting fields at
+// the start and after the logits. count reads the masks without touching the logits.
+TEST(CliDumps, SparseDumpOver2GiBIsCounted) {
+  const auto dir = testing::temp_dir("sparse");
+  const std::string path = (dir / "big.safetensors").string();
+  const int64_t s = 8, r = 500, p = 3, v = 300000, t = p + r;
+  const int64_t logits_bytes = s * r * v * 2;  // 2.4 GB
+  std::vector<int64_t> tokens(static_cast<std::size_t>(s * t), 1), tl(s, t), rl(s, r),
+      mask(static_cast<std::size_t>(s * r), 1);
+  for (std::size_t k = 0; k < mask.size(); k += 5) mask[k] = 0;  // 400 per sample
+  nlohmann::ordered_json h;
+  int64_t off = 0;
+  auto put = [&](const char* name, const char* dtype, std::vector<int64_t> shape, int64_t bytes) {
+    h[name] = {{"dtype", dtype}, {"shape", shape}, {"data_offsets", {off, off + bytes}}};
+    off += bytes;
+  };
+  put("tokens", "I64", {s * t}, s * t * 8);
+  put("logits", "BF16", {s * r, v}, logits_bytes);  // the counting fields after it sit past 2 GiB
+  put("total_lengths", "I64", {s}, s * 8);
+  put("response_lengths", "I64", {s}, s * 8);
+  put("loss_masks", "I64", {s * r}, s * r * 8);
+  std::string header = h.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');
+  {
+    std::ofstream f(path, std::ios::binary);
+    const uint64_t n = header.size();
+    f.write(reinterpret_cast<const char*>(&n), 8);
+    f << header;
+    f.write(reinterpret_cast<const char*>(tokens.data()), s * t * 8);
+    f.seekp(8 + static_cast<std::streamoff>(header.size()) + s * t * 8 + logits_bytes);
+    f.write(reinterpret_cast<const char*>(tl.data()), s * 8);
+    f.write(reinterpret_cast<const char*>(rl.data()), s * 8);
+    f.write(reinterpret_cast<const char*>(mask.data()), s * r * 8);
+  }
+  ASSERT_GT(std::filesystem::file_size(path), uint64_t{1} << 31);
+  Result c = run_cli({"count", path, "--cp", "1,2", "--json", "-"});
+  ASSERT_EQ(c.code, 0) << c.out << c.err;
+  const auto doc = nlohmann::json::parse(c.out.substr(c.out.find("{\n")));
+  EXPECT_EQ(doc["totals"]["1"], s * 400);
+  EXPECT_EQ(doc["totals"]["2"], s * 400);
+  Result i = run_cli({"inspect", path, "--json", "-"});
+  ASSERT_EQ(i.code, 0) << i.err;
+  EXPECT_NE(i.out.find("300000"), std::string::npos);
+  std::filesystem::remove(path);
+}
+
+// inspect finds what a trainer's numbers need before anything runs: a NaN logit at a masked
+// position (named as such: multiplying by the mask turns it into NaN) and a target outside the
+// vocabulary.
+TEST(CliDumps, InspectNamesNanAtMaskedPositionAndOutOfVocabTargets) {
+  fixtures::GenOptions o;
+  o.seed = 3;
+  o.num_samples = 3;
+  o.vocab_size = 5;
+  o.min_prompt = 2;
+  o.empty_fraction = 0.0;
+  o.masked_fraction = 0.0;
+  Batch b = fixtures::make_case("random", o);
+  // Sample 0: mask its response index 0 and put a NaN in that row; sample 1: target 7 >= V = 5.
+  b.loss_mask[b.response_offsets[0]] = 0;
+  std::vector<double> logits(static_cast<std::size_t>(b.logits->numel()));
+  for (int64_t k = 0; k < b.logits->numel(); ++k) logits[k] = b.logits->get_f64(k);
+  logits[b.response_offsets[0] * 5 + 2] = std::nan("");
+  b.logits = HostArray::from_f64(DType::kFloat32, b.logits->shape, logits);
+  ASSERT_GT(b.response_lengths[1], 0);
+  b.loss_mask[b.response_offsets[1]] = 1;
+  b.tokens[b.token_offsets[1] + b.prompt_length(1)] = 7;
+  const auto dir = testing::temp_dir("findings");
+  const std::string path = (dir / "f.safetensors").string();
+  io::write_batch(b, path);
+  Result r = run_cli({"inspect", path, "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  bool nan_masked = false, oov = false;
+  for (const auto& f : doc["findings"]) {
+    if (f["kind"] == "non_finite" && f["sample"] == 0 && f["response_index"] == 0 &&
+        f["vocab_index"] == 2 && f["masked"] == true)
+      nan_masked = f["message"].get<std::string>().find("mask by selection") != std::string::npos;
+    if (f["kind"] == "target_out_of_vocab" && f["sample"] == 1 && f["response_index"] == 0 &&
+        f["token"] == 7)
+      oov = true;
+  }
+  EXPECT_TRUE(nan_masked) << doc["findings"].dump(1);
+  EXPECT_TRUE(oov) << doc["findings"].dump(1);
 }
 }  // namespace
 }  // namespace lossguard::cli

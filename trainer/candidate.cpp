@@ -106,9 +106,10 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         idx.push_back(o.row);
         const int64_t i = o.sample;
         const int64_t j = o.row - b.response_offsets[i];
-        coeff.push_back(in->contract != nullptr
-                            ? by_contract.coeff[o.row]
-                            : token_coefficient(d, spec, i, b.loss_mask[o.row]));
+        coeff.push_back((in->contract != nullptr
+                             ? by_contract.coeff[o.row]
+                             : token_coefficient(d, spec, i, b.loss_mask[o.row])) *
+                        (in->weight_scale != nullptr ? (*in->weight_scale)[o.row] : 1.0));
         if (input == LossInput::kLogits) {
           // RL: tokens[P + j]. SFT (P = 0): row j is position j, predicting tokens[j + 1]; the
           // last row's label is 0, as Relax's compute_sft_response_chunk pads it.

@@ -37,6 +37,9 @@ struct CandidateInput {
   const Placement* placement = nullptr;
   int64_t tp = 1;
   int64_t global_batch_size = 0;
+  // Tests and benchmarks only (LOSSGUARD_TEST_MUTATION=weight-*): each response row's coefficient
+  // times this factor, a planted weight error; null: none.
+  const std::vector<double>* weight_scale = nullptr;
 };
 
 struct CandidateOutput : CandidateResult {
@@ -48,7 +51,7 @@ struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 5;
+inline constexpr int kTrainerAbiVersion = 6;
 
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.

@@ -144,6 +144,9 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
       }
     }
 
+    if (in.weight_scale != nullptr) {
+      for (std::size_t row = 0; row < coeff.size(); ++row) coeff[row] *= (*in.weight_scale)[row];
+    }
     // 4. Loss and gradient.
     double total = 0.0;
     if (input == LossInput::kLogits) {

@@ -4,6 +4,7 @@
 #include "core/plugin_loader.h"
 #include "lossguard/build_config.h"
 #include "trainer/candidate.h"
+#include "trainer/mutation.h"
 
 namespace lossguard::trainer {
 
@@ -19,7 +20,15 @@ bool parse_impl(const std::string& s, Impl* out) {
   return true;
 }
 
-CandidateOutput run_candidate(const CandidateInput& in) {
+CandidateOutput run_candidate(const CandidateInput& in_given) {
+  // Test-only: a planted bug (LOSSGUARD_TEST_MUTATION, mutation.h) the tests expect check to catch.
+  const std::optional<Mutation> mutation = mutation_from_environment();
+  std::optional<Batch> mutated;
+  CandidateInput in = in_given;
+  if (mutation && (mutated = mutate_input(*mutation, *in.batch))) in.batch = &*mutated;
+  std::vector<double> weight_scale;
+  if (mutation && !(weight_scale = mutate_weights(*mutation, *in.batch, in.cp, in.layout)).empty())
+    in.weight_scale = &weight_scale;
   CandidateOutput out;
   if (in.impl == Impl::kKernels) {
     run_kernels_candidate(in, &out);
@@ -33,6 +42,7 @@ CandidateOutput run_candidate(const CandidateInput& in) {
     rethrow_error(out.error_kind == ErrorKind::kNone ? ErrorKind::kInternal : out.error_kind,
                   std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
   }
+  if (mutation) mutate_output(*mutation, *in_given.batch, &out);
   return out;
 }
 

@@ -30,10 +30,10 @@ ShardPlan plan_shards(const Batch& batch, int64_t cp, const ShardLayout& layout)
 // The trainer's denominators from per-sample effective-token counts m_i (summed over CP ranks) and
 // the fixed count n_fixed (their sum), under the spec's policy and reduction.
 struct TrainerDenominators {
-  int64_t denominator = 0;  // what the trainer reports (N, B, K or L_norm)
-  int64_t n = 0;            // the per-token count after the policy
-  double cp_scale = 1.0;    // slime multiplies the per-token loss by cp
-  std::vector<int64_t> m;   // per sample
+  int64_t denominator = 0;           // what the trainer reports (N, B, K or L_norm)
+  int64_t n = 0;                     // the per-token count after the policy
+  double cp_scale = 1.0;             // slime multiplies the per-token loss by cp
+  std::vector<int64_t> m;            // per sample
   std::vector<double> sample_denom;  // d_i per sample: the dump's own, else m_i (SPEC §3)
   int64_t k_nonempty = 0;
   double batch_size = 1.0, l_norm = 1.0;
