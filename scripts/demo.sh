@@ -38,6 +38,10 @@ run replay "$EX/gen_zero-token.safetensors" --dp 4 --cp 2 --protocol pr285-alway
 step "Bug 3: reading the decision from values[0], a sample count when per-token loss is off"
 run replay "$EX/gen_zero-token.safetensors" --dp 2 --protocol values0 --reduce sample-mean
 
+step "Bug 2 in a real slime dump: a format-2 train dump of two optimizer steps, the first without effective tokens; replayed step by step on the trainer's own DP layout"
+run replay "$EX/slime_format2_two_steps.pt" --dp 2 --protocol no-skip --max-lines 2
+run count "$EX/slime_format2_two_steps.pt" --cp 1,2 --step 1 --max-rows 4
+
 step "Every normalisation bug changes one thing: each token's weight in the applied gradient. Bug 1 as weights:"
 run weights "$EX/gen_empty-responses.safetensors" --contract relax-legacy --cp 2
 step "The Hugging Face gradient-accumulation bug (2024): a mean per micro-batch, averaged over accumulation steps"

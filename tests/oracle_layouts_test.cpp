@@ -161,8 +161,8 @@ TEST(Layouts, DynamicCpCountsHoldI1ToI4OverRandomBatches) {
   for (int trial = 0; trial < 40; ++trial) {
     const Batch b = random_batch(1300 + trial, 90, trial % 4 == 0 ? "sft-preshifted" : "random");
     const int64_t cp = int64_t{2} << (trial % 3);
-    const Placement p = place_samples(b.num_samples(), 1 + trial % 3, 1 + trial % 5,
-                                      Split::kContiguous);
+    const Placement p =
+        place_samples(b.num_samples(), 1 + trial % 3, 1 + trial % 5, Split::kContiguous);
     std::vector<StepLayout> layouts = {static_layout(p, 1, 1, {})};
     const int64_t max_tokens = 8 + trial * 2;
     layouts.push_back(dynamic_cp_layout(b.total_lengths, p, cp, max_tokens));
