@@ -4,6 +4,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <iterator>
+#include <string_view>
 
 #include "cli/command.h"
 #include "cli/inputs.h"
@@ -109,7 +111,14 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, P
     head += fmt::format(" | {:<{}}", fmt::format("cp={}", cp), w);
   }
   out << head << " | notes\n";
-  nlohmann::ordered_json samples_json = nlohmann::ordered_json::array();
+  // The per-sample JSON rows are written as text (a tree of 100,000 objects costs 10x the count).
+  fmt::memory_buffer samples_json;
+  if (ctx.want_json) {
+    std::size_t per_sample = 140;
+    for (int64_t cp : cps) per_sample += 8 + 3 * static_cast<std::size_t>(cp);
+    samples_json.reserve(counts.samples.size() * per_sample);
+    samples_json.push_back('[');
+  }
   std::vector<int64_t> empty, masked, sft, straddling;
   for (std::size_t k = 0; k < counts.samples.size(); ++k) {
     const int64_t i = counts.samples[k];
@@ -120,7 +129,13 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, P
     if (note.sft) sft.push_back(i);
     std::vector<std::string> notes;
     if (!note.text().empty()) notes.push_back(note.text());
-    nlohmann::ordered_json per_rank = nlohmann::ordered_json::object();
+    if (ctx.want_json) {
+      fmt::format_to(fmt::appender(samples_json),
+                     "{}\n    {{\"index\": {}, \"total_length\": {}, \"response_length\": {}, "
+                     "\"mask_sum\": {}, \"kind\": \"{}\", \"per_rank\": {{",
+                     k == 0 ? "" : ",", i, t, r, m, sample_kind_name(b.kind(i, m)));
+    }
+    bool first_cp = true;
     const bool print_row = o.max_rows == 0 || static_cast<int64_t>(k) < o.max_rows;
     std::string row =
         fmt::format("{:>6} {:>7} {:>7} {:>6}  {:<5}", i, t, r, m, sample_kind_name(b.kind(i, m)));
@@ -134,7 +149,11 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, P
         ranks.push_back(oracle::policy_rank_count(policy, owned, m, cps[c]));
       }
       straddles |= ranks_with_tokens > 1;
-      if (ctx.want_json && (cps[c] != 1 || cp1_requested)) per_rank[std::to_string(cps[c])] = ranks;
+      if (ctx.want_json && (cps[c] != 1 || cp1_requested)) {
+        fmt::format_to(fmt::appender(samples_json), "{}\"{}\": [{}]", first_cp ? "" : ", ",
+                       cps[c], fmt::join(ranks, ", "));
+        first_cp = false;
+      }
       if (print_row)
         row += fmt::format(" | {:<{}}", fmt::format("{}", fmt::join(ranks, " ")), widths[c]);
     }
@@ -148,13 +167,7 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, P
       out << fmt::format("{:>6} ... {} more samples (--max-rows 0 shows all)\n", "",
                          counts.samples.size() - k);
     }
-    if (ctx.want_json)
-      samples_json.push_back({{"index", i},
-                              {"total_length", t},
-                              {"response_length", r},
-                              {"mask_sum", m},
-                              {"kind", sample_kind_name(b.kind(i, m))},
-                              {"per_rank", per_rank}});
+    if (ctx.want_json) samples_json.append(std::string_view("}}"));
   }
 
   out << "\ndenominator N (summed over the DP x CP group):";
@@ -233,7 +246,10 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, P
       res["placement"]["samples"] = placement;
     }
   }
-  res["samples"] = samples_json;
+  if (ctx.want_json) {
+    samples_json.append(std::string_view(counts.samples.empty() ? "]" : "\n  ]"));
+    report.set_raw_result("samples", std::move(samples_json));
+  }
   res["totals"] = totals;
   res["invariants"] = inv_json;
   if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");

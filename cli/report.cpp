@@ -97,6 +97,8 @@ nlohmann::ordered_json Report::to_json() const {
   if (!errors_.empty()) j["errors"] = errors_;
   if (unverified_) j["unverified_reason"] = unverified_reason_;
   for (auto it = results_.begin(); it != results_.end(); ++it) j[it.key()] = it.value();
+  for (const auto& [key, text] : raw_results_)
+    j[key] = nlohmann::ordered_json::parse(std::string_view(text.data(), text.size()));
   return j;
 }
 
@@ -165,14 +167,37 @@ std::string Report::to_junit() const {
 void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostream& err) {
   if (suppress_outputs_) return;
   if (!o.json_path.empty()) {
-    const std::string text = to_json().dump(2) + "\n";
+    // The tree, then the raw fields written in before its closing brace (never copied into it).
+    std::string head;
+    {
+      auto raw = std::move(raw_results_);
+      raw_results_.clear();
+      head = to_json().dump(2);
+      raw_results_ = std::move(raw);
+    }
+    const bool splice = !raw_results_.empty() && !head.empty() && head.back() == '}';
+    if (splice) {
+      head.pop_back();
+      while (!head.empty() && head.back() == '\n') head.pop_back();
+    }
+    auto write = [&](std::ostream& s) -> bool {
+      s << head;
+      if (splice) {
+        for (const auto& [key, raw] : raw_results_)
+          (s << ",\n  " << nlohmann::ordered_json(key).dump() << ": ")
+              .write(raw.data(), static_cast<std::streamsize>(raw.size()));
+        s << "\n}";
+      }
+      s << "\n";
+      return static_cast<bool>(s);
+    };
     if (o.json_path == "-") {
-      out << text;
+      write(out);
     } else {
       std::ofstream f(o.json_path, std::ios::trunc);
       // A CI gate reads this file: one that cannot be written is an error (exit 2), never a silent
       // pass.
-      if (!(f << text)) {
+      if (!f || !write(f)) {
         error("cannot write the JSON report to " + o.json_path);
         err << "lossguard: error: cannot write the JSON report to " << o.json_path << "\n";
       }

@@ -1,9 +1,12 @@
 // One report per command run: verdict flags, findings, the JSON document (SPEC §8), JUnit cases,
 // and the single place where they become an exit code.
 #pragma once
+#include <fmt/format.h>
+
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/errors.h"
@@ -58,6 +61,14 @@ class Report {
   }
   void set_case_prefix(std::string prefix) { case_prefix_ = std::move(prefix); }
   nlohmann::ordered_json& results() { return results_; }  // command-specific fields
+  // A large command-specific field rendered to JSON text by the command (count's per-sample rows):
+  // written into the document as it is, so a 100,000-sample report is never built as a tree.
+  void set_raw_result(const std::string& key, fmt::memory_buffer&& json_text) {
+    raw_results_.emplace_back(key, std::move(json_text));
+  }
+  std::vector<std::pair<std::string, fmt::memory_buffer>> take_raw_results() {
+    return std::move(raw_results_);
+  }
   const std::vector<oracle::Finding>& findings() const { return findings_; }
 
   nlohmann::ordered_json to_json() const;
@@ -77,6 +88,7 @@ class Report {
   std::vector<oracle::Finding> findings_;
   std::vector<JunitCase> cases_;
   nlohmann::ordered_json results_ = nlohmann::ordered_json::object();
+  std::vector<std::pair<std::string, fmt::memory_buffer>> raw_results_;
 };
 
 // Prints findings as indented lines under a heading; nothing when there are none.

@@ -63,6 +63,8 @@ void run_per_step(const Batch& b, int64_t only_step, Report& report, Context& ct
         }
         one[it.key()] = it.value();
       }
+      for (auto& [key, text] : report.take_raw_results())
+        one[key] = nlohmann::ordered_json::parse(std::string_view(text.data(), text.size()));
       steps_json.push_back(std::move(one));
       report.results() = nlohmann::ordered_json::object();
     }

@@ -487,6 +487,18 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     uint8_t* dst = batch_.loss_mask.data() + m0;
     if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
       std::memcpy(dst, m.data, static_cast<std::size_t>(sum_r));
+    } else if ((m.dtype == DType::kInt64 &&
+                reinterpret_cast<uintptr_t>(m.data) % alignof(int64_t) == 0) ||
+               (m.dtype == DType::kInt32 &&
+                reinterpret_cast<uintptr_t>(m.data) % alignof(int32_t) == 0)) {
+      // The common integer masks, read in their own width (no float conversion).
+      auto narrow = [&](const auto* src) {
+        for (int64_t j = 0; j < sum_r; ++j) dst[j] = src[j] == 1 ? 1 : (src[j] == 0 ? 0 : 2);
+      };
+      if (m.dtype == DType::kInt64)
+        narrow(reinterpret_cast<const int64_t*>(m.data));
+      else
+        narrow(reinterpret_cast<const int32_t*>(m.data));
     } else {
       std::vector<double> buf(static_cast<std::size_t>(std::min<int64_t>(sum_r, 1 << 16)));
       for (int64_t j0 = 0; j0 < sum_r; j0 += static_cast<int64_t>(buf.size())) {
