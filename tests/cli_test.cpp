@@ -632,5 +632,32 @@ TEST(CliDumps, InspectNamesNanAtMaskedPositionAndOutOfVocabTargets) {
   EXPECT_TRUE(nan_masked) << doc["findings"].dump(1);
   EXPECT_TRUE(oov) << doc["findings"].dump(1);
 }
+
+// I3 broken on purpose: a recorded layout (slime format 2, written by hand) that gives sample 1 to
+// both DP ranks. count must fail I3 and name the sample. (A sample no step holds is not an error:
+// slime drops trailing rollouts that do not fill a step.)
+TEST(CliDumps, ALayoutThatIsNotAPartitionFailsI3WithTheSamplesNamed) {
+  const auto dir = testing::temp_dir("i3");
+  const std::string path = (dir / "twice.json").string();
+  std::ofstream(path) << R"({"format_version": 2, "samples": [
+    {"tokens": [1, 2, 3, 4], "response_length": 2, "rollout_position": 0},
+    {"tokens": [1, 2, 3, 4], "response_length": 2, "rollout_position": 1},
+    {"tokens": [1, 2, 3, 4], "response_length": 2, "rollout_position": 2}],
+   "dp_shards": [
+    {"data_parallel_rank": 0, "partition": [0, 1], "num_microbatches": [1], "micro_batch_indices": [[0, 1]]},
+    {"data_parallel_rank": 1, "partition": [1, 2], "num_microbatches": [1], "micro_batch_indices": [[0, 1]]}]})";
+  Result r = run_cli({"count", path, "--cp", "1,2", "--json", "-"});
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  bool named = false;
+  for (const auto& inv : doc["invariants"]) {
+    if (inv["name"] != "I3") continue;
+    EXPECT_FALSE(inv["ok"].get<bool>());
+    const std::string d = inv["detail"];
+    named = d.find("sample 1 is placed twice") != std::string::npos;
+    EXPECT_TRUE(named) << d;
+  }
+  EXPECT_TRUE(named);
+}
 }  // namespace
 }  // namespace lossguard::cli

@@ -9,6 +9,7 @@
 
 #include "core/errors.h"
 #include "fixtures/cases.h"
+#include "oracle/audit.h"
 #include "oracle/denominators.h"
 #include "oracle/placement.h"
 #include "oracle/weights.h"
@@ -258,5 +259,48 @@ TEST(SampleValues, RemovedZeroesTheMaskAndSampleDenomIsTheDivisor) {
   }
 }
 
+// I2 broken on purpose in a real run's captures: two DP ranks both computed sample 0, so each of
+// its effective tokens is held twice; audit's coverage check must fail and name the sample and
+// token.
+TEST(Layouts, AuditCoverageFailsWhenATokenIsHeldTwice) {
+  auto rank = [](int64_t r, std::vector<int64_t> samples) {
+    RankCapture c;
+    c.file = "rank" + std::to_string(r);
+    c.rank = r;
+    c.world_size = 2;
+    c.dp = 2;
+    c.dp_rank = r;
+    c.reduce = "per-token";
+    CapturedMicroBatch mb;
+    for (int64_t i : samples) {
+      mb.sample_indices.push_back(i);
+      mb.total_lengths.push_back(3);
+      mb.response_lengths.push_back(2);
+      mb.tokens.insert(mb.tokens.end(), {1, 2, 3});
+      mb.loss_masks.insert(mb.loss_masks.end(), {1, 1});
+      mb.token_weight.insert(mb.token_weight.end(), {0.25, 0.25});
+    }
+    c.microbatches.push_back(mb);
+    return c;
+  };
+  const auto steps = audit_captures({rank(0, {0}), rank(1, {0, 1})}, {});
+  ASSERT_EQ(steps.size(), 1u);
+  bool found = false;
+  for (const auto& check : steps[0].checks) {
+    if (check.name != "coverage") continue;
+    found = true;
+    ASSERT_TRUE(check.ok.has_value());
+    EXPECT_FALSE(*check.ok);
+    EXPECT_NE(check.detail.find("sample 0"), std::string::npos) << check.detail;
+    EXPECT_TRUE(check.detail.find("twice") != std::string::npos ||
+                check.detail.find("more than once") != std::string::npos)
+        << check.detail;
+  }
+  EXPECT_TRUE(found);
+  // The same with each sample held once passes coverage.
+  const auto good = audit_captures({rank(0, {0}), rank(1, {1})}, {});
+  for (const auto& check : good[0].checks)
+    if (check.name == "coverage") EXPECT_TRUE(check.ok.value_or(false)) << check.detail;
+}
 }  // namespace
 }  // namespace lossguard::oracle
