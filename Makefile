@@ -27,7 +27,7 @@ demo: build
 	@scripts/demo.sh $(BUILD)/cli/lossguard
 
 test: build test-fuzz
-	@status=0; (cd $(BUILD) && ctest --output-on-failure -j2 --timeout 900) || status=1; \
+	@status=0; (cd $(BUILD) && set -o pipefail && ctest --output-on-failure -j2 --timeout 900 | tee ctest-output.log) || status=1; \
 	  scripts/test-summary.sh $(BUILD) $(BUILD)-fuzz || status=1; exit $$status
 
 # The loaders and the validator under libFuzzer with ASan + UBSan (a short smoke run of every target),

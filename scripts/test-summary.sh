@@ -11,12 +11,17 @@ for label in cpu torch multiproc cuda; do
   printf '  %-9s %4s tests registered\n' "$label" "$(count "$build" "$label")"
 done
 printf '  %-9s %4s tests registered (clang, ASan + UBSan)\n' "sanitized" "$(count "$fuzz" .)"
-# Skips inside gtest binaries (e.g. CUDA tests on a machine without a GPU), with their reasons.
-log="$build/Testing/Temporary/LastTest.log"
+# Tests that did not run (gtest skips, e.g. the CUDA tests on a machine without a GPU), from the
+# ctest output `make test` keeps, and the reason each gives.
+log="$build/ctest-output.log"
 if [ -f "$log" ]; then
-  skipped=$(grep -c '^\[  SKIPPED \]' "$log" || true)
-  echo "  skipped:  $skipped test case(s)"
-  grep -h -B1 '^\[  SKIPPED \]' "$log" | grep -v '^\[  SKIPPED \]\|^--$' | sort | uniq -c | sed 's/^/    /' | head -5
+  skipped=$(grep -c '(Skipped)$' "$log" || true)
+  echo "  skipped:  $skipped test(s)"
+  grep '(Skipped)$' "$log" | sed 's/^[[:space:]]*/    /' | head -10
+  if [ -x "$build/tests/kernels_cuda_test" ] && grep -q 'Cuda.*(Skipped)$' "$log"; then
+    reason=$("$build/tests/kernels_cuda_test" 2>&1 | grep -m1 -o 'no CUDA device.*')
+    [ -n "$reason" ] && echo "    reason: $reason"
+  fi
 fi
 # Groups this machine can run must be there.
 if [ -e /usr/include/gloo/algorithm.h ] && [ "$(count "$build" multiproc)" = "0" ]; then
