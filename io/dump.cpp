@@ -777,9 +777,20 @@ Dump read_dump(const std::string& path) {
 
 namespace {
 
+// A dump one rank wrote for itself: slime's {"rollout_id", "rank", "rollout_data"} or Relax's
+// {"rollout_id", "rank", "samples"} (not slime's format 2, which one rank writes for all).
 bool is_per_rank_dump(const Dump& d) {
-  const Value* data = d.tree->is_dict() ? d.tree->get("rollout_data") : nullptr;
-  return data != nullptr && data->is_dict() && d.tree->get("rank") != nullptr;
+  if (!d.tree->is_dict() || d.tree->get("rank") == nullptr) return false;
+  const Value* data = d.tree->get("rollout_data");
+  if (data != nullptr && data->is_dict()) return true;
+  const Value* samples = d.tree->get("samples");
+  return samples != nullptr && samples->is_sequence() && d.tree->get("dp_shards") == nullptr &&
+         d.tree->get("format_version") == nullptr;
+}
+
+bool has_rollout_data(const Dump& d) {
+  const Value* data = d.tree->get("rollout_data");
+  return data != nullptr && data->is_dict();
 }
 
 // The first difference between two dumps' samples, or "" when they hold the same samples.
@@ -907,8 +918,9 @@ std::optional<HostArray> reassemble_cp_local(const std::vector<const Dump*>& mem
 }  // namespace
 
 Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNeeds needs) {
-  // slime's per-rank train dumps ({"rollout_id", "rank", "rollout_data"}): every TP and CP rank
-  // of a DP rank (every pipeline stage too) writes the same samples. The lowest rank's dump of
+  // Per-rank train dumps (slime's {"rollout_id", "rank", "rollout_data"}, Relax's {"rollout_id",
+  // "rank", "samples"}): every TP and CP rank of a DP rank (every pipeline stage too) writes the
+  // same samples. The lowest rank's dump of
   // each set stands for it; the others must hold exactly the same samples.
   std::vector<const Dump*> kept;
   std::vector<Batch> kept_samples;
@@ -949,7 +961,8 @@ Batch build_batch(const std::vector<Dump>& dumps, const FieldMap& fields, LoadNe
   for (std::size_t k = 0; k < kept.size(); ++k) {
     const Dump* d = kept[k];
     builder.begin_file(d->path);
-    if (!is_per_rank_dump(*d) || groups[k].size() < 2 || !needs.per_token) {
+    if (!is_per_rank_dump(*d) || !has_rollout_data(*d) || groups[k].size() < 2 ||
+        !needs.per_token) {
       add_tree(builder, *d->tree, d->path, fields);
       continue;
     }

@@ -659,5 +659,52 @@ TEST(CliDumps, ALayoutThatIsNotAPartitionFailsI3WithTheSamplesNamed) {
   }
   EXPECT_TRUE(named);
 }
+
+// Relax's per-rank train dumps ({"rollout_id", "rank", "samples"}) of one DP rank's two CP ranks
+// hold the same samples: a directory of them counts those samples once; ranks that disagree on a
+// sample are an input error naming both files.
+TEST(CliDumps, PerRankRelaxDumpsOfOneDpRankCountOnce) {
+  const auto dir = testing::temp_dir("relax-ranks");
+  const std::string a =
+      R"({"tokens": [1, 2, 3, 4, 5], "response_length": 3, "loss_mask": [1, 0, 1]})";
+  const std::string b = R"({"tokens": [7, 8, 9], "response_length": 2, "loss_mask": [1, 1]})";
+  std::ofstream(dir / "r0.json") << R"({"rollout_id": 4, "rank": 0, "samples": [)" << a << "," << b
+                                 << "]}";
+  std::ofstream(dir / "r1.json") << R"({"rollout_id": 4, "rank": 1, "samples": [)" << a << "," << b
+                                 << "]}";
+  std::ofstream(dir / "r2.json") << R"({"rollout_id": 4, "rank": 2, "samples": [)" << b << "]}";
+  Result r = run_cli({"count", dir.string(), "--cp", "1", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  EXPECT_EQ(doc["samples"].size(), 3u);  // r1 is r0's replica; r2 another DP rank's sample
+  EXPECT_EQ(doc["totals"]["1"], 2 + 2 + 2);
+  std::ofstream(dir / "r1.json", std::ios::trunc)
+      << R"({"rollout_id": 4, "rank": 1, "samples": [{"tokens": [1, 2, 3, 4, 5], "response_length": 3, "loss_mask": [1, 1, 1]},)"
+      << b << "]}";
+  Result bad = run_cli({"count", dir.string()});
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_NE(bad.err.find("r1.json"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("disagree"), std::string::npos) << bad.err;
+}
+
+// The aliases and --field the README promises, at the command line: `input_ids` read as tokens,
+// a loss mask under another key mapped with --field, and a field ignored with KEY none.
+TEST(CliDumps, InputIdsAliasAndFieldMapping) {
+  const auto dir = testing::temp_dir("alias");
+  const std::string path = (dir / "a.json").string();
+  std::ofstream(path) << R"({"samples": [{"input_ids": [5, 6, 7, 8], "response_length": 3,
+                             "mask": [1, 0, 1]}]})";
+  Result plain = run_cli({"count", path, "--cp", "1", "--json", "-"});
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  auto doc = nlohmann::json::parse(plain.out.substr(plain.out.find("{\n")));
+  EXPECT_EQ(doc["totals"]["1"], 3);  // no mask known: all ones
+  Result mapped = run_cli({"count", path, "--cp", "1", "--field", "loss_mask=mask", "--json", "-"});
+  ASSERT_EQ(mapped.code, 0) << mapped.err;
+  doc = nlohmann::json::parse(mapped.out.substr(mapped.out.find("{\n")));
+  EXPECT_EQ(doc["totals"]["1"], 2);
+  Result none = run_cli({"count", path, "--field", "tokens=none"});
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.err.find("'tokens' is missing"), std::string::npos) << none.err;
+}
 }  // namespace
 }  // namespace lossguard::cli

@@ -94,6 +94,12 @@ std::vector<MalformedDump> write_malformed_catalog(const std::filesystem::path& 
   add("packed lengths disagree with tokens", "sum.safetensors",
       safetensors_bytes(packed_header(), packed_data().substr(0, 24) + u64(4) + u64(1)),
       "disagrees with sum(total_lengths) = 4");
+  // Regression of the fuzzer's first finding (a signed overflow summing packed lengths): lengths
+  // near 2^63 are refused before anything is added up.
+  add("packed lengths whose sum overflows", "overflow.json",
+      R"({"tokens": [1], "total_lengths": [9223372036854775807, 9223372036854775807],
+          "response_lengths": [0, 0]})",
+      "sample 0: total_length = 9223372036854775807 is implausibly large");
   // JSON
   add("JSON syntax error", "syntax.json", R"({"samples": [)", "invalid JSON");
   add("JSON R > T", "r_gt_t.json", R"({"samples": [{"tokens": [1,2], "response_length": 3}]})",
