@@ -1,5 +1,6 @@
 # The two commands of the README: `make demo` and `make test`. Each installs what is missing
 # (scripts/setup.sh: Debian packages, the PyPI torch wheel in a venv), builds, then runs.
+SHELL := /bin/bash
 VENV ?= $(HOME)/.cache/lossguard/venv
 BUILD ?= build
 PYTHON := $(VENV)/bin/python
@@ -27,7 +28,8 @@ demo: build
 	@scripts/demo.sh $(BUILD)/cli/lossguard
 
 test: build test-fuzz
-	@status=0; (cd $(BUILD) && set -o pipefail && ctest --output-on-failure -j2 --timeout 900 | tee ctest-output.log) || status=1; \
+	@status=0; rm -f $(BUILD)/ctest-output.log; \
+	  (cd $(BUILD) && set -o pipefail && ctest --output-on-failure -j2 --timeout 900 | tee ctest-output.log) || status=1; \
 	  scripts/test-summary.sh $(BUILD) $(BUILD)-fuzz || status=1; exit $$status
 
 # The loaders and the validator under libFuzzer with ASan + UBSan (a short smoke run of every target),
