@@ -107,11 +107,38 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
     out << "the batch has ZERO effective tokens: a trainer must skip optimizer.step() for it "
            "(docs/semantics.md §7)\n";
   }
+  // The optimizer steps and the trainer's layout a dump records (slime's format 2).
+  nlohmann::ordered_json steps_json = nlohmann::ordered_json::array();
+  if (!b.steps.empty()) {
+    out << fmt::format(
+        "{} optimizer step(s), with the trainer's DP / micro-batch layout from {}:\n",
+        b.steps.size(), b.steps.front().source);
+    for (const BatchStep& st : b.steps) {
+      int64_t m = 0;
+      for (int64_t i : st.samples) m += b.mask_sum(i);
+      std::vector<std::string> ranks;
+      for (const auto& rank : st.placement) {
+        std::vector<std::string> mbs;
+        for (const auto& mb : rank) mbs.push_back(fmt::format("[{}]", fmt::join(mb, " ")));
+        ranks.push_back(fmt::format("{}", fmt::join(mbs, " ")));
+      }
+      out << fmt::format("  step {}: samples {}; {} effective tokens{}; DP ranks: {}\n", st.step,
+                         oracle::format_index_list(st.samples), m,
+                         m == 0 ? " (a zero-token step: must be skipped)" : "",
+                         fmt::join(ranks, " | "));
+      steps_json.push_back({{"step", st.step},
+                            {"samples", st.samples},
+                            {"effective_tokens", m},
+                            {"global_batch_size", st.global_batch_size},
+                            {"placement", st.placement}});
+    }
+  }
   const auto findings = oracle::batch_findings(b);
   report.add_findings(findings);
   print_findings(out, findings);
 
   auto& res = report.results();
+  if (!b.steps.empty()) res["steps"] = steps_json;
   res["format"] = loaded.dumps.empty() ? "" : io::dump_format_name(loaded.dumps.front().format);
   res["fields"] =
       dumps_json.empty() ? nlohmann::ordered_json::array() : dumps_json.front()["fields"];

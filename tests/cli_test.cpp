@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "cli/app.h"
+#include "cli/report.h"
 #include "fixtures/cases.h"
 #include "io/dump.h"
 #include "malformed_catalog.h"
@@ -447,6 +448,17 @@ TEST(CliDumps, Format2StepsAreReplayedAndCountedOneByOne) {
   const auto pdoc = nlohmann::json::parse(p.out.substr(p.out.find("{\n")));
   EXPECT_EQ(pdoc["placement"]["samples"], want2["steps"][0]["placement"]);
   EXPECT_EQ(pdoc["totals"]["1"], want2["steps"][0]["num_tokens"]);
+  // inspect lists the steps and the recorded layout, in the dump's sample numbers.
+  Result in = run_cli({"inspect", dump, "--json", "-"});
+  ASSERT_EQ(in.code, 0) << in.err;
+  const auto idoc = nlohmann::json::parse(in.out.substr(in.out.find("{\n")));
+  ASSERT_EQ(idoc["steps"].size(), 2u);
+  for (int s = 0; s < 2; ++s) {
+    EXPECT_EQ(idoc["steps"][s]["effective_tokens"], want["steps"][s]["num_tokens"]);
+    EXPECT_EQ(idoc["steps"][s]["placement"], want["steps"][s]["placement"]);
+  }
+  Result text = run_cli({"inspect", dump});
+  EXPECT_NE(text.out.find("zero-token step"), std::string::npos) << text.out;
 }
 
 TEST(CliDumps, PerRankRolloutDataDirectoryCountsEachDpRankOnce) {
@@ -705,6 +717,43 @@ TEST(CliDumps, InputIdsAliasAndFieldMapping) {
   Result none = run_cli({"count", path, "--field", "tokens=none"});
   EXPECT_EQ(none.code, 2);
   EXPECT_NE(none.err.find("'tokens' is missing"), std::string::npos) << none.err;
+}
+
+// SPEC §8's precedence when several outcomes apply: 3 > 1 > 2 > 4 (fault, fail, error,
+// unverified), every combination.
+TEST(CliReport, ExitCodePrecedenceIsFaultFailErrorUnverified) {
+  for (int mask = 0; mask < 16; ++mask) {
+    Report r("t");
+    r.verified();
+    if (mask & 1) r.unverified("u");
+    if (mask & 2) r.error("e");
+    if (mask & 4) r.fail();
+    if (mask & 8) r.fault();
+    const int want = mask & 8 ? 3 : mask & 4 ? 1 : mask & 2 ? 2 : mask & 1 ? 4 : 0;
+    EXPECT_EQ(r.exit_code(), want) << "outcomes " << mask;
+  }
+}
+
+// --junit on every command that judges: a JUnit document with a test case per check, failures
+// marked, written even when the command fails.
+TEST(CliReport, JunitForCountCheckReplayAndTopo) {
+  const auto dir = testing::temp_dir("junit-all");
+  const std::vector<std::pair<std::vector<std::string>, int>> runs = {
+      {{"count", fixture("gen_empty-responses.safetensors"), "--policy", "legacy"}, 1},
+      {{"check", fixture("gen_random.safetensors"), "--cp", "1,2"}, 0},
+      {{"replay", fixture("gen_zero-token.safetensors"), "--dp", "2", "--protocol", "no-skip"}, 1},
+      {{"topo", "--tp", "2", "--pp", "2"}, 0}};
+  int k = 0;
+  for (auto [args, code] : runs) {
+    const std::string path = (dir / ("j" + std::to_string(k++) + ".xml")).string();
+    args.insert(args.end(), {"--junit", path});
+    Result r = run_cli(args);
+    EXPECT_EQ(r.code, code) << args[0] << ": " << r.err;
+    const std::string x = testing::read_file(path);
+    EXPECT_NE(x.find("<testsuite"), std::string::npos) << args[0];
+    EXPECT_NE(x.find("<testcase"), std::string::npos) << args[0] << ": " << x;
+    EXPECT_EQ(x.find("<failure") != std::string::npos, code == 1) << args[0] << ": " << x;
+  }
 }
 }  // namespace
 }  // namespace lossguard::cli
