@@ -31,7 +31,10 @@ using oracle::GroupKind;
 // code, and process groups whose peers hang are never destroyed (their destructors would wait on
 // those peers).
 c10::intrusive_ptr<c10d::Store>* g_store = nullptr;
-int64_t g_live_ranks = 0;  // rank 0: ranks that posted an outcome (and so will read the exit code)
+int64_t g_live_ranks = 0;
+std::chrono::steady_clock::time_point
+    g_run_start;  // when run() began on this rank  // rank 0: ranks that posted an outcome (and so
+                  // will read the exit code)
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
@@ -75,6 +78,7 @@ void exit_3_on_sigterm(int64_t rank) {
 
 void run(const RealReplayInput* in, RealReplayOutput* out) {
   const auto run_start = Clock::now();
+  g_run_start = run_start;
   const LaunchEnv& env = in->env;
   exit_3_on_sigterm(env.rank);
   const int kill_before = injected_kill_point(env.rank);
@@ -168,7 +172,16 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
 int agree_exit_code(const RealReplayInput* in, int code) {
   if (g_store == nullptr) return code;
   c10d::Store& store = **g_store;
-  const auto wait = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000) + 7000);
+  // Rank 0 posts the code once it has every outcome or its deadline (its start + --timeout + 5 s)
+  // passed: wait until then plus start-up skew, counted from this rank's start, not from now, so a
+  // rank that already spent its deadline on a collective or on a dead store still exits within
+  // --timeout + 10 s.
+  const auto deadline = g_run_start +
+                        std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000)) +
+                        std::chrono::seconds(8);
+  const auto wait =
+      std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
+               std::chrono::milliseconds(500));
   try {
     if (in->env.rank == 0) {
       store.set("exit_code", std::to_string(code));
