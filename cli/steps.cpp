@@ -29,7 +29,12 @@ void run_per_step(const Batch& b, int64_t only_step, Report& report, Context& ct
     std::vector<int64_t> local_of(static_cast<std::size_t>(b.num_samples()), -1);
     for (std::size_t k = 0; k < st.samples.size(); ++k)
       local_of[st.samples[k]] = static_cast<int64_t>(k);
-    const Batch step_batch = b.subset(st.samples);
+    // A step holding every sample in order is the batch itself (no copy of its logits).
+    bool whole = static_cast<int64_t>(st.samples.size()) == b.num_samples();
+    for (std::size_t k = 0; whole && k < st.samples.size(); ++k)
+      whole = st.samples[k] == static_cast<int64_t>(k);
+    const Batch step_copy = whole ? Batch{} : b.subset(st.samples);
+    const Batch& step_batch = whole ? b : step_copy;
     Placement layout = st.placement;
     for (auto& rank : layout)
       for (auto& mb : rank)

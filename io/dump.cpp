@@ -383,6 +383,10 @@ std::vector<BatchStep> slime_format2_steps(const Value& root, const Value& sampl
     int64_t dp_rank = static_cast<int64_t>(r);
     if (const Value* d = field("data_parallel_rank"))
       dp_rank = to_length(*d, where + " field 'data_parallel_rank'");
+    if (dp_rank < 0 || dp_rank >= static_cast<int64_t>(shards->items.size())) {
+      throw_input_error("{}: data_parallel_rank {} is outside [0, {}) for {} shards", where,
+                        dp_rank, shards->items.size(), shards->items.size());
+    }
     // The rank's samples as batch indices, in its execution order.
     std::vector<int64_t> local;
     const char* position_key = field("partition") ? "partition" : "rollout_positions";
@@ -877,8 +881,8 @@ std::optional<HostArray> reassemble_cp_local(const std::vector<const Dump*>& mem
       fits = fits && local[m].shape.size() == 1 && local[m].shape[0] == total;
     }
     if (!fits) continue;
+    // Rows no rank holds (an SFT sample's last: no logit predicts it) stay 0.
     std::vector<double> full(static_cast<std::size_t>(rows), 0.0);
-    std::vector<uint8_t> seen(static_cast<std::size_t>(rows), 0);
     for (int64_t m = 0; m < g; m += tp) {  // TP rank 0 of each CP rank
       const int64_t c = m / tp;
       int64_t k = 0;
@@ -890,10 +894,7 @@ std::optional<HostArray> reassemble_cp_local(const std::vector<const Dump*>& mem
         } else {
           idx = cp_local_rows(t, r, cp, c);
         }
-        for (int64_t j : idx) {
-          full[samples.response_offsets[i] + j] = local[m].get_f64(k++);
-          seen[samples.response_offsets[i] + j] = 1;
-        }
+        for (int64_t j : idx) full[samples.response_offsets[i] + j] = local[m].get_f64(k++);
       }
     }
     // TP replicas must agree with their TP rank 0.
@@ -907,7 +908,6 @@ std::optional<HostArray> reassemble_cp_local(const std::vector<const Dump*>& mem
         }
       }
     }
-    (void)seen;  // rows no rank holds (an SFT sample's last) stay 0: no logit predicts them
     const DType dt = dtype_is_float(local[0].dtype) ? local[0].dtype : DType::kFloat64;
     return HostArray::from_f64(dt, {rows}, full);
   }

@@ -54,11 +54,7 @@ std::optional<Batch> mutate_input(const Mutation& m, const Batch& b) {
   if (m.kind == "shift-target") {
     const int64_t row = first_effective_row(b, true, nullptr);
     if (row < 0 || !b.logits) return std::nullopt;
-    Batch out = b.subset([&] {
-      std::vector<int64_t> all(static_cast<std::size_t>(b.num_samples()));
-      for (int64_t i = 0; i < b.num_samples(); ++i) all[i] = i;
-      return all;
-    }());
+    Batch out = b;  // the logits are shared, not copied; only a token changes
     int64_t i = 0;
     while (b.response_offsets[i + 1] <= row) ++i;
     int64_t& y =
@@ -70,11 +66,7 @@ std::optional<Batch> mutate_input(const Mutation& m, const Batch& b) {
     for (int64_t i = 0; i < b.num_samples(); ++i) {
       const int64_t mi = b.mask_sum(i);
       if (mi == 0) continue;
-      Batch out = b.subset([&] {
-        std::vector<int64_t> all(static_cast<std::size_t>(b.num_samples()));
-        for (int64_t k = 0; k < b.num_samples(); ++k) all[k] = k;
-        return all;
-      }());
+      Batch out = b;
       if (out.sample_denoms.empty()) out.sample_denoms.assign(b.num_samples(), -1.0);
       out.sample_denoms[i] = b.sample_denom(i, mi) + 1.0;
       return out;
