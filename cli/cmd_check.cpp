@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include "cli/command.h"
@@ -40,6 +41,55 @@ struct CheckOptions {
   PlacementOptions placement;
   int64_t tp = 1;
   int64_t global_batch_size = 0;
+};
+
+// The element bounds a gradient was judged by (grad_stream.h): the defaults', then the derived.
+nlohmann::ordered_json bounds_json(const std::vector<oracle::ElementBound>& bounds) {
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
+  for (std::size_t k = 0; k < bounds.size(); ++k) {
+    const oracle::ElementBound& e = bounds[k];
+    out.push_back({{"source", k == 0 ? "default" : "derived"},
+                   {"atol", e.atol},
+                   {"atol_per_weight", e.atol_per_weight},
+                   {"rtol", e.rtol},
+                   {"alpha", e.alpha},
+                   {"alpha_per_spread", e.alpha_per_spread},
+                   {"alpha_per_log_sum", e.alpha_per_log_sum},
+                   {"alpha_per_abs_lse", e.alpha_per_abs_lse},
+                   {"beta", e.beta}});
+  }
+  return out;
+}
+
+// A progress line on a terminal for a check that runs over a second: cases done and rows compared.
+class CheckProgress {
+ public:
+  CheckProgress(Context& ctx, int64_t cases, int64_t rows)
+      : ctx_(ctx), cases_(cases), rows_(rows), start_(std::chrono::steady_clock::now()) {}
+  void at(int64_t rows_done) {
+    if (!ctx_.err_is_terminal) return;
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    if (elapsed < 1.0) return;
+    const double done = static_cast<double>(case_) + static_cast<double>(rows_done) /
+                                                         static_cast<double>(std::max<int64_t>(rows_, 1));
+    const double total = static_cast<double>(std::max<int64_t>(cases_, 1));
+    const double eta = done > 0 ? elapsed * (total - done) / done : 0.0;
+    ctx_.err << fmt::format("\r\x1b[Kcheck: case {}/{}, {}/{} rows ({:.0f}%), {:.1f} s, ~{:.0f} s left",
+                            case_ + 1, cases_, rows_done, rows_, 100.0 * done / total, elapsed, eta)
+             << std::flush;
+    shown_ = true;
+  }
+  void case_done() { ++case_; }
+  ~CheckProgress() {
+    if (shown_) ctx_.err << "\r\x1b[K" << std::flush;
+  }
+
+ private:
+  Context& ctx_;
+  int64_t cases_, rows_, case_ = 0;
+  std::chrono::steady_clock::time_point start_;
+  bool shown_ = false;
 };
 
 nlohmann::ordered_json location_json(const oracle::GradLocation& l) {
@@ -118,6 +168,9 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
 
     nlohmann::ordered_json cases = nlohmann::ordered_json::array();
     bool all_ok = true;
+    CheckProgress progress(ctx, static_cast<int64_t>(losses.size() * reduces.size() *
+                                                     o.cp_sizes.size() * impls.size()),
+                           b.num_response_tokens());
     for (LossKind loss : losses) {
       for (Reduction reduce : reduces) {
         LossSpec spec;
@@ -136,7 +189,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
         settings.atol = o.atol;
         settings.judge_denominator = o.contract.empty();
         spec = oracle::with_rounding_slack(spec, input.dtype, settings);
-        const oracle::OracleLoss want = oracle::oracle_loss(b, spec);
+        const oracle::OracleLoss want = oracle::oracle_loss(b, spec, /*with_logits_grad=*/false);
         out << fmt::format(
             "\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n",
             loss_kind_name(loss), loss_input_name(want.input), fmt::join(input.shape, ", "),
@@ -164,12 +217,18 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
               in.tp = o.tp;
               in.global_batch_size = global_batch_size;
             }
+            // The candidate streams its gradient into the judge block by block (SPEC §5 "Scale").
+            const int64_t vocab = input.shape.size() == 2 ? input.shape[1] : 1;
+            oracle::CaseJudge judge(b, spec, want, input.dtype,
+                                    trainer::arithmetic_of(impl, vocab, device), settings,
+                                    [&](int64_t rows_done) { progress.at(rows_done); });
+            in.sink = judge.sink();
             const trainer::CandidateOutput got = trainer::run_candidate(in);
+            progress.case_done();
             // Under a contract the trainer's own count is shown, not judged (slime's full-sample
             // count is cp·N by design): its loss and gradient say whether the tokens are weighted
             // right.
-            const oracle::CheckCase c =
-                oracle::evaluate_check(b, spec, want, got, input.dtype, settings);
+            const oracle::CheckCase c = judge.finish(got);
             const bool den_ok = c.den_ok, loss_ok = c.loss_ok, flag_ok = c.flag_ok, ok = c.ok();
             const double bound = c.loss_bound, loss_diff = c.loss_diff;
             const oracle::GradComparison& g = c.grad;
@@ -220,6 +279,10 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                    {"got", got.loss},
                    {"abs_diff", loss_diff},
                    {"bound", bound},
+                   {"bound_default", c.loss_bound_default},
+                   {"bound_derived", c.loss_bound_derived >= 0
+                                         ? nlohmann::ordered_json(c.loss_bound_derived)
+                                         : nlohmann::ordered_json(nullptr)},
                    {"ok", loss_ok}}},
                  {"grad",
                   {{"checked", g.checked},
@@ -236,6 +299,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                    // |c| u + half the smallest subnormal (c its token's weight), not atol.
                    {"atol_scaled_by_weight", want.input == LossInput::kLogits && o.atol < 0 &&
                                                  o.rtol < 0},
+                   {"bounds", bounds_json(c.grad_bounds)},
                    {"ok", g.ok()}}},
                  {"no_signal", want.no_signal},
                  {"skip_flag", got.skip_flag < 0 ? nlohmann::ordered_json(nullptr)
@@ -276,8 +340,12 @@ void register_check(CLI::App& root, Commands& commands) {
       "given (token_loss).\n"
       "Reductions: per-token, sample-mean, token-mean, seq-mean-token-sum, seq-mean-token-mean, "
       "seq-mean-token-sum-norm,\n"
-      "or all. Default tolerances per dtype (docs/semantics.md §5): fp16 1e-3/1e-5, bf16 "
-      "1.6e-2/1e-5, fp32 1.3e-6/1e-5, fp64 1e-7/1e-7.\n"
+      "or all. Tolerances: PyTorch's per dtype (fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 "
+      "1.3e-6/1e-5, fp64 1e-7/1e-7),\n"
+      "tightened from logits to the bounds derived from each candidate's arithmetic (JSON: "
+      "loss_value.bound_derived, grad.bounds);\n"
+      "--rtol/--atol replace both. The gradient streams block by block: memory stays about one "
+      "block whatever the dump's size.\n"
       "Examples:\n  lossguard check batch.safetensors --cp 1,2,4,8 --loss nll,ppo-clip --reduce "
       "all\n"
       "  lossguard check batch.safetensors --policy legacy     # CP=1 and CP>1 disagree on empty "

@@ -1,6 +1,9 @@
 // HostArray element access and the half/bfloat16 conversions (bit-exact, no LibTorch).
 #include "core/array.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -266,9 +269,33 @@ void HostArray::copy_f64(int64_t start, int64_t n, double* dst) const {
     case DType::kUInt8:
       copy_as<uint8_t>(data, start, n, dst);
       return;
+    case DType::kBFloat16: {  // the upper half of a float's bits: a shift (vectorised)
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + start;
+      for (int64_t k = 0; k < n; ++k) {
+        const uint32_t bits = static_cast<uint32_t>(p[k]) << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        dst[k] = f;
+      }
+      return;
+    }
+    case DType::kFloat16: {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(data) + start;
+      for (int64_t k = 0; k < n; ++k) dst[k] = half_to_float(p[k]);
+      return;
+    }
     default:
       for (int64_t k = 0; k < n; ++k) dst[k] = get_f64(start + k);
   }
+}
+
+void HostArray::drop_pages(int64_t begin, int64_t end) const {
+  if (!file_backed || end <= begin) return;
+  const std::size_t e = dtype_size_bytes(dtype);
+  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const auto lo = (reinterpret_cast<uintptr_t>(data + begin * e) + page - 1) / page * page;
+  const auto hi = reinterpret_cast<uintptr_t>(data + end * e) / page * page;
+  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
 }
 
 HostArray HostArray::zeros(DType dtype, std::vector<int64_t> shape) {

@@ -55,6 +55,10 @@ struct HostArray {
   // n).
   void copy_i64(int64_t start, int64_t n, int64_t* dst) const;
   void copy_f64(int64_t start, int64_t n, double* dst) const;
+  // A file-backed array may give back the pages of elements [begin, end) once read (madvise
+  // MADV_DONTNEED on a private read-only mapping: touched again, they are read from the file); a
+  // no-op for arrays in memory. A pass over GiBs of logits then keeps only its window resident.
+  void drop_pages(int64_t begin, int64_t end) const;
 
   // Fresh arrays owning their memory.
   static HostArray zeros(DType dtype, std::vector<int64_t> shape);

@@ -9,6 +9,38 @@
 
 namespace lossguard {
 
+// Where a candidate delivers its gradient: a block of response rows at a time, each row once, in
+// any order (`data`: n rows of the input's width, row-major, in the input's dtype). The check
+// compares each block against the oracle as it arrives, so neither side ever holds a [rows, vocab]
+// gradient (SPEC §5 "Scale"). Plain function pointer and context: it crosses the LibTorch plugin's
+// boundary.
+struct GradSink {
+  void* context = nullptr;
+  void (*rows)(void* context, const int64_t* rows, int64_t n, const void* data) = nullptr;
+  explicit operator bool() const { return rows != nullptr; }
+  void operator()(const int64_t* r, int64_t n, const void* data) const { rows(context, r, n, data); }
+};
+
+// How a candidate computes the nll from logits: `check` derives its tolerances from it
+// (oracle/check.cpp has the derivations). kUnknown: the per-dtype defaults alone.
+struct Arithmetic {
+  enum class Kind {
+    kUnknown,
+    // lossguard's fused kernel: float arithmetic on the input values; a row's sum of exponentials
+    // in float blocks (at most `exp_sum_chain` additions in a row), added in float64; lse and each
+    // l_t in float64, l_t stored as float; c_t l_t and the sums in float64; the gradient c (p -
+    // onehot) in float, written in the input dtype.
+    kFusedFloat,
+    // LibTorch autograd in the input dtype: log_softmax computed in float (PyTorch's CPU kernel
+    // for float, bfloat16 and float16; float64 in float64), its output written in the dtype; the
+    // coefficient c_t, the product c_t l_t and the rank's partial sum (accumulated in float) in
+    // the dtype; the backward in float, written in the dtype.
+    kTorch,
+  };
+  Kind kind = Kind::kUnknown;
+  int64_t exp_sum_chain = 0;  // the longest run of float additions in one row's sum of exponentials
+};
+
 struct CandidateResult {
   int64_t denominator = 0;  // the denominator the trainer used (per-token: N summed over CP ranks)
   double loss = 0.0;        // SUM over CP ranks of each rank's partial loss

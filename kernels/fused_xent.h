@@ -19,6 +19,14 @@
 
 namespace lossguard::kernels {
 
+// The CPU twin sums a row's exponentials in blocks of kXentBlock floats, each block in two vector
+// accumulators of L lanes (L = 16 AVX-512, 8 AVX2, 4 generic), whose lanes are then added, and the
+// block sums in float64: at most kXentBlock / (2 L) + 2 L + 2 float additions reach one block sum.
+// kFusedXentSumChain is that chain for the narrowest build (L = 4), the one check's tolerances
+// assume whatever the ISA (the CUDA kernel's tree reduction is shorter).
+inline constexpr int64_t kXentBlock = 2048;
+inline constexpr int64_t kFusedXentSumChain = kXentBlock / 8 + 8 + 2;
+
 struct XentArgs {
   const void* logits = nullptr;
   DType dtype = DType::kFloat32;

@@ -2,12 +2,15 @@
 // with the tolerances it was judged by and the reasons a person reads. The CLI only renders it.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/batch.h"
 #include "core/candidate_result.h"
 #include "oracle/compare.h"
+#include "oracle/grad_stream.h"
 #include "oracle/loss.h"
 
 namespace lossguard::oracle {
@@ -20,7 +23,12 @@ struct CheckSettings {
 struct CheckCase {
   bool den_ok = true, loss_ok = true, flag_ok = true;
   double loss_bound = 0.0, loss_diff = 0.0;
+  // The loss bound from the per-dtype defaults, and the one derived from the candidate's
+  // arithmetic (-1: none); loss_bound is the smaller.
+  double loss_bound_default = 0.0, loss_bound_derived = -1.0;
   Tolerance tol, grad_tol;  // the loss's base tolerance and the gradient's
+  // The element bounds the gradient was judged by: [0] the defaults', [1] the derived one if any.
+  std::vector<ElementBound> grad_bounds;
   GradComparison grad;
   std::vector<std::string> why;  // readable reasons and notes, worst first
   bool ok() const { return den_ok && loss_ok && grad.ok() && flag_ok; }
@@ -31,9 +39,30 @@ struct CheckCase {
 // the override.
 LossSpec with_rounding_slack(LossSpec spec, DType input, const CheckSettings& settings);
 
-// Judges `got` against `want` (from oracle_loss with the same spec). `input` is the dtype of the
-// loss input the candidate read (logits, log_probs or token_loss).
+// One case judged while the candidate runs: its tolerances are fixed first (the per-dtype defaults
+// and, when the candidate's arithmetic is known and no --rtol/--atol is given, the tighter bounds
+// derived from that arithmetic: check.cpp), the candidate streams its gradient into sink(), and
+// finish() gives the verdict. `input` is the dtype of the loss input the candidate read.
+class CaseJudge {
+ public:
+  CaseJudge(const Batch& batch, const LossSpec& spec, const OracleLoss& want, DType input,
+            const Arithmetic& arithmetic, const CheckSettings& settings,
+            std::function<void(int64_t rows_done)> progress = {});
+  GradSink sink() { return stream_->sink(); }
+  CheckCase finish(const CandidateResult& got);
+
+ private:
+  const Batch& b_;
+  const LossSpec& spec_;
+  const OracleLoss& want_;
+  CheckCase c_;
+  bool judge_denominator_ = true;
+  std::unique_ptr<GradStream> stream_;
+};
+
+// The same for a candidate whose whole gradient is in got.grad (tests, small batches).
 CheckCase evaluate_check(const Batch& batch, const LossSpec& spec, const OracleLoss& want,
-                         const CandidateResult& got, DType input, const CheckSettings& settings);
+                         const CandidateResult& got, DType input, const CheckSettings& settings,
+                         const Arithmetic& arithmetic = {});
 
 }  // namespace lossguard::oracle

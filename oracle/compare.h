@@ -49,21 +49,11 @@ struct GradComparison {
   bool ok() const { return mismatched == 0 && masked_nonzero == 0; }
 };
 
-// `want` is [rows, cols] float64, `got` the candidate's gradient (any float dtype),
-// row_rank/row_chunk the CP owner of each row (-1: none).
-GradComparison compare_gradients(const Batch& batch, const std::vector<double>& want,
-                                 const HostArray& got, int64_t cols,
-                                 const std::vector<int32_t>& row_rank,
-                                 const std::vector<int8_t>& row_chunk, Tolerance t,
-                                 const std::vector<uint8_t>* skip_rows = nullptr,
-                                 const std::vector<double>* logits_coeff = nullptr,
-                                 double unit_roundoff = 0.0, bool atol_by_weight = false);
-
 // "sample 3, response index 2, vocab index 7, CP rank 1 chunk 0: got ..., want ..."
 std::string describe(const GradLocation& location);
 
-// The unit round-off of a dtype: 2^-11 fp16, 2^-8 bf16, 2^-24 fp32, 2^-53 fp64 (bf16 and fp16 as
-// the relative spacing PyTorch's own tolerances are derived from).
+// The unit round-off of round to nearest in a dtype, 2^-p for p significand bits: 2^-11 fp16,
+// 2^-8 bf16, 2^-24 fp32, 2^-53 fp64 (|fl(x) - x| <= u |x| for normal x).
 double unit_roundoff(DType dtype);
 
 }  // namespace lossguard::oracle

@@ -3,8 +3,6 @@
 #include "oracle/findings.h"
 
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -46,17 +44,6 @@ bool any_non_finite(const HostArray& a, int64_t begin, int64_t end) {
   }
 }
 
-// Lets the kernel drop the pages of elements [begin, end) of a file-backed array (read-only
-// private mapping: they are read from the file again if touched), so a pass over GiBs of logits
-// keeps only a block resident.
-void drop_pages(const HostArray& a, int64_t begin, int64_t end) {
-  const std::size_t e = dtype_size_bytes(a.dtype);
-  const auto page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  const auto lo = (reinterpret_cast<uintptr_t>(a.data + begin * e) + page - 1) / page * page;
-  const auto hi = reinterpret_cast<uintptr_t>(a.data + end * e) / page * page;
-  if (hi > lo) madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);
-}
-
 void scan_non_finite(const Batch& b, const std::string& field, const HostArray& a, int64_t cols,
                      std::size_t max_reported, std::vector<Finding>& out) {
   if (!dtype_is_float(a.dtype)) return;
@@ -74,7 +61,7 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
       pool.emplace_back([&, w] {
         for (int64_t k = w; k < blocks; k += threads) {
           hit[k] = any_non_finite(a, k * kBlock, std::min(n, (k + 1) * kBlock));
-          if (a.file_backed && !hit[k]) drop_pages(a, k * kBlock, std::min(n, (k + 1) * kBlock));
+          if (!hit[k]) a.drop_pages(k * kBlock, std::min(n, (k + 1) * kBlock));
         }
       });
     }

@@ -5,7 +5,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include <thread>
+
 #include "core/errors.h"
+#include "oracle/exp64.h"
+#include "oracle/row_math.h"
 #include "oracle/weights.h"
 
 namespace lossguard::oracle {
@@ -20,7 +24,77 @@ void CompensatedSum::add(double x) {
   sum_ = t;
 }
 
-OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
+namespace {
+
+// The logits' per-row statistics (max, max |z|, sum of exp(z - max), spread) of every row with
+// mask 1, rows split over the cores in runs of 16; a mapped file's pages are given back per run.
+std::vector<RowStats> logits_stats(const Batch& b, int64_t v) {
+  const int64_t rows = b.num_response_tokens();
+  std::vector<RowStats> stats(static_cast<std::size_t>(rows));
+  constexpr int64_t kRun = 16;
+  const int64_t runs = (rows + kRun - 1) / kRun;
+  const int64_t threads = std::max<int64_t>(
+      1, std::min<int64_t>({runs, static_cast<int64_t>(std::thread::hardware_concurrency()), 16}));
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
+  for (int64_t w = 0; w < threads; ++w) {
+    pool.emplace_back([&, w] {
+      try {
+        std::vector<double> z(static_cast<std::size_t>(v));
+        for (int64_t run = w; run < runs; run += threads) {
+          const int64_t r0 = run * kRun, r1 = std::min(rows, r0 + kRun);
+          for (int64_t row = r0; row < r1; ++row) {
+            if (!b.loss_mask[row]) continue;
+            row_to_f64(b.logits->data + static_cast<std::size_t>(row * v) *
+                                            dtype_size_bytes(b.logits->dtype),
+                       b.logits->dtype, v, z.data());
+            stats[static_cast<std::size_t>(row)] = logits_row_stats(z.data(), v);
+          }
+          b.logits->drop_pages(r0 * v, r1 * v);
+        }
+      } catch (...) {
+        errors[static_cast<std::size_t>(w)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : pool) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+  return stats;
+}
+
+}  // namespace
+
+namespace {
+
+// c (softmax(z) - onehot(y)) of a row of logits, from the oracle's lse.
+void logits_grad_row(const Batch& b, const OracleLoss& o, int64_t row, double* out) {
+  const int64_t v = o.grad_cols;
+  const double c = o.coeff[row];
+  if (c == 0.0 || !b.loss_mask[row]) {
+    std::fill(out, out + v, 0.0);
+    return;
+  }
+  b.logits->copy_f64(row * v, v, out);
+  const double lse = o.lse[row];
+  for (int64_t k = 0; k < v; ++k) out[k] = c * exp_nonpositive(out[k] - lse);
+  const int64_t y = o.target[row];
+  out[y] = c * std::expm1(b.logits->get_f64(row * v + y) - lse);  // c (p_y - 1), no cancellation
+}
+
+}  // namespace
+
+void oracle_grad_row(const Batch& b, const OracleLoss& o, int64_t row, double* out) {
+  const int64_t v = o.grad_cols;
+  if (o.input == LossInput::kLogits && !o.grad_materialised) return logits_grad_row(b, o, row, out);
+  if (o.grad.empty()) {
+    std::fill(out, out + v, 0.0);
+    return;
+  }
+  std::copy(o.grad.begin() + row * v, o.grad.begin() + (row + 1) * v, out);
+}
+
+OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_grad) {
   OracleLoss o;
   o.input = loss_input(b, spec.loss);
   const int64_t rows = b.num_response_tokens();
@@ -28,8 +102,16 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
   o.grad_cols = v;
   o.coeff.assign(static_cast<std::size_t>(rows), 0.0);
   o.token_loss.assign(static_cast<std::size_t>(rows), 0.0);
-  o.grad.assign(static_cast<std::size_t>(rows * v), 0.0);
   o.near_clip_boundary.assign(static_cast<std::size_t>(rows), 0);
+  const bool logits = o.input == LossInput::kLogits;
+  if (logits) {
+    o.target.assign(static_cast<std::size_t>(rows), 0);
+    o.lse.assign(static_cast<std::size_t>(rows), 0.0);
+    o.log_sum.assign(static_cast<std::size_t>(rows), 0.0);
+    o.spread.assign(static_cast<std::size_t>(rows), 0.0);
+  }
+  o.grad_materialised = !logits || with_logits_grad;
+  if (o.grad_materialised) o.grad.assign(static_cast<std::size_t>(rows * v), 0.0);
 
   // Per-sample mask sums, and the reduction's coefficient for each token (SPEC §4 table).
   const int64_t s = b.num_samples();
@@ -64,6 +146,7 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
   // The objective's weight of each token (SPEC §9): loss = sum_t w*_t · l_t.
   const std::vector<double> weight =
       true_weights(b, spec.reduce, {spec.global_batch_size, spec.l_norm});
+  const std::vector<RowStats> stats = logits ? logits_stats(b, v) : std::vector<RowStats>{};
   CompensatedSum loss, magnitude;
   for (int64_t i = 0; i < s; ++i) {
     const int64_t p = b.prompt_length(i);
@@ -84,20 +167,16 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec) {
         if (y < 0 || y >= v)
           throw_input_error("{}: response token {} = {} is outside the vocabulary [0, {})",
                             b.describe_sample(i), j, y, v);
-        double mx = -INFINITY;
-        for (int64_t k = 0; k < v; ++k) mx = std::max(mx, b.logits->get_f64(row * v + k));
-        CompensatedSum se;
-        for (int64_t k = 0; k < v; ++k) se.add(std::exp(b.logits->get_f64(row * v + k) - mx));
-        const double lse = mx + std::log(se.value());
+        const RowStats& st = stats[static_cast<std::size_t>(row)];
+        const double lse = st.max + std::log(st.sum);
         l = lse - b.logits->get_f64(row * v + y);
-        double max_abs = 0.0;
-        for (int64_t k = 0; k < v; ++k)
-          max_abs = std::max(max_abs, std::fabs(b.logits->get_f64(row * v + k)));
-        scale = 2.0 * max_abs;
-        for (int64_t k = 0; k < v; ++k) {
-          const double softmax = std::exp(b.logits->get_f64(row * v + k) - lse);
-          o.grad[row * v + k] = c * (softmax - (k == y ? 1.0 : 0.0));
-        }
+        scale = 2.0 * st.max_abs;
+        o.target[row] = y;
+        o.lse[row] = lse;
+        o.log_sum[row] = std::log(st.sum);
+        o.spread[row] = st.spread;
+        o.coeff[row] = c;
+        if (o.grad_materialised) logits_grad_row(b, o, row, o.grad.data() + row * v);
       } else if (spec.loss == LossKind::kNll) {
         l = -b.per_token.at("log_probs").get_f64(row);
         o.grad[row] = -c;

@@ -27,11 +27,23 @@ struct OracleLoss {
   double term_scale = 0.0;
   bool no_signal = false;                   // zero effective tokens: loss 0, gradient 0
   std::vector<uint8_t> near_clip_boundary;  // per row (ppo-clip only), see LossSpec::rho_rel_error
+  // From logits, per response row with mask 1 (0 elsewhere): the target y, lse = logsumexp(z),
+  // log_sum = lse - max z, and spread = sum_k p_k (max z - z_k) (row_math.h): what a row's gradient
+  // and the tolerances derived for a candidate's arithmetic are computed from.
+  std::vector<int64_t> target;
+  std::vector<double> lse, log_sum, spread;
+  bool grad_materialised = false;  // `grad` holds every element (else only per-token inputs')
 };
 
 // Computes loss and gradient at CP = 1 under the `fixed` policy (the truth), whatever spec.policy
-// says.
-OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec);
+// says. From logits, `with_logits_grad` false leaves `grad` empty: check compares a row's gradient
+// as it computes it (oracle_grad_row), so the [rows, vocab] float64 gradient never exists. The pass
+// over the logits runs on every core and gives back the pages of a mapped file as it goes.
+OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logits_grad = true);
+
+// Row `row` of d loss / d input (`grad_cols` values) into `out`: from `grad` when materialised,
+// else c (exp(z - lse) - onehot(y)) for a row of logits.
+void oracle_grad_row(const Batch& batch, const OracleLoss& o, int64_t row, double* out);
 
 // Neumaier's compensated sum.
 class CompensatedSum {

@@ -10,6 +10,7 @@
 
 #include <cstring>
 #include <new>
+#include <stdexcept>
 
 #include "trainer/contract_plan.h"
 #include "trainer/shard_plan.h"
@@ -89,8 +90,11 @@ void run(const CandidateInput* in, CandidateOutput* out) {
       out->denominator = by_contract.global_count;
     }
 
-    // 3. Each rank's partial loss in the working dtype, and its gradient by autograd.
-    at::Tensor grad = at::zeros_like(x);
+    // 3. Each rank's partial loss in the working dtype, and its gradient by autograd, a block of
+    // the rank's rows at a time (the loss is a sum over tokens, and a row's gradient depends only
+    // on its own input and coefficient): each block's gradient goes to the sink, so memory stays
+    // one block's worth whatever the vocabulary.
+    if (!in->sink) throw std::logic_error("the torch candidate: no gradient sink");
     double total = 0.0;
     // ppo-clip's other inputs, in the working dtype, once for every rank.
     at::Tensor old_all, adv_all;
@@ -98,56 +102,61 @@ void run(const CandidateInput* in, CandidateOutput* out) {
       old_all = borrowed_tensor(b.per_token.at("old_log_probs")).to(dt);
       adv_all = borrowed_tensor(b.per_token.at("advantages")).to(dt);
     }
+    const int64_t cols = x_host.shape.size() == 2 ? x_host.shape[1] : 1;
+    const int64_t block = rows_per_block(static_cast<std::size_t>(cols) *
+                                         dtype_size_bytes(x_host.dtype) * 4);  // float working copies
     for (int64_t rank = 0; rank < cp; ++rank) {
-      if (owned[rank].empty()) continue;
-      std::vector<int64_t> idx, targets;
-      std::vector<double> coeff;
-      for (const auto& o : owned[rank]) {
-        idx.push_back(o.row);
-        const int64_t i = o.sample;
-        const int64_t j = o.row - b.response_offsets[i];
-        coeff.push_back((in->contract != nullptr
-                             ? by_contract.coeff[o.row]
-                             : token_coefficient(d, spec, i, b.loss_mask[o.row])) *
-                        (in->weight_scale != nullptr ? (*in->weight_scale)[o.row] : 1.0));
-        if (input == LossInput::kLogits) {
-          // RL: tokens[P + j]. SFT (P = 0): row j is position j, predicting tokens[j + 1]; the
-          // last row's label is 0, as Relax's compute_sft_response_chunk pads it.
-          const int64_t p = b.prompt_length(i), next = p > 0 ? p + j : j + 1;
-          targets.push_back(next < b.total_lengths[i] ? b.tokens[b.token_offsets[i] + next] : 0);
+      const auto& mine = owned[rank];
+      for (std::size_t b0 = 0; b0 < mine.size(); b0 += static_cast<std::size_t>(block)) {
+        const std::size_t b1 = std::min(mine.size(), b0 + static_cast<std::size_t>(block));
+        std::vector<int64_t> idx, targets;
+        std::vector<double> coeff;
+        for (std::size_t k = b0; k < b1; ++k) {
+          const OwnedRow& o = mine[k];
+          idx.push_back(o.row);
+          const int64_t i = o.sample;
+          const int64_t j = o.row - b.response_offsets[i];
+          coeff.push_back((in->contract != nullptr
+                               ? by_contract.coeff[o.row]
+                               : token_coefficient(d, spec, i, b.loss_mask[o.row])) *
+                          (in->weight_scale != nullptr ? (*in->weight_scale)[o.row] : 1.0));
+          if (input == LossInput::kLogits) {
+            // RL: tokens[P + j]. SFT (P = 0): row j is position j, predicting tokens[j + 1]; the
+            // last row's label is 0, as Relax's compute_sft_response_chunk pads it.
+            const int64_t p = b.prompt_length(i), next = p > 0 ? p + j : j + 1;
+            targets.push_back(next < b.total_lengths[i] ? b.tokens[b.token_offsets[i] + next] : 0);
+          }
         }
-      }
-      const at::Tensor rows_idx = at::tensor(idx, at::kLong);
-      const at::Tensor leaf = x.index_select(0, rows_idx).detach().requires_grad_(true);
-      const at::Tensor c = at::tensor(coeff, at::kDouble).to(dt);
-      at::Tensor partial;
-      {
-        c10::AutoGradMode enable(true);
-        at::Tensor l;
-        if (input == LossInput::kLogits) {
-          const at::Tensor y = at::tensor(targets, at::kLong).unsqueeze(1);
-          l = -at::log_softmax(leaf, -1).gather(1, y).squeeze(1);
-        } else if (spec.loss == LossKind::kNll) {
-          l = -leaf;
-        } else if (spec.loss == LossKind::kPpoClip) {
-          const at::Tensor old = old_all.index_select(0, rows_idx);
-          const at::Tensor adv = adv_all.index_select(0, rows_idx);
-          const at::Tensor rho = at::exp(leaf - old);
-          const at::Tensor clipped = at::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
-          l = at::maximum(-rho * adv, -clipped * adv);
-        } else {
-          l = leaf;
+        const at::Tensor rows_idx = at::tensor(idx, at::kLong);
+        const at::Tensor leaf = x.index_select(0, rows_idx).detach().requires_grad_(true);
+        const at::Tensor c = at::tensor(coeff, at::kDouble).to(dt);
+        at::Tensor partial;
+        {
+          c10::AutoGradMode enable(true);
+          at::Tensor l;
+          if (input == LossInput::kLogits) {
+            const at::Tensor y = at::tensor(targets, at::kLong).unsqueeze(1);
+            l = -at::log_softmax(leaf, -1).gather(1, y).squeeze(1);
+          } else if (spec.loss == LossKind::kNll) {
+            l = -leaf;
+          } else if (spec.loss == LossKind::kPpoClip) {
+            const at::Tensor old = old_all.index_select(0, rows_idx);
+            const at::Tensor adv = adv_all.index_select(0, rows_idx);
+            const at::Tensor rho = at::exp(leaf - old);
+            const at::Tensor clipped = at::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
+            l = at::maximum(-rho * adv, -clipped * adv);
+          } else {
+            l = leaf;
+          }
+          partial = (l * c).sum();
+          partial.backward();
         }
-        partial = (l * c).sum();
-        partial.backward();
+        total += partial.to(at::kDouble).item<double>();
+        const at::Tensor g = leaf.grad().contiguous();
+        in->sink(idx.data(), static_cast<int64_t>(idx.size()), g.data_ptr());
       }
-      total += partial.to(at::kDouble).item<double>();
-      grad.index_copy_(0, rows_idx, leaf.grad());
     }
     out->loss = total;
-    out->grad = HostArray::zeros(x_host.dtype, x_host.shape);
-    const at::Tensor g = grad.contiguous();
-    std::memcpy(out->grad.mutable_data(), g.data_ptr(), out->grad.size_bytes());
   } catch (const std::bad_alloc&) {
     out->error = "out of memory";
     out->error_kind = ErrorKind::kInternal;

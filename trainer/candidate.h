@@ -4,6 +4,7 @@
 // that boundary) or `kernels` (kernels/: counting, fused log-prob/loss/gradient, the skip flag on
 // the device).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -40,6 +41,9 @@ struct CandidateInput {
   // Tests and benchmarks only (LOSSGUARD_TEST_MUTATION=weight-*): each response row's coefficient
   // times this factor, a planted weight error; null: none.
   const std::vector<double>* weight_scale = nullptr;
+  // Receives the gradient block by block (each response row once); without one, the candidate
+  // collects it into CandidateOutput::grad (tests, small batches).
+  GradSink sink;
 };
 
 struct CandidateOutput : CandidateResult {
@@ -51,7 +55,7 @@ struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 6;
+inline constexpr int kTrainerAbiVersion = 7;
 
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.
@@ -59,6 +63,17 @@ CandidateOutput run_candidate(const CandidateInput& in);
 
 // The kernels implementation (candidate_kernels.cpp), in process.
 void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out);
+
+// How `impl` computes the nll from logits over `vocab` columns on `device` (for check's derived
+// tolerances).
+Arithmetic arithmetic_of(Impl impl, int64_t vocab, kernels::Device device);
+
+// Rows per gradient block for rows of `row_bytes`: about 32 MiB (a few rows of a 150k vocabulary,
+// thousands of per-token values), at least one.
+inline int64_t rows_per_block(std::size_t row_bytes) {
+  constexpr std::size_t kBlockBytes = std::size_t{32} << 20;
+  return static_cast<int64_t>(std::max<std::size_t>(1, kBlockBytes / std::max<std::size_t>(row_bytes, 1)));
+}
 
 }  // namespace lossguard::trainer
 

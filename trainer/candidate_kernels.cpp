@@ -95,6 +95,7 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     // device.
     for (int64_t i = 0; i < s; ++i)
       chunk_size(b.total_lengths[i], cp, in.layout, b.padded_total_length(i));  // throws if bad
+    if (!in.sink) throw std::logic_error("run_kernels_candidate: no gradient sink");
     std::vector<DeviceBuffer> keep;
     kernels::TokenCountArgs ca;
     ca.loss_mask = on_device(b.loss_mask.data(), b.loss_mask.size(), device, keep);
@@ -176,41 +177,73 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
           }
         }
       }
-      out->grad = HostArray::zeros(x_host.dtype, x_host.shape);
-      DeviceBuffer grad_dev, lse(device, static_cast<std::size_t>(std::max<int64_t>(rows, 1)) * 4),
-          loss(device, static_cast<std::size_t>(std::max<int64_t>(rows, 1)) * 4);
-      kernels::XentArgs xa;
-      xa.logits = on_device(x_host.data, x_host.size_bytes(), device, keep);
-      xa.dtype = x_host.dtype;
-      xa.rows = rows;
-      xa.vocab = v;
-      xa.row_stride = v;
-      xa.targets = on_device(targets.data(), targets.size(), device, keep);
-      xa.grad_scale = on_device(scale.data(), scale.size(), device, keep);
-      xa.active = on_device(active.data(), active.size(), device, keep);
-      xa.lse = lse.as<float>();
-      xa.token_loss = loss.as<float>();
-      if (device == Device::kCpu) {
-        xa.grad = out->grad.mutable_data();
-      } else {
-        grad_dev = DeviceBuffer(device, out->grad.size_bytes());
-        xa.grad = grad_dev.data();
+      // Block by block of rows: the logits a block reads (uploaded to the GPU per block), its
+      // gradient handed to the sink before the next block overwrites it. Memory: one block.
+      const std::size_t elem = dtype_size_bytes(x_host.dtype);
+      const std::size_t row_bytes = static_cast<std::size_t>(v) * elem;
+      const int64_t block = std::min<int64_t>(rows_per_block(row_bytes), std::max<int64_t>(rows, 1));
+      const std::size_t block_bytes = static_cast<std::size_t>(block) * row_bytes;
+      std::vector<float> token_loss(static_cast<std::size_t>(rows), 0.0f);
+      std::vector<std::byte> host_grad(block_bytes);
+      std::vector<int64_t> ids(static_cast<std::size_t>(block));
+      const bool gpu = device != Device::kCpu;
+      DeviceBuffer logits_dev, grad_dev, targets_dev, scale_dev, active_dev;
+      DeviceBuffer lse(device, static_cast<std::size_t>(block) * 4),
+          loss(device, static_cast<std::size_t>(block) * 4);
+      if (gpu) {
+        logits_dev = DeviceBuffer(device, block_bytes);
+        grad_dev = DeviceBuffer(device, block_bytes);
+        targets_dev = DeviceBuffer(device, static_cast<std::size_t>(block) * 8);
+        scale_dev = DeviceBuffer(device, static_cast<std::size_t>(block) * 4);
+        active_dev = DeviceBuffer(device, static_cast<std::size_t>(block));
       }
-      kernels::fused_xent(xa, device);
-      std::vector<float> token_loss(static_cast<std::size_t>(rows));
-      loss.download(token_loss.data(), token_loss.size() * 4);
-      if (device != Device::kCpu)
-        grad_dev.download(out->grad.mutable_data(), out->grad.size_bytes());
+      for (int64_t r0 = 0; r0 < rows; r0 += block) {
+        const int64_t n = std::min(block, rows - r0);
+        kernels::XentArgs xa;
+        xa.dtype = x_host.dtype;
+        xa.rows = n;
+        xa.vocab = v;
+        xa.row_stride = v;
+        const std::byte* z = x_host.data + static_cast<std::size_t>(r0) * row_bytes;
+        if (!gpu) {
+          xa.logits = z;
+          xa.targets = targets.data() + r0;
+          xa.grad_scale = scale.data() + r0;
+          xa.active = active.data() + r0;
+          xa.grad = host_grad.data();
+        } else {
+          logits_dev.upload(z, static_cast<std::size_t>(n) * row_bytes);
+          targets_dev.upload(targets.data() + r0, static_cast<std::size_t>(n) * 8);
+          scale_dev.upload(scale.data() + r0, static_cast<std::size_t>(n) * 4);
+          active_dev.upload(active.data() + r0, static_cast<std::size_t>(n));
+          xa.logits = logits_dev.data();
+          xa.targets = targets_dev.as<int64_t>();
+          xa.grad_scale = scale_dev.as<float>();
+          xa.active = active_dev.as<uint8_t>();
+          xa.grad = grad_dev.data();
+        }
+        xa.lse = lse.as<float>();
+        xa.token_loss = loss.as<float>();
+        kernels::fused_xent(xa, device);
+        loss.download(token_loss.data() + r0, static_cast<std::size_t>(n) * 4);
+        if (gpu) grad_dev.download(host_grad.data(), static_cast<std::size_t>(n) * row_bytes);
+        for (int64_t k = 0; k < n; ++k) ids[static_cast<std::size_t>(k)] = r0 + k;
+        in.sink(ids.data(), n, host_grad.data());
+      }
       // The SUM over CP ranks of each rank's partial loss.
       for (const auto& rank_rows : plan.owned) {
         double partial = 0.0;
         for (const OwnedRow& o : rank_rows) partial += coeff[o.row] * token_loss[o.row];
         total += partial;
       }
-    } else if (x_host.dtype == DType::kFloat64) {
-      total = elementwise<double>(b, spec, x_host, coeff, plan.row_rank, &out->grad);
     } else {
-      total = elementwise<float>(b, spec, x_host, coeff, plan.row_rank, &out->grad);
+      HostArray grad;
+      total = x_host.dtype == DType::kFloat64
+                  ? elementwise<double>(b, spec, x_host, coeff, plan.row_rank, &grad)
+                  : elementwise<float>(b, spec, x_host, coeff, plan.row_rank, &grad);
+      std::vector<int64_t> ids(static_cast<std::size_t>(rows));
+      for (int64_t r = 0; r < rows; ++r) ids[static_cast<std::size_t>(r)] = r;
+      if (rows > 0) in.sink(ids.data(), rows, grad.data);
     }
     out->loss = total;
     out->row_rank = std::move(plan.row_rank);

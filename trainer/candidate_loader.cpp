@@ -1,6 +1,9 @@
 // The candidate's switch: the LibTorch plugin (liblossguard_trainer.so, loaded on first use) or the
 // kernels, in process.
+#include <cstring>
+
 #include "core/errors.h"
+#include "kernels/fused_xent.h"
 #include "core/plugin_loader.h"
 #include "lossguard/build_config.h"
 #include "trainer/candidate.h"
@@ -20,6 +23,41 @@ bool parse_impl(const std::string& s, Impl* out) {
   return true;
 }
 
+Arithmetic arithmetic_of(Impl impl, int64_t vocab, kernels::Device device) {
+  Arithmetic a;
+  if (impl == Impl::kKernels) {
+    a.kind = Arithmetic::Kind::kFusedFloat;
+    // CUDA: each of 512 threads adds its strided elements (rescaling its sum, one more rounding,
+    // whenever its maximum grows), then 9 merges of (max, sum) pairs, each two roundings.
+    a.exp_sum_chain = device == kernels::Device::kCuda ? 2 * ((vocab + 511) / 512) + 18
+                                                       : kernels::kFusedXentSumChain;
+  } else {
+    a.kind = Arithmetic::Kind::kTorch;
+    // PyTorch's CPU log_softmax adds a row's exponentials into one vector of 8 float lanes (AVX2;
+    // 16 with AVX-512, a shorter chain), then adds the lanes.
+    a.exp_sum_chain = (vocab + 7) / 8 + 8;
+  }
+  return a;
+}
+
+namespace {
+
+// Gathers streamed rows into one array (no sink given, or a mutation that edits the whole output).
+struct Collector {
+  HostArray* grad;
+  std::size_t row_bytes;
+  static void rows(void* self, const int64_t* r, int64_t n, const void* data) {
+    auto* c = static_cast<Collector*>(self);
+    const auto* src = static_cast<const std::byte*>(data);
+    for (int64_t k = 0; k < n; ++k) {
+      std::memcpy(c->grad->mutable_data() + static_cast<std::size_t>(r[k]) * c->row_bytes,
+                  src + static_cast<std::size_t>(k) * c->row_bytes, c->row_bytes);
+    }
+  }
+};
+
+}  // namespace
+
 CandidateOutput run_candidate(const CandidateInput& in_given) {
   // Test-only: a planted bug (LOSSGUARD_TEST_MUTATION, mutation.h) the tests expect check to catch.
   const std::optional<Mutation> mutation = mutation_from_environment();
@@ -30,6 +68,20 @@ CandidateOutput run_candidate(const CandidateInput& in_given) {
   if (mutation && !(weight_scale = mutate_weights(*mutation, *in.batch, in.cp, in.layout)).empty())
     in.weight_scale = &weight_scale;
   CandidateOutput out;
+  // Collect the gradient whole when nobody streams it, or when a mutation edits it afterwards.
+  const bool collect = !in_given.sink || (mutation && mutates_output(*mutation));
+  const LossInput which = loss_input(*in.batch, in.spec.loss);
+  const HostArray& x = which == LossInput::kLogits     ? *in.batch->logits
+                       : which == LossInput::kLogProbs ? in.batch->per_token.at("log_probs")
+                                                       : in.batch->per_token.at("token_loss");
+  const int64_t rows = in.batch->num_response_tokens();
+  const std::size_t row_bytes =
+      rows > 0 ? x.size_bytes() / static_cast<std::size_t>(rows) : dtype_size_bytes(x.dtype);
+  Collector collector{&out.grad, row_bytes};
+  if (collect) {
+    out.grad = HostArray::zeros(x.dtype, x.shape);
+    in.sink = GradSink{&collector, &Collector::rows};
+  }
   if (in.impl == Impl::kKernels) {
     run_kernels_candidate(in, &out);
   } else {
@@ -43,6 +95,16 @@ CandidateOutput run_candidate(const CandidateInput& in_given) {
                   std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
   }
   if (mutation) mutate_output(*mutation, *in_given.batch, &out);
+  if (collect && in_given.sink) {  // the mutated gradient, streamed as the candidate would have
+    const int64_t block = rows_per_block(row_bytes);
+    std::vector<int64_t> ids;
+    for (int64_t r0 = 0; r0 < rows; r0 += block) {
+      const int64_t n = std::min(block, rows - r0);
+      ids.resize(static_cast<std::size_t>(n));
+      for (int64_t k = 0; k < n; ++k) ids[static_cast<std::size_t>(k)] = r0 + k;
+      in_given.sink(ids.data(), n, out.grad.data + static_cast<std::size_t>(r0) * row_bytes);
+    }
+  }
   return out;
 }
 

@@ -97,6 +97,11 @@ std::vector<double> mutate_weights(const Mutation& m, const Batch& b, int64_t cp
   return scale;
 }
 
+bool mutates_output(const Mutation& m) {
+  return m.kind == "drop-row" || m.kind == "scale-grad" || m.kind == "swap-chunk" ||
+         m.kind == "masked-row";
+}
+
 void mutate_output(const Mutation& m, const Batch& b, CandidateResult* r) {
   HostArray& g = r->grad;
   const int64_t cols = cols_of(g);

@@ -33,6 +33,9 @@ std::optional<Batch> mutate_input(const Mutation& m, const Batch& batch);
 // Each response row's weight factor (weight-*), for CandidateInput::weight_scale; empty: none.
 std::vector<double> mutate_weights(const Mutation& m, const Batch& batch, int64_t cp,
                                    const ShardLayout& layout);
+// Whether `m` changes the candidate's output (then the candidate's gradient is collected whole,
+// mutated and only then streamed to the check).
+bool mutates_output(const Mutation& m);
 // After the candidate ran (drop-row, swap-chunk, scale-grad, masked-row).
 void mutate_output(const Mutation& m, const Batch& batch, CandidateResult* result);
 

@@ -1,0 +1,78 @@
+// Picks the oracle's row loops for the best instruction set this CPU has (row_math.h).
+#include "oracle/row_math.h"
+
+namespace lossguard::oracle {
+
+#define LOSSGUARD_ROW_MATH_DECLARE(isa)                                                       \
+  namespace isa {                                                                             \
+  RowStats logits_row_stats(const double* z, int64_t v);                                      \
+  RowComparison compare_logits_row(const double* z, const double* got, int64_t begin,         \
+                                   int64_t end, double c, double lse,                         \
+                                   const ElementBoundRow* bounds, int num_bounds);            \
+  RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero); \
+  void row_to_f64(const void* src, DType dtype, int64_t n, double* out);                       \
+  bool row_is_zero(const void* src, DType dtype, int64_t n);                                   \
+  }
+LOSSGUARD_ROW_MATH_DECLARE(generic)
+#if defined(__x86_64__) && defined(LOSSGUARD_ORACLE_X86)
+LOSSGUARD_ROW_MATH_DECLARE(avx2)
+LOSSGUARD_ROW_MATH_DECLARE(avx512)
+#endif
+
+namespace {
+
+struct RowMath {
+  const char* name;
+  RowStats (*stats)(const double*, int64_t);
+  RowComparison (*compare)(const double*, const double*, int64_t, int64_t, double, double,
+                           const ElementBoundRow*, int);
+  RowComparison (*zero)(const double*, int64_t, double, int64_t*);
+  void (*to_f64)(const void*, DType, int64_t, double*);
+  bool (*is_zero)(const void*, DType, int64_t);
+};
+
+RowMath pick() {
+#if defined(__x86_64__) && defined(LOSSGUARD_ORACLE_X86)
+  __builtin_cpu_init();
+  const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  if (v4) return {"avx512", avx512::logits_row_stats, avx512::compare_logits_row, avx512::compare_zero_row,
+          avx512::row_to_f64, avx512::row_is_zero};
+  if (v3) return {"avx2", avx2::logits_row_stats, avx2::compare_logits_row, avx2::compare_zero_row,
+          avx2::row_to_f64, avx2::row_is_zero};
+#endif
+  return {"generic", generic::logits_row_stats, generic::compare_logits_row, generic::compare_zero_row,
+          generic::row_to_f64, generic::row_is_zero};
+}
+
+const RowMath& row_math() {
+  static const RowMath chosen = pick();
+  return chosen;
+}
+
+}  // namespace
+
+RowStats logits_row_stats(const double* z, int64_t v) { return row_math().stats(z, v); }
+
+RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
+                                 double c, double lse, const ElementBoundRow* bounds,
+                                 int num_bounds) {
+  return row_math().compare(z, got, begin, end, c, lse, bounds, num_bounds);
+}
+
+RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero) {
+  return row_math().zero(got, n, tol, nonzero);
+}
+
+void row_to_f64(const void* src, DType dtype, int64_t n, double* out) {
+  row_math().to_f64(src, dtype, n, out);
+}
+
+bool row_is_zero(const void* src, DType dtype, int64_t n) {
+  return row_math().is_zero(src, dtype, n);
+}
+
+const char* row_math_isa() { return row_math().name; }
+
+}  // namespace lossguard::oracle

@@ -1,0 +1,62 @@
+// The oracle's per-row float64 loops over a vocabulary row: the logsumexp statistics of a row of
+// logits, and the comparison of a candidate's gradient row with c (softmax - onehot). Built once
+// per x86 instruction set (row_math_{generic,avx2,avx512}.cpp from row_math_body.h) and picked at
+// run time, so that exp_nonpositive (exp64.h) runs 4 or 8 lanes wide: over a 150k vocabulary these
+// loops are most of `check`'s time. Plain float64 arithmetic; nothing from kernels/.
+#pragma once
+#include <cstdint>
+
+#include "core/array.h"
+
+namespace lossguard::oracle {
+
+struct RowStats {
+  double max = 0.0;      // max_k z_k (-inf for an empty row; NaN is skipped here, caught by sum)
+  double max_abs = 0.0;  // max_k |z_k|
+  double sum = 0.0;      // sum_k exp(z_k - max)  (NaN if any z_k is NaN or +inf)
+  // sum_k p_k (max - z_k), p = softmax(z): how far below the maximum the softmax's mass lies. A
+  // candidate that forms z_k - max in float carries a relative error u |max - z_k| into term k of
+  // its sum, so u * spread bounds the relative error that adds to the sum.
+  double spread = 0.0;
+};
+RowStats logits_row_stats(const double* z, int64_t v);
+
+// One bound on |got_k - w_k| for w_k = c (p_k - [k == y]), p_k = exp(z_k - lse):
+//   atol + rtol |w_k| + |c| p_k grow(alpha + beta (lse - z_k))      (lse - z_k = -log p_k >= 0)
+// alpha + beta |log p| bounds the absolute error of the log p a candidate exponentiates, so p is off
+// by a factor e^x with x that bound: e^x - 1 <= x + x^2 for x <= ln 2 (the x^2 term matters: bf16
+// log p of -20 is off by up to 0.08), times 1 + rtol for the roundings after it; past ln 2 a
+// candidate's p may be off by 100% and the element is not bounded.
+struct ElementBoundRow {
+  double atol = 0.0, rtol = 0.0, alpha = 0.0, beta = 0.0;
+};
+inline double grow(double x, double rtol) {
+  return x <= 0.6931471805599453 ? (x + x * x) * (1.0 + rtol) : 1e300;
+}
+
+struct RowComparison {
+  int64_t mismatched = 0;     // elements outside the smallest of the bounds (NaN counts)
+  double max_abs_diff = 0.0;  // NaN if any difference is NaN
+  double max_rel_diff = 0.0;  // over w_k != 0, finite ratios only
+};
+// Compares got[k] with w_k for k in [begin, end), the target column excluded by the caller (its w
+// has the -c term; it is compared on its own). An element passes if it is within the smallest of
+// the `num_bounds` bounds.
+RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
+                                 double c, double lse, const ElementBoundRow* bounds,
+                                 int num_bounds);
+
+// Row k of a zero truth (a masked row, a zero weight): elements of `got` over `tol` are
+// mismatches; `nonzero` counts those not exactly 0; max_abs_diff is max |got|.
+RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero);
+
+// Whether n values of a float dtype are all +0 or -0 (the bits, without a conversion).
+bool row_is_zero(const void* src, DType dtype, int64_t n);
+
+// n values of a float dtype (bfloat16, float16, float32, float64) as float64, vectorised.
+void row_to_f64(const void* src, DType dtype, int64_t n, double* out);
+
+// The instruction set the row loops run on: "avx512", "avx2" or "generic".
+const char* row_math_isa();
+
+}  // namespace lossguard::oracle

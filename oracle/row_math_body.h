@@ -1,0 +1,222 @@
+// The oracle's row loops (see row_math.h), compiled once per instruction set by the
+// row_math_<isa>.cpp files, which define LOSSGUARD_ORACLE_ISA first. Written so that the compiler
+// vectorises them: eight independent accumulators instead of one loop-carried sum, selects instead
+// of branches.
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "oracle/exp64.h"
+#include "oracle/row_math.h"
+
+namespace lossguard::oracle::LOSSGUARD_ORACLE_ISA {
+
+constexpr int kLanes = 8;
+constexpr double kHuge = std::numeric_limits<double>::max();
+
+RowStats logits_row_stats(const double* z, int64_t v) {
+  RowStats st;
+  double mx[kLanes], mn[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    mx[j] = -std::numeric_limits<double>::infinity();
+    mn[j] = std::numeric_limits<double>::infinity();
+  }
+  int64_t k = 0;
+  for (; k + kLanes <= v; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double x = z[k + j];
+      mx[j] = x > mx[j] ? x : mx[j];
+      mn[j] = x < mn[j] ? x : mn[j];
+    }
+  }
+  double m = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
+  for (int j = 0; j < kLanes; ++j) {
+    m = mx[j] > m ? mx[j] : m;
+    lo = mn[j] < lo ? mn[j] : lo;
+  }
+  for (; k < v; ++k) {
+    m = z[k] > m ? z[k] : m;
+    lo = z[k] < lo ? z[k] : lo;
+  }
+  st.max = m;
+  st.max_abs = v > 0 ? std::fmax(std::fabs(m), std::fabs(lo)) : 0.0;
+  double s[kLanes] = {}, d[kLanes] = {};
+  k = 0;
+  for (; k + kLanes <= v; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double x = z[k + j] - m;  // <= 0, NaN for NaN or for +inf - +inf
+      const double e = exp_nonpositive(x);
+      s[j] += e;
+      d[j] -= e * x;
+    }
+  }
+  double sum = 0.0, dist = 0.0;
+  for (int j = 0; j < kLanes; ++j) {
+    sum += s[j];
+    dist += d[j];
+  }
+  for (; k < v; ++k) {
+    const double x = z[k] - m;
+    const double e = exp_nonpositive(x);
+    sum += e;
+    dist -= e * x;
+  }
+  st.sum = sum;
+  st.spread = sum > 0.0 ? dist / sum : 0.0;
+  return st;
+}
+
+RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
+                                 double c, double lse, const ElementBoundRow* bounds,
+                                 int num_bounds) {
+  RowComparison r;
+  const double ac = std::fabs(c);
+  // Up to two bounds (the per-dtype default and the derived one), unrolled for the vectoriser.
+  const ElementBoundRow b0 = bounds[0], b1 = num_bounds > 1 ? bounds[0 + 1] : bounds[0];
+  // Per lane: mismatches, NaN differences (as counts: the vectoriser keeps integer sums), the
+  // largest absolute and relative differences.
+  int64_t bad[kLanes] = {}, nan_count[kLanes] = {};
+  double mad[kLanes] = {}, mrd[kLanes] = {};
+  int64_t k = begin;
+  for (; k + kLanes <= end; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double lp = lse - z[k + j];  // -log p >= 0
+      const double p = exp_nonpositive(-lp);
+      const double w = c * p;
+      const double aw = std::fabs(w);
+      const double diff = std::fabs(got[k + j] - w);
+      const double t0 = b0.atol + b0.rtol * aw + ac * p * grow(b0.alpha + b0.beta * lp, b0.rtol);
+      const double t1 = b1.atol + b1.rtol * aw + ac * p * grow(b1.alpha + b1.beta * lp, b1.rtol);
+      const double tol = t0 < t1 ? t0 : t1;
+      bad[j] += diff <= tol ? 0 : 1;
+      nan_count[j] += diff != diff ? 1 : 0;
+      mad[j] = diff > mad[j] ? diff : mad[j];
+      const double rel = diff / (aw > 0.0 ? aw : 1.0);
+      mrd[j] = aw > 0.0 && rel > mrd[j] && rel < kHuge ? rel : mrd[j];
+    }
+  }
+  for (; k < end; ++k) {
+    const double lp = lse - z[k];
+    const double p = exp_nonpositive(-lp);
+    const double w = c * p;
+    const double aw = std::fabs(w);
+    const double diff = std::fabs(got[k] - w);
+    const double t0 = b0.atol + b0.rtol * aw + ac * p * grow(b0.alpha + b0.beta * lp, b0.rtol);
+    const double t1 = b1.atol + b1.rtol * aw + ac * p * grow(b1.alpha + b1.beta * lp, b1.rtol);
+    const double tol = t0 < t1 ? t0 : t1;
+    bad[0] += diff <= tol ? 0 : 1;
+    nan_count[0] += diff != diff ? 1 : 0;
+    mad[0] = diff > mad[0] ? diff : mad[0];
+    const double rel = diff / (aw > 0.0 ? aw : 1.0);
+    mrd[0] = aw > 0.0 && rel > mrd[0] && rel < kHuge ? rel : mrd[0];
+  }
+  bool nan_seen = false;
+  for (int j = 0; j < kLanes; ++j) {
+    r.mismatched += bad[j];
+    r.max_abs_diff = mad[j] > r.max_abs_diff ? mad[j] : r.max_abs_diff;
+    r.max_rel_diff = mrd[j] > r.max_rel_diff ? mrd[j] : r.max_rel_diff;
+    nan_seen |= nan_count[j] > 0;
+  }
+  if (nan_seen) r.max_abs_diff = std::numeric_limits<double>::quiet_NaN();
+  return r;
+}
+
+RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero) {
+  RowComparison r;
+  int64_t bad[kLanes] = {}, nz[kLanes] = {}, nan_count[kLanes] = {};
+  double mad[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double d = std::fabs(got[k + j]);
+      bad[j] += d <= tol ? 0 : 1;
+      nz[j] += d != 0.0 ? 1 : 0;
+      nan_count[j] += d != d ? 1 : 0;
+      mad[j] = d > mad[j] ? d : mad[j];
+    }
+  }
+  for (; k < n; ++k) {
+    const double d = std::fabs(got[k]);
+    bad[0] += d <= tol ? 0 : 1;
+    nz[0] += d != 0.0 ? 1 : 0;
+    nan_count[0] += d != d ? 1 : 0;
+    mad[0] = d > mad[0] ? d : mad[0];
+  }
+  int64_t nans = 0;
+  *nonzero = 0;
+  for (int j = 0; j < kLanes; ++j) {
+    r.mismatched += bad[j];
+    *nonzero += nz[j];
+    nans += nan_count[j];
+    r.max_abs_diff = mad[j] > r.max_abs_diff ? mad[j] : r.max_abs_diff;
+  }
+  if (nans > 0) r.max_abs_diff = std::numeric_limits<double>::quiet_NaN();
+  r.max_rel_diff = 0.0;
+  return r;
+}
+
+bool row_is_zero(const void* src, DType dtype, int64_t n) {
+  const std::size_t e = dtype_size_bytes(dtype);
+  const uint64_t sign = e == 2 ? 0x8000800080008000ull
+                        : e == 4 ? 0x8000000080000000ull
+                                 : 0x8000000000000000ull;
+  const unsigned char* p = static_cast<const unsigned char*>(src);
+  const std::size_t bytes = static_cast<std::size_t>(n) * e;
+  uint64_t acc[kLanes] = {};
+  std::size_t k = 0;
+  for (; k + 8 * kLanes <= bytes; k += 8 * kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      uint64_t w;
+      std::memcpy(&w, p + k + 8 * j, 8);
+      acc[j] |= w & ~sign;
+    }
+  }
+  uint64_t any = 0;
+  for (int j = 0; j < kLanes; ++j) any |= acc[j];
+  for (; k < bytes; k += e) {
+    uint64_t w = 0;
+    std::memcpy(&w, p + k, e);
+    any |= w & ~(sign & (e == 8 ? ~0ull : (e == 4 ? 0xffffffffull : 0xffffull)));
+  }
+  return any == 0;
+}
+
+void row_to_f64(const void* src, DType dtype, int64_t n, double* out) {
+  if (dtype == DType::kBFloat16) {
+    const uint16_t* p = static_cast<const uint16_t*>(src);
+    for (int64_t k = 0; k < n; ++k) {
+      const uint32_t bits = static_cast<uint32_t>(p[k]) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      out[k] = f;
+    }
+  } else if (dtype == DType::kFloat32) {
+    const float* p = static_cast<const float*>(src);
+    for (int64_t k = 0; k < n; ++k) out[k] = p[k];
+  } else if (dtype == DType::kFloat64) {
+    std::memcpy(out, src, static_cast<std::size_t>(n) * 8);
+  } else if (dtype == DType::kFloat16) {
+    // Exact: sign, exponent rebias, subnormals scaled, inf and NaN kept.
+    const uint16_t* p = static_cast<const uint16_t*>(src);
+    for (int64_t k = 0; k < n; ++k) {
+      const uint32_t h = p[k], sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
+      const uint32_t normal = (em << 13) + ((127u - 15u) << 23);
+      const uint32_t infnan = (em << 13) | 0x7f800000u;
+      const float sub = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;
+      uint32_t sub_bits;
+      std::memcpy(&sub_bits, &sub, 4);
+      const uint32_t bits = (em >= 0x7c00u ? infnan : (em < 0x400u ? sub_bits : normal)) | sign;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      out[k] = f;
+    }
+  } else {
+    HostArray view;
+    view.dtype = dtype;
+    view.shape = {n};
+    view.data = static_cast<const std::byte*>(src);
+    view.copy_f64(0, n, out);
+  }
+}
+
+}  // namespace lossguard::oracle::LOSSGUARD_ORACLE_ISA
