@@ -309,6 +309,44 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
         }
       }
     }
+    // `given` takes the dump's token_loss as the truth: it must itself be the per-token loss the
+    // oracle computes from the dump's logits or log-probs.
+    nlohmann::ordered_json token_loss_json = nullptr;
+    if (std::find(losses.begin(), losses.end(), LossKind::kGiven) != losses.end()) {
+      LossSpec tl_spec;
+      tl_spec.eps_low = o.eps_low;
+      tl_spec.eps_high = o.eps_high;
+      oracle::CheckSettings tl_settings;
+      tl_settings.rtol = o.rtol;
+      tl_settings.atol = o.atol;
+      const oracle::TokenLossCheck t = oracle::check_token_loss(b, tl_spec, tl_settings);
+      if (t.ran) {
+        const std::string where =
+            t.ok() ? "" : fmt::format("; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",
+                                      t.worst.sample, t.worst.response_index, t.worst.got,
+                                      t.worst.want);
+        out << fmt::format(
+            "\ntoken_loss: {} ({} tokens with mask 1; {} differ from the nll{}){}\n",
+            t.ok() ? fmt::format("the per-token {} loss", t.matches)
+                   : "FAIL: neither the per-token nll nor the ppo-clip loss of the dump's inputs",
+            t.checked, t.mismatched_nll,
+            t.mismatched_ppo >= 0 ? fmt::format(", {} from the ppo-clip loss", t.mismatched_ppo)
+                                  : "",
+            where);
+        report.add_case({"lossguard.check", "token_loss is a per-token loss of the dump's inputs",
+                         t.ok(), t.ok() ? "" : where.substr(2), false});
+        token_loss_json = {{"matches", t.matches.empty() ? nlohmann::ordered_json(nullptr)
+                                                         : nlohmann::ordered_json(t.matches)},
+                           {"checked", t.checked},
+                           {"mismatched_nll", t.mismatched_nll},
+                           {"mismatched_ppo_clip", t.mismatched_ppo >= 0
+                                                       ? nlohmann::ordered_json(t.mismatched_ppo)
+                                                       : nlohmann::ordered_json(nullptr)},
+                           {"worst", t.ok() ? nlohmann::ordered_json(nullptr) : location_json(t.worst)},
+                           {"ok", t.ok()}};
+        all_ok &= t.ok();
+      }
+    }
     const auto findings = oracle::batch_findings(b);
     report.add_findings(findings);
     print_findings(out, report.findings());
@@ -320,6 +358,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
     res["impls"] = o.impls;
     res["device"] = o.device;
     res["cases"] = cases;
+    res["token_loss"] = token_loss_json;
     report.verified();
     if (!all_ok) report.fail();
   });
@@ -337,7 +376,8 @@ void register_check(CLI::App& root, Commands& commands) {
   cmd->app = app;
   app->footer(
       "Losses: nll (from logits, else log_probs), ppo-clip (log_probs, old_log_probs, advantages), "
-      "given (token_loss).\n"
+      "given (token_loss; with --loss given the dump's token_loss must itself be the per-token nll or "
+      "ppo-clip loss of its logits or log_probs).\n"
       "Reductions: per-token, sample-mean, token-mean, seq-mean-token-sum, seq-mean-token-mean, "
       "seq-mean-token-sum-norm,\n"
       "or all. Tolerances: PyTorch's per dtype (fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 "

@@ -110,6 +110,77 @@ Derived derive_bounds(const Batch& b, const OracleLoss& want, DType input, const
 
 }  // namespace
 
+TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const CheckSettings& s) {
+  TokenLossCheck t;
+  if (!b.per_token.count("token_loss") || (!b.logits && !b.per_token.count("log_probs"))) return t;
+  t.ran = true;
+  const HostArray& given = b.per_token.at("token_loss");
+  const Tolerance tol = base_tolerance(given.dtype, s);
+  LossSpec nll_spec = spec;
+  nll_spec.loss = LossKind::kNll;
+  nll_spec.reduce = Reduction::kPerToken;
+  const OracleLoss nll = oracle_loss(b, nll_spec, /*with_logits_grad=*/false);
+  const bool has_ppo = b.per_token.count("log_probs") && b.per_token.count("old_log_probs") &&
+                       b.per_token.count("advantages");
+  OracleLoss ppo;
+  if (has_ppo) {
+    LossSpec ppo_spec = nll_spec;
+    ppo_spec.loss = LossKind::kPpoClip;
+    ppo = oracle_loss(b, ppo_spec);
+    t.mismatched_ppo = 0;
+  }
+  // Allowed |token_loss - l|: the dtype's tolerance on |l|, plus, from logits, what a trainer's
+  // float log-softmax may add (the sum of exponentials in 8 float lanes, as PyTorch's: see
+  // derive_bounds) — no trainer is expected to be float64-exact. ppo-clip's l = max(-rho A,
+  // -clip(rho) A) is scaled by rho |A| (1 + |lp - old|) through exp in the dtype.
+  const double uf = std::ldexp(1.0, -24);
+  const double chain = b.logits ? static_cast<double>(b.vocab_size() / 8 + 8) : 0.0;
+  double worst_excess = -1.0;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    for (int64_t row = b.response_offsets[i]; row < b.response_offsets[i + 1]; ++row) {
+      if (!b.loss_mask[row]) continue;
+      ++t.checked;
+      const double g = given.get_f64(row), l = nll.token_loss[row];
+      double allowed = tol.atol + tol.rtol * std::fabs(l);
+      if (b.logits) {
+        allowed += uf * (chain + 3.0 + nll.spread[row] + std::fabs(nll.log_sum[row]) +
+                         2.0 * std::fabs(l));
+      }
+      const double d_nll = std::fabs(g - l);
+      const bool bad_nll = !(d_nll <= allowed);
+      t.mismatched_nll += bad_nll;
+      double d_ppo = INFINITY, lp_ = 0.0;
+      bool bad_ppo = true;
+      if (has_ppo) {
+        lp_ = ppo.token_loss[row];
+        const double lp = b.per_token.at("log_probs").get_f64(row);
+        const double old = b.per_token.at("old_log_probs").get_f64(row);
+        const double a = b.per_token.at("advantages").get_f64(row);
+        const double scale = std::exp(lp - old) * std::fabs(a) * (1.0 + std::fabs(lp - old));
+        d_ppo = std::fabs(g - lp_);
+        bad_ppo = !(d_ppo <= tol.atol + tol.rtol * (std::fabs(lp_) + scale));
+        t.mismatched_ppo += bad_ppo;
+      }
+      const double excess = std::min(d_nll / allowed, d_ppo / allowed);
+      if ((bad_nll && bad_ppo) && (excess > worst_excess || std::isnan(excess))) {
+        worst_excess = excess;
+        const bool nearer_ppo = has_ppo && d_ppo < d_nll;
+        t.worst = GradLocation{i, row - b.response_offsets[i], -1, -1, -1, g,
+                               nearer_ppo ? lp_ : l, nearer_ppo ? d_ppo : d_nll,
+                               (nearer_ppo ? lp_ : l) != 0.0
+                                   ? (nearer_ppo ? d_ppo : d_nll) / std::fabs(nearer_ppo ? lp_ : l)
+                                   : INFINITY};
+      }
+    }
+  }
+  if (t.mismatched_nll == 0) {
+    t.matches = "nll";
+  } else if (t.mismatched_ppo == 0) {
+    t.matches = "ppo-clip";
+  }
+  return t;
+}
+
 CaseJudge::CaseJudge(const Batch& b, const LossSpec& spec, const OracleLoss& want, DType input,
                      const Arithmetic& arithmetic, const CheckSettings& s,
                      std::function<void(int64_t)> progress)

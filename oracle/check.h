@@ -60,6 +60,22 @@ class CaseJudge {
   std::unique_ptr<GradStream> stream_;
 };
 
+// The dump's own per-token `token_loss` against the oracle's per-token losses (SPEC §5): on every
+// token with mask 1 it should be the nll (from logits, else -log_probs) or the ppo-clip loss (when
+// log_probs, old_log_probs and advantages are there). A token_loss 10% too large used to pass
+// `check --loss given`, which takes it as the truth.
+struct TokenLossCheck {
+  bool ran = false;           // the dump has token_loss, and logits or log_probs
+  std::string matches;        // "nll", "ppo-clip", or "" when it matches neither
+  int64_t checked = 0;        // tokens with mask 1
+  int64_t mismatched_nll = 0;
+  int64_t mismatched_ppo = -1;  // -1: the ppo-clip loss cannot be computed from this dump
+  GradLocation worst;          // the worst token against the closer of the two (vocab_index -1)
+  bool ok() const { return !ran || !matches.empty(); }
+};
+TokenLossCheck check_token_loss(const Batch& batch, const LossSpec& spec,
+                                const CheckSettings& settings);
+
 // The same for a candidate whose whole gradient is in got.grad (tests, small batches).
 CheckCase evaluate_check(const Batch& batch, const LossSpec& spec, const OracleLoss& want,
                          const CandidateResult& got, DType input, const CheckSettings& settings,

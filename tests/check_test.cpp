@@ -642,5 +642,52 @@ TEST(DerivedTolerance, TorchBf16GradientBoundIsTighterThanTheDefaultAndHolds) {
   }
 }
 
+TEST(TokenLoss, ADumpsTokenLossMustBeThePerTokenNllOrPpoClipOfItsInputs) {
+  // gen writes token_loss = -log_probs (the nll of its logits): it passes as "nll". Replaced by the
+  // ppo-clip loss computed here by hand from the dump's own fields, it passes as "ppo-clip". One
+  // sample's token_loss 10% too large matches neither: exit 1, naming that sample (before, `check
+  // --loss given` took it as the truth and passed).
+  const auto dir = testing::temp_dir("check-token-loss");
+  Batch b = make("random", DType::kFloat32, 4, 12, 40);
+  auto run = [&](const Batch& batch, const std::string& name) {
+    const std::string path = (dir / (name + ".safetensors")).string();
+    io::write_batch(batch, path);
+    return check(path, {"--cp", "1", "--loss", "given"});
+  };
+  const CheckRun plain = run(b, "plain");
+  ASSERT_EQ(plain.code, 0) << plain.err;
+  EXPECT_EQ(plain.doc["token_loss"]["matches"], "nll");
+
+  const int64_t rows = b.num_response_tokens();
+  std::vector<double> ppo(static_cast<std::size_t>(rows)), bumped(static_cast<std::size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    const double lp = b.per_token.at("log_probs").get_f64(r);
+    const double old = b.per_token.at("old_log_probs").get_f64(r);
+    const double a = b.per_token.at("advantages").get_f64(r);
+    const double rho = std::exp(lp - old), clipped = std::min(std::max(rho, 0.8), 1.2);
+    ppo[static_cast<std::size_t>(r)] = std::max(-rho * a, -clipped * a);
+    bumped[static_cast<std::size_t>(r)] = b.per_token.at("token_loss").get_f64(r);
+  }
+  Batch as_ppo = b;
+  as_ppo.per_token["token_loss"] = HostArray::from_f64(DType::kFloat32, {rows}, ppo);
+  const CheckRun p = run(as_ppo, "ppo");
+  ASSERT_EQ(p.code, 0) << p.err << p.doc.dump().substr(0, 1500);
+  EXPECT_EQ(p.doc["token_loss"]["matches"], "ppo-clip");
+
+  int64_t sample = -1;
+  for (int64_t i = 0; i < b.num_samples() && sample < 0; ++i)
+    if (b.mask_sum(i) > 0) sample = i;
+  ASSERT_GE(sample, 0);
+  for (int64_t r = b.response_offsets[sample]; r < b.response_offsets[sample + 1]; ++r)
+    bumped[static_cast<std::size_t>(r)] *= 1.1;
+  Batch wrong = b;
+  wrong.per_token["token_loss"] = HostArray::from_f64(DType::kFloat32, {rows}, bumped);
+  const CheckRun w = run(wrong, "wrong");
+  EXPECT_EQ(w.code, 1) << w.err;
+  EXPECT_TRUE(w.doc["token_loss"]["matches"].is_null());
+  EXPECT_EQ(w.doc["token_loss"]["mismatched_nll"], b.mask_sum(sample));
+  EXPECT_EQ(w.doc["token_loss"]["worst"]["sample"], sample);
+}
+
 }  // namespace
 }  // namespace lossguard
