@@ -55,9 +55,10 @@ GradSink GradStream::sink() {
                   }};
 }
 
-void GradStream::compare_row(Part& part, int64_t row, const double* got,
-                             std::vector<double>& z) const {
+void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
+                             std::vector<double>& z, std::vector<double>& got_row) const {
   GradComparison& c = part.c;
+  const double* got = got_row.data();
   if (s_.skip_rows != nullptr && (*s_.skip_rows)[row]) {
     ++c.not_compared;
     return;
@@ -85,6 +86,8 @@ void GradStream::compare_row(Part& part, int64_t row, const double* got,
     }
   };
   const bool from_logits = want_.input == LossInput::kLogits && !want_.grad_materialised;
+  const bool in_place = from_logits && !masked && coeff != 0.0 && b_.logits->dtype == s_.got_dtype;
+  if (!in_place) row_to_f64(raw, s_.got_dtype, cols_, got_row.data());
   if (from_logits && (masked || coeff == 0.0)) {
     // The truth is 0: every element within the smallest absolute slack, masked rows exactly 0.
     double tol = INFINITY;
@@ -132,23 +135,38 @@ void GradStream::compare_row(Part& part, int64_t row, const double* got,
     }
     return;
   }
-  // From logits: w_k = c (exp(z_k - lse) - [k == y]), compared in the vectorised row loop except
-  // for the target, compared here.
-  row_to_f64(b_.logits->data + static_cast<std::size_t>(row * cols_) * dtype_size_bytes(b_.logits->dtype),
-             b_.logits->dtype, cols_, z.data());
+  // From logits: w_k = c (exp(z_k - lse) - [k == y]), compared in the vectorised row loop on the
+  // rows as stored (no float64 copies) except for the target, compared here; the float64 copies
+  // are made only for a row that holds a new worst element.
+  const std::byte* zraw =
+      b_.logits->data + static_cast<std::size_t>(row * cols_) * dtype_size_bytes(b_.logits->dtype);
   const double lse = want_.lse[row];
   const int64_t y = want_.target[row];
   ElementBoundRow rb[2];
   for (int j = 0; j < nb; ++j)
     rb[j] = bound_at_row(s_.bounds[static_cast<std::size_t>(j)], coeff, want_.spread[row],
                          want_.log_sum[row], lse);
-  const RowComparison a = compare_logits_row(z.data(), got, 0, y, coeff, lse, rb, nb);
-  const RowComparison bb = compare_logits_row(z.data(), got, y + 1, cols_, coeff, lse, rb, nb);
+  RowComparison a, bb;
+  if (in_place) {
+    a = compare_logits_row_raw(zraw, raw, s_.got_dtype, 0, y, coeff, lse, rb, nb);
+    bb = compare_logits_row_raw(zraw, raw, s_.got_dtype, y + 1, cols_, coeff, lse, rb, nb);
+  } else {
+    row_to_f64(zraw, b_.logits->dtype, cols_, z.data());
+    a = compare_logits_row(z.data(), got, 0, y, coeff, lse, rb, nb);
+    bb = compare_logits_row(z.data(), got, y + 1, cols_, coeff, lse, rb, nb);
+  }
+  const double zy = b_.logits->get_f64(row * cols_ + y);
+  HostArray got_view;
+  got_view.dtype = s_.got_dtype;
+  got_view.shape = {cols_};
+  got_view.data = raw;
+  const double gy = in_place ? got_view.get_f64(y) : got[y];
   auto element = [&](int64_t k, double* tol_out) {
-    const double lp = lse - z[k];
+    const double zk = k == y ? zy : z[k];
+    const double lp = lse - zk;
     const double p = exp_nonpositive(-lp);
     const double w = k == y ? coeff * std::expm1(-lp) : coeff * p;
-    const double diff = std::fabs(got[k] - w);
+    const double diff = std::fabs((k == y ? gy : got[k]) - w);
     double tol = INFINITY;
     for (int j = 0; j < nb; ++j)
       tol = std::min(tol, rb[j].atol + rb[j].rtol * std::fabs(w) +
@@ -167,6 +185,10 @@ void GradStream::compare_row(Part& part, int64_t row, const double* got,
   // The row holds a new worst element: find it (a scalar pass, rare).
   if (worse(row_max, c.max_abs_diff) || part.worst_row < 0 ||
       (row_rel > c.max_rel_diff && std::isfinite(row_rel))) {
+    if (in_place) {
+      row_to_f64(zraw, b_.logits->dtype, cols_, z.data());
+      row_to_f64(raw, s_.got_dtype, cols_, got_row.data());
+    }
     for (int64_t k = 0; k < cols_; ++k) {
       double tol = 0.0;
       const auto [diff, w] = element(k, &tol);
@@ -204,8 +226,7 @@ void GradStream::add(const int64_t* rows, int64_t n, const void* data) {
           part.c.checked += cols_;  // a zero truth met exactly (the common masked row)
           continue;
         }
-        row_to_f64(raw, s_.got_dtype, cols_, got.data());
-        compare_row(part, row, got.data(), z);
+        compare_row(part, row, raw, z, got);
         if (b_.logits && cols_ > 1) b_.logits->drop_pages(rows[k] * cols_, (rows[k] + 1) * cols_);
       }
     } catch (...) {
@@ -237,7 +258,7 @@ GradComparison GradStream::finish(const std::vector<int32_t>& row_rank,
     for (std::size_t r = 0; r < delivered_.size(); ++r)
       if (!delivered_[r]) missing.push_back(static_cast<int64_t>(r));
     std::vector<double> z(static_cast<std::size_t>(cols_)), got(static_cast<std::size_t>(cols_), 0.0);
-    for (int64_t row : missing) compare_row(*parts_[0], row, got.data(), z);
+    for (int64_t row : missing) compare_row(*parts_[0], row, zeros.data(), z, got);
   }
   GradComparison out;
   int64_t worst_row = -1, worst_col = -1, worst_rel_row = -1, worst_rel_col = -1;

@@ -55,7 +55,9 @@ class GradStream {
 
  private:
   struct Part;
-  void compare_row(Part& part, int64_t row, const double* got, std::vector<double>& z) const;
+  // `raw`: the candidate's row in got_dtype; z and got: float64 scratch rows.
+  void compare_row(Part& part, int64_t row, const std::byte* raw, std::vector<double>& z,
+                   std::vector<double>& got) const;
   const Batch& b_;
   const OracleLoss& want_;
   GradStreamSettings s_;

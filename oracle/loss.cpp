@@ -40,15 +40,13 @@ std::vector<RowStats> logits_stats(const Batch& b, int64_t v) {
   for (int64_t w = 0; w < threads; ++w) {
     pool.emplace_back([&, w] {
       try {
-        std::vector<double> z(static_cast<std::size_t>(v));
         for (int64_t run = w; run < runs; run += threads) {
           const int64_t r0 = run * kRun, r1 = std::min(rows, r0 + kRun);
           for (int64_t row = r0; row < r1; ++row) {
             if (!b.loss_mask[row]) continue;
-            row_to_f64(b.logits->data + static_cast<std::size_t>(row * v) *
-                                            dtype_size_bytes(b.logits->dtype),
-                       b.logits->dtype, v, z.data());
-            stats[static_cast<std::size_t>(row)] = logits_row_stats(z.data(), v);
+            stats[static_cast<std::size_t>(row)] = logits_row_stats_raw(
+                b.logits->data + static_cast<std::size_t>(row * v) * dtype_size_bytes(b.logits->dtype),
+                b.logits->dtype, v);
           }
           b.logits->drop_pages(r0 * v, r1 * v);
         }

@@ -20,6 +20,8 @@ struct RowStats {
   double spread = 0.0;
 };
 RowStats logits_row_stats(const double* z, int64_t v);
+// The same on a row in its own float dtype, read in place.
+RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v);
 
 // One bound on |got_k - w_k| for w_k = c (p_k - [k == y]), p_k = exp(z_k - lse):
 //   atol + rtol |w_k| + |c| p_k grow(alpha + beta (lse - z_k))      (lse - z_k = -log p_k >= 0)
@@ -45,6 +47,11 @@ struct RowComparison {
 RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
                                  double c, double lse, const ElementBoundRow* bounds,
                                  int num_bounds);
+
+// The same on logits and gradient rows in their own float dtype (the same for both), in place.
+RowComparison compare_logits_row_raw(const void* z, const void* got, DType dtype, int64_t begin,
+                                     int64_t end, double c, double lse,
+                                     const ElementBoundRow* bounds, int num_bounds);
 
 // Row k of a zero truth (a masked row, a zero weight): elements of `got` over `tol` are
 // mismatches; `nonzero` counts those not exactly 0; max_abs_diff is max |got|.

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "oracle/exp64.h"
 #include "oracle/row_math.h"
@@ -12,9 +13,38 @@
 namespace lossguard::oracle::LOSSGUARD_ORACLE_ISA {
 
 constexpr int kLanes = 8;
+
+// Storage types of the row loops: the dump's dtype read in place (no float64 copy of the row).
+struct Bf16 {
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+inline double load(double x) { return x; }
+inline double load(float x) { return x; }
+inline double load(Bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline double load(Half x) {  // exact: sign, exponent rebias, subnormals scaled, inf and NaN kept
+  const uint32_t h = x.bits, sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
+  const uint32_t normal = (em << 13) + ((127u - 15u) << 23);
+  const uint32_t infnan = (em << 13) | 0x7f800000u;
+  const float sub = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;
+  uint32_t sub_bits;
+  std::memcpy(&sub_bits, &sub, 4);
+  const uint32_t bits = (em >= 0x7c00u ? infnan : (em < 0x400u ? sub_bits : normal)) | sign;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 constexpr double kHuge = std::numeric_limits<double>::max();
 
-RowStats logits_row_stats(const double* z, int64_t v) {
+template <typename T>
+RowStats row_stats_direct(const T* zt, int64_t v) {
   RowStats st;
   double mx[kLanes], mn[kLanes];
   for (int j = 0; j < kLanes; ++j) {
@@ -24,7 +54,7 @@ RowStats logits_row_stats(const double* z, int64_t v) {
   int64_t k = 0;
   for (; k + kLanes <= v; k += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
-      const double x = z[k + j];
+      const double x = load(zt[k + j]);
       mx[j] = x > mx[j] ? x : mx[j];
       mn[j] = x < mn[j] ? x : mn[j];
     }
@@ -35,8 +65,9 @@ RowStats logits_row_stats(const double* z, int64_t v) {
     lo = mn[j] < lo ? mn[j] : lo;
   }
   for (; k < v; ++k) {
-    m = z[k] > m ? z[k] : m;
-    lo = z[k] < lo ? z[k] : lo;
+    const double x = load(zt[k]);
+    m = x > m ? x : m;
+    lo = x < lo ? x : lo;
   }
   st.max = m;
   st.max_abs = v > 0 ? std::fmax(std::fabs(m), std::fabs(lo)) : 0.0;
@@ -44,7 +75,7 @@ RowStats logits_row_stats(const double* z, int64_t v) {
   k = 0;
   for (; k + kLanes <= v; k += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
-      const double x = z[k + j] - m;  // <= 0, NaN for NaN or for +inf - +inf
+      const double x = load(zt[k + j]) - m;  // <= 0, NaN for NaN or for +inf - +inf
       const double e = exp_nonpositive(x);
       s[j] += e;
       d[j] -= e * x;
@@ -56,7 +87,7 @@ RowStats logits_row_stats(const double* z, int64_t v) {
     dist += d[j];
   }
   for (; k < v; ++k) {
-    const double x = z[k] - m;
+    const double x = load(zt[k]) - m;
     const double e = exp_nonpositive(x);
     sum += e;
     dist -= e * x;
@@ -66,9 +97,9 @@ RowStats logits_row_stats(const double* z, int64_t v) {
   return st;
 }
 
-RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
-                                 double c, double lse, const ElementBoundRow* bounds,
-                                 int num_bounds) {
+template <typename T>
+RowComparison compare_row_direct(const T* z, const T* got, int64_t begin, int64_t end, double c,
+                                 double lse, const ElementBoundRow* bounds, int num_bounds) {
   RowComparison r;
   const double ac = std::fabs(c);
   // Up to two bounds (the per-dtype default and the derived one), unrolled for the vectoriser.
@@ -80,11 +111,11 @@ RowComparison compare_logits_row(const double* z, const double* got, int64_t beg
   int64_t k = begin;
   for (; k + kLanes <= end; k += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
-      const double lp = lse - z[k + j];  // -log p >= 0
+      const double lp = lse - load(z[k + j]);  // -log p >= 0
       const double p = exp_nonpositive(-lp);
       const double w = c * p;
       const double aw = std::fabs(w);
-      const double diff = std::fabs(got[k + j] - w);
+      const double diff = std::fabs(load(got[k + j]) - w);
       const double t0 = b0.atol + b0.rtol * aw + ac * p * grow(b0.alpha + b0.beta * lp, b0.rtol);
       const double t1 = b1.atol + b1.rtol * aw + ac * p * grow(b1.alpha + b1.beta * lp, b1.rtol);
       const double tol = t0 < t1 ? t0 : t1;
@@ -96,11 +127,11 @@ RowComparison compare_logits_row(const double* z, const double* got, int64_t beg
     }
   }
   for (; k < end; ++k) {
-    const double lp = lse - z[k];
+    const double lp = lse - load(z[k]);
     const double p = exp_nonpositive(-lp);
     const double w = c * p;
     const double aw = std::fabs(w);
-    const double diff = std::fabs(got[k] - w);
+    const double diff = std::fabs(load(got[k]) - w);
     const double t0 = b0.atol + b0.rtol * aw + ac * p * grow(b0.alpha + b0.beta * lp, b0.rtol);
     const double t1 = b1.atol + b1.rtol * aw + ac * p * grow(b1.alpha + b1.beta * lp, b1.rtol);
     const double tol = t0 < t1 ? t0 : t1;
@@ -119,6 +150,146 @@ RowComparison compare_logits_row(const double* z, const double* got, int64_t beg
   }
   if (nan_seen) r.max_abs_diff = std::numeric_limits<double>::quiet_NaN();
   return r;
+}
+
+// Narrow dtypes are widened a chunk at a time into float64 arrays that stay in L1 (one simple
+// conversion loop, then the float64 loop: both vectorise; a conversion inside the float64 loop did
+// not), so no float64 copy of a whole row is made.
+constexpr int64_t kChunk = 1024;
+
+template <typename T>
+void widen(const T* src, int64_t n, double* out) {
+  for (int64_t k = 0; k < n; ++k) out[k] = load(src[k]);
+}
+
+template <typename T>
+RowStats row_stats_t(const T* z, int64_t v) {
+  if constexpr (std::is_same_v<T, double>) {
+    return row_stats_direct(z, v);
+  } else {
+    alignas(64) double buf[kChunk];
+    // Pass 1: max and min; pass 2: sums relative to the max, chunk by chunk.
+    double m = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
+    for (int64_t k0 = 0; k0 < v; k0 += kChunk) {
+      const int64_t n = v - k0 < kChunk ? v - k0 : kChunk;
+      widen(z + k0, n, buf);
+      double mx[kLanes], mn[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        mx[j] = m;
+        mn[j] = lo;
+      }
+      int64_t k = 0;
+      for (; k + kLanes <= n; k += kLanes) {
+        for (int j = 0; j < kLanes; ++j) {
+          mx[j] = buf[k + j] > mx[j] ? buf[k + j] : mx[j];
+          mn[j] = buf[k + j] < mn[j] ? buf[k + j] : mn[j];
+        }
+      }
+      for (; k < n; ++k) {
+        mx[0] = buf[k] > mx[0] ? buf[k] : mx[0];
+        mn[0] = buf[k] < mn[0] ? buf[k] : mn[0];
+      }
+      for (int j = 0; j < kLanes; ++j) {
+        m = mx[j] > m ? mx[j] : m;
+        lo = mn[j] < lo ? mn[j] : lo;
+      }
+    }
+    RowStats st;
+    st.max = m;
+    st.max_abs = v > 0 ? std::fmax(std::fabs(m), std::fabs(lo)) : 0.0;
+    double sum = 0.0, dist = 0.0;
+    for (int64_t k0 = 0; k0 < v; k0 += kChunk) {
+      const int64_t n = v - k0 < kChunk ? v - k0 : kChunk;
+      widen(z + k0, n, buf);
+      double s[kLanes] = {}, d[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= n; k += kLanes) {
+        for (int j = 0; j < kLanes; ++j) {
+          const double x = buf[k + j] - m;
+          const double e = exp_nonpositive(x);
+          s[j] += e;
+          d[j] -= e * x;
+        }
+      }
+      for (; k < n; ++k) {
+        const double x = buf[k] - m;
+        const double e = exp_nonpositive(x);
+        s[0] += e;
+        d[0] -= e * x;
+      }
+      for (int j = 0; j < kLanes; ++j) {
+        sum += s[j];
+        dist += d[j];
+      }
+    }
+    st.sum = sum;
+    st.spread = sum > 0.0 ? dist / sum : 0.0;
+    return st;
+  }
+}
+
+template <typename T>
+RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end, double c,
+                            double lse, const ElementBoundRow* bounds, int num_bounds) {
+  if constexpr (std::is_same_v<T, double>) {
+    return compare_row_direct(z, got, begin, end, c, lse, bounds, num_bounds);
+  } else {
+    alignas(64) double zb[kChunk], gb[kChunk];
+    RowComparison r;
+    bool nan_seen = false;
+    for (int64_t k0 = begin; k0 < end; k0 += kChunk) {
+      const int64_t n = end - k0 < kChunk ? end - k0 : kChunk;
+      widen(z + k0, n, zb);
+      widen(got + k0, n, gb);
+      const RowComparison part = compare_row_direct(zb, gb, 0, n, c, lse, bounds, num_bounds);
+      r.mismatched += part.mismatched;
+      nan_seen |= part.max_abs_diff != part.max_abs_diff;
+      r.max_abs_diff = part.max_abs_diff > r.max_abs_diff ? part.max_abs_diff : r.max_abs_diff;
+      r.max_rel_diff = part.max_rel_diff > r.max_rel_diff ? part.max_rel_diff : r.max_rel_diff;
+    }
+    if (nan_seen) r.max_abs_diff = std::numeric_limits<double>::quiet_NaN();
+    return r;
+  }
+}
+
+RowStats logits_row_stats(const double* z, int64_t v) { return row_stats_t(z, v); }
+
+RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return row_stats_t(static_cast<const Bf16*>(z), v);
+    case DType::kFloat16:
+      return row_stats_t(static_cast<const Half*>(z), v);
+    case DType::kFloat32:
+      return row_stats_t(static_cast<const float*>(z), v);
+    default:
+      return row_stats_t(static_cast<const double*>(z), v);
+  }
+}
+
+RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
+                                 double c, double lse, const ElementBoundRow* bounds,
+                                 int num_bounds) {
+  return compare_row_t(z, got, begin, end, c, lse, bounds, num_bounds);
+}
+
+RowComparison compare_logits_row_raw(const void* z, const void* got, DType dtype, int64_t begin,
+                                     int64_t end, double c, double lse,
+                                     const ElementBoundRow* bounds, int num_bounds) {
+  switch (dtype) {
+    case DType::kBFloat16:
+      return compare_row_t(static_cast<const Bf16*>(z), static_cast<const Bf16*>(got), begin, end,
+                           c, lse, bounds, num_bounds);
+    case DType::kFloat16:
+      return compare_row_t(static_cast<const Half*>(z), static_cast<const Half*>(got), begin, end,
+                           c, lse, bounds, num_bounds);
+    case DType::kFloat32:
+      return compare_row_t(static_cast<const float*>(z), static_cast<const float*>(got), begin,
+                           end, c, lse, bounds, num_bounds);
+    default:
+      return compare_row_t(static_cast<const double*>(z), static_cast<const double*>(got), begin,
+                           end, c, lse, bounds, num_bounds);
+  }
 }
 
 RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero) {
