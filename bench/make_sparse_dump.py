@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-# Usage: python bench/make_sparse_dump.py OUT.safetensors
-# A 3 GB safetensors dump, sparse on disk: 16 samples, 10,000 response tokens, Qwen vocabulary
-# 151,936, bf16 logits (zeros: the file's holes).
+# Usage: python bench/make_sparse_dump.py OUT.safetensors [SAMPLES]
+# A safetensors dump, sparse on disk: SAMPLES samples (default 16: 3 GB; 160: 30 GB) of 625 response
+# tokens, Qwen vocabulary 151,936, bf16 logits (zeros: the file's holes).
 import json, struct, sys, numpy as np
 out = sys.argv[1]
-S, R, P, V = 16, 625, 100, 151936
+S, R, P, V = (int(sys.argv[2]) if len(sys.argv) > 2 else 16), 625, 100, 151936
 T = P + R
 tokens = (np.arange(S * T) % 1000).astype(np.int64)
 tl = np.full(S, T, np.int64); rl = np.full(S, R, np.int64)

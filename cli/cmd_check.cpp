@@ -168,6 +168,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
 
     nlohmann::ordered_json cases = nlohmann::ordered_json::array();
     bool all_ok = true;
+    // The oracle's one pass over the logits, shared by every (loss, reduction) case.
+    const std::vector<oracle::RowStats> logits_stats = oracle::oracle_logits_stats(b);
     CheckProgress progress(ctx, static_cast<int64_t>(losses.size() * reduces.size() *
                                                      o.cp_sizes.size() * impls.size()),
                            b.num_response_tokens());
@@ -189,7 +191,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
         settings.atol = o.atol;
         settings.judge_denominator = o.contract.empty();
         spec = oracle::with_rounding_slack(spec, input.dtype, settings);
-        const oracle::OracleLoss want = oracle::oracle_loss(b, spec, /*with_logits_grad=*/false);
+        const oracle::OracleLoss want =
+            oracle::oracle_loss(b, spec, /*with_logits_grad=*/false, &logits_stats);
         out << fmt::format(
             "\nloss {} (d/d {} [{}] {}), reduce {}: oracle loss {:.10g}, denominator {}{}\n",
             loss_kind_name(loss), loss_input_name(want.input), fmt::join(input.shape, ", "),
@@ -319,7 +322,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       oracle::CheckSettings tl_settings;
       tl_settings.rtol = o.rtol;
       tl_settings.atol = o.atol;
-      const oracle::TokenLossCheck t = oracle::check_token_loss(b, tl_spec, tl_settings);
+      const oracle::TokenLossCheck t =
+          oracle::check_token_loss(b, tl_spec, tl_settings, &logits_stats);
       if (t.ran) {
         const std::string where =
             t.ok() ? "" : fmt::format("; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",

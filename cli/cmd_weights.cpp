@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <iterator>
 #include <fstream>
 
 #include "cli/command.h"
@@ -225,15 +226,34 @@ void weights_step(const WeightsOptions& o, const StepView& v, Reduction reduce,
   step["invariance"] = inv;
   step["layout_problems"] = got.problems;
   if (o.per_token && ctx.want_json) {
-    nlohmann::ordered_json samples = nlohmann::ordered_json::array();
+    // Written as text (10 M tokens would be a 10 M-node tree): {"index", "weights", "truth"} per
+    // sample, numbers in their shortest round-trip form, non-finite ones as null (as nlohmann).
+    fmt::memory_buffer text;
+    auto number = [&](double x) {
+      if (std::isfinite(x))
+        fmt::format_to(std::back_inserter(text), "{}", x);
+      else
+        text.append(std::string_view("null"));
+    };
+    auto list = [&](const std::vector<double>& v, int64_t begin, int64_t end) {
+      text.push_back('[');
+      for (int64_t t = begin; t < end; ++t) {
+        if (t > begin) text.push_back(',');
+        number(v[static_cast<std::size_t>(t)]);
+      }
+      text.push_back(']');
+    };
+    text.push_back('[');
     for (int64_t i = 0; i < b.num_samples(); ++i) {
-      std::vector<double> w(got.weight.begin() + b.response_offsets[i],
-                            got.weight.begin() + b.response_offsets[i + 1]);
-      std::vector<double> t(truth.begin() + b.response_offsets[i],
-                            truth.begin() + b.response_offsets[i + 1]);
-      samples.push_back({{"index", i}, {"weights", w}, {"truth", t}});
+      fmt::format_to(std::back_inserter(text), "{}\n    {{\"index\": {}, \"weights\": ",
+                     i > 0 ? "," : "", i);
+      list(got.weight, b.response_offsets[i], b.response_offsets[i + 1]);
+      text.append(std::string_view(", \"truth\": "));
+      list(truth, b.response_offsets[i], b.response_offsets[i + 1]);
+      text.push_back('}');
     }
-    step["samples"] = samples;
+    text.append(std::string_view(b.num_samples() > 0 ? "\n  ]" : "]"));
+    step["samples"] = report.raw_value(std::move(text));
   }
   res["steps"] = nlohmann::ordered_json::array({step});
   report.verified();

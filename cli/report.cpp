@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <fstream>
+#include <functional>
 
 #include "lossguard/build_config.h"
 
@@ -99,6 +101,24 @@ nlohmann::ordered_json Report::to_json() const {
   for (auto it = results_.begin(); it != results_.end(); ++it) j[it.key()] = it.value();
   for (const auto& [key, text] : raw_results_)
     j[key] = nlohmann::ordered_json::parse(std::string_view(text.data(), text.size()));
+  if (!raw_values_.empty()) {
+    // Placeholders (raw_value) replaced by their values, wherever they sit.
+    std::function<void(nlohmann::ordered_json&)> fill = [&](nlohmann::ordered_json& node) {
+      if (node.is_string()) {
+        const std::string& sv = node.get_ref<const std::string&>();
+        if (sv.rfind("\x01lossguard-raw-", 0) != 0) return;
+        for (const auto& [token, text] : raw_values_) {
+          if (token == sv) {
+            node = nlohmann::ordered_json::parse(std::string_view(text.data(), text.size()));
+            return;
+          }
+        }
+      } else if (node.is_structured()) {
+        for (auto& child : node) fill(child);
+      }
+    };
+    fill(j);
+  }
   return j;
 }
 
@@ -171,17 +191,35 @@ void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostre
     std::string head;
     {
       auto raw = std::move(raw_results_);
+      auto values = std::move(raw_values_);
       raw_results_.clear();
+      raw_values_.clear();
       head = to_json().dump(2);
       raw_results_ = std::move(raw);
+      raw_values_ = std::move(values);
     }
+    // Where each raw_value placeholder landed in the text (as nlohmann writes it: "\u0001...").
+    std::vector<std::pair<std::size_t, const std::pair<std::string, fmt::memory_buffer>*>> at;
+    for (const auto& rv : raw_values_) {
+      const std::string quoted = nlohmann::ordered_json(rv.first).dump();
+      const std::size_t pos = head.find(quoted);
+      if (pos != std::string::npos) at.emplace_back(pos, &rv);
+    }
+    std::sort(at.begin(), at.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
     const bool splice = !raw_results_.empty() && !head.empty() && head.back() == '}';
     if (splice) {
       head.pop_back();
       while (!head.empty() && head.back() == '\n') head.pop_back();
     }
     auto write = [&](std::ostream& s) -> bool {
-      s << head;
+      std::size_t from = 0;
+      for (const auto& [pos, rv] : at) {
+        s.write(head.data() + from, static_cast<std::streamsize>(pos - from));
+        s.write(rv->second.data(), static_cast<std::streamsize>(rv->second.size()));
+        from = pos + nlohmann::ordered_json(rv->first).dump().size();
+      }
+      s.write(head.data() + from, static_cast<std::streamsize>(head.size() - from));
       if (splice) {
         for (const auto& [key, raw] : raw_results_)
           (s << ",\n  " << nlohmann::ordered_json(key).dump() << ": ")

@@ -66,6 +66,13 @@ class Report {
   void set_raw_result(const std::string& key, fmt::memory_buffer&& json_text) {
     raw_results_.emplace_back(key, std::move(json_text));
   }
+  // The same anywhere in the tree: returns a placeholder string to store where the value goes
+  // (weights' per-token rows under steps[k].samples); the text replaces it when written.
+  std::string raw_value(fmt::memory_buffer&& json_text) {
+    std::string token = "\x01lossguard-raw-" + std::to_string(raw_values_.size());
+    raw_values_.emplace_back(token, std::move(json_text));
+    return token;
+  }
   std::vector<std::pair<std::string, fmt::memory_buffer>> take_raw_results() {
     return std::move(raw_results_);
   }
@@ -89,6 +96,7 @@ class Report {
   std::vector<JunitCase> cases_;
   nlohmann::ordered_json results_ = nlohmann::ordered_json::object();
   std::vector<std::pair<std::string, fmt::memory_buffer>> raw_results_;
+  std::vector<std::pair<std::string, fmt::memory_buffer>> raw_values_;  // (placeholder, text)
 };
 
 // Prints findings as indented lines under a heading; nothing when there are none.

@@ -110,7 +110,8 @@ Derived derive_bounds(const Batch& b, const OracleLoss& want, DType input, const
 
 }  // namespace
 
-TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const CheckSettings& s) {
+TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const CheckSettings& s,
+                                const std::vector<RowStats>* logits_stats) {
   TokenLossCheck t;
   if (!b.per_token.count("token_loss") || (!b.logits && !b.per_token.count("log_probs"))) return t;
   t.ran = true;
@@ -119,7 +120,7 @@ TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const Chec
   LossSpec nll_spec = spec;
   nll_spec.loss = LossKind::kNll;
   nll_spec.reduce = Reduction::kPerToken;
-  const OracleLoss nll = oracle_loss(b, nll_spec, /*with_logits_grad=*/false);
+  const OracleLoss nll = oracle_loss(b, nll_spec, /*with_logits_grad=*/false, logits_stats);
   const bool has_ppo = b.per_token.count("log_probs") && b.per_token.count("old_log_probs") &&
                        b.per_token.count("advantages");
   OracleLoss ppo;

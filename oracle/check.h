@@ -74,7 +74,8 @@ struct TokenLossCheck {
   bool ok() const { return !ran || !matches.empty(); }
 };
 TokenLossCheck check_token_loss(const Batch& batch, const LossSpec& spec,
-                                const CheckSettings& settings);
+                                const CheckSettings& settings,
+                                const std::vector<RowStats>* logits_stats = nullptr);
 
 // The same for a candidate whose whole gradient is in got.grad (tests, small batches).
 CheckCase evaluate_check(const Batch& batch, const LossSpec& spec, const OracleLoss& want,

@@ -224,10 +224,11 @@ void GradStream::add(const int64_t* rows, int64_t n, const void* data) {
             (s_.skip_rows == nullptr || !(*s_.skip_rows)[row]) && part.worst_row >= 0 &&
             row_is_zero(raw, s_.got_dtype, cols_)) {
           part.c.checked += cols_;  // a zero truth met exactly (the common masked row)
-          continue;
+        } else {
+          compare_row(part, row, raw, z, got);
         }
-        compare_row(part, row, raw, z, got);
-        if (b_.logits && cols_ > 1) b_.logits->drop_pages(rows[k] * cols_, (rows[k] + 1) * cols_);
+        // The candidate has read this row of a mapped dump, and the comparison is done with it.
+        if (b_.logits && cols_ > 1) b_.logits->drop_pages(row * cols_, (row + 1) * cols_);
       }
     } catch (...) {
       errors[static_cast<std::size_t>(w)] = std::current_exception();

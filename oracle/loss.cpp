@@ -92,7 +92,13 @@ void oracle_grad_row(const Batch& b, const OracleLoss& o, int64_t row, double* o
   std::copy(o.grad.begin() + row * v, o.grad.begin() + (row + 1) * v, out);
 }
 
-OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_grad) {
+std::vector<RowStats> oracle_logits_stats(const Batch& b) {
+  if (!b.logits) return {};
+  return logits_stats(b, b.vocab_size());
+}
+
+OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_grad,
+                       const std::vector<RowStats>* cached) {
   OracleLoss o;
   o.input = loss_input(b, spec.loss);
   const int64_t rows = b.num_response_tokens();
@@ -144,7 +150,10 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_gr
   // The objective's weight of each token (SPEC §9): loss = sum_t w*_t · l_t.
   const std::vector<double> weight =
       true_weights(b, spec.reduce, {spec.global_batch_size, spec.l_norm});
-  const std::vector<RowStats> stats = logits ? logits_stats(b, v) : std::vector<RowStats>{};
+  std::vector<RowStats> own;
+  if (logits && (cached == nullptr || cached->size() != static_cast<std::size_t>(rows)))
+    own = logits_stats(b, v);
+  const std::vector<RowStats>& stats = logits && own.empty() && cached != nullptr ? *cached : own;
   CompensatedSum loss, magnitude;
   for (int64_t i = 0; i < s; ++i) {
     const int64_t p = b.prompt_length(i);

@@ -9,6 +9,7 @@
 #include "core/batch.h"
 #include "core/modes.h"
 #include "oracle/denominators.h"
+#include "oracle/row_math.h"
 
 namespace lossguard::oracle {
 
@@ -39,7 +40,13 @@ struct OracleLoss {
 // says. From logits, `with_logits_grad` false leaves `grad` empty: check compares a row's gradient
 // as it computes it (oracle_grad_row), so the [rows, vocab] float64 gradient never exists. The pass
 // over the logits runs on every core and gives back the pages of a mapped file as it goes.
-OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logits_grad = true);
+OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logits_grad = true,
+                       const std::vector<RowStats>* logits_stats = nullptr);
+
+// The per-row statistics of the logits (row_math.h) of every row with mask 1: the one pass over the
+// logits an oracle_loss from logits makes. check computes it once per step and hands it to every
+// (loss, reduction) case instead of one pass each.
+std::vector<RowStats> oracle_logits_stats(const Batch& batch);
 
 // Row `row` of d loss / d input (`grad_cols` values) into `out`: from `grad` when materialised,
 // else c (exp(z - lse) - onehot(y)) for a row of logits.
