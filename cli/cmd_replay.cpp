@@ -258,12 +258,17 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   res["ranks"] = ranks;
   const std::string name = fmt::format("{} TP{} PP{} CP{} DP{}", oracle::protocol_name(protocol),
                                        o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
-  report.add_case(
-      {"lossguard.replay", name + ": expected decision on every rank", !result.wrong_decision,
-       result.wrong_decision ? "some ranks decided differently from the expected decision" : "",
-       false});
+  // JUnit failure messages name the ranks (the findings' rank sets: "0-3, 8-11", arithmetic runs).
+  std::string wrong_ranks, fault_ranks;
+  for (const auto& f : result.findings) {
+    if (f.kind == "parameter_drift" || f.kind == "lost_step")
+      wrong_ranks += (wrong_ranks.empty() ? "" : "; ") + f.message;
+    if (f.kind == "distributed_fault") fault_ranks = f.message;
+  }
+  report.add_case({"lossguard.replay", name + ": expected decision on every rank",
+                   !result.wrong_decision, result.wrong_decision ? wrong_ranks : "", false});
   report.add_case({"lossguard.replay", name + ": no error, deadlock or mismatch", !result.fault,
-                   result.fault ? "some ranks errored, blocked or mismatched" : "", false});
+                   result.fault ? fault_ranks : "", false});
   if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
   report.verified();
   if (result.fault) report.fault();

@@ -311,14 +311,14 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
                      "moments and weight "
                      "decay move the weights and the LR scheduler advances with no training signal",
                      drift.size(), format_rank_set(drift)),
-         {{"ranks", drift.size()}}});
+         {{"ranks", drift.size()}, {"rank_set", format_rank_set(drift, 64)}}});
   }
   if (!lost.empty()) {
     out.findings.push_back(
         {"lost_step",
          fmt::format("{} rank(s) ({}) skipped a step that had {} effective tokens", lost.size(),
                      format_rank_set(lost), in.global_tokens),
-         {{"ranks", lost.size()}}});
+         {{"ranks", lost.size()}, {"rank_set", format_rank_set(lost, 64)}}});
   }
   if (!faulted.empty()) {
     out.findings.push_back(
@@ -326,7 +326,7 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
          fmt::format(
              "{} rank(s) ({}) errored, blocked or mismatched: a real job would crash or hang",
              faulted.size(), format_rank_set(faulted)),
-         {{"ranks", faulted.size()}}});
+         {{"ranks", faulted.size()}, {"rank_set", format_rank_set(faulted, 64)}}});
   }
   out.ranks = std::move(ranks);
   return out;

@@ -755,5 +755,34 @@ TEST(CliReport, JunitForCountCheckReplayAndTopo) {
     EXPECT_EQ(x.find("<failure") != std::string::npos, code == 1) << args[0] << ": " << x;
   }
 }
+
+// A failing replay's JUnit messages and findings name the ranks, as runs ("0-3"): here no-skip on
+// a zero-token batch over DP 4 makes all four ranks step, and pr285-src-local over TP 2 x PP 2
+// errors on ranks 0 and 2 (their groups lack the global src) while 1 and 3 block.
+TEST(CliReport, ReplayFailuresNameTheRanks) {
+  const auto dir = testing::temp_dir("junit-ranks");
+  const std::string drift = (dir / "drift.xml").string();
+  Result r = run_cli({"replay", fixture("gen_zero-token.safetensors"), "--dp", "4", "--protocol",
+                      "no-skip", "--junit", drift, "--json", "-"});
+  EXPECT_EQ(r.code, 1) << r.err;
+  const std::string x = testing::read_file(drift);
+  EXPECT_NE(x.find("4 rank(s) (0-3) decided to run optimizer.step()"), std::string::npos) << x;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  bool seen = false;
+  for (const auto& f : j["findings"]) {
+    if (f["kind"] == "parameter_drift") {
+      seen = true;
+      EXPECT_EQ(f["ranks"], 4);
+      EXPECT_EQ(f["rank_set"], "0-3");
+    }
+  }
+  EXPECT_TRUE(seen) << j["findings"].dump();
+  const std::string fault = (dir / "fault.xml").string();
+  Result f = run_cli({"replay", fixture("gen_zero-token.safetensors"), "--tp", "2", "--pp", "2",
+                      "--protocol", "pr285-src-local", "--junit", fault});
+  EXPECT_EQ(f.code, 3) << f.err;
+  const std::string y = testing::read_file(fault);
+  EXPECT_NE(y.find("4 rank(s) (0-3) errored, blocked or mismatched"), std::string::npos) << y;
+}
 }  // namespace
 }  // namespace lossguard::cli
