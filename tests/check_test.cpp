@@ -689,5 +689,21 @@ TEST(TokenLoss, ADumpsTokenLossMustBeThePerTokenNllOrPpoClipOfItsInputs) {
   EXPECT_EQ(w.doc["token_loss"]["worst"]["sample"], sample);
 }
 
+TEST(TokenLoss, EveryBundledGenFixtureIsSelfConsistent) {
+  // The committed `gen` dumps hold token_loss = -log_probs, the nll of their own logits (SFT rows
+  // predicting the next token): `check --loss given` accepts every one that has a token_loss.
+  int checked = 0;
+  for (const auto& e : std::filesystem::directory_iterator(testing::fixture_dir())) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("gen_", 0) != 0 || e.path().extension() != ".safetensors") continue;
+    const CheckRun r = check(e.path().string(), {"--cp", "1", "--loss", "given"});
+    if (r.code == 2) continue;  // no token_loss (gen_cp-examples)
+    ++checked;
+    EXPECT_EQ(r.code, 0) << name << ": " << r.doc["token_loss"].dump();
+    EXPECT_EQ(r.doc["token_loss"]["matches"], "nll") << name;
+  }
+  EXPECT_GE(checked, 6);
+}
+
 }  // namespace
 }  // namespace lossguard
