@@ -367,20 +367,8 @@ void row_to_f64(const void* src, DType dtype, int64_t n, double* out) {
   } else if (dtype == DType::kFloat64) {
     std::memcpy(out, src, static_cast<std::size_t>(n) * 8);
   } else if (dtype == DType::kFloat16) {
-    // Exact: sign, exponent rebias, subnormals scaled, inf and NaN kept.
-    const uint16_t* p = static_cast<const uint16_t*>(src);
-    for (int64_t k = 0; k < n; ++k) {
-      const uint32_t h = p[k], sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
-      const uint32_t normal = (em << 13) + ((127u - 15u) << 23);
-      const uint32_t infnan = (em << 13) | 0x7f800000u;
-      const float sub = static_cast<float>(static_cast<int32_t>(em)) * 5.9604644775390625e-8f;
-      uint32_t sub_bits;
-      std::memcpy(&sub_bits, &sub, 4);
-      const uint32_t bits = (em >= 0x7c00u ? infnan : (em < 0x400u ? sub_bits : normal)) | sign;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      out[k] = f;
-    }
+    const Half* p = static_cast<const Half*>(src);
+    for (int64_t k = 0; k < n; ++k) out[k] = load(p[k]);
   } else {
     HostArray view;
     view.dtype = dtype;
