@@ -323,7 +323,11 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       tl_settings.rtol = o.rtol;
       tl_settings.atol = o.atol;
       const oracle::TokenLossCheck t =
-          oracle::check_token_loss(b, tl_spec, tl_settings, &logits_stats);
+          oracle::check_token_loss(
+              b, tl_spec, tl_settings,
+              trainer::arithmetic_of(trainer::Impl::kTorch, b.logits ? b.vocab_size() : 1,
+                                     kernels::Device::kCpu),
+              &logits_stats);
       if (t.ran) {
         const std::string where =
             t.ok() ? "" : fmt::format("; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",

@@ -21,6 +21,19 @@ struct GradSink {
   void operator()(const int64_t* r, int64_t n, const void* data) const { rows(context, r, n, data); }
 };
 
+// Hands a whole gradient (`rows` rows of row_bytes each, row-major) to `sink` in blocks of `block`
+// rows, in order: for a candidate's gradient collected whole (tests, mutations).
+inline void stream_rows(const std::byte* data, int64_t rows, std::size_t row_bytes, int64_t block,
+                        const GradSink& sink) {
+  std::vector<int64_t> ids;
+  for (int64_t r0 = 0; r0 < rows; r0 += block) {
+    const int64_t n = rows - r0 < block ? rows - r0 : block;
+    ids.resize(static_cast<std::size_t>(n));
+    for (int64_t k = 0; k < n; ++k) ids[static_cast<std::size_t>(k)] = r0 + k;
+    sink(ids.data(), n, data + static_cast<std::size_t>(r0) * row_bytes);
+  }
+}
+
 // How a candidate computes the nll from logits: `check` derives its tolerances from it
 // (oracle/check.cpp has the derivations). kUnknown: the per-dtype defaults alone.
 struct Arithmetic {

@@ -111,6 +111,7 @@ Derived derive_bounds(const Batch& b, const OracleLoss& want, DType input, const
 }  // namespace
 
 TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const CheckSettings& s,
+                                const Arithmetic& trainer,
                                 const std::vector<RowStats>* logits_stats) {
   TokenLossCheck t;
   if (!b.per_token.count("token_loss") || (!b.logits && !b.per_token.count("log_probs"))) return t;
@@ -131,11 +132,11 @@ TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const Chec
     t.mismatched_ppo = 0;
   }
   // Allowed |token_loss - l|: the dtype's tolerance on |l|, plus, from logits, what a trainer's
-  // float log-softmax may add (the sum of exponentials in 8 float lanes, as PyTorch's: see
+  // float log-softmax may add (its sum of exponentials in chains of trainer.exp_sum_chain: see
   // derive_bounds) — no trainer is expected to be float64-exact. ppo-clip's l = max(-rho A,
   // -clip(rho) A) is scaled by rho |A| (1 + |lp - old|) through exp in the dtype.
   const double uf = std::ldexp(1.0, -24);
-  const double chain = b.logits ? static_cast<double>(b.vocab_size() / 8 + 8) : 0.0;
+  const double chain = b.logits ? static_cast<double>(trainer.exp_sum_chain) : 0.0;
   double worst_excess = -1.0;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     for (int64_t row = b.response_offsets[i]; row < b.response_offsets[i + 1]; ++row) {
@@ -235,12 +236,8 @@ CheckCase evaluate_check(const Batch& b, const LossSpec& spec, const OracleLoss&
   CaseJudge judge(b, spec, want, input, arithmetic, s);
   const int64_t rows = b.num_response_tokens();
   if (rows > 0 && got.grad.data != nullptr) {
-    const GradSink sink = judge.sink();
-    const std::size_t row_bytes = got.grad.size_bytes() / static_cast<std::size_t>(rows);
-    std::vector<int64_t> ids(static_cast<std::size_t>(rows));
-    for (int64_t r = 0; r < rows; ++r) ids[static_cast<std::size_t>(r)] = r;
-    (void)row_bytes;
-    sink(ids.data(), rows, got.grad.data);
+    stream_rows(got.grad.data, rows, got.grad.size_bytes() / static_cast<std::size_t>(rows), rows,
+                judge.sink());
   }
   return judge.finish(got);
 }

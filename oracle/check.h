@@ -73,8 +73,10 @@ struct TokenLossCheck {
   GradLocation worst;          // the worst token against the closer of the two (vocab_index -1)
   bool ok() const { return !ran || !matches.empty(); }
 };
+// `trainer`: how the dump's trainer is assumed to have computed token_loss from logits (its error
+// is allowed on top of the dtype's tolerance; see derive_bounds).
 TokenLossCheck check_token_loss(const Batch& batch, const LossSpec& spec,
-                                const CheckSettings& settings,
+                                const CheckSettings& settings, const Arithmetic& trainer,
                                 const std::vector<RowStats>* logits_stats = nullptr);
 
 // The same for a candidate whose whole gradient is in got.grad (tests, small batches).

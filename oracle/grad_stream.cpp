@@ -8,6 +8,7 @@
 #include <exception>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include "oracle/exp64.h"
 
@@ -42,6 +43,10 @@ GradStream::GradStream(const Batch& b, const OracleLoss& want, GradStreamSetting
   delivered_.assign(static_cast<std::size_t>(b.num_response_tokens()), 0);
   if (s_.bounds.empty()) s_.bounds.push_back({});
   if (s_.bounds.size() > 2) throw std::logic_error("GradStream: at most two element bounds");
+  if (want.input == LossInput::kLogits && !want.grad_materialised &&
+      b.logits->dtype != s_.got_dtype) {
+    throw std::logic_error("GradStream: a logits gradient comes in the logits' dtype");
+  }
   const int64_t threads =
       std::clamp<int64_t>(static_cast<int64_t>(std::thread::hardware_concurrency()), 1, 16);
   for (int64_t t = 0; t < threads; ++t) parts_.push_back(std::make_unique<Part>());
@@ -65,7 +70,6 @@ void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
   }
   const bool masked = b_.loss_mask[row] == 0;
   const double coeff = want_.coeff[row];
-  const int nb = static_cast<int>(s_.bounds.size());
   c.checked += cols_;
   auto note = [&](int64_t col, double g, double w) {
     const double diff = std::fabs(g - w);
@@ -86,10 +90,14 @@ void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
     }
   };
   const bool from_logits = want_.input == LossInput::kLogits && !want_.grad_materialised;
-  const bool in_place = from_logits && !masked && coeff != 0.0 && b_.logits->dtype == s_.got_dtype;
-  if (!in_place) row_to_f64(raw, s_.got_dtype, cols_, got_row.data());
-  if (from_logits && (masked || coeff == 0.0)) {
-    // The truth is 0: every element within the smallest absolute slack, masked rows exactly 0.
+  if (from_logits && !masked && coeff != 0.0) {
+    compare_logits(part, row, raw, z, got_row, note);
+    return;
+  }
+  row_to_f64(raw, s_.got_dtype, cols_, got_row.data());
+  if (from_logits) {
+    // The truth is 0 (masked, or a zero weight): every element within the smallest absolute
+    // slack, masked rows exactly 0.
     double tol = INFINITY;
     for (const ElementBound& e : s_.bounds)
       tol = std::min(tol, e.atol + std::fabs(coeff) * e.atol_per_weight);
@@ -104,94 +112,85 @@ void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
     }
     return;
   }
-  if (masked || coeff == 0.0 || !from_logits) {
-    // The truth is 0 here (masked, or a zero weight), or a materialised value (per-token inputs,
-    // small batches): element by element.
-    for (int64_t k = 0; k < cols_; ++k) {
-      const double w =
-          (masked || coeff == 0.0) && from_logits ? 0.0 : want_.grad[row * cols_ + k];
-      const double g = got[k];
-      const double diff = std::fabs(g - w);
-      double tol = INFINITY;
-      for (int j = 0; j < nb; ++j) {
-        const ElementBound& e = s_.bounds[static_cast<std::size_t>(j)];
-        double t = e.atol + std::fabs(coeff) * e.atol_per_weight + e.rtol * std::fabs(w);
-        if (want_.input == LossInput::kLogits && coeff != 0.0) {
-          // A materialised logits row (small batches): the p terms, p recovered from w.
-          const ElementBoundRow r =
-              bound_at_row(e, coeff, want_.spread[row], want_.log_sum[row], want_.lse[row]);
-          const bool target = k == want_.target[row];
-          const double p = target ? 1.0 + w / coeff : w / coeff;
-          if (p > 0.0)
-            t += std::fabs(coeff) * p * grow(r.alpha + r.beta * std::fabs(std::log(p)), r.rtol);
-        }
-        tol = std::min(tol, t);
-      }
-      if (masked && g != 0.0) ++c.masked_nonzero;
-      if (!(diff <= tol)) ++c.mismatched;
-      if (worse(diff, c.max_abs_diff) || part.worst_row < 0 ||
-          (w != 0.0 && diff / std::fabs(w) > c.max_rel_diff))
-        note(cols_ > 1 ? k : -1, g, w);
-    }
-    return;
+  // A materialised truth (per-token inputs; logits of small batches): element by element. For
+  // logits the p terms of the bound use p recovered from w.
+  const bool logits = want_.input == LossInput::kLogits && coeff != 0.0;
+  std::vector<ElementBoundRow> rb;
+  for (const ElementBound& e : s_.bounds) {
+    rb.push_back(logits ? bound_at_row(e, coeff, want_.spread[row], want_.log_sum[row],
+                                       want_.lse[row])
+                        : ElementBoundRow{e.atol + std::fabs(coeff) * e.atol_per_weight, e.rtol,
+                                          0.0, 0.0});
   }
-  // From logits: w_k = c (exp(z_k - lse) - [k == y]), compared in the vectorised row loop on the
-  // rows as stored (no float64 copies) except for the target, compared here; the float64 copies
-  // are made only for a row that holds a new worst element.
+  for (int64_t k = 0; k < cols_; ++k) {
+    const double w = want_.grad[row * cols_ + k];
+    const double g = got[k];
+    const double diff = std::fabs(g - w);
+    double p = 0.0;
+    if (logits) p = k == want_.target[row] ? 1.0 + w / coeff : w / coeff;
+    const double lp = p > 0.0 ? -std::log(p) : 0.0;
+    double tol = INFINITY;
+    for (const ElementBoundRow& b : rb)
+      tol = std::min(tol, element_tolerance(b, std::fabs(coeff), std::fabs(w), p > 0.0 ? p : 0.0, lp));
+    if (masked && g != 0.0) ++c.masked_nonzero;
+    if (!(diff <= tol)) ++c.mismatched;
+    if (worse(diff, c.max_abs_diff) || part.worst_row < 0 ||
+        (w != 0.0 && diff / std::fabs(w) > c.max_rel_diff))
+      note(cols_ > 1 ? k : -1, g, w);
+  }
+}
+
+template <typename Note>
+void GradStream::compare_logits(Part& part, int64_t row, const std::byte* raw,
+                                std::vector<double>& z, std::vector<double>& got,
+                                const Note& note) const {
+  // w_k = c (exp(z_k - lse) - [k == y]), compared in the vectorised row loop on the rows as
+  // stored, except for the target, compared here; float64 copies of the two rows are made only
+  // for a row that holds a new worst element.
+  GradComparison& c = part.c;
+  const double coeff = want_.coeff[row], lse = want_.lse[row];
+  const int64_t y = want_.target[row];
   const std::byte* zraw =
       b_.logits->data + static_cast<std::size_t>(row * cols_) * dtype_size_bytes(b_.logits->dtype);
-  const double lse = want_.lse[row];
-  const int64_t y = want_.target[row];
+  const int nb = static_cast<int>(s_.bounds.size());
   ElementBoundRow rb[2];
   for (int j = 0; j < nb; ++j)
     rb[j] = bound_at_row(s_.bounds[static_cast<std::size_t>(j)], coeff, want_.spread[row],
                          want_.log_sum[row], lse);
-  RowComparison a, bb;
-  if (in_place) {
-    a = compare_logits_row_raw(zraw, raw, s_.got_dtype, 0, y, coeff, lse, rb, nb);
-    bb = compare_logits_row_raw(zraw, raw, s_.got_dtype, y + 1, cols_, coeff, lse, rb, nb);
-  } else {
-    row_to_f64(zraw, b_.logits->dtype, cols_, z.data());
-    a = compare_logits_row(z.data(), got, 0, y, coeff, lse, rb, nb);
-    bb = compare_logits_row(z.data(), got, y + 1, cols_, coeff, lse, rb, nb);
-  }
-  const double zy = b_.logits->get_f64(row * cols_ + y);
+  const RowComparison a = compare_logits_row(zraw, raw, s_.got_dtype, 0, y, coeff, lse, rb, nb);
+  const RowComparison b =
+      compare_logits_row(zraw, raw, s_.got_dtype, y + 1, cols_, coeff, lse, rb, nb);
+  // Element k from its z and got: (|got - w|, w, whether within the bound).
+  auto element = [&](int64_t k, double zk, double gk) {
+    const double lp = lse - zk;
+    const double p = exp_nonpositive(-lp);
+    const double w = k == y ? coeff * std::expm1(-lp) : coeff * p;
+    const double diff = std::fabs(gk - w);
+    double tol = INFINITY;
+    for (int j = 0; j < nb; ++j)
+      tol = std::min(tol, element_tolerance(rb[j], std::fabs(coeff), std::fabs(w), p, lp));
+    return std::make_tuple(diff, w, diff <= tol);
+  };
   HostArray got_view;
   got_view.dtype = s_.got_dtype;
   got_view.shape = {cols_};
   got_view.data = raw;
-  const double gy = in_place ? got_view.get_f64(y) : got[y];
-  auto element = [&](int64_t k, double* tol_out) {
-    const double zk = k == y ? zy : z[k];
-    const double lp = lse - zk;
-    const double p = exp_nonpositive(-lp);
-    const double w = k == y ? coeff * std::expm1(-lp) : coeff * p;
-    const double diff = std::fabs((k == y ? gy : got[k]) - w);
-    double tol = INFINITY;
-    for (int j = 0; j < nb; ++j)
-      tol = std::min(tol, rb[j].atol + rb[j].rtol * std::fabs(w) +
-                              std::fabs(coeff) * p * grow(rb[j].alpha + rb[j].beta * lp, rb[j].rtol));
-    *tol_out = tol;
-    return std::make_pair(diff, w);
-  };
-  double tol_y = 0.0;
-  const auto [diff_y, w_y] = element(y, &tol_y);
-  c.mismatched += a.mismatched + bb.mismatched + (diff_y <= tol_y ? 0 : 1);
-  double row_max = std::max(a.max_abs_diff, bb.max_abs_diff);
-  if (std::isnan(a.max_abs_diff) || std::isnan(bb.max_abs_diff)) row_max = NAN;
+  const auto [diff_y, w_y, ok_y] =
+      element(y, b_.logits->get_f64(row * cols_ + y), got_view.get_f64(y));
+  c.mismatched += a.mismatched + b.mismatched + (ok_y ? 0 : 1);
+  double row_max = std::max(a.max_abs_diff, b.max_abs_diff);
+  if (std::isnan(a.max_abs_diff) || std::isnan(b.max_abs_diff)) row_max = NAN;
   if (worse(diff_y, row_max)) row_max = diff_y;
-  const double row_rel = std::max({a.max_rel_diff, bb.max_rel_diff,
-                                   w_y != 0.0 ? diff_y / std::fabs(w_y) : 0.0});
+  const double row_rel =
+      std::max({a.max_rel_diff, b.max_rel_diff, w_y != 0.0 ? diff_y / std::fabs(w_y) : 0.0});
   // The row holds a new worst element: find it (a scalar pass, rare).
   if (worse(row_max, c.max_abs_diff) || part.worst_row < 0 ||
       (row_rel > c.max_rel_diff && std::isfinite(row_rel))) {
-    if (in_place) {
-      row_to_f64(zraw, b_.logits->dtype, cols_, z.data());
-      row_to_f64(raw, s_.got_dtype, cols_, got_row.data());
-    }
+    row_to_f64(zraw, b_.logits->dtype, cols_, z.data());
+    row_to_f64(raw, s_.got_dtype, cols_, got.data());
     for (int64_t k = 0; k < cols_; ++k) {
-      double tol = 0.0;
-      const auto [diff, w] = element(k, &tol);
+      const auto [diff, w, ok] = element(k, z[k], got[k]);
+      (void)ok;
       if (worse(diff, c.max_abs_diff) || part.worst_row < 0 ||
           (w != 0.0 && diff / std::fabs(w) > c.max_rel_diff))
         note(k, got[k], w);

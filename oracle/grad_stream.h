@@ -58,6 +58,10 @@ class GradStream {
   // `raw`: the candidate's row in got_dtype; z and got: float64 scratch rows.
   void compare_row(Part& part, int64_t row, const std::byte* raw, std::vector<double>& z,
                    std::vector<double>& got) const;
+  // A row with weight from logits (the hot path); `note` records a worst-element candidate.
+  template <typename Note>
+  void compare_logits(Part& part, int64_t row, const std::byte* raw, std::vector<double>& z,
+                      std::vector<double>& got, const Note& note) const;
   const Batch& b_;
   const OracleLoss& want_;
   GradStreamSettings s_;

@@ -44,7 +44,7 @@ std::vector<RowStats> logits_stats(const Batch& b, int64_t v) {
           const int64_t r0 = run * kRun, r1 = std::min(rows, r0 + kRun);
           for (int64_t row = r0; row < r1; ++row) {
             if (!b.loss_mask[row]) continue;
-            stats[static_cast<std::size_t>(row)] = logits_row_stats_raw(
+            stats[static_cast<std::size_t>(row)] = logits_row_stats(
                 b.logits->data + static_cast<std::size_t>(row * v) * dtype_size_bytes(b.logits->dtype),
                 b.logits->dtype, v);
           }
@@ -82,15 +82,6 @@ void logits_grad_row(const Batch& b, const OracleLoss& o, int64_t row, double* o
 
 }  // namespace
 
-void oracle_grad_row(const Batch& b, const OracleLoss& o, int64_t row, double* out) {
-  const int64_t v = o.grad_cols;
-  if (o.input == LossInput::kLogits && !o.grad_materialised) return logits_grad_row(b, o, row, out);
-  if (o.grad.empty()) {
-    std::fill(out, out + v, 0.0);
-    return;
-  }
-  std::copy(o.grad.begin() + row * v, o.grad.begin() + (row + 1) * v, out);
-}
 
 std::vector<RowStats> oracle_logits_stats(const Batch& b) {
   if (!b.logits) return {};

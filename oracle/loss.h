@@ -38,7 +38,7 @@ struct OracleLoss {
 
 // Computes loss and gradient at CP = 1 under the `fixed` policy (the truth), whatever spec.policy
 // says. From logits, `with_logits_grad` false leaves `grad` empty: check compares a row's gradient
-// as it computes it (oracle_grad_row), so the [rows, vocab] float64 gradient never exists. The pass
+// row by row as the candidate hands it over (grad_stream.h), so the [rows, vocab] float64 gradient never exists. The pass
 // over the logits runs on every core and gives back the pages of a mapped file as it goes.
 OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logits_grad = true,
                        const std::vector<RowStats>* logits_stats = nullptr);
@@ -47,10 +47,6 @@ OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logit
 // logits an oracle_loss from logits makes. check computes it once per step and hands it to every
 // (loss, reduction) case instead of one pass each.
 std::vector<RowStats> oracle_logits_stats(const Batch& batch);
-
-// Row `row` of d loss / d input (`grad_cols` values) into `out`: from `grad` when materialised,
-// else c (exp(z - lse) - onehot(y)) for a row of logits.
-void oracle_grad_row(const Batch& batch, const OracleLoss& o, int64_t row, double* out);
 
 // Neumaier's compensated sum.
 class CompensatedSum {

@@ -3,19 +3,15 @@
 
 namespace lossguard::oracle {
 
-#define LOSSGUARD_ROW_MATH_DECLARE(isa)                                                       \
-  namespace isa {                                                                             \
-  RowStats logits_row_stats(const double* z, int64_t v);                                      \
-  RowComparison compare_logits_row(const double* z, const double* got, int64_t begin,         \
-                                   int64_t end, double c, double lse,                         \
-                                   const ElementBoundRow* bounds, int num_bounds);            \
-  RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero); \
+#define LOSSGUARD_ROW_MATH_DECLARE(isa)                                                        \
+  namespace isa {                                                                              \
+  RowStats logits_row_stats(const void* z, DType dtype, int64_t v);                            \
+  RowComparison compare_logits_row(const void* z, const void* got, DType dtype, int64_t begin, \
+                                   int64_t end, double c, double lse,                          \
+                                   const ElementBoundRow* bounds, int num_bounds);             \
+  RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero);  \
   void row_to_f64(const void* src, DType dtype, int64_t n, double* out);                       \
   bool row_is_zero(const void* src, DType dtype, int64_t n);                                   \
-  RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v);                        \
-  RowComparison compare_logits_row_raw(const void* z, const void* got, DType dtype,            \
-                                       int64_t begin, int64_t end, double c, double lse,       \
-                                       const ElementBoundRow* bounds, int num_bounds);          \
   }
 LOSSGUARD_ROW_MATH_DECLARE(generic)
 #if defined(__x86_64__) && defined(LOSSGUARD_ORACLE_X86)
@@ -27,16 +23,19 @@ namespace {
 
 struct RowMath {
   const char* name;
-  RowStats (*stats)(const double*, int64_t);
-  RowComparison (*compare)(const double*, const double*, int64_t, int64_t, double, double,
+  RowStats (*stats)(const void*, DType, int64_t);
+  RowComparison (*compare)(const void*, const void*, DType, int64_t, int64_t, double, double,
                            const ElementBoundRow*, int);
   RowComparison (*zero)(const double*, int64_t, double, int64_t*);
   void (*to_f64)(const void*, DType, int64_t, double*);
   bool (*is_zero)(const void*, DType, int64_t);
-  RowStats (*stats_raw)(const void*, DType, int64_t);
-  RowComparison (*compare_raw)(const void*, const void*, DType, int64_t, int64_t, double, double,
-                               const ElementBoundRow*, int);
 };
+
+#define LOSSGUARD_ROW_MATH_TABLE(isa)                                                          \
+  RowMath {                                                                                    \
+    #isa, isa::logits_row_stats, isa::compare_logits_row, isa::compare_zero_row,               \
+        isa::row_to_f64, isa::row_is_zero                                                      \
+  }
 
 RowMath pick() {
 #if defined(__x86_64__) && defined(LOSSGUARD_ORACLE_X86)
@@ -44,16 +43,10 @@ RowMath pick() {
   const bool v3 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   const bool v4 = v3 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-  if (v4) return {"avx512", avx512::logits_row_stats, avx512::compare_logits_row, avx512::compare_zero_row,
-          avx512::row_to_f64, avx512::row_is_zero,
-          avx512::logits_row_stats_raw, avx512::compare_logits_row_raw};
-  if (v3) return {"avx2", avx2::logits_row_stats, avx2::compare_logits_row, avx2::compare_zero_row,
-          avx2::row_to_f64, avx2::row_is_zero,
-          avx2::logits_row_stats_raw, avx2::compare_logits_row_raw};
+  if (v4) return LOSSGUARD_ROW_MATH_TABLE(avx512);
+  if (v3) return LOSSGUARD_ROW_MATH_TABLE(avx2);
 #endif
-  return {"generic", generic::logits_row_stats, generic::compare_logits_row, generic::compare_zero_row,
-          generic::row_to_f64, generic::row_is_zero,
-          generic::logits_row_stats_raw, generic::compare_logits_row_raw};
+  return LOSSGUARD_ROW_MATH_TABLE(generic);
 }
 
 const RowMath& row_math() {
@@ -63,12 +56,14 @@ const RowMath& row_math() {
 
 }  // namespace
 
-RowStats logits_row_stats(const double* z, int64_t v) { return row_math().stats(z, v); }
+RowStats logits_row_stats(const void* z, DType dtype, int64_t v) {
+  return row_math().stats(z, dtype, v);
+}
 
-RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
-                                 double c, double lse, const ElementBoundRow* bounds,
+RowComparison compare_logits_row(const void* z, const void* got, DType dtype, int64_t begin,
+                                 int64_t end, double c, double lse, const ElementBoundRow* bounds,
                                  int num_bounds) {
-  return row_math().compare(z, got, begin, end, c, lse, bounds, num_bounds);
+  return row_math().compare(z, got, dtype, begin, end, c, lse, bounds, num_bounds);
 }
 
 RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero) {
@@ -81,16 +76,6 @@ void row_to_f64(const void* src, DType dtype, int64_t n, double* out) {
 
 bool row_is_zero(const void* src, DType dtype, int64_t n) {
   return row_math().is_zero(src, dtype, n);
-}
-
-RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v) {
-  return row_math().stats_raw(z, dtype, v);
-}
-
-RowComparison compare_logits_row_raw(const void* z, const void* got, DType dtype, int64_t begin,
-                                     int64_t end, double c, double lse,
-                                     const ElementBoundRow* bounds, int num_bounds) {
-  return row_math().compare_raw(z, got, dtype, begin, end, c, lse, bounds, num_bounds);
 }
 
 const char* row_math_isa() { return row_math().name; }

@@ -19,9 +19,8 @@ struct RowStats {
   // its sum, so u * spread bounds the relative error that adds to the sum.
   double spread = 0.0;
 };
-RowStats logits_row_stats(const double* z, int64_t v);
-// The same on a row in its own float dtype, read in place.
-RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v);
+// The statistics of a row of v logits in their own float dtype, read in place.
+RowStats logits_row_stats(const void* z, DType dtype, int64_t v);
 
 // One bound on |got_k - w_k| for w_k = c (p_k - [k == y]), p_k = exp(z_k - lse):
 //   atol + rtol |w_k| + |c| p_k grow(alpha + beta (lse - z_k))      (lse - z_k = -log p_k >= 0)
@@ -35,23 +34,25 @@ struct ElementBoundRow {
 inline double grow(double x, double rtol) {
   return x <= 0.6931471805599453 ? (x + x * x) * (1.0 + rtol) : 1e300;
 }
+// The bound for an element with |c| = ac, |w| = aw, p and lp = -log p: the one formula the row
+// loops and the scalar comparisons share.
+inline double element_tolerance(const ElementBoundRow& b, double ac, double aw, double p,
+                                double lp) {
+  return b.atol + b.rtol * aw + ac * p * grow(b.alpha + b.beta * lp, b.rtol);
+}
 
 struct RowComparison {
   int64_t mismatched = 0;     // elements outside the smallest of the bounds (NaN counts)
   double max_abs_diff = 0.0;  // NaN if any difference is NaN
   double max_rel_diff = 0.0;  // over w_k != 0, finite ratios only
 };
-// Compares got[k] with w_k for k in [begin, end), the target column excluded by the caller (its w
-// has the -c term; it is compared on its own). An element passes if it is within the smallest of
-// the `num_bounds` bounds.
-RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
-                                 double c, double lse, const ElementBoundRow* bounds,
+// Compares got[k] with w_k for k in [begin, end) of a row of logits z and a gradient row got, both
+// in `dtype` and read in place; the target column is excluded by the caller (its w has the -c
+// term; it is compared on its own). An element passes if it is within the smallest of the
+// `num_bounds` (1 or 2) bounds.
+RowComparison compare_logits_row(const void* z, const void* got, DType dtype, int64_t begin,
+                                 int64_t end, double c, double lse, const ElementBoundRow* bounds,
                                  int num_bounds);
-
-// The same on logits and gradient rows in their own float dtype (the same for both), in place.
-RowComparison compare_logits_row_raw(const void* z, const void* got, DType dtype, int64_t begin,
-                                     int64_t end, double c, double lse,
-                                     const ElementBoundRow* bounds, int num_bounds);
 
 // Row k of a zero truth (a masked row, a zero weight): elements of `got` over `tol` are
 // mismatches; `nonzero` counts those not exactly 0; max_abs_diff is max |got|.

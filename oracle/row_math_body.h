@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include "oracle/exp64.h"
 #include "oracle/row_math.h"
@@ -44,60 +43,6 @@ inline double load(Half x) {  // exact: sign, exponent rebias, subnormals scaled
 constexpr double kHuge = std::numeric_limits<double>::max();
 
 template <typename T>
-RowStats row_stats_direct(const T* zt, int64_t v) {
-  RowStats st;
-  double mx[kLanes], mn[kLanes];
-  for (int j = 0; j < kLanes; ++j) {
-    mx[j] = -std::numeric_limits<double>::infinity();
-    mn[j] = std::numeric_limits<double>::infinity();
-  }
-  int64_t k = 0;
-  for (; k + kLanes <= v; k += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double x = load(zt[k + j]);
-      mx[j] = x > mx[j] ? x : mx[j];
-      mn[j] = x < mn[j] ? x : mn[j];
-    }
-  }
-  double m = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
-  for (int j = 0; j < kLanes; ++j) {
-    m = mx[j] > m ? mx[j] : m;
-    lo = mn[j] < lo ? mn[j] : lo;
-  }
-  for (; k < v; ++k) {
-    const double x = load(zt[k]);
-    m = x > m ? x : m;
-    lo = x < lo ? x : lo;
-  }
-  st.max = m;
-  st.max_abs = v > 0 ? std::fmax(std::fabs(m), std::fabs(lo)) : 0.0;
-  double s[kLanes] = {}, d[kLanes] = {};
-  k = 0;
-  for (; k + kLanes <= v; k += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double x = load(zt[k + j]) - m;  // <= 0, NaN for NaN or for +inf - +inf
-      const double e = exp_nonpositive(x);
-      s[j] += e;
-      d[j] -= e * x;
-    }
-  }
-  double sum = 0.0, dist = 0.0;
-  for (int j = 0; j < kLanes; ++j) {
-    sum += s[j];
-    dist += d[j];
-  }
-  for (; k < v; ++k) {
-    const double x = load(zt[k]) - m;
-    const double e = exp_nonpositive(x);
-    sum += e;
-    dist -= e * x;
-  }
-  st.sum = sum;
-  st.spread = sum > 0.0 ? dist / sum : 0.0;
-  return st;
-}
-
-template <typename T>
 RowComparison compare_row_direct(const T* z, const T* got, int64_t begin, int64_t end, double c,
                                  double lse, const ElementBoundRow* bounds, int num_bounds) {
   RowComparison r;
@@ -116,8 +61,8 @@ RowComparison compare_row_direct(const T* z, const T* got, int64_t begin, int64_
       const double w = c * p;
       const double aw = std::fabs(w);
       const double diff = std::fabs(load(got[k + j]) - w);
-      const double t0 = b0.atol + b0.rtol * aw + ac * p * grow(b0.alpha + b0.beta * lp, b0.rtol);
-      const double t1 = b1.atol + b1.rtol * aw + ac * p * grow(b1.alpha + b1.beta * lp, b1.rtol);
+      const double t0 = element_tolerance(b0, ac, aw, p, lp);
+      const double t1 = element_tolerance(b1, ac, aw, p, lp);
       const double tol = t0 < t1 ? t0 : t1;
       bad[j] += diff <= tol ? 0 : 1;
       nan_count[j] += diff != diff ? 1 : 0;
@@ -132,8 +77,8 @@ RowComparison compare_row_direct(const T* z, const T* got, int64_t begin, int64_
     const double w = c * p;
     const double aw = std::fabs(w);
     const double diff = std::fabs(load(got[k]) - w);
-    const double t0 = b0.atol + b0.rtol * aw + ac * p * grow(b0.alpha + b0.beta * lp, b0.rtol);
-    const double t1 = b1.atol + b1.rtol * aw + ac * p * grow(b1.alpha + b1.beta * lp, b1.rtol);
+    const double t0 = element_tolerance(b0, ac, aw, p, lp);
+    const double t1 = element_tolerance(b1, ac, aw, p, lp);
     const double tol = t0 < t1 ? t0 : t1;
     bad[0] += diff <= tol ? 0 : 1;
     nan_count[0] += diff != diff ? 1 : 0;
@@ -152,9 +97,10 @@ RowComparison compare_row_direct(const T* z, const T* got, int64_t begin, int64_
   return r;
 }
 
-// Narrow dtypes are widened a chunk at a time into float64 arrays that stay in L1 (one simple
-// conversion loop, then the float64 loop: both vectorise; a conversion inside the float64 loop did
-// not), so no float64 copy of a whole row is made.
+// Rows are widened a chunk at a time into float64 arrays that stay in L1 (one simple conversion
+// loop, then the float64 loop: both vectorise; a conversion inside the float64 loop did not, and
+// masking each chunk's tail instead of a scalar tail loop made the loops 2-4x slower), so no
+// float64 copy of a whole row is made.
 constexpr int64_t kChunk = 1024;
 
 template <typename T>
@@ -164,9 +110,7 @@ void widen(const T* src, int64_t n, double* out) {
 
 template <typename T>
 RowStats row_stats_t(const T* z, int64_t v) {
-  if constexpr (std::is_same_v<T, double>) {
-    return row_stats_direct(z, v);
-  } else {
+  {
     alignas(64) double buf[kChunk];
     // Pass 1: max and min; pass 2: sums relative to the max, chunk by chunk.
     double m = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
@@ -231,9 +175,7 @@ RowStats row_stats_t(const T* z, int64_t v) {
 template <typename T>
 RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end, double c,
                             double lse, const ElementBoundRow* bounds, int num_bounds) {
-  if constexpr (std::is_same_v<T, double>) {
-    return compare_row_direct(z, got, begin, end, c, lse, bounds, num_bounds);
-  } else {
+  {
     alignas(64) double zb[kChunk], gb[kChunk];
     RowComparison r;
     bool nan_seen = false;
@@ -252,9 +194,7 @@ RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end
   }
 }
 
-RowStats logits_row_stats(const double* z, int64_t v) { return row_stats_t(z, v); }
-
-RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v) {
+RowStats logits_row_stats(const void* z, DType dtype, int64_t v) {
   switch (dtype) {
     case DType::kBFloat16:
       return row_stats_t(static_cast<const Bf16*>(z), v);
@@ -267,15 +207,9 @@ RowStats logits_row_stats_raw(const void* z, DType dtype, int64_t v) {
   }
 }
 
-RowComparison compare_logits_row(const double* z, const double* got, int64_t begin, int64_t end,
-                                 double c, double lse, const ElementBoundRow* bounds,
+RowComparison compare_logits_row(const void* z, const void* got, DType dtype, int64_t begin,
+                                 int64_t end, double c, double lse, const ElementBoundRow* bounds,
                                  int num_bounds) {
-  return compare_row_t(z, got, begin, end, c, lse, bounds, num_bounds);
-}
-
-RowComparison compare_logits_row_raw(const void* z, const void* got, DType dtype, int64_t begin,
-                                     int64_t end, double c, double lse,
-                                     const ElementBoundRow* bounds, int num_bounds) {
   switch (dtype) {
     case DType::kBFloat16:
       return compare_row_t(static_cast<const Bf16*>(z), static_cast<const Bf16*>(got), begin, end,
@@ -328,9 +262,10 @@ RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t
 
 bool row_is_zero(const void* src, DType dtype, int64_t n) {
   const std::size_t e = dtype_size_bytes(dtype);
-  const uint64_t sign = e == 2 ? 0x8000800080008000ull
-                        : e == 4 ? 0x8000000080000000ull
-                                 : 0x8000000000000000ull;
+  // Every bit but the signs: -0 is zero.
+  const uint64_t magnitude = e == 2   ? 0x7fff7fff7fff7fffull
+                             : e == 4 ? 0x7fffffff7fffffffull
+                                      : 0x7fffffffffffffffull;
   const unsigned char* p = static_cast<const unsigned char*>(src);
   const std::size_t bytes = static_cast<std::size_t>(n) * e;
   uint64_t acc[kLanes] = {};
@@ -339,42 +274,39 @@ bool row_is_zero(const void* src, DType dtype, int64_t n) {
     for (int j = 0; j < kLanes; ++j) {
       uint64_t w;
       std::memcpy(&w, p + k + 8 * j, 8);
-      acc[j] |= w & ~sign;
+      acc[j] |= w & magnitude;
     }
   }
   uint64_t any = 0;
   for (int j = 0; j < kLanes; ++j) any |= acc[j];
-  for (; k < bytes; k += e) {
+  for (; k < bytes; k += e) {  // the tail, one value at a time (e bytes: the mask's low ones)
     uint64_t w = 0;
     std::memcpy(&w, p + k, e);
-    any |= w & ~(sign & (e == 8 ? ~0ull : (e == 4 ? 0xffffffffull : 0xffffull)));
+    any |= w & magnitude;
   }
   return any == 0;
 }
 
 void row_to_f64(const void* src, DType dtype, int64_t n, double* out) {
-  if (dtype == DType::kBFloat16) {
-    const uint16_t* p = static_cast<const uint16_t*>(src);
-    for (int64_t k = 0; k < n; ++k) {
-      const uint32_t bits = static_cast<uint32_t>(p[k]) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      out[k] = f;
+  auto copy = [&](auto* typed) {
+    for (int64_t k = 0; k < n; ++k) out[k] = load(typed[k]);
+  };
+  switch (dtype) {
+    case DType::kBFloat16:
+      return copy(static_cast<const Bf16*>(src));
+    case DType::kFloat16:
+      return copy(static_cast<const Half*>(src));
+    case DType::kFloat32:
+      return copy(static_cast<const float*>(src));
+    case DType::kFloat64:
+      return copy(static_cast<const double*>(src));
+    default: {
+      HostArray view;
+      view.dtype = dtype;
+      view.shape = {n};
+      view.data = static_cast<const std::byte*>(src);
+      view.copy_f64(0, n, out);
     }
-  } else if (dtype == DType::kFloat32) {
-    const float* p = static_cast<const float*>(src);
-    for (int64_t k = 0; k < n; ++k) out[k] = p[k];
-  } else if (dtype == DType::kFloat64) {
-    std::memcpy(out, src, static_cast<std::size_t>(n) * 8);
-  } else if (dtype == DType::kFloat16) {
-    const Half* p = static_cast<const Half*>(src);
-    for (int64_t k = 0; k < n; ++k) out[k] = load(p[k]);
-  } else {
-    HostArray view;
-    view.dtype = dtype;
-    view.shape = {n};
-    view.data = static_cast<const std::byte*>(src);
-    view.copy_f64(0, n, out);
   }
 }
 

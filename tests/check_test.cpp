@@ -37,6 +37,22 @@ Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 1
   return fixtures::make_case(c, o);
 }
 
+// A random `gen` batch written to dir/name.safetensors; its path.
+std::string write_random(const std::filesystem::path& dir, const std::string& name, DType dtype,
+                         uint64_t seed, int64_t samples, int64_t vocab, int64_t max_prompt = 16,
+                         int64_t max_response = 16) {
+  fixtures::GenOptions o;
+  o.seed = seed;
+  o.num_samples = samples;
+  o.vocab_size = vocab;
+  o.max_prompt = max_prompt;
+  o.max_response = max_response;
+  o.dtype = dtype;
+  const std::string path = (dir / (name + ".safetensors")).string();
+  io::write_batch(fixtures::make_case("random", o), path);
+  return path;
+}
+
 // A copy of `field` (logits or a per-token field) with element k moved by delta.
 Batch perturbed(const Batch& b, const std::string& field, int64_t k, double delta) {
   Batch c = b;
@@ -416,20 +432,14 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
   const auto dir = testing::temp_dir("check-tol");
   int plain_fp16_failures = 0, plain_bf16_failures = 0;
   for (uint64_t seed = 1; seed <= 6; ++seed) {
-    fixtures::GenOptions o;
-    o.seed = seed;
-    o.num_samples = 24;
-    o.vocab_size = 50;
-    o.dtype = DType::kFloat16;
-    const std::string h = (dir / ("h" + std::to_string(seed) + ".safetensors")).string();
-    io::write_batch(fixtures::make_case("random", o), h);
+    const std::string h =
+        write_random(dir, "h" + std::to_string(seed), DType::kFloat16, seed, 24, 50);
     EXPECT_EQ(check(h, {"--cp", "1,2", "--loss", "ppo-clip", "--reduce", "all"}).code, 0) << seed;
     plain_fp16_failures += check(h, {"--cp", "1,2", "--loss", "ppo-clip", "--reduce", "all",
                                      "--rtol", "1e-3", "--atol", "1e-5"})
                                .code == 1;
-    o.dtype = DType::kBFloat16;
-    const std::string bf = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
-    io::write_batch(fixtures::make_case("random", o), bf);
+    const std::string bf =
+        write_random(dir, "b" + std::to_string(seed), DType::kBFloat16, seed, 24, 50);
     EXPECT_EQ(check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all"}).code, 0) << seed;
     plain_bf16_failures += check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all", "--rtol",
                                       "1.6e-2", "--atol", "1e-5"})
@@ -567,16 +577,7 @@ TEST(GradStream, RowsDeliveredTwiceAreAnInternalError) {
 
 // A realistic batch (16 samples, 4,096 vocabulary) for the derived bounds.
 std::string derived_bound_dump(const std::filesystem::path& dir, DType dtype) {
-  fixtures::GenOptions o;
-  o.seed = 7;
-  o.num_samples = 16;
-  o.vocab_size = 4096;
-  o.max_prompt = 8;
-  o.max_response = 64;
-  o.dtype = dtype;
-  const std::string path = (dir / ("d-" + std::string(dtype_name(dtype)) + ".safetensors")).string();
-  io::write_batch(fixtures::make_case("random", o), path);
-  return path;
+  return write_random(dir, "d-" + std::string(dtype_name(dtype)), dtype, 7, 16, 4096, 8, 64);
 }
 
 TEST(DerivedTolerance, KernelsCatchARelativeWeightErrorOf1e4OnOneSampleInFp32AndBf16) {
@@ -625,13 +626,8 @@ TEST(DerivedTolerance, TorchBf16GradientBoundIsTighterThanTheDefaultAndHolds) {
   // five random batches stays within it.
   const auto dir = testing::temp_dir("check-derived-torch");
   for (uint64_t seed = 1; seed <= 5; ++seed) {
-    fixtures::GenOptions o;
-    o.seed = seed;
-    o.num_samples = 12;
-    o.vocab_size = 300;
-    o.dtype = DType::kBFloat16;
-    const std::string path = (dir / ("t" + std::to_string(seed) + ".safetensors")).string();
-    io::write_batch(fixtures::make_case("random", o), path);
+    const std::string path =
+        write_random(dir, "t" + std::to_string(seed), DType::kBFloat16, seed, 12, 300);
     const CheckRun r = check(path, {"--cp", "1,2", "--impl", "torch"});
     EXPECT_EQ(r.code, 0) << seed << r.doc.dump().substr(0, 3000);
     for (const auto& k : r.doc["cases"]) {

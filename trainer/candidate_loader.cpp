@@ -100,16 +100,8 @@ CandidateOutput run_candidate(const CandidateInput& in_given) {
                   std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
   }
   if (mutation) mutate_output(*mutation, *in_given.batch, &out);
-  if (collect && in_given.sink) {  // the mutated gradient, streamed as the candidate would have
-    const int64_t block = rows_per_block(row_bytes);
-    std::vector<int64_t> ids;
-    for (int64_t r0 = 0; r0 < rows; r0 += block) {
-      const int64_t n = std::min(block, rows - r0);
-      ids.resize(static_cast<std::size_t>(n));
-      for (int64_t k = 0; k < n; ++k) ids[static_cast<std::size_t>(k)] = r0 + k;
-      in_given.sink(ids.data(), n, out.grad.data + static_cast<std::size_t>(r0) * row_bytes);
-    }
-  }
+  if (collect && in_given.sink)  // the mutated gradient, streamed as the candidate would have
+    stream_rows(out.grad.data, rows, row_bytes, rows_per_block(row_bytes), in_given.sink);
   return out;
 }
 
