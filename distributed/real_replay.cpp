@@ -31,10 +31,8 @@ using oracle::GroupKind;
 // code, and process groups whose peers hang are never destroyed (their destructors would wait on
 // those peers).
 c10::intrusive_ptr<c10d::Store>* g_store = nullptr;
-int64_t g_live_ranks = 0;
-std::chrono::steady_clock::time_point
-    g_run_start;  // when run() began on this rank  // rank 0: ranks that posted an outcome (and so
-                  // will read the exit code)
+int64_t g_live_ranks = 0;  // rank 0: ranks that posted an outcome (and so will read the exit code)
+std::chrono::steady_clock::time_point g_run_start;  // when run() began on this rank
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
