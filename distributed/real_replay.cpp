@@ -135,6 +135,11 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   (void)coll.release();  // never destroyed, see g_store
 
   try {
+    // A store that died with rank 0 must not hold this rank past its deadline: every store call
+    // from here on retries at most until then (the store's timeout bounds its reconnects).
+    store.setTimeout(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(
+                                  run_start + timeout + std::chrono::seconds(5) - Clock::now()),
+                              std::chrono::milliseconds(500)));
     store.set(fmt::format("outcome/{}", env.rank), rank_result_to_json(prog.result()));
   } catch (const std::exception& e) {
     out->error = fmt::format("posting the outcome to the store failed: {}", first_line(e.what()));
@@ -190,6 +195,7 @@ int agree_exit_code(const RealReplayInput* in, int code) {
       }
       return code;
     }
+    store.setTimeout(wait);
     store.wait({"exit_code"}, wait);
     const std::vector<uint8_t> bytes = store.get("exit_code");
     store.add("exit_code_read", 1);
