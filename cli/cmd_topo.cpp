@@ -16,11 +16,19 @@ struct TopoOptions : TopologySizes {
 };
 
 void run_topo(const TopoOptions& o, Report& report, Context& ctx) {
-  const oracle::Topology t(o.tp, o.pp, o.cp, o.dp);
+  const oracle::Topology t(o.tp, o.pp, o.cp, o.dp, o.ep, o.etp);
   std::ostream& out = ctx.out;
-  out << fmt::format("TP{} PP{} CP{} DP{}: world {} (Megatron order tp-cp-ep-dp-pp, EP = 1)\n",
-                     o.tp, o.pp, o.cp, o.dp, t.world());
-  out << "global_rank = tp + TP*(cp + CP*(dp + DP*pp))\n\n";
+  out << fmt::format(
+      "TP{} PP{} CP{} DP{}{}: world {} (Megatron order tp-cp-ep-dp-pp; dense layers EP = 1)\n",
+      o.tp, o.pp, o.cp, o.dp, t.ep() > 1 ? fmt::format(" EP{}", t.ep()) : "", t.world());
+  out << "global_rank = tp + TP*(cp + CP*(dp + DP*pp))\n";
+  if (t.ep() > 1) {
+    out << fmt::format(
+        "expert layers: ETP{} EP{} EDP{} PP{} (CP folded into expert data parallelism)\n"
+        "global_rank = etp + ETP*(ep + EP*(edp + EDP*pp))\n",
+        t.etp(), t.ep(), t.edp(), t.pp());
+  }
+  out << "\n";
   out << fmt::format("{:>7} {:>5} {:>5} {:>5} {:>5}  {}\n", "rank", "tp", "cp", "dp", "pp",
                      "pipeline last rank");
   nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
@@ -43,7 +51,13 @@ void run_topo(const TopoOptions& o, Report& report, Context& ctx) {
   }
   out << "\ngroups (members ordered by global rank):\n";
   nlohmann::ordered_json groups = nlohmann::ordered_json::object();
-  for (oracle::GroupKind k : oracle::kAllGroupKinds) {
+  std::vector<oracle::GroupKind> kinds(std::begin(oracle::kAllGroupKinds),
+                                       std::end(oracle::kAllGroupKinds));
+  if (t.ep() > 1) {
+    kinds.insert(kinds.end(), std::begin(oracle::kExpertGroupKinds),
+                 std::end(oracle::kExpertGroupKinds));
+  }
+  for (oracle::GroupKind k : kinds) {
     const int64_t n = t.num_groups(k);
     std::vector<std::string> shown;
     nlohmann::ordered_json list = nlohmann::ordered_json::array();
@@ -61,6 +75,8 @@ void run_topo(const TopoOptions& o, Report& report, Context& ctx) {
   res["pp"] = o.pp;
   res["cp"] = o.cp;
   res["dp"] = o.dp;
+  res["ep"] = t.ep();
+  res["etp"] = t.etp();
   res["world"] = t.world();
   res["ranks"] = ranks;
   res["groups"] = groups;
@@ -78,8 +94,13 @@ void register_topo(CLI::App& root, Commands& commands) {
   cmd->app = app;
   app->footer(
       "Groups: tp, cp, dp, pp (pipeline), dp_cp (DP+CP: fixed tp and pp), mp (model-parallel: all "
-      "tp and pp "
-      "for fixed cp, dp).\nExample: lossguard topo --tp 2 --pp 2 --cp 2 --dp 2 --json -");
+      "tp and pp for fixed cp, dp).\n"
+      "With --ep > 1, the expert layers' groups of Megatron's expert rank generator: ep "
+      "(expert-parallel), edp (expert\n"
+      "data-parallel, where DDP reduces expert gradients), emp (expert tp-ep-pp, where the "
+      "expert optimizer reduces its norm).\n"
+      "Examples:\n  lossguard topo --tp 2 --pp 2 --cp 2 --dp 2 --json -\n"
+      "  lossguard topo --tp 1 --pp 2 --dp 4 --ep 2");
   add_topology_options(*app, *opts);
   app->add_option("--max-rows", opts->max_rows, "Rank rows in the text table (0: all)")
       ->capture_default_str();

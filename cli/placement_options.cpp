@@ -19,6 +19,11 @@ void add_topology_options(CLI::App& app, TopologySizes& s) {
   app.add_option("--pp", s.pp, "Pipeline-parallel size")->capture_default_str();
   app.add_option("--cp", s.cp, "Context-parallel size")->capture_default_str();
   app.add_option("--dp", s.dp, "Data-parallel size")->capture_default_str();
+  app.add_option("--ep", s.ep,
+                 "Expert-parallel size of MoE layers (Megatron's expert layout: TP*CP*DP must be a "
+                 "multiple of ETP*EP)")
+      ->capture_default_str();
+  app.add_option("--etp", s.etp, "Expert tensor-parallel size (default: --tp)");
 }
 
 ShardLayout LayoutOptions::layout() const {

@@ -15,6 +15,7 @@ Policy policy_from_option(const std::string& value);
 
 struct TopologySizes {
   int64_t tp = 1, pp = 1, cp = 1, dp = 1;
+  int64_t ep = 1, etp = 0;  // expert parallelism; etp 0: the same as tp
 };
 void add_topology_options(CLI::App& app, TopologySizes& sizes);
 

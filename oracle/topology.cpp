@@ -24,12 +24,18 @@ const char* group_kind_name(GroupKind k) {
       return "mp";
     case GroupKind::kWorld:
       return "world";
+    case GroupKind::kEp:
+      return "ep";
+    case GroupKind::kEdp:
+      return "edp";
+    case GroupKind::kEmp:
+      return "emp";
   }
   return "?";
 }
 
-Topology::Topology(int64_t tp, int64_t pp, int64_t cp, int64_t dp)
-    : tp_(tp), pp_(pp), cp_(cp), dp_(dp) {
+Topology::Topology(int64_t tp, int64_t pp, int64_t cp, int64_t dp, int64_t ep, int64_t etp)
+    : tp_(tp), pp_(pp), cp_(cp), dp_(dp), ep_(ep), etp_(etp == 0 ? tp : etp) {
   if (tp < 1 || pp < 1 || cp < 1 || dp < 1) {
     throw_input_error("--tp, --pp, --cp and --dp must be >= 1, got TP{} PP{} CP{} DP{}", tp, pp, cp,
                       dp);
@@ -37,6 +43,19 @@ Topology::Topology(int64_t tp, int64_t pp, int64_t cp, int64_t dp)
   if (tp * pp > (int64_t{1} << 24) / std::max<int64_t>(cp * dp, 1)) {
     throw_input_error("world size TP{}·PP{}·CP{}·DP{} exceeds 16,777,216 ranks", tp, pp, cp, dp);
   }
+  if (ep_ < 1 || etp_ < 1) throw_input_error("--ep and --etp must be >= 1, got {} and {}", ep, etp);
+  if ((tp * cp * dp) % (etp_ * ep_) != 0) {
+    throw_input_error(
+        "--ep {} with expert TP {} (--etp) does not divide the {} ranks of a pipeline stage "
+        "(TP{}·CP{}·DP{}): Megatron needs world % (ETP·EP·PP) == 0",
+        ep_, etp_, tp * cp * dp, tp, cp, dp);
+  }
+}
+
+ExpertCoord Topology::expert_coord(int64_t rank) const {
+  const int64_t stage = tp_ * cp_ * dp_;
+  const int64_t local = rank % stage;
+  return {local % etp_, (local / etp_) % ep_, local / (etp_ * ep_), rank / stage};
 }
 
 Coord Topology::coord(int64_t rank) const {
@@ -72,12 +91,24 @@ int64_t Topology::group_size(GroupKind k) const {
       return tp_ * pp_;
     case GroupKind::kWorld:
       return world();
+    case GroupKind::kEp:
+      return ep_;
+    case GroupKind::kEdp:
+      return edp();
+    case GroupKind::kEmp:
+      return etp_ * ep_ * pp_;
   }
   return 0;
 }
 
 GroupRef Topology::group_of(GroupKind k, int64_t rank) const {
   const Coord c = coord(rank);
+  if (k == GroupKind::kEp || k == GroupKind::kEdp || k == GroupKind::kEmp) {
+    const ExpertCoord e = expert_coord(rank);
+    if (k == GroupKind::kEp) return {k, e.etp + etp_ * (e.edp + edp() * e.pp)};
+    if (k == GroupKind::kEdp) return {k, e.etp + etp_ * (e.ep + ep_ * e.pp)};
+    return {k, e.edp};
+  }
   switch (k) {
     case GroupKind::kTp:
       return {k, c.cp + cp_ * (c.dp + dp_ * c.pp)};
@@ -91,16 +122,23 @@ GroupRef Topology::group_of(GroupKind k, int64_t rank) const {
       return {k, c.tp + tp_ * c.pp};
     case GroupKind::kMp:
       return {k, c.cp + cp_ * c.dp};
-    case GroupKind::kWorld:
+    default:
       return {k, 0};
   }
-  return {k, 0};
 }
 
 int64_t Topology::member(const GroupRef& g, int64_t i) const {
   Coord c;
   const int64_t id = g.id;
+  const int64_t stage = tp_ * cp_ * dp_, edp_size = edp();
   switch (g.kind) {
+    case GroupKind::kEp:  // id = etp + ETP·(edp + EDP·pp)
+      return id % etp_ + etp_ * (i + ep_ * ((id / etp_) % edp_size)) +
+             stage * (id / (etp_ * edp_size));
+    case GroupKind::kEdp:  // id = etp + ETP·(ep + EP·pp)
+      return id % etp_ + etp_ * ((id / etp_) % ep_ + ep_ * i) + stage * (id / (etp_ * ep_));
+    case GroupKind::kEmp:  // id = edp; i = etp + ETP·(ep + EP·pp)
+      return i % (etp_ * ep_) + etp_ * ep_ * id + stage * (i / (etp_ * ep_));
     case GroupKind::kTp:
       c = {i, id % cp_, (id / cp_) % dp_, id / (cp_ * dp_)};
       break;
@@ -119,7 +157,7 @@ int64_t Topology::member(const GroupRef& g, int64_t i) const {
     case GroupKind::kMp:
       c = {i % tp_, id % cp_, id / cp_, i / tp_};
       break;
-    case GroupKind::kWorld:
+    default:
       return i;
   }
   return rank(c);
@@ -128,6 +166,12 @@ int64_t Topology::member(const GroupRef& g, int64_t i) const {
 int64_t Topology::index_in_group(const GroupRef& g, int64_t r) const {
   if (r < 0 || r >= world() || !(group_of(g.kind, r) == g)) return -1;
   const Coord c = coord(r);
+  if (g.kind == GroupKind::kEp || g.kind == GroupKind::kEdp || g.kind == GroupKind::kEmp) {
+    const ExpertCoord e = expert_coord(r);
+    if (g.kind == GroupKind::kEp) return e.ep;
+    if (g.kind == GroupKind::kEdp) return e.edp;
+    return e.etp + etp_ * (e.ep + ep_ * e.pp);
+  }
   switch (g.kind) {
     case GroupKind::kTp:
       return c.tp;
@@ -141,10 +185,9 @@ int64_t Topology::index_in_group(const GroupRef& g, int64_t r) const {
       return c.cp + cp_ * c.dp;
     case GroupKind::kMp:
       return c.tp + tp_ * c.pp;
-    case GroupKind::kWorld:
+    default:
       return r;
   }
-  return -1;
 }
 
 std::vector<int64_t> Topology::members(const GroupRef& g) const {
@@ -154,8 +197,16 @@ std::vector<int64_t> Topology::members(const GroupRef& g) const {
 }
 
 std::string Topology::describe(const GroupRef& g) const {
-  static const char* kNames[] = {"tensor-parallel", "context-parallel", "data-parallel", "pipeline",
-                                 "DP+CP",           "model-parallel",   "world"};
+  static const char* kNames[] = {"tensor-parallel",
+                                 "context-parallel",
+                                 "data-parallel",
+                                 "pipeline",
+                                 "DP+CP",
+                                 "model-parallel",
+                                 "world",
+                                 "expert-parallel",
+                                 "expert-data-parallel",
+                                 "expert model-parallel"};
   const int64_t size = group_size(g.kind);
   std::string list;
   if (size <= 8) {

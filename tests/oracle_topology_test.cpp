@@ -113,5 +113,54 @@ TEST(Topology, EveryTopologyUpToWorld64MatchesMegatronsGenerator) {
   EXPECT_GT(checked, 500);
 }
 
+// Expert layers: Megatron's expert generator, RankGenerator(tp=ETP, ep=EP, dp=EDP, pp=PP, cp=1,
+// order="tp-cp-ep-dp-pp") with EDP = world / (ETP·EP·PP), tokens 'ep', 'dp' and 'tp-ep-pp'.
+TEST(Topology, ExpertGroupsUpToWorld64MatchMegatronsExpertGenerator) {
+  const std::map<GroupKind, std::vector<bool>> masks = {
+      {GroupKind::kEp, {false, false, true, false, false}},
+      {GroupKind::kEdp, {false, false, false, true, false}},
+      {GroupKind::kEmp, {true, false, true, false, true}}};
+  int checked = 0;
+  for (int64_t tp = 1; tp <= 64; ++tp) {
+    for (int64_t pp = 1; tp * pp <= 64; ++pp) {
+      for (int64_t cp = 1; tp * pp * cp <= 64; ++cp) {
+        for (int64_t dp = 1; tp * pp * cp * dp <= 64; ++dp) {
+          const int64_t stage = tp * cp * dp;
+          for (int64_t etp = 1; etp <= stage; ++etp) {
+            for (int64_t ep = 1; etp * ep <= stage; ++ep) {
+              if (stage % (etp * ep) != 0) {
+                EXPECT_THROW(Topology(tp, pp, cp, dp, ep, etp), InputError);
+                continue;
+              }
+              const Topology t(tp, pp, cp, dp, ep, etp);
+              const int64_t edp = stage / (etp * ep);
+              ASSERT_EQ(t.edp(), edp);
+              for (const auto& [kind, mask] : masks) {
+                ASSERT_EQ(all_groups(t, kind),
+                          megatron_groups(t.world(), {etp, 1, ep, edp, pp}, mask))
+                    << "TP" << tp << " PP" << pp << " CP" << cp << " DP" << dp << " EP" << ep
+                    << " ETP" << etp << " " << group_kind_name(kind);
+              }
+              for (int64_t r = 0; r < t.world(); ++r) {
+                for (GroupKind k : kExpertGroupKinds) {
+                  const GroupRef g = t.group_of(k, r);
+                  ASSERT_EQ(t.member(g, t.index_in_group(g, r)), r);
+                }
+              }
+              ++checked;
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 2000);
+  // Worked example: TP1 CP1 DP4 PP2 EP2 (world 8): EP groups [0,1] [2,3] [4,5] [6,7], expert-DP
+  // groups [0,2] [1,3] [4,6] [5,7].
+  const Topology w(1, 2, 1, 4, 2);
+  EXPECT_EQ(all_groups(w, GroupKind::kEp), (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  EXPECT_EQ(all_groups(w, GroupKind::kEdp), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
+}
+
 }  // namespace
 }  // namespace lossguard::oracle
