@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace lossguard::cli {
 
@@ -27,42 +28,79 @@ const char* colour(oracle::Outcome o) {
 }
 }  // namespace
 
+// One row per pipeline stage. Runs of consecutive ranks with the same outcome and decision are one
+// rectangle (a 131,072-rank grid is a few hundred of them, not 131,072 one-pixel cells), the row
+// is at most 1,600 px wide whatever the world size, stage labels are thinned so they never
+// overlap, and the x axis is labelled in DP ranks.
 std::string replay_svg(const oracle::ReplayInputs& in, const oracle::ReplayResult& result,
                        const std::string& title) {
   const oracle::Topology& t = in.topo;
   const int64_t cols = t.world() / t.pp(), rows = t.pp();
-  const double cell = std::clamp(1600.0 / static_cast<double>(cols), 1.0, 28.0);
-  const double left = 70, top = 60, width = left + cell * static_cast<double>(cols) + 20;
-  const double height = top + cell * static_cast<double>(rows) + 90;
+  const double scale = std::min(1600.0 / static_cast<double>(cols), 28.0);  // px per rank
+  const double row_h = std::clamp(560.0 / static_cast<double>(rows), 12.0, 28.0);
+  const double left = 80, top = 60, grid_w = scale * static_cast<double>(cols);
+  const double width = std::max(left + grid_w + 20, 780.0);
+  const double height = top + row_h * static_cast<double>(rows) + 110;
   std::string s = fmt::format(
       "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
       "font-family=\"sans-serif\" font-size=\"12\">\n"
       "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"10\" y=\"20\" "
       "font-size=\"14\" font-weight=\"bold\">{}</text>\n"
-      "<text x=\"10\" y=\"40\">expected decision: {} ({} effective tokens); columns: ranks of a "
-      "stage (tp, cp, dp); rows: "
-      "pipeline stages</text>\n",
-      std::max(width, 780.0), height, title, result.expected_skip ? "skip" : "step",
-      result.global_tokens);
+      "<text x=\"10\" y=\"40\">expected decision: {} ({} effective tokens{}); rows: pipeline "
+      "stages; columns: the {} ranks of a stage (tp fastest, then cp, then dp)</text>\n",
+      width, height, title, result.expected_skip ? "skip" : "step", result.global_tokens,
+      result.expected_reason.empty() || result.global_tokens == 0 ? ""
+                                                                  : ", " + result.expected_reason,
+      cols);
+  const int64_t label_every = static_cast<int64_t>(std::ceil(14.0 / row_h));
   for (int64_t pp = 0; pp < rows; ++pp) {
+    if (pp % label_every != 0 && pp != rows - 1) continue;
     s += fmt::format("<text x=\"10\" y=\"{:.1f}\">stage {}</text>\n",
-                     top + cell * (static_cast<double>(pp) + 0.5) + 4, pp);
+                     top + row_h * (static_cast<double>(pp) + 0.5) + 4, pp);
   }
-  for (const auto& r : result.ranks) {
-    const int64_t pp = r.rank / cols, col = r.rank % cols;
-    const double x = left + cell * static_cast<double>(col),
-                 y = top + cell * static_cast<double>(pp);
-    const bool wrong = r.skip && *r.skip != result.expected_skip;
+  const double gap = row_h > 8 ? 1.0 : 0.0;
+  auto wrong = [&](const oracle::RankResult& r) {
+    return r.skip.has_value() && *r.skip != result.expected_skip;
+  };
+  for (int64_t pp = 0; pp < rows; ++pp) {
+    int64_t col = 0;
+    while (col < cols) {
+      const auto& first = result.ranks[static_cast<std::size_t>(pp * cols + col)];
+      int64_t end = col + 1;
+      while (end < cols) {
+        const auto& r = result.ranks[static_cast<std::size_t>(pp * cols + end)];
+        if (r.outcome != first.outcome || wrong(r) != wrong(first)) break;
+        ++end;
+      }
+      const double x = left + scale * static_cast<double>(col);
+      const double w =
+          std::max(scale * static_cast<double>(end - col) - (scale > 4 ? 1.0 : 0.0), 0.5);
+      const std::string who =
+          end - col == 1 ? fmt::format("rank {}", first.rank)
+                         : fmt::format("ranks {}-{}", first.rank, first.rank + (end - col) - 1);
+      s += fmt::format(
+          "<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" "
+          "fill=\"{}\"{}><title>{}: {}{}</title></rect>\n",
+          x, top + row_h * static_cast<double>(pp), w, row_h - gap, colour(first.outcome),
+          wrong(first) ? " stroke=\"black\" stroke-width=\"2\"" : "", who,
+          oracle::outcome_name(first.outcome), wrong(first) ? " (wrong decision)" : "");
+      col = end;
+    }
+  }
+  // x axis: DP ranks, ticks at least 70 px apart.
+  const int64_t per_dp = t.tp() * t.cp();
+  const double dp_px = scale * static_cast<double>(per_dp);
+  const int64_t tick = std::max<int64_t>(1, static_cast<int64_t>(std::ceil(70.0 / dp_px)));
+  const double axis_y = top + row_h * static_cast<double>(rows) + 16;
+  for (int64_t d = 0; d < t.dp(); d += tick) {
+    const double x = left + dp_px * static_cast<double>(d);
     s += fmt::format(
-        "<rect x=\"{:.2f}\" y=\"{:.2f}\" width=\"{:.2f}\" height=\"{:.2f}\" "
-        "fill=\"{}\"{}><title>rank {}: {}{}</title></rect>\n",
-        x, y, std::max(cell - (cell > 4 ? 1.0 : 0.0), 0.5),
-        std::max(cell - (cell > 4 ? 1.0 : 0.0), 0.5), colour(r.outcome),
-        wrong ? " stroke=\"black\" stroke-width=\"2\"" : "", r.rank,
-        oracle::outcome_name(r.outcome), wrong ? " (wrong decision)" : "");
+        "<line x1=\"{:.1f}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#555\"/><text "
+        "x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">dp {}</text>\n",
+        x, axis_y - 12, x, axis_y - 6, x + 2, axis_y + 4, d);
   }
   double lx = 10;
-  const double ly = top + cell * static_cast<double>(rows) + 30;
+  const double ly = axis_y + 24;
   for (auto o : {oracle::Outcome::kSkip, oracle::Outcome::kStep, oracle::Outcome::kError,
                  oracle::Outcome::kBlocked, oracle::Outcome::kMismatch}) {
     s += fmt::format(
