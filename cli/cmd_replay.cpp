@@ -31,6 +31,10 @@ struct ReplayOptions {
   std::string reduce = "per-token";
   std::string policy = "fixed";
   std::string backend = "sim";
+  std::string grad_sync = "last-microbatch";
+  std::string flag_group = "tp";
+  std::string nan_ranks;
+  int64_t max_tokens_per_mb = 0;
   double timeout_s = 20.0;
   std::string svg_path;
   int64_t max_lines = 40;
@@ -67,6 +71,15 @@ void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t ma
   }
 }
 
+oracle::GradSync grad_sync_from_option(const std::string& v) {
+  for (auto g : {oracle::GradSync::kLastMicrobatch, oracle::GradSync::kEveryMicrobatch,
+                 oracle::GradSync::kFinalize}) {
+    if (v == oracle::grad_sync_name(g)) return g;
+  }
+  throw_input_error("--grad-sync must be last-microbatch, every-microbatch or finalize, got '{}'",
+                    v);
+}
+
 void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol protocol,
                  oracle::ReduceMode reduce, Policy policy, const oracle::Topology& topo,
                  const PlacementOptions& placement_options, Report& report, Context& ctx);
@@ -90,7 +103,15 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
     throw_input_error("--backend must be sim, gloo or nccl, got '{}'", o.backend);
   }
   if (!(o.timeout_s > 0)) throw_input_error("--timeout must be > 0 seconds, got {}", o.timeout_s);
-  const oracle::Topology topo(o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp);
+  grad_sync_from_option(o.grad_sync);
+  if (o.flag_group != "tp" && o.flag_group != "cp" && o.flag_group != "dp") {
+    throw_input_error("--flag-group must be tp, cp or dp, got '{}'", o.flag_group);
+  }
+  if (o.max_tokens_per_mb < 0) {
+    throw_input_error("--max-tokens-per-mb must be >= 1 (0: off), got {}", o.max_tokens_per_mb);
+  }
+  const oracle::Topology topo(o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, o.sizes.ep,
+                              o.sizes.etp);
   PlacementOptions placement_options = o.placement;
   placement_options.dp = o.sizes.dp;
   if (o.dumps.dp_shards &&
@@ -125,8 +146,16 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   } else {
     placement = placement_options.placement(b, o.dumps.dp_shards);
   }
-  const oracle::ReplayInputs in =
+  if (o.max_tokens_per_mb > 0) {
+    placement = oracle::pack_by_tokens(placement, b.total_lengths, o.max_tokens_per_mb);
+  }
+  oracle::ReplayInputs in =
       oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
+  in.grad_sync = grad_sync_from_option(o.grad_sync);
+  in.flag_group = o.flag_group == "cp"   ? oracle::GroupKind::kCp
+                  : o.flag_group == "dp" ? oracle::GroupKind::kDp
+                                         : oracle::GroupKind::kTp;
+  if (!o.nan_ranks.empty()) in.nan_ranks = oracle::parse_rank_list(o.nan_ranks, topo.world());
   oracle::ReplayResult result;
   distributed::RealReplayInput real;
   if (o.backend == "sim") {
@@ -175,16 +204,27 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   }
 
   std::ostream& out = ctx.out;
+  const oracle::ProtocolParts parts = oracle::protocol_parts(protocol);
   out << fmt::format(
-      "lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{} (world {}), {} samples, {} "
-      "micro-batch(es) "
-      "per DP rank, reduce {}{}\n",
+      "lossguard replay: protocol {}, backend {}, TP{} PP{} CP{} DP{}{} (world {}), {} samples, {} "
+      "micro-batch(es) per DP rank{}, reduce {}{}\n",
       oracle::protocol_name(protocol), o.backend, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp,
-      topo.world(), b.num_samples(), in.microbatches, oracle::reduce_mode_name(reduce),
+      topo.ep() > 1 ? fmt::format(" EP{}", topo.ep()) : "", topo.world(), b.num_samples(),
+      in.min_microbatches == in.microbatches
+          ? fmt::format("{}", in.microbatches)
+          : fmt::format("{}-{} (uneven)", in.min_microbatches, in.microbatches),
+      parts.loop == oracle::Loop::kNone
+          ? ""
+          : fmt::format(", gradient all-reduce at {}", oracle::grad_sync_name(in.grad_sync)),
+      oracle::reduce_mode_name(reduce),
       policy == Policy::kFixed ? "" : fmt::format(", counting policy {}", policy_name(policy)));
-  out << fmt::format(
-      "global effective tokens (fixed): {} -> expected decision: {}\n\n", in.global_tokens,
-      result.expected_skip ? "skip (a zero-token step: no training signal)" : "step");
+  out << fmt::format("  {}: {}\n", oracle::protocol_name(protocol),
+                     oracle::protocol_description(protocol));
+  out << fmt::format("global effective tokens (fixed): {} -> expected decision: {}\n\n",
+                     in.global_tokens,
+                     in.global_tokens == 0  ? "skip (a zero-token step: no training signal)"
+                     : result.expected_skip ? fmt::format("skip ({})", result.expected_reason)
+                                            : std::string("step"));
   print_outcomes(out, result, o.max_lines);
 
   // The last stage's loss metrics, normalised as SPEC §6 says.
@@ -234,7 +274,12 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   res["cp"] = o.sizes.cp;
   res["dp"] = o.sizes.dp;
   res["world"] = topo.world();
+  res["ep"] = topo.ep();
   res["microbatches"] = in.microbatches;
+  res["min_microbatches"] = in.min_microbatches;
+  res["grad_sync"] = oracle::grad_sync_name(in.grad_sync);
+  res["nan_ranks"] = in.nan_ranks;
+  res["expected_reason"] = result.expected_reason;
   res["reduce"] = oracle::reduce_mode_name(reduce);
   res["policy"] = policy_name(policy);
   res["global_tokens"] = in.global_tokens;
@@ -261,7 +306,7 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   // JUnit failure messages name the ranks (the findings' rank sets: "0-3, 8-11", arithmetic runs).
   std::string wrong_ranks, fault_ranks;
   for (const auto& f : result.findings) {
-    if (f.kind == "parameter_drift" || f.kind == "lost_step")
+    if (f.kind == "parameter_drift" || f.kind == "lost_step" || f.kind == "nonfinite_step")
       wrong_ranks += (wrong_ranks.empty() ? "" : "; ") + f.message;
     if (f.kind == "distributed_fault") fault_ranks = f.message;
   }
@@ -293,19 +338,29 @@ void register_replay(CLI::App& root, Commands& commands) {
   CLI::App* app = root.add_subcommand(
       "replay", "Replay the zero-token skip decision over a TP x PP x CP x DP topology");
   cmd->app = app;
+  std::string protocols;
+  for (auto p : oracle::all_protocols()) {
+    protocols +=
+        fmt::format("  {:<25} {}\n", oracle::protocol_name(p), oracle::protocol_description(p));
+  }
   app->footer(
-      "Protocols (docs/semantics.md §7): pr285 (Relax after PR #285, correct); pr285-src-local "
-      "(broadcast src = PP-1, a stage\n"
-      "index used as a global rank); pr285-always-broadcast (broadcasts even when PP = 1); values0 "
-      "(reads values[0],\n"
-      "a sample count when per-token loss is off); no-skip (Megatron baseline: never skips).\n"
-      "Exit codes: 0 every rank reached the expected decision; 1 a wrong decision or parameter "
-      "drift;\n"
-      "3 an error, deadlock or mismatch.\n"
+      "Protocols: the zero-token skip at the end of a step, and the data-dependent participation\n"
+      "around it (per-micro-batch backward skips, uneven micro-batch counts, non-finite-gradient\n"
+      "skips, a flag broadcast on a TP/CP/DP group). Each correct form and its buggy forms:\n" +
+      protocols +
+      "The expected decision is skip iff the step has no effective token or a gradient is "
+      "non-finite\n"
+      "(--nan-ranks). Exit codes: 0 every rank reached the expected decision; 1 a wrong decision\n"
+      "(parameter drift, a lost step, a step with a non-finite gradient); 3 an error, deadlock or\n"
+      "mismatch.\n"
       "Examples:\n  lossguard replay zero.pt --tp 2 --pp 2 --protocol pr285-src-local\n"
+      "  lossguard replay batch.safetensors --dp 4 --max-tokens-per-mb 4096 --protocol "
+      "microbatches-local --ep 2\n"
+      "  lossguard replay batch.safetensors --tp 2 --pp 2 --dp 2 --protocol nan-skip-local "
+      "--nan-ranks 3\n"
       "  lossguard replay batch.safetensors --tp 8 --pp 16 --cp 8 --dp 128 --svg grid.svg\n"
       "  torchrun --nproc-per-node 4 --no-python lossguard replay batch.safetensors --tp 2 --pp 2 "
-      "--backend gloo");
+      "--backend gloo --json report.json");
   add_dump_options(*app, opts->dumps, true);
   add_step_option(*app, opts->dumps);
   add_topology_options(*app, opts->sizes);
@@ -314,9 +369,23 @@ void register_replay(CLI::App& root, Commands& commands) {
   app->add_option("--split", opts->placement.split,
                   "How samples go to DP ranks: contiguous or round-robin")
       ->capture_default_str();
-  app->add_option(
-         "--protocol", opts->protocol,
-         "Skip-decision protocol: pr285, pr285-src-local, pr285-always-broadcast, values0, no-skip")
+  app->add_option("--protocol", opts->protocol, "The protocol every rank runs (list below)")
+      ->capture_default_str();
+  app->add_option("--grad-sync", opts->grad_sync,
+                  "When a backward issues the DDP gradient all-reduce: last-microbatch (PyTorch "
+                  "DDP no_sync, Megatron overlap_grad_reduce), every-microbatch (ZeRO-3/FSDP), "
+                  "finalize (Megatron finalize_model_grads, whatever backward ran)")
+      ->capture_default_str();
+  app->add_option("--flag-group", opts->flag_group,
+                  "flag-broadcast protocols: the group the flag is broadcast on (tp, cp or dp)")
+      ->capture_default_str();
+  app->add_option("--nan-ranks", opts->nan_ranks,
+                  "Ranks whose own gradient is NaN (\"3\", \"0,4-7\"): the step must then be "
+                  "skipped everywhere")
+      ->type_name("LIST");
+  app->add_option("--max-tokens-per-mb", opts->max_tokens_per_mb,
+                  "Dynamic batch size: cut each DP rank's samples, in order, into micro-batches of "
+                  "at most N tokens (DP ranks may get different counts; 0: --microbatches)")
       ->capture_default_str();
   app->add_option("--reduce", opts->reduce,
                   "per-token (per-token loss on) or sample-mean (off): what values[0] holds")

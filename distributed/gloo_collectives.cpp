@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <map>
+#include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
@@ -28,14 +29,15 @@ std::shared_ptr<::gloo::transport::Device> make_device(const LaunchEnv& env) {
 
 class GlooCollectives : public Collectives {
  public:
-  GlooCollectives(const LaunchEnv& env, const oracle::Topology& t,
+  GlooCollectives(const LaunchEnv& env, const oracle::ReplayInputs& in,
                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout)
-      : t_(t), timeout_(timeout) {
+      : t_(in.topo), timeout_(timeout) {
+    const oracle::Topology& t = in.topo;
     auto options = c10d::ProcessGroupGloo::Options::create(timeout);
     options->devices = {make_device(env)};
     // Every rank builds its groups in the same kind order; groups of one kind are disjoint, so this
     // cannot deadlock.
-    for (GroupKind kind : kRealGroupKinds) {
+    for (GroupKind kind : oracle::group_kinds_used(in)) {
       const oracle::GroupRef g = t.group_of(kind, env.rank);
       auto prefixed = c10::make_intrusive<c10d::PrefixStore>(
           fmt::format("pg/{}/{}", oracle::group_kind_name(kind), g.id), store);
@@ -47,21 +49,35 @@ class GlooCollectives : public Collectives {
   ~GlooCollectives() override {
     for (auto& [kind, pg] : groups_) pg.release();  // never destroyed: peers may hang
   }
-  int64_t run(const oracle::CollectiveCall& call) override {
+  CallResult run(const oracle::CollectiveCall& call,
+                 const std::function<std::string()>& give_up) override {
     auto& pg = groups_.at(call.group.kind);
-    std::vector<at::Tensor> tensors = {at::tensor({call.value}, at::kLong)};
+    std::vector<at::Tensor> tensors = {at::tensor(call_payload(call), at::kLong)};
     c10::intrusive_ptr<c10d::Work> work;
-    if (call.op == oracle::Op::kAllReduceSum) {
-      work = pg->allreduce(tensors);
-    } else if (call.op == oracle::Op::kBroadcast) {
+    if (call.op == oracle::Op::kBroadcast) {
       c10d::BroadcastOptions bo;
       bo.rootRank = t_.index_in_group(call.group, call.src);
       work = pg->broadcast(tensors, bo);
-    } else {
+    } else if (call.op == oracle::Op::kBarrier) {
       work = pg->barrier();
+    } else {
+      c10d::AllreduceOptions ao;
+      if (call.op == oracle::Op::kAllReduceMax) ao.reduceOp = c10d::ReduceOp::MAX;
+      work = pg->allreduce(tensors, ao);
     }
-    work->wait(timeout_);
-    return call.op == oracle::Op::kBarrier ? 0 : tensors[0].item<int64_t>();
+    // Wait in slices, asking whether a member failed without issuing this call (fail fast).
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    while (!work->isCompleted()) {
+      if (std::chrono::steady_clock::now() > deadline)
+        throw std::runtime_error("Operation timed out!");
+      const std::string reason = give_up();
+      if (!reason.empty()) throw std::runtime_error(reason);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    work->wait(timeout_);  // rethrows a failure of the work
+    const at::Tensor r = tensors[0];
+    std::vector<int64_t> reduced(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+    return read_result(call, reduced, t_.group_size(call.group.kind));
   }
 
  private:
@@ -72,10 +88,11 @@ class GlooCollectives : public Collectives {
 
 }  // namespace
 
-std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env, const oracle::Topology& t,
+std::unique_ptr<Collectives> make_gloo_collectives(const LaunchEnv& env,
+                                                   const oracle::ReplayInputs& in,
                                                    const c10::intrusive_ptr<c10d::Store>& store,
                                                    std::chrono::milliseconds timeout) {
-  return std::make_unique<GlooCollectives>(env, t, store, timeout);
+  return std::make_unique<GlooCollectives>(env, in, store, timeout);
 }
 
 }  // namespace lossguard::distributed

@@ -79,6 +79,7 @@ std::string rank_result_to_json(const oracle::RankResult& r) {
                       {"optimizer_stepped", r.optimizer_stepped},
                       {"scheduler_stepped", r.scheduler_stepped},
                       {"update_successful", r.update_successful},
+                      {"unsynced_gradients", r.unsynced_gradients},
                       {"summary", r.summary},
                       {"detail", r.detail}};
   j["skip"] = r.skip ? nlohmann::json(*r.skip) : nlohmann::json(nullptr);
@@ -94,6 +95,7 @@ oracle::RankResult rank_result_from_json(const std::string& text) {
   r.optimizer_stepped = j.at("optimizer_stepped").get<bool>();
   r.scheduler_stepped = j.at("scheduler_stepped").get<bool>();
   r.update_successful = j.at("update_successful").get<bool>();
+  r.unsynced_gradients = j.value("unsynced_gradients", false);
   r.summary = j.at("summary").get<std::string>();
   r.detail = j.at("detail").get<std::string>();
   if (!j.at("skip").is_null()) r.skip = j.at("skip").get<bool>();

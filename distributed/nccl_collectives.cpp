@@ -32,17 +32,18 @@ void check_cuda(cudaError_t e, const char* what) {
 
 class NcclCollectives : public Collectives {
  public:
-  NcclCollectives(const LaunchEnv& env, const oracle::Topology& t,
+  NcclCollectives(const LaunchEnv& env, const oracle::ReplayInputs& in,
                   const c10::intrusive_ptr<c10d::Store>& store, std::chrono::milliseconds timeout)
-      : t_(t), timeout_(timeout) {
+      : t_(in.topo), timeout_(timeout) {
+    const oracle::Topology& t = in.topo;
     int devices = 0;
     check_cuda(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
     if (devices == 0) throw std::runtime_error("no CUDA device");
     check_cuda(cudaSetDevice(static_cast<int>(env.local_rank % devices)), "cudaSetDevice");
     check_cuda(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-    check_cuda(cudaMalloc(&buffer_, sizeof(int64_t)), "cudaMalloc");
+    check_cuda(cudaMalloc(&buffer_, kWords * sizeof(int64_t)), "cudaMalloc");
     const auto deadline = Clock::now() + timeout;
-    for (oracle::GroupKind kind : kRealGroupKinds) {
+    for (oracle::GroupKind kind : oracle::group_kinds_used(in)) {
       const oracle::GroupRef g = t.group_of(kind, env.rank);
       const int index = static_cast<int>(t.index_in_group(g, env.rank));
       const std::string key = fmt::format("nccl/{}/{}", oracle::group_kind_name(kind), g.id);
@@ -70,21 +71,25 @@ class NcclCollectives : public Collectives {
     }
   }
 
-  int64_t run(const oracle::CollectiveCall& call) override {
+  CallResult run(const oracle::CollectiveCall& call,
+                 const std::function<std::string()>& give_up) override {
     ncclComm_t comm = comms_.at(call.group.kind);
-    check_cuda(
-        cudaMemcpyAsync(buffer_, &call.value, sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
-        "cudaMemcpy");
+    const std::vector<int64_t> payload = call_payload(call);
+    check_cuda(cudaMemcpyAsync(buffer_, payload.data(), kWords * sizeof(int64_t),
+                               cudaMemcpyHostToDevice, stream_),
+               "cudaMemcpy");
     ncclResult_t r;
     if (call.op == oracle::Op::kBroadcast) {
-      r = ncclBroadcast(buffer_, buffer_, 1, ncclInt64,
+      r = ncclBroadcast(buffer_, buffer_, kWords, ncclInt64,
                         static_cast<int>(t_.index_in_group(call.group, call.src)), comm, stream_);
-    } else {  // all_reduce; a barrier is an all_reduce of a dummy value
-      r = ncclAllReduce(buffer_, buffer_, 1, ncclInt64, ncclSum, comm, stream_);
+    } else {  // all_reduce; a barrier is an all_reduce of the tagged payload
+      r = ncclAllReduce(buffer_, buffer_, kWords, ncclInt64,
+                        call.op == oracle::Op::kAllReduceMax ? ncclMax : ncclSum, comm, stream_);
     }
     if (r != ncclSuccess && r != ncclInProgress)
       throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(r)));
     const auto deadline = Clock::now() + timeout_;
+    auto next_ask = Clock::now();
     while (true) {
       const cudaError_t q = cudaStreamQuery(stream_);
       if (q == cudaSuccess) break;
@@ -98,11 +103,21 @@ class NcclCollectives : public Collectives {
         ncclCommAbort(comm);  // frees the stream's pending work so the process can report and exit
         throw std::runtime_error("Operation timed out!");
       }
+      if (Clock::now() > next_ask) {
+        next_ask = Clock::now() + std::chrono::milliseconds(20);
+        const std::string reason = give_up();
+        if (!reason.empty()) {
+          ncclCommAbort(comm);
+          throw std::runtime_error(reason);
+        }
+      }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-    int64_t result = 0;
-    check_cuda(cudaMemcpy(&result, buffer_, sizeof(int64_t), cudaMemcpyDeviceToHost), "cudaMemcpy");
-    return call.op == oracle::Op::kBarrier ? 0 : result;
+    std::vector<int64_t> reduced(kWords);
+    check_cuda(
+        cudaMemcpy(reduced.data(), buffer_, kWords * sizeof(int64_t), cudaMemcpyDeviceToHost),
+        "cudaMemcpy");
+    return read_result(call, reduced, t_.group_size(call.group.kind));
   }
 
  private:
@@ -121,6 +136,7 @@ class NcclCollectives : public Collectives {
     }
   }
 
+  static constexpr std::size_t kWords = 4;  // collectives.h: [value, nonfinite, tag, check]
   const oracle::Topology& t_;
   std::chrono::milliseconds timeout_;
   cudaStream_t stream_ = nullptr;
@@ -130,15 +146,16 @@ class NcclCollectives : public Collectives {
 
 }  // namespace
 
-std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv& env, const oracle::Topology& t,
+std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv& env,
+                                                   const oracle::ReplayInputs& in,
                                                    const c10::intrusive_ptr<c10d::Store>& store,
                                                    std::chrono::milliseconds timeout) {
-  return std::make_unique<NcclCollectives>(env, t, store, timeout);
+  return std::make_unique<NcclCollectives>(env, in, store, timeout);
 }
 
 #else
 
-std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv&, const oracle::Topology&,
+std::unique_ptr<Collectives> make_nccl_collectives(const LaunchEnv&, const oracle::ReplayInputs&,
                                                    const c10::intrusive_ptr<c10d::Store>&,
                                                    std::chrono::milliseconds) {
   throw std::runtime_error("this build has no NCCL (configure with a CUDA toolkit that has NCCL)");

@@ -13,12 +13,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <sstream>
 #include <thread>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/errors.h"
 #include "distributed/collectives.h"
+#include "distributed/wait_graph.h"
 
 namespace lossguard::distributed {
 
@@ -105,8 +107,8 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   std::unique_ptr<Collectives> coll;
   bool ready = true;
   try {
-    coll = in->backend == Backend::kNccl ? make_nccl_collectives(env, t, *g_store, timeout)
-                                         : make_gloo_collectives(env, t, *g_store, timeout);
+    coll = in->backend == Backend::kNccl ? make_nccl_collectives(env, ri, *g_store, timeout)
+                                         : make_gloo_collectives(env, ri, *g_store, timeout);
   } catch (const std::exception& e) {
     prog.fail(oracle::Outcome::kBlocked, "in process-group rendezvous",
               fmt::format("building the {} groups: {} (gave up after {} s)",
@@ -116,20 +118,119 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   }
 
   std::map<GroupKind, int> issued;
+  // Fail fast: every rank posts its state (waiting on which call, failed, done) to the store; a
+  // waiting rank reads everyone's and stops waiting as soon as its call can never complete
+  // (wait_graph.h: a member that has not issued it failed, finished, or waits in a cycle), instead
+  // of at --timeout. A verdict counts only when two reads 200 ms apart agree and no rank posted in
+  // between.
+  int version = 0;
+  auto post_state = [&](PostedState::Status status, const oracle::CollectiveCall* call, int seq) {
+    try {
+      std::string text = fmt::format("{} {} {} {} {}", ++version, static_cast<int>(status),
+                                     call ? static_cast<int>(call->group.kind) : 0,
+                                     call ? call->group.id : 0, seq);
+      for (int k = 0; k < oracle::kNumGroupKinds; ++k) {
+        const auto it = issued.find(static_cast<GroupKind>(k));
+        text += fmt::format(" {}", it == issued.end() ? 0 : it->second);
+      }
+      store.set(fmt::format("state/{}", env.rank), text);
+    } catch (const std::exception&) {  // the store is gone: the others find out by their deadline
+    }
+  };
+  std::vector<bool> posted(static_cast<std::size_t>(env.world_size), false);
+  auto read_states = [&](std::vector<int>* versions) {
+    std::vector<PostedState> states(static_cast<std::size_t>(env.world_size));
+    versions->assign(states.size(), 0);
+    for (int64_t r = 0; r < env.world_size; ++r) {
+      const std::string key = fmt::format("state/{}", r);
+      if (!posted[r] && !store.check({key})) continue;
+      posted[r] = true;
+      const std::vector<uint8_t> bytes = store.get(key);
+      std::istringstream line(std::string(bytes.begin(), bytes.end()));
+      int status = 0, kind = 0;
+      int64_t id = 0;
+      PostedState& st = states[r];
+      line >> (*versions)[r] >> status >> kind >> id >> st.seq;
+      st.status = static_cast<PostedState::Status>(status);
+      st.group = {static_cast<GroupKind>(kind), id};
+      st.issued.resize(oracle::kNumGroupKinds);
+      for (int& c : st.issued) line >> c;
+    }
+    return states;
+  };
   int calls = 0;
   while (ready) {
     std::optional<oracle::CollectiveCall> call = prog.next();
     if (!call) break;
-    if (prog.reject(t, *call)) break;  // where torch.distributed checks it
+    if (prog.reject(t, *call)) {  // where torch.distributed checks it
+      post_state(PostedState::kFailed, nullptr, 0);
+      break;
+    }
     const int seq = ++issued[call->group.kind];
     if (++calls == kill_before) std::raise(SIGKILL);
+    post_state(PostedState::kWaiting, &*call, seq);
+    auto last_ask = Clock::now();
+    std::vector<int> seen_versions;
+    auto give_up = [&]() -> std::string {
+      if (Clock::now() - last_ask < std::chrono::milliseconds(200)) return "";
+      last_ask = Clock::now();
+      std::vector<int> versions;
+      std::vector<PostedState> states;
+      try {
+        states = read_states(&versions);
+      } catch (const std::exception&) {
+        return "";
+      }
+      if (!stuck_ranks(t, states)[static_cast<std::size_t>(env.rank)]) {
+        seen_versions.clear();
+        return "";
+      }
+      if (versions != seen_versions) {  // confirm on the next read
+        seen_versions = versions;
+        return "";
+      }
+      std::vector<int64_t> failed, waiting;
+      for (int64_t i = 0; i < t.group_size(call->group.kind); ++i) {
+        const int64_t m = t.member(call->group, i);
+        const PostedState& st = states[static_cast<std::size_t>(m)];
+        if (st.issued[static_cast<std::size_t>(call->group.kind)] >= seq) continue;
+        (st.status == PostedState::kWaiting ? waiting : failed).push_back(m);
+      }
+      return failed.empty() ? fmt::format(
+                                  "rank(s) {} wait elsewhere on calls that can never complete "
+                                  "(a deadlock, seen through the store)",
+                                  oracle::format_rank_set(waiting, 4))
+                            : fmt::format(
+                                  "rank(s) {} failed or finished without issuing it (seen through "
+                                  "the store)",
+                                  oracle::format_rank_set(failed, 4));
+    };
     try {
-      prog.complete(coll->run(*call));
+      const CallResult r = coll->run(*call, give_up);
+      if (r.mismatch) {
+        prog.mismatch(*call, seq,
+                      fmt::format("collective #{} on {}: the members issued different "
+                                  "collectives (their op and payload tags differ)",
+                                  seq, t.describe(call->group)));
+        post_state(PostedState::kFailed, nullptr, 0);
+        break;
+      }
+      prog.complete(r.value, r.nonfinite);
     } catch (const std::exception& e) {
+      const std::string what = first_line(e.what());
+      const bool gave_up = what.find("seen through the store") != std::string::npos;
       prog.block(*call, seq,
-                 fmt::format("waiting in {}: {} (gave up after {} s)", t.describe(call->group),
-                             first_line(e.what()), in->timeout_s));
+                 gave_up ? fmt::format("waiting in {}: {}", t.describe(call->group), what)
+                         : fmt::format("waiting in {}: {} (gave up after {} s)",
+                                       t.describe(call->group), what, in->timeout_s));
+      post_state(PostedState::kFailed, nullptr, 0);
       break;
+    }
+  }
+  if (prog.finished() && ready) {
+    const oracle::RankResult mine = prog.result();
+    if (mine.outcome == oracle::Outcome::kSkip || mine.outcome == oracle::Outcome::kStep) {
+      post_state(PostedState::kDone, nullptr, 0);
     }
   }
   (void)coll.release();  // never destroyed, see g_store

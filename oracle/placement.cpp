@@ -130,4 +130,24 @@ StepLayout dynamic_cp_layout(const std::vector<int64_t>& total_lengths, const Pl
   return l;
 }
 
+Placement pack_by_tokens(const Placement& placement, const std::vector<int64_t>& total_lengths,
+                         int64_t max_tokens) {
+  Placement out(placement.size());
+  for (std::size_t d = 0; d < placement.size(); ++d) {
+    int64_t tokens = 0;
+    for (const auto& micro : placement[d]) {
+      for (int64_t i : micro) {
+        const int64_t t = total_lengths[static_cast<std::size_t>(i)];
+        if (out[d].empty() || (tokens + t > max_tokens && !out[d].back().empty())) {
+          out[d].emplace_back();
+          tokens = 0;
+        }
+        out[d].back().push_back(i);
+        tokens += t;
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace lossguard::oracle

@@ -21,6 +21,12 @@ Placement place_samples(int64_t num_samples, int64_t dp, int64_t microbatches, S
 Placement place_shards(const std::vector<int>& shard_of_sample, int64_t num_shards,
                        int64_t microbatches);
 
+// Dynamic batch size (slime and Relax --use-dynamic-batch-size --max-tokens-per-gpu): each DP
+// rank's samples, in order, cut into micro-batches of at most `max_tokens` total tokens (a sample
+// longer than that alone). DP ranks may then hold different numbers of micro-batches.
+Placement pack_by_tokens(const Placement& placement, const std::vector<int64_t>& total_lengths,
+                         int64_t max_tokens);
+
 // What keeps a placement from being a partition of samples 0..S-1: "sample 3 is placed twice (DP
 // rank 1 micro-batch 0 again)", "sample 5 is placed nowhere", an index out of range.
 std::vector<std::string> placement_problems(const Placement& placement, int64_t num_samples);

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdio>
+#include <limits>
 #include <map>
 #include <unordered_map>
 
@@ -25,14 +27,109 @@ const char* protocol_name(Protocol p) {
       return "values0";
     case Protocol::kNoSkip:
       return "no-skip";
+    case Protocol::kMicrobatchSkip:
+      return "microbatch-skip";
+    case Protocol::kMicrobatchSkipLocal:
+      return "microbatch-skip-local";
+    case Protocol::kMicrobatchesMax:
+      return "microbatches-max";
+    case Protocol::kMicrobatchesLocal:
+      return "microbatches-local";
+    case Protocol::kNanSkip:
+      return "nan-skip";
+    case Protocol::kNanSkipLocal:
+      return "nan-skip-local";
+    case Protocol::kNanSkipRank0:
+      return "nan-skip-rank0";
+    case Protocol::kFlagBroadcast:
+      return "flag-broadcast";
+    case Protocol::kFlagBroadcastSrcLocal:
+      return "flag-broadcast-src-local";
   }
   return "?";
 }
 
+const char* protocol_description(Protocol p) {
+  switch (p) {
+    case Protocol::kPr285:
+      return "token count all-reduced over DP+CP, flag broadcast from the pipeline last rank "
+             "(Relax "
+             "after PR #285; correct)";
+    case Protocol::kPr285SrcLocal:
+      return "as pr285, broadcast src = PP-1: a stage index used as a global rank";
+    case Protocol::kPr285AlwaysBroadcast:
+      return "as pr285-src-local, broadcasting even when PP = 1";
+    case Protocol::kValues0:
+      return "decides on values[0]: a sample count when per-token loss is off";
+    case Protocol::kNoSkip:
+      return "never skips (Megatron baseline)";
+    case Protocol::kMicrobatchSkip:
+      return "a micro-batch skips its backward when its count all-reduced over DP+CP is 0 "
+             "(correct)";
+    case Protocol::kMicrobatchSkipLocal:
+      return "a micro-batch skips its backward when this rank's own count is 0 (the DDP gradient "
+             "all-reduce is then issued by some ranks only)";
+    case Protocol::kMicrobatchesMax:
+      return "micro-batch count all-reduced (MAX) over DP, dummy micro-batches counting 0 tokens "
+             "pad the lighter ranks (Relax __is_dummy__; correct)";
+    case Protocol::kMicrobatchesLocal:
+      return "every DP rank runs the micro-batches it has (the lighter rank leaves early)";
+    case Protocol::kNanSkip:
+      return "skip when the grad norm, all-reduced over the model-parallel group, is not finite "
+             "(Megatron; correct)";
+    case Protocol::kNanSkipLocal:
+      return "skip when this rank's own gradient is not finite, before the norm's all-reduce";
+    case Protocol::kNanSkipRank0:
+      return "rank 0 checks its own gradient and broadcasts the decision";
+    case Protocol::kFlagBroadcast:
+      return "as pr285, the flag also broadcast on --flag-group from dist.get_global_rank(group, "
+             "0) "
+             "(correct)";
+    case Protocol::kFlagBroadcastSrcLocal:
+      return "as flag-broadcast with src = 0: a group-local index used as a global rank";
+  }
+  return "?";
+}
+
+ProtocolParts protocol_parts(Protocol p) {
+  switch (p) {
+    case Protocol::kMicrobatchSkip:
+      return {Loop::kSkipGlobal, NanCheck::kNone, false};
+    case Protocol::kMicrobatchSkipLocal:
+      return {Loop::kSkipLocal, NanCheck::kNone, false};
+    case Protocol::kMicrobatchesMax:
+      return {Loop::kCountMax, NanCheck::kNone, false};
+    case Protocol::kMicrobatchesLocal:
+      return {Loop::kCountLocal, NanCheck::kNone, false};
+    case Protocol::kNanSkip:
+      return {Loop::kPlain, NanCheck::kAfterAllReduce, false};
+    case Protocol::kNanSkipLocal:
+      return {Loop::kPlain, NanCheck::kLocal, false};
+    case Protocol::kNanSkipRank0:
+      return {Loop::kPlain, NanCheck::kRank0, false};
+    case Protocol::kFlagBroadcast:
+    case Protocol::kFlagBroadcastSrcLocal:
+      return {Loop::kNone, NanCheck::kNone, true};
+    default:
+      return {};
+  }
+}
+
 const std::vector<Protocol>& all_protocols() {
-  static const std::vector<Protocol> kAll = {Protocol::kPr285, Protocol::kPr285SrcLocal,
-                                             Protocol::kPr285AlwaysBroadcast, Protocol::kValues0,
-                                             Protocol::kNoSkip};
+  static const std::vector<Protocol> kAll = {Protocol::kPr285,
+                                             Protocol::kPr285SrcLocal,
+                                             Protocol::kPr285AlwaysBroadcast,
+                                             Protocol::kValues0,
+                                             Protocol::kNoSkip,
+                                             Protocol::kMicrobatchSkip,
+                                             Protocol::kMicrobatchSkipLocal,
+                                             Protocol::kMicrobatchesMax,
+                                             Protocol::kMicrobatchesLocal,
+                                             Protocol::kNanSkip,
+                                             Protocol::kNanSkipLocal,
+                                             Protocol::kNanSkipRank0,
+                                             Protocol::kFlagBroadcast,
+                                             Protocol::kFlagBroadcastSrcLocal};
   return kAll;
 }
 
@@ -46,6 +143,18 @@ bool parse_protocol(const std::string& s, Protocol* out) {
   return false;
 }
 
+const char* grad_sync_name(GradSync g) {
+  switch (g) {
+    case GradSync::kLastMicrobatch:
+      return "last-microbatch";
+    case GradSync::kEveryMicrobatch:
+      return "every-microbatch";
+    case GradSync::kFinalize:
+      return "finalize";
+  }
+  return "?";
+}
+
 const char* reduce_mode_name(ReduceMode m) {
   return m == ReduceMode::kPerToken ? "per-token" : "sample-mean";
 }
@@ -54,10 +163,34 @@ const char* op_name(Op op) {
   switch (op) {
     case Op::kAllReduceSum:
       return "all_reduce";
+    case Op::kAllReduceMax:
+      return "all_reduce(MAX)";
     case Op::kBroadcast:
       return "broadcast";
+    case Op::kAllToAll:
+      return "all_to_all";
     case Op::kBarrier:
       return "barrier";
+  }
+  return "?";
+}
+
+const char* payload_name(Payload p) {
+  switch (p) {
+    case Payload::kNone:
+      return "nothing";
+    case Payload::kCount:
+      return "an int64 count";
+    case Payload::kFlag:
+      return "an int64 flag";
+    case Payload::kNorm:
+      return "a float grad norm";
+    case Payload::kGradients:
+      return "a gradient bucket";
+    case Payload::kExpertGradients:
+      return "an expert gradient bucket";
+    case Payload::kTokens:
+      return "MoE tokens";
   }
   return "?";
 }
@@ -78,6 +211,10 @@ const char* outcome_name(Outcome o) {
   return "?";
 }
 
+bool ReplayInputs::nan_rank(int64_t rank) const {
+  return std::binary_search(nan_ranks.begin(), nan_ranks.end(), rank);
+}
+
 ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
                                 const Placement& placement, Protocol protocol, ReduceMode reduce,
                                 Policy policy, const ShardLayout& layout) {
@@ -91,51 +228,219 @@ ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
   in.reduce = reduce;
   in.policy = policy;
   in.num_samples = batch.num_samples();
-  in.microbatches = placement.empty() ? 1 : static_cast<int64_t>(placement[0].size());
   const int64_t cp = topo.cp();
   const OwnedCounts counts = count_owned_tokens(batch, {cp}, layout);
   in.global_tokens = global_denominator(Policy::kFixed, counts, 0);
   in.local_tokens.assign(static_cast<std::size_t>(topo.dp() * cp), 0);
   in.local_samples.assign(static_cast<std::size_t>(topo.dp() * cp), 0);
+  in.microbatch_tokens.assign(static_cast<std::size_t>(topo.dp() * cp), {});
+  in.microbatches = 0;
+  in.min_microbatches = std::numeric_limits<int64_t>::max();
   for (int64_t d = 0; d < topo.dp(); ++d) {
-    for (const auto& micro : placement[d]) {
-      for (int64_t i : micro) {
+    const auto m_count = static_cast<int64_t>(placement[d].size());
+    in.microbatches = std::max(in.microbatches, m_count);
+    in.min_microbatches = std::min(in.min_microbatches, m_count);
+    for (int64_t r = 0; r < cp; ++r)
+      in.microbatch_tokens[d * cp + r].assign(placement[d].size(), 0);
+    for (std::size_t m = 0; m < placement[d].size(); ++m) {
+      for (int64_t i : placement[d][m]) {
         for (int64_t r = 0; r < cp; ++r) {
           const auto k = static_cast<std::size_t>(i);
-          in.local_tokens[d * cp + r] +=
+          const int64_t n =
               policy_rank_count(policy, counts.count(0, k, r), counts.mask_sums[k], cp);
+          in.local_tokens[d * cp + r] += n;
+          in.microbatch_tokens[d * cp + r][m] += n;
           in.local_samples[d * cp + r] += 1;
         }
       }
     }
   }
+  if (in.min_microbatches == std::numeric_limits<int64_t>::max()) in.min_microbatches = 0;
   return in;
 }
 
-RankProgram::RankProgram(const ReplayInputs* in, int64_t rank) : in_(in), rank_(rank) {}
+RankProgram::RankProgram(const ReplayInputs* in, int64_t rank)
+    : in_(in), parts_(protocol_parts(in->protocol)), rank_(rank) {
+  const Coord c = in->topo.coord(rank);
+  const auto& mb = in->microbatch_tokens;
+  const auto idx = static_cast<std::size_t>(c.dp * in->topo.cp() + c.cp);
+  local_mb_ = idx < mb.size() ? static_cast<int64_t>(mb[idx].size()) : in->microbatches;
+  nonfinite_ = in->nan_rank(rank);
+}
+
+// The DDP gradient all-reduce over DP+CP (dense parameters), then over the expert-data-parallel
+// group (expert parameters, EP > 1); returns to `after` (Megatron DistributedDataParallel: dense
+// buffers on intra_dp_cp_group, expert buffers on intra_expt_dp_group).
+std::optional<CollectiveCall> RankProgram::grad_sync(Phase after) {
+  after_sync_ = after;
+  phase_ = Phase::kAfterGradSync;
+  return CollectiveCall{Op::kAllReduceSum,
+                        in_->topo.group_of(GroupKind::kDpCp, rank_),
+                        -1,
+                        0,
+                        nonfinite_,
+                        Payload::kGradients,
+                        static_cast<int32_t>(after == Phase::kMicrobatch ? mb_ - 1 : -1),
+                        "DDP gradient all-reduce"};
+}
 
 std::optional<CollectiveCall> RankProgram::next() {
   const Topology& t = in_->topo;
+  const Coord c = t.coord(rank_);
+  const bool last_stage = c.pp == t.pp() - 1;
+  const auto idx = static_cast<std::size_t>(c.dp * t.cp() + c.cp);
   while (true) {
+    const auto mb = static_cast<int32_t>(mb_);
     switch (phase_) {
-      case Phase::kStart: {
+      case Phase::kStart:
+        if (parts_.loop == Loop::kNone) {
+          phase_ = Phase::kCount;
+          continue;
+        }
+        mb_total_ = local_mb_;
+        if (parts_.loop == Loop::kCountMax) {  // Relax get_data_iterator: MAX over the DP group
+          phase_ = Phase::kAfterCountMax;
+          return CollectiveCall{Op::kAllReduceMax,
+                                t.group_of(GroupKind::kDp, rank_),
+                                -1,
+                                local_mb_,
+                                false,
+                                Payload::kCount,
+                                -1,
+                                "micro-batch count"};
+        }
+        phase_ = Phase::kMicrobatch;
+        continue;
+      case Phase::kMicrobatch: {
+        if (mb_ >= mb_total_) {
+          phase_ = Phase::kLoopEnd;
+          continue;
+        }
+        mb_flag_ = 0;
+        const bool decides = parts_.loop == Loop::kSkipGlobal || parts_.loop == Loop::kSkipLocal;
+        if (!decides) {
+          phase_ = Phase::kForward;
+          continue;
+        }
+        phase_ = Phase::kMbFlag;
+        if (!last_stage) continue;  // earlier stages learn the decision from the last one
+        const int64_t count = mb_ < local_mb_ && idx < in_->microbatch_tokens.size()
+                                  ? in_->microbatch_tokens[idx][static_cast<std::size_t>(mb_)]
+                                  : 0;  // a dummy micro-batch counts 0 tokens
+        if (parts_.loop == Loop::kSkipLocal) {
+          mb_flag_ = count == 0 ? 1 : 0;
+          continue;
+        }
+        phase_ = Phase::kMbAfterCount;
+        return CollectiveCall{Op::kAllReduceSum,
+                              t.group_of(GroupKind::kDpCp, rank_),
+                              -1,
+                              count,
+                              false,
+                              Payload::kCount,
+                              mb,
+                              "micro-batch token count"};
+      }
+      case Phase::kMbFlag:
+        if (t.pp() == 1) {
+          phase_ = Phase::kForward;
+          continue;
+        }
+        phase_ = Phase::kMbAfterFlag;
+        return CollectiveCall{Op::kBroadcast,
+                              t.group_of(GroupKind::kPp, rank_),
+                              t.pipeline_last_rank(rank_),
+                              mb_flag_,
+                              false,
+                              Payload::kFlag,
+                              mb,
+                              "backward-skip flag"};
+      case Phase::kForward:
+        if (t.ep() > 1) {  // MoE token dispatch in every forward
+          phase_ = Phase::kAfterForward;
+          return CollectiveCall{Op::kAllToAll,
+                                t.group_of(GroupKind::kEp, rank_),
+                                -1,
+                                0,
+                                false,
+                                Payload::kTokens,
+                                mb,
+                                "MoE token dispatch (forward)"};
+        }
+        phase_ = Phase::kBackward;
+        continue;
+      case Phase::kBackward:
+        if (mb_flag_ != 0) {
+          ++backward_skipped_;
+          ++mb_;
+          phase_ = Phase::kMicrobatch;
+          continue;
+        }
+        if (t.ep() > 1) {
+          phase_ = Phase::kAfterBackwardA2a;
+          return CollectiveCall{Op::kAllToAll,
+                                t.group_of(GroupKind::kEp, rank_),
+                                -1,
+                                0,
+                                false,
+                                Payload::kTokens,
+                                mb,
+                                "MoE token dispatch (backward)"};
+        }
+        phase_ = Phase::kBackwardDone;
+        continue;
+      case Phase::kBackwardDone: {
+        ++mb_;
+        unsynced_ = true;
+        const bool sync = in_->grad_sync == GradSync::kEveryMicrobatch ||
+                          (in_->grad_sync == GradSync::kLastMicrobatch && mb_ == mb_total_);
+        if (sync) return grad_sync(Phase::kMicrobatch);
+        phase_ = Phase::kMicrobatch;
+        continue;
+      }
+      case Phase::kLoopEnd:
+        if (in_->grad_sync == GradSync::kFinalize) return grad_sync(Phase::kCount);
+        phase_ = Phase::kCount;
+        continue;
+      case Phase::kExpertGradSync:
+        phase_ = Phase::kAfterExpertGradSync;
+        return CollectiveCall{
+            Op::kAllReduceSum,
+            t.group_of(GroupKind::kEdp, rank_),
+            -1,
+            0,
+            nonfinite_,
+            Payload::kExpertGradients,
+            static_cast<int32_t>(after_sync_ == Phase::kMicrobatch ? mb_ - 1 : -1),
+            "DDP expert-gradient all-reduce"};
+      case Phase::kCount: {
         if (in_->protocol == Protocol::kNoSkip) {  // Megatron baseline: no decision is ever made
           phase_ = Phase::kDecide;
           continue;
         }
-        const Coord c = t.coord(rank_);
-        if (c.pp != t.pp() - 1) {  // only the last stage computes loss and counts tokens
+        if (!last_stage) {  // only the last stage computes loss and counts tokens
           phase_ = Phase::kBroadcast;
           continue;
         }
-        const auto idx = static_cast<std::size_t>(c.dp * t.cp() + c.cp);
         const bool sample_count =
             in_->protocol == Protocol::kValues0 && in_->reduce == ReduceMode::kSampleMean;
         phase_ = Phase::kAfterCount;
         return CollectiveCall{
-            Op::kAllReduceSum, t.group_of(GroupKind::kDpCp, rank_), -1,
+            Op::kAllReduceSum,
+            t.group_of(GroupKind::kDpCp, rank_),
+            -1,
             sample_count ? in_->local_samples[idx] : in_->local_tokens[idx],
+            false,
+            Payload::kCount,
+            -1,
             in_->protocol == Protocol::kValues0 ? "sum of values[0]" : "effective token count"};
+      }
+      case Phase::kGroupFlag: {
+        const GroupRef g = t.group_of(in_->flag_group, rank_);
+        const int64_t src = in_->protocol == Protocol::kFlagBroadcastSrcLocal ? 0 : t.member(g, 0);
+        phase_ = Phase::kAfterGroupFlag;
+        return CollectiveCall{Op::kBroadcast, g,  src,        flag_, false,
+                              Payload::kFlag, -1, "skip flag"};
       }
       case Phase::kBroadcast: {
         const bool needed = in_->protocol == Protocol::kPr285AlwaysBroadcast || t.pp() > 1;
@@ -147,21 +452,65 @@ std::optional<CollectiveCall> RankProgram::next() {
                                          in_->protocol == Protocol::kPr285AlwaysBroadcast;
         bcast_src_ = stage_index_as_rank ? t.pp() - 1 : t.pipeline_last_rank(rank_);
         phase_ = Phase::kAfterBroadcast;
-        return CollectiveCall{Op::kBroadcast, t.group_of(GroupKind::kPp, rank_), bcast_src_, flag_,
+        return CollectiveCall{Op::kBroadcast,
+                              t.group_of(GroupKind::kPp, rank_),
+                              bcast_src_,
+                              flag_,
+                              false,
+                              Payload::kFlag,
+                              -1,
                               "skip flag"};
       }
       case Phase::kDecide:
         skip_ = in_->protocol != Protocol::kNoSkip && flag_ != 0;
-        phase_ = *skip_ ? Phase::kBarrier : Phase::kOptimizer;
+        if (*skip_) {
+          phase_ = Phase::kBarrier;
+          continue;
+        }
+        if (parts_.nan == NanCheck::kLocal && nonfinite_) {  // decided on its own gradient
+          skip_ = nan_skip_ = true;
+          phase_ = Phase::kBarrier;
+          continue;
+        }
+        phase_ = parts_.nan == NanCheck::kRank0 ? Phase::kNanRank0 : Phase::kOptimizer;
         continue;
-      case Phase::kOptimizer:  // optimizer.step(): the grad-norm all-reduce over the model-parallel
-                               // group
+      case Phase::kNanRank0:
+        phase_ = Phase::kAfterNanRank0;
+        return CollectiveCall{Op::kBroadcast,
+                              GroupRef{GroupKind::kWorld, 0},
+                              0,
+                              rank_ == 0 && nonfinite_ ? 1 : 0,
+                              false,
+                              Payload::kFlag,
+                              -1,
+                              "non-finite-gradient flag"};
+      case Phase::kOptimizer:  // optimizer.step(): the grad norm's all-reduce over the
+                               // model-parallel group (Megatron clip_grads:
+                               // grad_stats_parallel_group)
         phase_ = Phase::kAfterOptimizer;
-        return CollectiveCall{Op::kAllReduceSum, t.group_of(GroupKind::kMp, rank_), -1, 0,
+        return CollectiveCall{Op::kAllReduceSum,
+                              t.group_of(GroupKind::kMp, rank_),
+                              -1,
+                              0,
+                              nonfinite_,
+                              Payload::kNorm,
+                              -1,
                               "grad_norm"};
+      case Phase::kExpertNorm:  // the expert optimizer's norm over tp-ep-pp (ChainedOptimizer)
+        phase_ = Phase::kAfterExpertNorm;
+        return CollectiveCall{Op::kAllReduceSum,
+                              t.group_of(GroupKind::kEmp, rank_),
+                              -1,
+                              0,
+                              nonfinite_,
+                              Payload::kNorm,
+                              -1,
+                              "expert grad_norm"};
       case Phase::kBarrier:  // every rank enters the next step
         phase_ = Phase::kAfterBarrier;
-        return CollectiveCall{Op::kBarrier, GroupRef{GroupKind::kWorld, 0}, -1, 0, "next step"};
+        return CollectiveCall{
+            Op::kBarrier, GroupRef{GroupKind::kWorld, 0}, -1, 0, false, Payload::kNone, -1,
+            "next step"};
       case Phase::kDone:
       case Phase::kFailed:
         return std::nullopt;
@@ -171,18 +520,64 @@ std::optional<CollectiveCall> RankProgram::next() {
   }
 }
 
-void RankProgram::complete(int64_t result) {
+void RankProgram::complete(int64_t result, bool nonfinite) {
+  const Topology& t = in_->topo;
   switch (phase_) {
+    case Phase::kAfterCountMax:
+      mb_total_ = result;
+      phase_ = Phase::kMicrobatch;
+      break;
+    case Phase::kMbAfterCount:
+      mb_flag_ = result == 0 ? 1 : 0;
+      phase_ = Phase::kMbFlag;
+      break;
+    case Phase::kMbAfterFlag:
+      mb_flag_ = result;
+      phase_ = Phase::kForward;
+      break;
+    case Phase::kAfterForward:
+      phase_ = Phase::kBackward;
+      break;
+    case Phase::kAfterBackwardA2a:
+      phase_ = Phase::kBackwardDone;
+      break;
+    case Phase::kAfterGradSync:
+      nonfinite_ = nonfinite_ || nonfinite;
+      unsynced_ = false;
+      phase_ = t.ep() > 1 ? Phase::kExpertGradSync : after_sync_;
+      break;
+    case Phase::kAfterExpertGradSync:
+      nonfinite_ = nonfinite_ || nonfinite;
+      phase_ = after_sync_;
+      break;
     case Phase::kAfterCount:
       own_flag_ = flag_ = result == 0 ? 1 : 0;
+      phase_ = parts_.flag_broadcast ? Phase::kGroupFlag : Phase::kBroadcast;
+      break;
+    case Phase::kAfterGroupFlag:
+      flag_ = result;
       phase_ = Phase::kBroadcast;
       break;
     case Phase::kAfterBroadcast:
       flag_ = result;
       phase_ = Phase::kDecide;
       break;
+    case Phase::kAfterNanRank0:
+      if (result != 0) skip_ = nan_skip_ = true;
+      phase_ = result != 0 ? Phase::kBarrier : Phase::kOptimizer;
+      break;
     case Phase::kAfterOptimizer:
-      optimizer_ = true;
+    case Phase::kAfterExpertNorm:
+      norm_nonfinite_ = norm_nonfinite_ || nonfinite;
+      if (t.ep() > 1 && phase_ == Phase::kAfterOptimizer) {
+        phase_ = Phase::kExpertNorm;
+        break;
+      }
+      if (parts_.nan == NanCheck::kAfterAllReduce && norm_nonfinite_) {
+        skip_ = nan_skip_ = true;  // Megatron: found_inf -> return False, None, None
+      } else {
+        optimizer_ = true;
+      }
       phase_ = Phase::kBarrier;
       break;
     case Phase::kAfterBarrier:
@@ -210,10 +605,25 @@ bool RankProgram::reject(const Topology& topo, const CollectiveCall& call) {
   return true;
 }
 
+namespace {
+std::string call_title(const CollectiveCall& call) {
+  return call.microbatch >= 0 ? fmt::format("{} ({}, micro-batch {})", op_name(call.op),
+                                            call.purpose, call.microbatch)
+                              : fmt::format("{} ({})", op_name(call.op), call.purpose);
+}
+}  // namespace
+
 void RankProgram::block(const CollectiveCall& call, int seq, const std::string& detail) {
   fail(Outcome::kBlocked,
-       fmt::format("in {} ({}) on the {} group, collective #{} there", op_name(call.op),
-                   call.purpose, group_kind_name(call.group.kind), seq),
+       fmt::format("in {} on the {} group, collective #{} there", call_title(call),
+                   group_kind_name(call.group.kind), seq),
+       detail);
+}
+
+void RankProgram::mismatch(const CollectiveCall& call, int seq, const std::string& detail) {
+  fail(Outcome::kMismatch,
+       fmt::format("collective #{} on the {} group does not match (this rank: {})", seq,
+                   group_kind_name(call.group.kind), call_title(call)),
        detail);
 }
 
@@ -225,13 +635,23 @@ RankResult RankProgram::result() const {
   r.scheduler_stepped =
       optimizer_;  // the LR scheduler steps right after a successful optimizer step
   r.update_successful = optimizer_;
-  if (skip_ && *skip_) r.grad_norm = 0.0;
-  std::string flag_note;
+  r.unsynced_gradients = optimizer_ && unsynced_ && in_->topo.group_size(GroupKind::kDpCp) > 1;
+  if (skip_ && *skip_ && !nan_skip_) r.grad_norm = 0.0;
+  std::vector<std::string> notes;
   if (own_flag_ >= 0 && bcast_src_ >= 0 && flag_ != own_flag_) {
-    flag_note = fmt::format(
+    notes.push_back(fmt::format(
         "received skip flag {} from rank {} (pipeline stage {}), but its own token count said {}",
-        flag_, bcast_src_, in_->topo.coord(bcast_src_).pp, own_flag_ ? "skip" : "step");
+        flag_, bcast_src_, in_->topo.coord(bcast_src_).pp, own_flag_ ? "skip" : "step"));
   }
+  if (backward_skipped_ > 0) {
+    notes.push_back(fmt::format("skipped the backward of {} of its {} micro-batch(es)",
+                                backward_skipped_, mb_total_));
+  }
+  if (parts_.loop == Loop::kCountMax && mb_total_ > local_mb_) {
+    notes.push_back(
+        fmt::format("ran {} dummy micro-batch(es) after its {}", mb_total_ - local_mb_, local_mb_));
+  }
+  if (in_->nan_rank(rank_)) notes.push_back("its own gradient is non-finite (--nan-ranks)");
   if (phase_ == Phase::kFailed) {
     r.outcome = failed_outcome_;
     r.summary =
@@ -241,14 +661,32 @@ RankResult RankProgram::result() const {
     LG_CHECK(phase_ == Phase::kDone && skip_, "rank {}: result() before the program finished",
              rank_);
     r.outcome = *skip_ ? Outcome::kSkip : Outcome::kStep;
-    r.summary =
-        *skip_ ? "optimizer and LR scheduler not called" : "optimizer and LR scheduler stepped";
+    r.summary = !*skip_     ? "optimizer and LR scheduler stepped"
+                : nan_skip_ ? "optimizer and LR scheduler not called (non-finite gradient)"
+                            : "optimizer and LR scheduler not called";
+    if (!*skip_ && nonfinite_) r.summary += " with a non-finite gradient";
+    if (r.unsynced_gradients) {
+      r.summary += " with gradients no DDP all-reduce followed (DP replicas diverge)";
+    }
   }
-  if (!flag_note.empty()) {
+  if (!notes.empty() && notes.front().rfind("received", 0) == 0)
     r.summary += " (wrong flag received)";
-    r.detail = r.detail.empty() ? flag_note : r.detail + "; " + flag_note;
-  }
+  for (const auto& n : notes) r.detail = r.detail.empty() ? n : r.detail + "; " + n;
   return r;
+}
+
+std::vector<GroupKind> group_kinds_used(const ReplayInputs& in) {
+  std::vector<GroupKind> kinds = {GroupKind::kWorld, GroupKind::kDpCp, GroupKind::kPp,
+                                  GroupKind::kMp};
+  const ProtocolParts parts = protocol_parts(in.protocol);
+  if (parts.loop == Loop::kCountMax) kinds.push_back(GroupKind::kDp);
+  if (parts.flag_broadcast && std::find(kinds.begin(), kinds.end(), in.flag_group) == kinds.end()) {
+    kinds.push_back(in.flag_group);
+  }
+  if (in.topo.ep() > 1) {
+    kinds.insert(kinds.end(), {GroupKind::kEp, GroupKind::kEdp, GroupKind::kEmp});
+  }
+  return kinds;
 }
 
 std::optional<std::string> check_call(const Topology& t, int64_t /*rank*/,
@@ -259,6 +697,32 @@ std::optional<std::string> check_call(const Topology& t, int64_t /*rank*/,
                        call.src, t.describe(call.group));
   }
   return std::nullopt;
+}
+
+std::vector<int64_t> parse_rank_list(const std::string& text, int64_t world) {
+  std::vector<int64_t> ranks;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t end = text.find(',', pos);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(pos, end - pos);
+    long long lo = 0, hi = 0;
+    char extra = 0;
+    if (std::sscanf(item.c_str(), "%lld-%lld%c", &lo, &hi, &extra) == 2) {
+    } else if (std::sscanf(item.c_str(), "%lld%c", &lo, &extra) == 1) {
+      hi = lo;
+    } else {
+      throw_input_error("--nan-ranks: '{}' is not a rank or a range A-B (in '{}')", item, text);
+    }
+    if (lo < 0 || hi >= world || lo > hi) {
+      throw_input_error("--nan-ranks: '{}' is outside the world's ranks 0-{}", item, world - 1);
+    }
+    for (long long r = lo; r <= hi; ++r) ranks.push_back(r);
+    pos = end + 1;
+  }
+  std::sort(ranks.begin(), ranks.end());
+  ranks.erase(std::unique(ranks.begin(), ranks.end()), ranks.end());
+  return ranks;
 }
 
 std::string format_rank_set(const std::vector<int64_t>& r, std::size_t max_runs) {
@@ -292,8 +756,13 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
   ReplayResult out;
   out.expected_skip = in.expected_skip();
   out.global_tokens = in.global_tokens;
-  std::vector<int64_t> drift, lost, faulted;
+  out.expected_reason = in.global_tokens == 0   ? "no effective tokens"
+                        : !in.nan_ranks.empty() ? fmt::format("a non-finite gradient on rank(s) {}",
+                                                              format_rank_set(in.nan_ranks))
+                                                : "";
+  std::vector<int64_t> drift, lost, faulted, unsynced;
   for (const auto& r : ranks) {
+    if (r.unsynced_gradients) unsynced.push_back(r.rank);
     if (r.outcome == Outcome::kError || r.outcome == Outcome::kBlocked ||
         r.outcome == Outcome::kMismatch) {
       out.fault = true;
@@ -304,7 +773,15 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
       (*r.skip ? lost : drift).push_back(r.rank);
     }
   }
-  if (!drift.empty()) {
+  if (!drift.empty() && in.global_tokens != 0) {  // expected to skip for a non-finite gradient
+    out.findings.push_back(
+        {"nonfinite_step",
+         fmt::format(
+             "{} rank(s) ({}) decided to run optimizer.step() although the global grad norm is not "
+             "finite ({}): NaN or Inf reaches the weights and the Adam moments",
+             drift.size(), format_rank_set(drift), out.expected_reason),
+         {{"ranks", drift.size()}, {"rank_set", format_rank_set(drift, 64)}}});
+  } else if (!drift.empty()) {
     out.findings.push_back(
         {"parameter_drift",
          fmt::format("{} rank(s) ({}) decided to run optimizer.step() on a zero-token batch: Adam "
@@ -319,6 +796,16 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
          fmt::format("{} rank(s) ({}) skipped a step that had {} effective tokens", lost.size(),
                      format_rank_set(lost), in.global_tokens),
          {{"ranks", lost.size()}, {"rank_set", format_rank_set(lost, 64)}}});
+  }
+  if (!unsynced.empty()) {
+    out.wrong_decision = true;
+    out.findings.push_back(
+        {"unsynced_gradients",
+         fmt::format("{} rank(s) ({}) stepped with gradients of a backward that no DDP all-reduce "
+                     "followed (the last micro-batch's backward was skipped, and it is the one "
+                     "that issues the all-reduce): DP replicas diverge silently",
+                     unsynced.size(), format_rank_set(unsynced)),
+         {{"ranks", unsynced.size()}, {"rank_set", format_rank_set(unsynced, 64)}}});
   }
   if (!faulted.empty()) {
     out.findings.push_back(
@@ -344,7 +831,7 @@ ReplayResult simulate(const ReplayInputs& in) {
     std::vector<CollectiveCall> calls;
     std::vector<uint8_t> present;
   };
-  constexpr int kKinds = 7;
+  constexpr int kKinds = kNumGroupKinds;
   std::unordered_map<uint64_t, std::vector<Slot>> groups;
   std::vector<std::array<uint16_t, kKinds>> issued(static_cast<std::size_t>(world),
                                                    std::array<uint16_t, kKinds>{});
@@ -384,34 +871,45 @@ ReplayResult simulate(const ReplayInputs& in) {
     // Every member issued its seq-th collective on this group: match them.
     const CollectiveCall& first = s.calls[0];
     bool match = true;
-    for (const auto& c : s.calls) match &= c.op == first.op && c.src == first.src;
+    for (const auto& c : s.calls) {
+      match &= c.op == first.op && c.src == first.src && c.payload == first.payload;
+    }
     if (!match) {
       std::vector<std::string> seen;
       for (int64_t m = 0; m < size; ++m) {
         const auto& c = s.calls[m];
-        const std::string what =
-            c.op == Op::kBroadcast ? fmt::format("broadcast(src={})", c.src) : op_name(c.op);
+        std::string what = c.op == Op::kBroadcast ? fmt::format("broadcast(src={})", c.src)
+                                                  : std::string(op_name(c.op));
+        if (c.payload != Payload::kNone) what += fmt::format(" of {}", payload_name(c.payload));
         if (std::find(seen.begin(), seen.end(), what) == seen.end()) seen.push_back(what);
       }
       const std::string detail = fmt::format("collective #{} on {}: members issued {}", seq + 1,
                                              t.describe(call->group), fmt::join(seen, " / "));
       for (int64_t m = 0; m < size; ++m) {
-        progs[t.member(call->group, m)].fail(
-            Outcome::kMismatch,
-            fmt::format("collective #{} on the {} group does not match", seq + 1,
-                        group_kind_name(call->group.kind)),
-            detail);
+        progs[t.member(call->group, m)].mismatch(s.calls[m], seq + 1, detail);
       }
     } else {
       int64_t result = 0;
-      if (first.op == Op::kAllReduceSum) {
-        for (const auto& c : s.calls) result += c.value;
+      bool nonfinite = false;
+      if (first.op == Op::kAllReduceSum || first.op == Op::kAllToAll) {
+        for (const auto& c : s.calls) {
+          result += c.value;
+          nonfinite = nonfinite || c.nonfinite;
+        }
+      } else if (first.op == Op::kAllReduceMax) {
+        result = first.value;
+        for (const auto& c : s.calls) {
+          result = std::max(result, c.value);
+          nonfinite = nonfinite || c.nonfinite;
+        }
       } else if (first.op == Op::kBroadcast) {
-        result = s.calls[t.index_in_group(call->group, first.src)].value;
+        const auto& root = s.calls[t.index_in_group(call->group, first.src)];
+        result = root.value;
+        nonfinite = root.nonfinite;
       }
       for (int64_t m = 0; m < size; ++m) {
         const int64_t member = t.member(call->group, m);
-        progs[member].complete(result);
+        progs[member].complete(result, nonfinite);
         work.push_back(member);
       }
     }

@@ -19,10 +19,60 @@
 
 namespace lossguard::oracle {
 
-enum class Protocol { kPr285, kPr285SrcLocal, kPr285AlwaysBroadcast, kValues0, kNoSkip };
+// Every protocol is one rank program (RankProgram) built from four parts, run in this order:
+//   1. the micro-batch loop (Loop): forward and backward of each micro-batch, with the
+//      collectives they trigger (the MoE token all-to-all on the expert-parallel group when
+//      EP > 1, the DDP gradient all-reduce as --grad-sync says), and the per-micro-batch
+//      decisions: skip the backward of a micro-batch, how many micro-batches to run;
+//   2. the end-of-step zero-token decision (the five original protocols; pr285 for the others);
+//   3. the non-finite-gradient decision (NanCheck), with the optimizer's grad-norm all-reduce;
+//   4. optimizer.step() and the barrier standing for the next step.
+enum class Protocol {
+  kPr285,
+  kPr285SrcLocal,
+  kPr285AlwaysBroadcast,
+  kValues0,
+  kNoSkip,
+  kMicrobatchSkip,        // skip a micro-batch's backward when its DP×CP-reduced count is 0
+  kMicrobatchSkipLocal,   // ... when this rank's own count is 0 (Relax#252 as first planned)
+  kMicrobatchesMax,       // micro-batch count all-reduced (MAX) over DP, dummies padded (Relax)
+  kMicrobatchesLocal,     // every DP rank runs its own micro-batch count
+  kNanSkip,               // skip = !isfinite(grad norm) after the norm's all-reduce (Megatron)
+  kNanSkipLocal,          // ... decided on this rank's own gradient, before the all-reduce
+  kNanSkipRank0,          // ... decided on rank 0's gradient and broadcast from rank 0
+  kFlagBroadcast,         // the skip flag broadcast on --flag-group from get_global_rank(group, 0)
+  kFlagBroadcastSrcLocal  // ... from src = 0, the group-local index used as a global rank
+};
 const char* protocol_name(Protocol p);
 bool parse_protocol(const std::string& s, Protocol* out);
 const std::vector<Protocol>& all_protocols();
+const char* protocol_description(Protocol p);  // one line, for --help and reports
+
+enum class Loop {
+  kNone,        // no micro-batch structure (the five end-of-step protocols)
+  kPlain,       // every micro-batch runs forward and backward
+  kSkipGlobal,  // backward skipped when the micro-batch's count, all-reduced over DP×CP, is 0
+  kSkipLocal,   // backward skipped when this rank's own count of the micro-batch is 0
+  kCountMax,    // all_reduce(count, MAX, DP group), then dummy micro-batches up to it
+  kCountLocal   // each DP rank runs the micro-batches it has
+};
+enum class NanCheck { kNone, kAfterAllReduce, kLocal, kRank0 };
+struct ProtocolParts {
+  Loop loop = Loop::kNone;
+  NanCheck nan = NanCheck::kNone;
+  bool flag_broadcast = false;  // the flag also goes over the --flag-group group
+};
+ProtocolParts protocol_parts(Protocol p);
+
+// When the DDP gradient all-reduce (one per DDP bucket; one collective here) is issued:
+// kLastMicrobatch: by the backward of the last micro-batch (PyTorch DDP under no_sync, Megatron
+//   with overlap_grad_reduce: the bucket's hook fires when its last gradient is ready);
+// kEveryMicrobatch: by every backward (no gradient accumulation, or ZeRO-3/FSDP's per-micro-batch
+//   reduce-scatter);
+// kFinalize: after the loop whatever backward ran (Megatron's finalize_model_grads ->
+//   finish_grad_sync without overlap).
+enum class GradSync { kLastMicrobatch, kEveryMicrobatch, kFinalize };
+const char* grad_sync_name(GradSync g);
 
 enum class ReduceMode {
   kPerToken,
@@ -30,14 +80,22 @@ enum class ReduceMode {
 };  // whether per-token loss is on (what values[0] holds)
 const char* reduce_mode_name(ReduceMode m);
 
-enum class Op { kAllReduceSum, kBroadcast, kBarrier };
+enum class Op { kAllReduceSum, kAllReduceMax, kBroadcast, kAllToAll, kBarrier };
 const char* op_name(Op op);
+
+// What a collective carries (its dtype and shape in a real job): calls that match in order on a
+// group must carry the same.
+enum class Payload : uint8_t { kNone, kCount, kFlag, kNorm, kGradients, kExpertGradients, kTokens };
+const char* payload_name(Payload p);
 
 struct CollectiveCall {
   Op op = Op::kBarrier;
   GroupRef group;
-  int64_t src = -1;   // global rank, broadcast only
-  int64_t value = 0;  // this rank's contribution (int64 scalar tensor)
+  int64_t src = -1;        // global rank, broadcast only
+  int64_t value = 0;       // this rank's contribution (int64 scalar tensor)
+  bool nonfinite = false;  // the contribution holds a NaN or Inf (gradients, norms)
+  Payload payload = Payload::kNone;
+  int32_t microbatch = -1;  // the micro-batch that issued it, -1 outside the loop
   const char* purpose = "";
 };
 
@@ -47,14 +105,23 @@ struct ReplayInputs {
   Protocol protocol = Protocol::kPr285;
   ReduceMode reduce = ReduceMode::kPerToken;
   Policy policy = Policy::kFixed;
+  GradSync grad_sync = GradSync::kLastMicrobatch;
+  GroupKind flag_group = GroupKind::kTp;  // kFlagBroadcast*: tp, cp or dp
   std::vector<int64_t>
       local_tokens;  // [dp * CP + cp]: CP-local token count over micro-batches, under `policy`
   std::vector<int64_t>
       local_samples;  // [dp * CP + cp]: samples over micro-batches (values[0], per-token loss off)
-  int64_t global_tokens = 0;  // the truth: global `fixed` count
+  // [dp * CP + cp][m]: the CP-local count of micro-batch m under `policy` (the loop's decisions)
+  std::vector<std::vector<int64_t>> microbatch_tokens;
+  std::vector<int64_t> nan_ranks;  // sorted: ranks whose own gradient is non-finite (--nan-ranks)
+  int64_t global_tokens = 0;       // the truth: global `fixed` count
   int64_t num_samples = 0;
-  int64_t microbatches = 1;
-  bool expected_skip() const { return global_tokens == 0; }
+  int64_t microbatches = 1;      // the most micro-batches any DP rank has
+  int64_t min_microbatches = 1;  // the fewest
+  bool nan_rank(int64_t rank) const;
+  // The truth: skip iff the step has no effective token or some gradient is non-finite (the
+  // global grad norm is then NaN or Inf).
+  bool expected_skip() const { return global_tokens == 0 || !nan_ranks.empty(); }
 };
 
 ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
@@ -71,55 +138,95 @@ struct RankResult {
   bool optimizer_stepped = false;
   bool scheduler_stepped = false;
   std::optional<double>
-      grad_norm;  // 0.0 when skipped; the simulator computes no gradients otherwise
+      grad_norm;  // 0.0 when skipped for no tokens, null for a non-finite norm or no decision
   bool update_successful = false;
+  // It stepped with gradients from a backward that no DDP all-reduce followed (the last
+  // micro-batch's backward skipped under --grad-sync last-microbatch): DP replicas diverge.
+  bool unsynced_gradients = false;
   std::string summary;  // rank-independent text, used to group ranks in reports
   std::string detail;   // this rank's specifics
 };
 
-// One rank's end-of-step protocol as a state machine: next() yields the collective to issue (or
-// nothing when finished); the executor calls complete() with its result, or fail() when it cannot
-// complete.
+// One rank's program as a state machine: next() yields the collective to issue (or nothing when
+// finished); the executor calls complete() with its result, or fail() when it cannot complete.
 class RankProgram {
  public:
   RankProgram(const ReplayInputs* in, int64_t rank);
   std::optional<CollectiveCall> next();
-  void complete(int64_t result);
+  void complete(int64_t result, bool nonfinite = false);
   void fail(Outcome outcome, const std::string& summary, const std::string& detail);
   // How every executor (the simulator, the real Gloo/NCCL backends) fails a call, worded once:
   // reject() fails the program when torch.distributed would reject `call` on this rank (src not in
   // group) and says whether it did; block() when the call cannot complete (`seq`: the call's number
-  // on its group, from 1; `detail`: what the executor waited for).
+  // on its group, from 1; `detail`: what the executor waited for); mismatch() when the members of
+  // its group issued different collectives (`detail`: what they issued).
   bool reject(const Topology& topo, const CollectiveCall& call);
   void block(const CollectiveCall& call, int seq, const std::string& detail);
+  void mismatch(const CollectiveCall& call, int seq, const std::string& detail);
   bool finished() const { return phase_ == Phase::kDone || phase_ == Phase::kFailed; }
   RankResult result() const;
 
  private:
   enum class Phase : uint8_t {
     kStart,
+    kAfterCountMax,
+    kMicrobatch,
+    kMbAfterCount,
+    kMbFlag,
+    kMbAfterFlag,
+    kForward,
+    kAfterForward,
+    kBackward,
+    kAfterBackwardA2a,
+    kBackwardDone,
+    kAfterGradSync,
+    kExpertGradSync,
+    kAfterExpertGradSync,
+    kLoopEnd,
+    kCount,
     kAfterCount,
+    kGroupFlag,
+    kAfterGroupFlag,
     kBroadcast,
     kAfterBroadcast,
     kDecide,
+    kNanRank0,
+    kAfterNanRank0,
     kOptimizer,
     kAfterOptimizer,
+    kExpertNorm,
+    kAfterExpertNorm,
     kBarrier,
     kAfterBarrier,
     kDone,
     kFailed
   };
+  std::optional<CollectiveCall> grad_sync(Phase after_dense);
   const ReplayInputs* in_;
+  ProtocolParts parts_;
   int64_t rank_;
   Phase phase_ = Phase::kStart;
-  int64_t flag_ = 0;       // 1: skip
+  Phase after_sync_ = Phase::kMicrobatch;  // where a gradient sync returns to
+  int64_t flag_ = 0;                       // 1: skip
   int64_t own_flag_ = -1;  // the flag this rank computed itself (last stage), -1 when none
   int64_t bcast_src_ = -1;
+  int64_t local_mb_ = 0;  // micro-batches this rank has
+  int64_t mb_total_ = 0;  // micro-batches it runs (with dummies)
+  int64_t mb_ = 0;        // the current one
+  int64_t mb_flag_ = 0;   // 1: skip this micro-batch's backward
+  int64_t backward_skipped_ = 0;
+  bool nonfinite_ = false;       // its gradient (after the syncs it took part in) holds NaN or Inf
+  bool nan_skip_ = false;        // skipped for a non-finite gradient
+  bool norm_nonfinite_ = false;  // the all-reduced grad norm is non-finite
+  bool unsynced_ = false;        // a backward ran after the last DDP gradient all-reduce
   std::optional<bool> skip_;
   bool optimizer_ = false;
   Outcome failed_outcome_ = Outcome::kError;
   std::string summary_, detail_;
 };
+
+// The group kinds a replay's programs issue collectives on (what a real backend must build).
+std::vector<GroupKind> group_kinds_used(const ReplayInputs& in);
 
 // The torch.distributed check at call time: the error message when `call` is invalid on `rank`.
 std::optional<std::string> check_call(const Topology& topo, int64_t rank,
@@ -128,6 +235,7 @@ std::optional<std::string> check_call(const Topology& topo, int64_t rank,
 struct ReplayResult {
   std::vector<RankResult> ranks;
   bool expected_skip = false;
+  std::string expected_reason;  // "no effective tokens", "non-finite gradient on rank(s) 3", ""
   int64_t global_tokens = 0;
   bool fault = false;           // an error, block or mismatch
   bool wrong_decision = false;  // some rank decided differently from the expected decision
@@ -137,6 +245,9 @@ struct ReplayResult {
 ReplayResult simulate(const ReplayInputs& in);
 // Verdict and findings from per-rank results (shared by the simulator and real backends).
 ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks);
+
+// --nan-ranks: "3,5-7" -> {3, 5, 6, 7}; throws InputError naming a rank outside [0, world).
+std::vector<int64_t> parse_rank_list(const std::string& text, int64_t world);
 
 // "0-3, 8-11" / "0-4094 step 2": rank lists compressed into arithmetic runs.
 std::string format_rank_set(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs = 8);

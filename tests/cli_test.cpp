@@ -359,6 +359,95 @@ TEST(CliReplay, JsonAndSvgReports) {
   EXPECT_NE(s.find("rank 3: blocked (wrong decision)"), std::string::npos);
 }
 
+// Data-dependent participation through the CLI: replay_participation.json's DP rank 1 holds a last
+// micro-batch with no effective token (samples 2, 3 at --dp 2 --microbatches 2) and, at 9 tokens
+// per micro-batch, two micro-batches against DP rank 0's one.
+TEST(CliReplay, ParticipationProtocolsGiveTheirPredictedOutcomes) {
+  const std::string dump = fixture("replay_participation.json");
+  Result local = run_cli({"replay", dump, "--dp", "2", "--microbatches", "2", "--protocol",
+                          "microbatch-skip-local", "--json", "-"});
+  EXPECT_EQ(local.code, 3);
+  auto j = nlohmann::json::parse(local.out);
+  EXPECT_EQ(j["ranks"][0]["outcome"], "mismatch");
+  EXPECT_EQ(j["ranks"][1]["outcome"], "mismatch");
+  EXPECT_NE(j["ranks"][1]["detail"].get<std::string>().find("skipped the backward of 1 of its 2"),
+            std::string::npos)
+      << j["ranks"][1]["detail"];
+  EXPECT_EQ(run_cli({"replay", dump, "--dp", "2", "--microbatches", "2", "--protocol",
+                     "microbatch-skip"})
+                .code,
+            0);
+  Result uneven = run_cli({"replay", dump, "--dp", "2", "--ep", "2", "--max-tokens-per-mb", "9",
+                           "--protocol", "microbatches-local", "--json", "-"});
+  EXPECT_EQ(uneven.code, 3);
+  j = nlohmann::json::parse(uneven.out);
+  EXPECT_EQ(j["microbatches"], 2);
+  EXPECT_EQ(j["min_microbatches"], 1);
+  EXPECT_EQ(j["ep"], 2);
+  EXPECT_EQ(run_cli({"replay", dump, "--dp", "2", "--ep", "2", "--max-tokens-per-mb", "9",
+                     "--protocol", "microbatches-max"})
+                .code,
+            0);
+  Result nan = run_cli({"replay", dump, "--tp", "2", "--dp", "2", "--protocol", "nan-skip-rank0",
+                        "--nan-ranks", "1", "--json", "-"});
+  EXPECT_EQ(nan.code, 1);
+  j = nlohmann::json::parse(nan.out);
+  EXPECT_EQ(j["expected"], "skip");
+  EXPECT_EQ(j["nan_ranks"], nlohmann::json::array({1}));
+  EXPECT_EQ(j["findings"][0]["kind"], "nonfinite_step");
+  EXPECT_EQ(run_cli({"replay", dump, "--tp", "2", "--dp", "2", "--protocol", "nan-skip",
+                     "--nan-ranks", "1"})
+                .code,
+            0);
+  EXPECT_EQ(run_cli({"replay", dump, "--tp", "2", "--dp", "2", "--protocol",
+                     "flag-broadcast-src-local", "--flag-group", "dp"})
+                .code,
+            3);
+  // Bad values name the option.
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--nan-ranks", "4"}, {"--nan-ranks", "x"}, {"--grad-sync", "x"},
+        {"--flag-group", "pp"}, {"--ep", "3"}, {"--max-tokens-per-mb", "-1"}}) {
+    std::vector<std::string> args = {"replay", dump, "--tp", "2", "--dp", "2"};
+    args.insert(args.end(), bad.begin(), bad.end());
+    Result r = run_cli(args);
+    EXPECT_EQ(r.code, 2) << bad[0] << " " << bad[1];
+    EXPECT_NE(r.err.find(bad[0]), std::string::npos) << r.err;
+  }
+  Result topo = run_cli({"topo", "--pp", "2", "--dp", "4", "--ep", "2", "--json", "-"});
+  EXPECT_EQ(topo.code, 0);
+  j = nlohmann::json::parse(topo.out);
+  EXPECT_EQ(j["groups"]["ep"], nlohmann::json::parse("[[0,1],[2,3],[4,5],[6,7]]"));
+  EXPECT_EQ(j["groups"]["edp"], nlohmann::json::parse("[[0,2],[1,3],[4,6],[5,7]]"));
+}
+
+// At 131,072 ranks the rank grid stays small and readable: runs of equal outcomes are one
+// rectangle, and the axes are labelled.
+TEST(CliReplay, SvgAt131072RanksAggregatesRuns) {
+  const auto dir = testing::temp_dir("cli-replay-svg");
+  const std::string svg = (dir / "big.svg").string();
+  Result r = run_cli({"replay", fixture("gen_zero-token.safetensors"), "--tp", "8", "--pp", "16",
+                      "--cp", "8", "--dp", "128", "--protocol", "pr285-src-local", "--svg", svg});
+  EXPECT_EQ(r.code, 3);
+  const std::string s = testing::read_file(svg);
+  EXPECT_LT(s.size(), 200u * 1024u) << "bytes";
+  // src = PP-1 = 15 is rank 15 of stage 0: every pipeline but rank 15's errors.
+  EXPECT_NE(s.find("<title>ranks 0-14: error</title>"), std::string::npos);
+  EXPECT_NE(s.find("<title>rank 15: blocked (wrong decision)</title>"), std::string::npos);
+  EXPECT_NE(s.find("<title>ranks 16-8191: error</title>"), std::string::npos);
+  EXPECT_NE(s.find(">dp 0<"), std::string::npos);
+  EXPECT_NE(s.find(">stage 1<"), std::string::npos);  // 16 rows of 28 px: every label fits
+  // 64 stages of 12 px: every other stage is labelled, so labels never overlap.
+  const std::string deep = (dir / "deep.svg").string();
+  EXPECT_EQ(run_cli({"replay", fixture("gen_zero-token.safetensors"), "--pp", "64", "--dp", "2",
+                     "--svg", deep})
+                .code,
+            0);
+  const std::string d = testing::read_file(deep);
+  EXPECT_NE(d.find(">stage 2<"), std::string::npos);
+  EXPECT_EQ(d.find(">stage 1<"), std::string::npos);
+  EXPECT_NE(d.find(">stage 63<"), std::string::npos);
+}
+
 TEST(CliReplay, DpShardsPlaceEachDumpOnItsRank) {
   Result r = run_cli({"replay", fixture("gen_zero-token.json"), fixture("gen_random.json"), "--dp",
                       "2", "--dp-shards", "--pp", "2"});

@@ -5,7 +5,13 @@ assert that every rank's outcome is the one the simulator predicts; deadlocking 
 --timeout + 10 s with exit code 3 and leave no process behind. With --plain, launch the ranks with only
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set, as a plain launcher would.
 
-    multiproc_replay.py LOSSGUARD TORCHRUN DUMP_DIR --tp 2 --pp 2 [--cp 1] [--dp 1] [--plain] [--backend nccl]
+Every rank the simulator sees blocked must be released through the store (fail fast: a member that
+failed, finished or waits in a cycle), not by --timeout. The participation protocols (--protocols) run on
+replay_participation.json, whose DP rank 1 holds a last micro-batch with no effective token and more
+tokens than DP rank 0 (uneven micro-batch counts under --max-tokens-per-mb 9), with the arguments below.
+
+    multiproc_replay.py LOSSGUARD TORCHRUN DUMP_DIR --tp 2 --pp 2 [--cp 1] [--dp 1] [--ep 1] [--plain]
+                        [--backend nccl] [--protocols a,b,...]
 """
 import argparse
 import json
@@ -17,6 +23,18 @@ import tempfile
 import time
 
 PROTOCOLS = ["pr285", "pr285-src-local", "pr285-always-broadcast", "values0", "no-skip"]
+# The data-dependent participation protocols and what each needs to show its hazard.
+PARTICIPATION_ARGS = {
+    "microbatch-skip": ["--microbatches", "2"],
+    "microbatch-skip-local": ["--microbatches", "2"],
+    "microbatches-max": ["--max-tokens-per-mb", "9"],
+    "microbatches-local": ["--max-tokens-per-mb", "9"],
+    "nan-skip": ["--nan-ranks", "1"],
+    "nan-skip-local": ["--nan-ranks", "1"],
+    "nan-skip-rank0": ["--nan-ranks", "1"],
+    "flag-broadcast": [],
+    "flag-broadcast-src-local": [],
+}
 FIELDS = ["decision", "outcome", "optimizer_stepped", "scheduler_stepped", "update_successful"]
 TIMEOUT_S = 4
 
@@ -37,20 +55,26 @@ def main():
     ap.add_argument("lossguard")
     ap.add_argument("torchrun")
     ap.add_argument("dumps")
-    for k in ("tp", "pp", "cp", "dp"):
+    for k in ("tp", "pp", "cp", "dp", "ep"):
         ap.add_argument("--" + k, type=int, default=1)
+    ap.add_argument("--protocols", default=None, help="comma-separated participation protocols")
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = ap.parse_args()
     world = args.tp * args.pp * args.cp * args.dp
-    topo = ["--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--dp", str(args.dp)]
+    topo = ["--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--dp", str(args.dp),
+            "--ep", str(args.ep)]
+    if args.protocols:
+        runs = [(b, p, PARTICIPATION_ARGS[p]) for b in ("gen_random.safetensors", "replay_participation.json")
+                for p in args.protocols.split(",")]
+    else:
+        runs = [(b, p, []) for b in ("gen_zero-token.safetensors", "gen_random.safetensors") for p in PROTOCOLS]
     failures = []
     checked = 0
     with tempfile.TemporaryDirectory(prefix="lossguard-mp-") as tmp:
-        for batch in ("gen_zero-token.safetensors", "gen_random.safetensors"):
-            dump = os.path.join(args.dumps, batch)
-            for protocol in PROTOCOLS:
-                common = [dump] + topo + ["--protocol", protocol, "--reduce", "sample-mean"]
+        for batch, protocol, extra in runs:
+                dump = os.path.join(args.dumps, batch)
+                common = [dump] + topo + ["--protocol", protocol, "--reduce", "sample-mean"] + extra
                 sim_json = os.path.join(tmp, "sim.json")
                 sim = subprocess.run([args.lossguard, "replay"] + common + ["--backend", "sim", "--json", sim_json],
                                      capture_output=True, text=True)
@@ -75,7 +99,8 @@ def main():
                     codes = None
                     out0 = run.stdout
                 elapsed = time.monotonic() - start
-                name = f"{batch} {protocol} TP{args.tp} PP{args.pp} CP{args.cp} DP{args.dp}{' plain' if args.plain else ''}"
+                name = (f"{batch} {protocol} {' '.join(extra)} TP{args.tp} PP{args.pp} CP{args.cp} DP{args.dp} EP{args.ep}"
+                        f"{' plain' if args.plain else ''}")
                 if not os.path.exists(real_json):
                     failures.append(f"{name}: rank 0 wrote no report; stdout: {out0[-2000:]}")
                     continue
@@ -87,6 +112,9 @@ def main():
                     diff = {f: (w[f], g[f]) for f in FIELDS if w[f] != g[f]}
                     if diff:
                         failures.append(f"{name}: rank {w['rank']}: simulator vs real {diff}; real detail: {g['detail']}")
+                    elif g["outcome"] == "blocked" and "seen through the store" not in g["detail"]:
+                        failures.append(f"{name}: rank {w['rank']} was not released through the store (fail fast): "
+                                        f"{g['detail']}")
                 if got["verdict"] != want["verdict"] or got["exit_code"] != want["exit_code"]:
                     failures.append(f"{name}: verdict {got['verdict']}/{got['exit_code']} vs simulated {want['verdict']}/{want['exit_code']}")
                 if want["exit_code"] == 3 and elapsed > TIMEOUT_S + 10:
