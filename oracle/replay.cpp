@@ -261,10 +261,18 @@ ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
 
 RankProgram::RankProgram(const ReplayInputs* in, int64_t rank)
     : in_(in), parts_(protocol_parts(in->protocol)), rank_(rank) {
-  const Coord c = in->topo.coord(rank);
+  const Topology& t = in->topo;
+  const Coord c = t.coord(rank);
+  last_stage_ = c.pp == t.pp() - 1;
+  idx_ = static_cast<std::size_t>(c.dp * t.cp() + c.cp);
+  for (int k = 0; k < kNumGroupKinds; ++k) {
+    const auto kind = static_cast<GroupKind>(k);
+    const bool expert =
+        kind == GroupKind::kEp || kind == GroupKind::kEdp || kind == GroupKind::kEmp;
+    if (!expert || t.ep() > 1) groups_[static_cast<std::size_t>(k)] = t.group_of(kind, rank);
+  }
   const auto& mb = in->microbatch_tokens;
-  const auto idx = static_cast<std::size_t>(c.dp * in->topo.cp() + c.cp);
-  local_mb_ = idx < mb.size() ? static_cast<int64_t>(mb[idx].size()) : in->microbatches;
+  local_mb_ = idx_ < mb.size() ? static_cast<int64_t>(mb[idx_].size()) : in->microbatches;
   nonfinite_ = in->nan_rank(rank);
 }
 
@@ -275,7 +283,7 @@ std::optional<CollectiveCall> RankProgram::grad_sync(Phase after) {
   after_sync_ = after;
   phase_ = Phase::kAfterGradSync;
   return CollectiveCall{Op::kAllReduceSum,
-                        in_->topo.group_of(GroupKind::kDpCp, rank_),
+                        groups_[static_cast<std::size_t>(GroupKind::kDpCp)],
                         -1,
                         0,
                         nonfinite_,
@@ -286,9 +294,9 @@ std::optional<CollectiveCall> RankProgram::grad_sync(Phase after) {
 
 std::optional<CollectiveCall> RankProgram::next() {
   const Topology& t = in_->topo;
-  const Coord c = t.coord(rank_);
-  const bool last_stage = c.pp == t.pp() - 1;
-  const auto idx = static_cast<std::size_t>(c.dp * t.cp() + c.cp);
+  const bool last_stage = last_stage_;
+  const std::size_t idx = idx_;
+  auto group = [&](GroupKind k) { return groups_[static_cast<std::size_t>(k)]; };
   while (true) {
     const auto mb = static_cast<int32_t>(mb_);
     switch (phase_) {
@@ -300,14 +308,9 @@ std::optional<CollectiveCall> RankProgram::next() {
         mb_total_ = local_mb_;
         if (parts_.loop == Loop::kCountMax) {  // Relax get_data_iterator: MAX over the DP group
           phase_ = Phase::kAfterCountMax;
-          return CollectiveCall{Op::kAllReduceMax,
-                                t.group_of(GroupKind::kDp, rank_),
-                                -1,
-                                local_mb_,
-                                false,
-                                Payload::kCount,
-                                -1,
-                                "micro-batch count"};
+          return CollectiveCall{
+              Op::kAllReduceMax,  group(GroupKind::kDp), -1, local_mb_, false, Payload::kCount, -1,
+              "micro-batch count"};
         }
         phase_ = Phase::kMicrobatch;
         continue;
@@ -333,7 +336,7 @@ std::optional<CollectiveCall> RankProgram::next() {
         }
         phase_ = Phase::kMbAfterCount;
         return CollectiveCall{Op::kAllReduceSum,
-                              t.group_of(GroupKind::kDpCp, rank_),
+                              group(GroupKind::kDpCp),
                               -1,
                               count,
                               false,
@@ -348,7 +351,7 @@ std::optional<CollectiveCall> RankProgram::next() {
         }
         phase_ = Phase::kMbAfterFlag;
         return CollectiveCall{Op::kBroadcast,
-                              t.group_of(GroupKind::kPp, rank_),
+                              group(GroupKind::kPp),
                               t.pipeline_last_rank(rank_),
                               mb_flag_,
                               false,
@@ -358,14 +361,9 @@ std::optional<CollectiveCall> RankProgram::next() {
       case Phase::kForward:
         if (t.ep() > 1) {  // MoE token dispatch in every forward
           phase_ = Phase::kAfterForward;
-          return CollectiveCall{Op::kAllToAll,
-                                t.group_of(GroupKind::kEp, rank_),
-                                -1,
-                                0,
-                                false,
-                                Payload::kTokens,
-                                mb,
-                                "MoE token dispatch (forward)"};
+          return CollectiveCall{
+              Op::kAllToAll, group(GroupKind::kEp), -1, 0,
+              false,         Payload::kTokens,      mb, "MoE token dispatch (forward)"};
         }
         phase_ = Phase::kBackward;
         continue;
@@ -378,14 +376,9 @@ std::optional<CollectiveCall> RankProgram::next() {
         }
         if (t.ep() > 1) {
           phase_ = Phase::kAfterBackwardA2a;
-          return CollectiveCall{Op::kAllToAll,
-                                t.group_of(GroupKind::kEp, rank_),
-                                -1,
-                                0,
-                                false,
-                                Payload::kTokens,
-                                mb,
-                                "MoE token dispatch (backward)"};
+          return CollectiveCall{
+              Op::kAllToAll, group(GroupKind::kEp), -1, 0,
+              false,         Payload::kTokens,      mb, "MoE token dispatch (backward)"};
         }
         phase_ = Phase::kBackwardDone;
         continue;
@@ -406,7 +399,7 @@ std::optional<CollectiveCall> RankProgram::next() {
         phase_ = Phase::kAfterExpertGradSync;
         return CollectiveCall{
             Op::kAllReduceSum,
-            t.group_of(GroupKind::kEdp, rank_),
+            group(GroupKind::kEdp),
             -1,
             0,
             nonfinite_,
@@ -427,7 +420,7 @@ std::optional<CollectiveCall> RankProgram::next() {
         phase_ = Phase::kAfterCount;
         return CollectiveCall{
             Op::kAllReduceSum,
-            t.group_of(GroupKind::kDpCp, rank_),
+            group(GroupKind::kDpCp),
             -1,
             sample_count ? in_->local_samples[idx] : in_->local_tokens[idx],
             false,
@@ -436,7 +429,7 @@ std::optional<CollectiveCall> RankProgram::next() {
             in_->protocol == Protocol::kValues0 ? "sum of values[0]" : "effective token count"};
       }
       case Phase::kGroupFlag: {
-        const GroupRef g = t.group_of(in_->flag_group, rank_);
+        const GroupRef g = group(in_->flag_group);
         const int64_t src = in_->protocol == Protocol::kFlagBroadcastSrcLocal ? 0 : t.member(g, 0);
         phase_ = Phase::kAfterGroupFlag;
         return CollectiveCall{Op::kBroadcast, g,  src,        flag_, false,
@@ -452,14 +445,8 @@ std::optional<CollectiveCall> RankProgram::next() {
                                          in_->protocol == Protocol::kPr285AlwaysBroadcast;
         bcast_src_ = stage_index_as_rank ? t.pp() - 1 : t.pipeline_last_rank(rank_);
         phase_ = Phase::kAfterBroadcast;
-        return CollectiveCall{Op::kBroadcast,
-                              t.group_of(GroupKind::kPp, rank_),
-                              bcast_src_,
-                              flag_,
-                              false,
-                              Payload::kFlag,
-                              -1,
-                              "skip flag"};
+        return CollectiveCall{Op::kBroadcast, group(GroupKind::kPp), bcast_src_, flag_,
+                              false,          Payload::kFlag,        -1,         "skip flag"};
       }
       case Phase::kDecide:
         skip_ = in_->protocol != Protocol::kNoSkip && flag_ != 0;
@@ -488,24 +475,12 @@ std::optional<CollectiveCall> RankProgram::next() {
                                // model-parallel group (Megatron clip_grads:
                                // grad_stats_parallel_group)
         phase_ = Phase::kAfterOptimizer;
-        return CollectiveCall{Op::kAllReduceSum,
-                              t.group_of(GroupKind::kMp, rank_),
-                              -1,
-                              0,
-                              nonfinite_,
-                              Payload::kNorm,
-                              -1,
-                              "grad_norm"};
+        return CollectiveCall{Op::kAllReduceSum, group(GroupKind::kMp), -1, 0,
+                              nonfinite_,        Payload::kNorm,        -1, "grad_norm"};
       case Phase::kExpertNorm:  // the expert optimizer's norm over tp-ep-pp (ChainedOptimizer)
         phase_ = Phase::kAfterExpertNorm;
-        return CollectiveCall{Op::kAllReduceSum,
-                              t.group_of(GroupKind::kEmp, rank_),
-                              -1,
-                              0,
-                              nonfinite_,
-                              Payload::kNorm,
-                              -1,
-                              "expert grad_norm"};
+        return CollectiveCall{Op::kAllReduceSum, group(GroupKind::kEmp), -1, 0,
+                              nonfinite_,        Payload::kNorm,         -1, "expert grad_norm"};
       case Phase::kBarrier:  // every rank enters the next step
         phase_ = Phase::kAfterBarrier;
         return CollectiveCall{
@@ -832,7 +807,14 @@ ReplayResult simulate(const ReplayInputs& in) {
     std::vector<uint8_t> present;
   };
   constexpr int kKinds = kNumGroupKinds;
-  std::unordered_map<uint64_t, std::vector<Slot>> groups;
+  // slots[kind][group id][seq]: the seq-th collective issued on that group.
+  std::array<std::vector<std::vector<Slot>>, kKinds> slots_of;
+  for (int k = 0; k < kKinds; ++k) {
+    slots_of[k].resize(static_cast<std::size_t>(t.num_groups(static_cast<GroupKind>(k))));
+  }
+  auto slots_for = [&](const GroupRef& g) -> std::vector<Slot>& {
+    return slots_of[static_cast<int>(g.kind)][static_cast<std::size_t>(g.id)];
+  };
   std::vector<std::array<uint16_t, kKinds>> issued(static_cast<std::size_t>(world),
                                                    std::array<uint16_t, kKinds>{});
   struct Wait {
@@ -855,7 +837,7 @@ ReplayResult simulate(const ReplayInputs& in) {
     if (prog.reject(t, *call)) continue;
     const int kind = static_cast<int>(call->group.kind);
     const uint16_t seq = issued[r][kind]++;
-    auto& slots = groups[key_of(call->group)];
+    auto& slots = slots_for(call->group);
     if (slots.size() <= seq) slots.resize(seq + 1u);
     Slot& s = slots[seq];
     const int64_t size = t.group_size(call->group.kind);
@@ -919,18 +901,24 @@ ReplayResult simulate(const ReplayInputs& in) {
 
   std::vector<RankResult> results;
   results.reserve(static_cast<std::size_t>(world));
+  std::map<std::pair<uint64_t, uint16_t>, std::string> blocked_text;
   for (int64_t r = 0; r < world; ++r) {
     if (!progs[r].finished()) {
       const Wait& w = waiting[r];
-      Slot& s = groups[key_of(w.group)][w.seq];
-      std::vector<int64_t> missing;
-      for (int64_t m = 0; m < static_cast<int64_t>(s.present.size()); ++m) {
-        if (!s.present[m]) missing.push_back(t.member(w.group, m));
+      Slot& s = slots_for(w.group)[w.seq];
+      // Every waiter of a slot shares its text: computed once per slot, not once per waiter (a
+      // world barrier has 131,072 members).
+      auto [it, fresh] = blocked_text.try_emplace({key_of(w.group), w.seq});
+      if (fresh) {
+        std::vector<int64_t> missing;
+        for (int64_t m = 0; m < static_cast<int64_t>(s.present.size()); ++m) {
+          if (!s.present[m]) missing.push_back(t.member(w.group, m));
+        }
+        it->second = fmt::format("waiting in {} for rank(s) {} that never issue it",
+                                 t.describe(w.group), format_rank_set(missing, 4));
       }
       const CollectiveCall& mine = s.calls[t.index_in_group(w.group, r)];
-      progs[r].block(mine, w.seq + 1,
-                     fmt::format("waiting in {} for rank(s) {} that never issue it",
-                                 t.describe(w.group), format_rank_set(missing, 4)));
+      progs[r].block(mine, w.seq + 1, it->second);
     }
     results.push_back(progs[r].result());
   }

@@ -4,6 +4,7 @@
 // global rank, a rank whose group lacks `src` errors at that call, collectives on a group match in
 // issue order.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -205,6 +206,9 @@ class RankProgram {
   const ReplayInputs* in_;
   ProtocolParts parts_;
   int64_t rank_;
+  bool last_stage_ = false;
+  std::size_t idx_ = 0;                            // dp * CP + cp: where its local counts are
+  std::array<GroupRef, kNumGroupKinds> groups_{};  // its group of each kind
   Phase phase_ = Phase::kStart;
   Phase after_sync_ = Phase::kMicrobatch;  // where a gradient sync returns to
   int64_t flag_ = 0;                       // 1: skip
