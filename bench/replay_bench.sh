@@ -2,6 +2,9 @@
 # Replay simulator scale: wall time and peak memory of `lossguard replay --backend sim` for growing
 # topologies up to TP8 PP16 CP8 DP128 (131,072 ranks), every protocol, on a zero-token batch (the case
 # that exercises the broadcast and the deadlocking paths). Time per rank shows the cost stays linear.
+# Then the data-dependent participation protocols at 16,384 and 131,072 ranks with EP 8, on a batch
+# with tokens cut into 4 micro-batches per DP rank, or into uneven ones by --max-tokens-per-mb, and a
+# NaN on rank 5.
 #   bench/replay_bench.sh BUILD_DIR
 set -euo pipefail
 LG="$1/cli/lossguard"
@@ -14,6 +17,30 @@ for topo in "8 16 8 16" "8 16 8 32" "8 16 8 64" "8 16 8 128"; do
     set +e
     /usr/bin/time -f '%e %M' -o "$dir/t" "$LG" replay "$dir/zero.safetensors" --tp $tp --pp $pp --cp $cp --dp $dp \
       --protocol $p >/dev/null 2>&1
+    rc=$?
+    set -e
+    read -r wall rss < <(tail -n 1 "$dir/t")
+    ranks=$((tp * pp * cp * dp))
+    printf '%-24s %-8s %9s %9.0f %12.2f %10s\n' $p $ranks $wall $((rss / 1024)) \
+      "$(awk -v w="$wall" -v n="$ranks" 'BEGIN { print w * 1000000 / n }')" $rc
+  done
+done
+
+"$LG" gen --samples 2048 --seed 5 --out "$dir/tokens.safetensors" >/dev/null
+declare -A extra=(
+  [microbatch-skip]="--microbatches 4" [microbatch-skip-local]="--microbatches 4"
+  [microbatches-max]="--max-tokens-per-mb 200" [microbatches-local]="--max-tokens-per-mb 200"
+  [nan-skip]="--nan-ranks 5" [nan-skip-local]="--nan-ranks 5" [nan-skip-rank0]="--nan-ranks 5"
+  [flag-broadcast]="" [flag-broadcast-src-local]="")
+printf '\n%-24s %-8s %9s %9s %12s %10s\n' protocol ranks wall_s rss_MiB us_per_rank exit
+for topo in "8 16 8 16" "8 16 8 128"; do
+  read -r tp pp cp dp <<<"$topo"
+  for p in microbatch-skip microbatch-skip-local microbatches-max microbatches-local nan-skip \
+           nan-skip-local nan-skip-rank0 flag-broadcast flag-broadcast-src-local; do
+    set +e
+    # shellcheck disable=SC2086
+    /usr/bin/time -f '%e %M' -o "$dir/t" "$LG" replay "$dir/tokens.safetensors" --tp $tp --pp $pp --cp $cp \
+      --dp $dp --ep 8 --protocol $p ${extra[$p]} >/dev/null 2>&1
     rc=$?
     set -e
     read -r wall rss < <(tail -n 1 "$dir/t")

@@ -38,6 +38,21 @@ run replay "$EX/gen_zero-token.safetensors" --dp 4 --cp 2 --protocol pr285-alway
 step "Bug 3: reading the decision from values[0], a sample count when per-token loss is off"
 run replay "$EX/gen_zero-token.safetensors" --dp 2 --protocol values0 --reduce sample-mean
 
+step "The same hang family beyond the end of the step: a backward skipped on a rank's own empty micro-batch (DP rank 1's last one) leaves the DDP gradient all-reduce half issued"
+run replay "$EX/replay_participation.json" --dp 2 --microbatches 2 --protocol microbatch-skip-local
+step "Decided on the count all-reduced over DP+CP instead: every rank runs the same backwards"
+run replay "$EX/replay_participation.json" --dp 2 --microbatches 2 --protocol microbatch-skip --max-lines 2
+step "Dynamic batch size gives DP ranks 1 and 2 micro-batches: with MoE (EP 2) the lighter rank leaves the all-to-alls early; Relax's MAX all-reduce + dummy micro-batches fixes it"
+run replay "$EX/replay_participation.json" --dp 2 --ep 2 --max-tokens-per-mb 9 --protocol microbatches-local
+run replay "$EX/replay_participation.json" --dp 2 --ep 2 --max-tokens-per-mb 9 --protocol microbatches-max --max-lines 2
+step "A NaN gradient on rank 1, the step skipped per rank before the norm's all-reduce (hangs) and on rank 0's word (steps with NaN)"
+run replay "$EX/replay_participation.json" --tp 2 --dp 2 --protocol nan-skip-local --nan-ranks 1
+run replay "$EX/replay_participation.json" --tp 2 --dp 2 --protocol nan-skip-rank0 --nan-ranks 1 --max-lines 2
+step "A flag broadcast on the TP group with src = 0, a group-local index used as a global rank"
+run replay "$EX/replay_participation.json" --tp 2 --dp 2 --protocol flag-broadcast-src-local --max-lines 3
+step "Expert parallelism: Megatron's expert-layer groups over the same ranks"
+run topo --pp 2 --dp 4 --ep 2 --max-rows 4
+
 step "Bug 2 in a real slime dump: a format-2 train dump of two optimizer steps, the first without effective tokens; replayed step by step on the trainer's own DP layout"
 run replay "$EX/slime_format2_two_steps.pt" --dp 2 --protocol no-skip --max-lines 2
 run count "$EX/slime_format2_two_steps.pt" --cp 1,2 --step 1 --max-rows 4
