@@ -297,6 +297,7 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
                        {"grad_norm", r.grad_norm ? nlohmann::ordered_json(*r.grad_norm)
                                                  : nlohmann::ordered_json(nullptr)},
                        {"update_successful", r.update_successful},
+                       {"unsynced_gradients", r.unsynced_gradients},
                        {"detail", r.detail.empty() ? r.summary : r.summary + ": " + r.detail}});
     }
   }
@@ -306,7 +307,8 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   // JUnit failure messages name the ranks (the findings' rank sets: "0-3, 8-11", arithmetic runs).
   std::string wrong_ranks, fault_ranks;
   for (const auto& f : result.findings) {
-    if (f.kind == "parameter_drift" || f.kind == "lost_step" || f.kind == "nonfinite_step")
+    if (f.kind == "parameter_drift" || f.kind == "lost_step" || f.kind == "nonfinite_step" ||
+        f.kind == "unsynced_gradients")
       wrong_ranks += (wrong_ranks.empty() ? "" : "; ") + f.message;
     if (f.kind == "distributed_fault") fault_ranks = f.message;
   }

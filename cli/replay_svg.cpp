@@ -60,7 +60,7 @@ std::string replay_svg(const oracle::ReplayInputs& in, const oracle::ReplayResul
   }
   const double gap = row_h > 8 ? 1.0 : 0.0;
   auto wrong = [&](const oracle::RankResult& r) {
-    return r.skip.has_value() && *r.skip != result.expected_skip;
+    return (r.skip.has_value() && *r.skip != result.expected_skip) || r.unsynced_gradients;
   };
   for (int64_t pp = 0; pp < rows; ++pp) {
     int64_t col = 0;

@@ -124,7 +124,17 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   // of at --timeout. A verdict counts only when two reads 200 ms apart agree and no rank posted in
   // between.
   int version = 0;
+  // The store is only an accelerator here: each of its calls may take at most a second (a store
+  // that died with rank 0 must not stack reconnect retries on every collective), and after its
+  // first failure it is left alone and the deadlines decide.
+  bool store_ok = true;
+  try {
+    store.setTimeout(std::chrono::milliseconds(1000));
+  } catch (const std::exception&) {
+    store_ok = false;
+  }
   auto post_state = [&](PostedState::Status status, const oracle::CollectiveCall* call, int seq) {
+    if (!store_ok) return;
     try {
       std::string text = fmt::format("{} {} {} {} {}", ++version, static_cast<int>(status),
                                      call ? static_cast<int>(call->group.kind) : 0,
@@ -135,6 +145,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       }
       store.set(fmt::format("state/{}", env.rank), text);
     } catch (const std::exception&) {  // the store is gone: the others find out by their deadline
+      store_ok = false;
     }
   };
   std::vector<bool> posted(static_cast<std::size_t>(env.world_size), false);
@@ -158,6 +169,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
     }
     return states;
   };
+  if (!ready) post_state(PostedState::kFailed, nullptr, 0);
   int calls = 0;
   while (ready) {
     std::optional<oracle::CollectiveCall> call = prog.next();
@@ -176,9 +188,11 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       last_ask = Clock::now();
       std::vector<int> versions;
       std::vector<PostedState> states;
+      if (!store_ok) return "";
       try {
         states = read_states(&versions);
       } catch (const std::exception&) {
+        store_ok = false;
         return "";
       }
       if (!stuck_ranks(t, states)[static_cast<std::size_t>(env.rank)]) {
@@ -193,7 +207,8 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
       for (int64_t i = 0; i < t.group_size(call->group.kind); ++i) {
         const int64_t m = t.member(call->group, i);
         const PostedState& st = states[static_cast<std::size_t>(m)];
-        if (st.issued[static_cast<std::size_t>(call->group.kind)] >= seq) continue;
+        const auto k = static_cast<std::size_t>(call->group.kind);
+        if (k < st.issued.size() && st.issued[k] >= seq) continue;
         (st.status == PostedState::kWaiting ? waiting : failed).push_back(m);
       }
       return failed.empty() ? fmt::format(

@@ -65,7 +65,7 @@ const char* protocol_description(Protocol p) {
       return "never skips (Megatron baseline)";
     case Protocol::kMicrobatchSkip:
       return "a micro-batch skips its backward when its count all-reduced over DP+CP is 0 "
-             "(correct)";
+             "(correct, unless that backward is the one issuing the gradient all-reduce)";
     case Protocol::kMicrobatchSkipLocal:
       return "a micro-batch skips its backward when this rank's own count is 0 (the DDP gradient "
              "all-reduce is then issued by some ranks only)";
@@ -273,7 +273,7 @@ RankProgram::RankProgram(const ReplayInputs* in, int64_t rank)
   }
   const auto& mb = in->microbatch_tokens;
   local_mb_ = idx_ < mb.size() ? static_cast<int64_t>(mb[idx_].size()) : in->microbatches;
-  nonfinite_ = in->nan_rank(rank);
+  dense_nonfinite_ = expert_nonfinite_ = in->nan_rank(rank);
 }
 
 // The DDP gradient all-reduce over DP+CP (dense parameters), then over the expert-data-parallel
@@ -286,7 +286,7 @@ std::optional<CollectiveCall> RankProgram::grad_sync(Phase after) {
                         groups_[static_cast<std::size_t>(GroupKind::kDpCp)],
                         -1,
                         0,
-                        nonfinite_,
+                        dense_nonfinite_,
                         Payload::kGradients,
                         static_cast<int32_t>(after == Phase::kMicrobatch ? mb_ - 1 : -1),
                         "DDP gradient all-reduce"};
@@ -402,7 +402,7 @@ std::optional<CollectiveCall> RankProgram::next() {
             group(GroupKind::kEdp),
             -1,
             0,
-            nonfinite_,
+            expert_nonfinite_,
             Payload::kExpertGradients,
             static_cast<int32_t>(after_sync_ == Phase::kMicrobatch ? mb_ - 1 : -1),
             "DDP expert-gradient all-reduce"};
@@ -454,7 +454,8 @@ std::optional<CollectiveCall> RankProgram::next() {
           phase_ = Phase::kBarrier;
           continue;
         }
-        if (parts_.nan == NanCheck::kLocal && nonfinite_) {  // decided on its own gradient
+        if (parts_.nan == NanCheck::kLocal &&
+            (dense_nonfinite_ || expert_nonfinite_)) {  // decided on its own gradient
           skip_ = nan_skip_ = true;
           phase_ = Phase::kBarrier;
           continue;
@@ -466,7 +467,7 @@ std::optional<CollectiveCall> RankProgram::next() {
         return CollectiveCall{Op::kBroadcast,
                               GroupRef{GroupKind::kWorld, 0},
                               0,
-                              rank_ == 0 && nonfinite_ ? 1 : 0,
+                              rank_ == 0 && (dense_nonfinite_ || expert_nonfinite_) ? 1 : 0,
                               false,
                               Payload::kFlag,
                               -1,
@@ -476,11 +477,11 @@ std::optional<CollectiveCall> RankProgram::next() {
                                // grad_stats_parallel_group)
         phase_ = Phase::kAfterOptimizer;
         return CollectiveCall{Op::kAllReduceSum, group(GroupKind::kMp), -1, 0,
-                              nonfinite_,        Payload::kNorm,        -1, "grad_norm"};
+                              dense_nonfinite_,  Payload::kNorm,        -1, "grad_norm"};
       case Phase::kExpertNorm:  // the expert optimizer's norm over tp-ep-pp (ChainedOptimizer)
         phase_ = Phase::kAfterExpertNorm;
         return CollectiveCall{Op::kAllReduceSum, group(GroupKind::kEmp), -1, 0,
-                              nonfinite_,        Payload::kNorm,         -1, "expert grad_norm"};
+                              expert_nonfinite_, Payload::kNorm,         -1, "expert grad_norm"};
       case Phase::kBarrier:  // every rank enters the next step
         phase_ = Phase::kAfterBarrier;
         return CollectiveCall{
@@ -517,12 +518,12 @@ void RankProgram::complete(int64_t result, bool nonfinite) {
       phase_ = Phase::kBackwardDone;
       break;
     case Phase::kAfterGradSync:
-      nonfinite_ = nonfinite_ || nonfinite;
+      dense_nonfinite_ = dense_nonfinite_ || nonfinite;
       unsynced_ = false;
       phase_ = t.ep() > 1 ? Phase::kExpertGradSync : after_sync_;
       break;
     case Phase::kAfterExpertGradSync:
-      nonfinite_ = nonfinite_ || nonfinite;
+      expert_nonfinite_ = expert_nonfinite_ || nonfinite;
       phase_ = after_sync_;
       break;
     case Phase::kAfterCount:
@@ -639,7 +640,9 @@ RankResult RankProgram::result() const {
     r.summary = !*skip_     ? "optimizer and LR scheduler stepped"
                 : nan_skip_ ? "optimizer and LR scheduler not called (non-finite gradient)"
                             : "optimizer and LR scheduler not called";
-    if (!*skip_ && nonfinite_) r.summary += " with a non-finite gradient";
+    if (!*skip_ && (dense_nonfinite_ || expert_nonfinite_ || norm_nonfinite_)) {
+      r.summary += " with a non-finite gradient";
+    }
     if (r.unsynced_gradients) {
       r.summary += " with gradients no DDP all-reduce followed (DP replicas diverge)";
     }
@@ -815,11 +818,11 @@ ReplayResult simulate(const ReplayInputs& in) {
   auto slots_for = [&](const GroupRef& g) -> std::vector<Slot>& {
     return slots_of[static_cast<int>(g.kind)][static_cast<std::size_t>(g.id)];
   };
-  std::vector<std::array<uint16_t, kKinds>> issued(static_cast<std::size_t>(world),
-                                                   std::array<uint16_t, kKinds>{});
+  std::vector<std::array<uint32_t, kKinds>> issued(static_cast<std::size_t>(world),
+                                                   std::array<uint32_t, kKinds>{});
   struct Wait {
     GroupRef group;
-    uint16_t seq = 0;
+    uint32_t seq = 0;
   };
   std::vector<Wait> waiting(static_cast<std::size_t>(world));
   auto key_of = [](const GroupRef& g) {
@@ -836,7 +839,7 @@ ReplayResult simulate(const ReplayInputs& in) {
     if (!call) continue;
     if (prog.reject(t, *call)) continue;
     const int kind = static_cast<int>(call->group.kind);
-    const uint16_t seq = issued[r][kind]++;
+    const uint32_t seq = issued[r][kind]++;
     auto& slots = slots_for(call->group);
     if (slots.size() <= seq) slots.resize(seq + 1u);
     Slot& s = slots[seq];
@@ -868,7 +871,7 @@ ReplayResult simulate(const ReplayInputs& in) {
       const std::string detail = fmt::format("collective #{} on {}: members issued {}", seq + 1,
                                              t.describe(call->group), fmt::join(seen, " / "));
       for (int64_t m = 0; m < size; ++m) {
-        progs[t.member(call->group, m)].mismatch(s.calls[m], seq + 1, detail);
+        progs[t.member(call->group, m)].mismatch(s.calls[m], static_cast<int>(seq + 1), detail);
       }
     } else {
       int64_t result = 0;
@@ -901,7 +904,7 @@ ReplayResult simulate(const ReplayInputs& in) {
 
   std::vector<RankResult> results;
   results.reserve(static_cast<std::size_t>(world));
-  std::map<std::pair<uint64_t, uint16_t>, std::string> blocked_text;
+  std::map<std::pair<uint64_t, uint32_t>, std::string> blocked_text;
   for (int64_t r = 0; r < world; ++r) {
     if (!progs[r].finished()) {
       const Wait& w = waiting[r];
@@ -918,7 +921,7 @@ ReplayResult simulate(const ReplayInputs& in) {
                                  t.describe(w.group), format_rank_set(missing, 4));
       }
       const CollectiveCall& mine = s.calls[t.index_in_group(w.group, r)];
-      progs[r].block(mine, w.seq + 1, it->second);
+      progs[r].block(mine, static_cast<int>(w.seq + 1), it->second);
     }
     results.push_back(progs[r].result());
   }

@@ -219,7 +219,10 @@ class RankProgram {
   int64_t mb_ = 0;        // the current one
   int64_t mb_flag_ = 0;   // 1: skip this micro-batch's backward
   int64_t backward_skipped_ = 0;
-  bool nonfinite_ = false;       // its gradient (after the syncs it took part in) holds NaN or Inf
+  // Its dense and its expert gradients (after the syncs it took part in) hold NaN or Inf: each
+  // travels only through its own all-reduce (DP+CP, expert-DP) and its own norm (mp, emp).
+  bool dense_nonfinite_ = false;
+  bool expert_nonfinite_ = false;
   bool nan_skip_ = false;        // skipped for a non-finite gradient
   bool norm_nonfinite_ = false;  // the all-reduced grad norm is non-finite
   bool unsynced_ = false;        // a backward ran after the last DDP gradient all-reduce

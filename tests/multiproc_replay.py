@@ -35,7 +35,8 @@ PARTICIPATION_ARGS = {
     "flag-broadcast": [],
     "flag-broadcast-src-local": [],
 }
-FIELDS = ["decision", "outcome", "optimizer_stepped", "scheduler_stepped", "update_successful"]
+FIELDS = ["decision", "outcome", "optimizer_stepped", "scheduler_stepped", "update_successful",
+          "unsynced_gradients"]
 TIMEOUT_S = 4
 
 

@@ -297,6 +297,17 @@ TEST(ReplayParticipation, NonFiniteGradientSkipIsCorrectOnlyAfterTheNormsAllRedu
   // ... and gets it right when the NaN is in rank 0's own DP+CP group.
   in.nan_ranks = {2};
   EXPECT_TRUE(passes(simulate(in)));
+  // Dense and expert gradients travel apart. TP2 DP3 EP3 ETP1 (world 6): NaN on rank 1 reaches 3
+  // and 5 through the dense DP+CP all-reduce [1, 3, 5] and 4 through the expert-DP one [1, 4],
+  // but not rank 0, whose groups are [0, 2, 4] (dense) and [0, 3] (expert): rank 0 says "step".
+  ReplayInputs moe =
+      hand_inputs(Topology(2, 1, 1, 3, 3, 1), Protocol::kNanSkipRank0, {{4}, {4}, {4}});
+  moe.nan_ranks = {1};
+  const ReplayResult moe_rank0 = simulate(moe);
+  EXPECT_FALSE(moe_rank0.fault);
+  EXPECT_TRUE(moe_rank0.wrong_decision);
+  moe.protocol = Protocol::kNanSkip;  // the norms' all-reduces (mp, emp) reach everyone
+  EXPECT_TRUE(passes(simulate(moe)));
   // A protocol with no non-finite check steps on NaN: a wrong decision, not a hang.
   in.protocol = Protocol::kPr285;
   const ReplayResult none = simulate(in);
