@@ -140,7 +140,17 @@ void run(const CandidateInput* in, CandidateOutput* out) {
           }
         }
         const at::Tensor rows_idx = at::tensor(idx, at::kLong);
-        const at::Tensor leaf = x.index_select(0, rows_idx).detach().requires_grad_(true);
+        // A block of consecutive rows (every block at CP 1, most of a zig-zag chunk) is a view of
+        // the mapped dump, not a copy: one pass over the block less.
+        bool consecutive = true;
+        for (std::size_t k = 1; k < idx.size() && consecutive; ++k) {
+          consecutive = idx[k] == idx[0] + static_cast<int64_t>(k);
+        }
+        const at::Tensor leaf =
+            (consecutive ? x.narrow(0, idx.front(), static_cast<int64_t>(idx.size()))
+                         : x.index_select(0, rows_idx))
+                .detach()
+                .requires_grad_(true);
         const at::Tensor c = at::tensor(coeff, at::kDouble).to(dt);
         at::Tensor partial;
         {
