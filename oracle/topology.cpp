@@ -101,14 +101,23 @@ int64_t Topology::group_size(GroupKind k) const {
   return 0;
 }
 
+namespace {
+bool is_expert(GroupKind k) {
+  return k == GroupKind::kEp || k == GroupKind::kEdp || k == GroupKind::kEmp;
+}
+}  // namespace
+
 GroupRef Topology::group_of(GroupKind k, int64_t rank) const {
-  const Coord c = coord(rank);
-  if (k == GroupKind::kEp || k == GroupKind::kEdp || k == GroupKind::kEmp) {
-    const ExpertCoord e = expert_coord(rank);
-    if (k == GroupKind::kEp) return {k, e.etp + etp_ * (e.edp + edp() * e.pp)};
-    if (k == GroupKind::kEdp) return {k, e.etp + etp_ * (e.ep + ep_ * e.pp)};
-    return {k, e.edp};
-  }
+  return is_expert(k) ? group_of(k, expert_coord(rank)) : group_of(k, coord(rank));
+}
+
+GroupRef Topology::group_of(GroupKind k, const ExpertCoord& e) const {
+  if (k == GroupKind::kEp) return {k, e.etp + etp_ * (e.edp + edp() * e.pp)};
+  if (k == GroupKind::kEdp) return {k, e.etp + etp_ * (e.ep + ep_ * e.pp)};
+  return {k, e.edp};
+}
+
+GroupRef Topology::group_of(GroupKind k, const Coord& c) const {
   switch (k) {
     case GroupKind::kTp:
       return {k, c.cp + cp_ * (c.dp + dp_ * c.pp)};
@@ -164,14 +173,16 @@ int64_t Topology::member(const GroupRef& g, int64_t i) const {
 }
 
 int64_t Topology::index_in_group(const GroupRef& g, int64_t r) const {
-  if (r < 0 || r >= world() || !(group_of(g.kind, r) == g)) return -1;
-  const Coord c = coord(r);
-  if (g.kind == GroupKind::kEp || g.kind == GroupKind::kEdp || g.kind == GroupKind::kEmp) {
+  if (r < 0 || r >= world()) return -1;
+  if (is_expert(g.kind)) {
     const ExpertCoord e = expert_coord(r);
+    if (!(group_of(g.kind, e) == g)) return -1;
     if (g.kind == GroupKind::kEp) return e.ep;
     if (g.kind == GroupKind::kEdp) return e.edp;
     return e.etp + etp_ * (e.ep + ep_ * e.pp);
   }
+  const Coord c = coord(r);
+  if (!(group_of(g.kind, c) == g)) return -1;
   switch (g.kind) {
     case GroupKind::kTp:
       return c.tp;

@@ -66,6 +66,8 @@ class Topology {
   std::string describe(const GroupRef& g) const;  // "pipeline group [1, 3]"
 
  private:
+  GroupRef group_of(GroupKind kind, const Coord& c) const;        // dense kinds
+  GroupRef group_of(GroupKind kind, const ExpertCoord& e) const;  // kEp, kEdp, kEmp
   int64_t tp_, pp_, cp_, dp_, ep_, etp_;
 };
 
