@@ -80,31 +80,44 @@ oracle::GradSync grad_sync_from_option(const std::string& v) {
                     v);
 }
 
-void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol protocol,
-                 oracle::ReduceMode reduce, Policy policy, const oracle::Topology& topo,
-                 const PlacementOptions& placement_options, Report& report, Context& ctx);
+// The options, each parsed and checked once, before any dump is loaded.
+struct ReplaySettings {
+  oracle::Protocol protocol = oracle::Protocol::kPr285;
+  oracle::ReduceMode reduce = oracle::ReduceMode::kPerToken;
+  Policy policy = Policy::kFixed;
+  oracle::GradSync grad_sync = oracle::GradSync::kLastMicrobatch;
+  oracle::GroupKind flag_group = oracle::GroupKind::kTp;
+  std::vector<int64_t> nan_ranks;
+};
+
+void replay_step(const ReplayOptions& o, const StepView& v, const ReplaySettings& set,
+                 const oracle::Topology& topo, const PlacementOptions& placement_options,
+                 Report& report, Context& ctx);
 
 void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
-  oracle::Protocol protocol;
-  if (!oracle::parse_protocol(o.protocol, &protocol)) {
+  ReplaySettings set;
+  if (!oracle::parse_protocol(o.protocol, &set.protocol)) {
     std::vector<std::string> names;
     for (auto p : oracle::all_protocols()) names.push_back(oracle::protocol_name(p));
     throw_input_error("--protocol must be one of {}, got '{}'", fmt::join(names, ", "), o.protocol);
   }
-  oracle::ReduceMode reduce;
   if (o.reduce == "per-token")
-    reduce = oracle::ReduceMode::kPerToken;
+    set.reduce = oracle::ReduceMode::kPerToken;
   else if (o.reduce == "sample-mean")
-    reduce = oracle::ReduceMode::kSampleMean;
+    set.reduce = oracle::ReduceMode::kSampleMean;
   else
     throw_input_error("--reduce must be per-token or sample-mean, got '{}'", o.reduce);
-  const Policy policy = policy_from_option(o.policy);
+  set.policy = policy_from_option(o.policy);
   if (o.backend != "sim" && o.backend != "gloo" && o.backend != "nccl") {
     throw_input_error("--backend must be sim, gloo or nccl, got '{}'", o.backend);
   }
   if (!(o.timeout_s > 0)) throw_input_error("--timeout must be > 0 seconds, got {}", o.timeout_s);
-  grad_sync_from_option(o.grad_sync);
-  if (o.flag_group != "tp" && o.flag_group != "cp" && o.flag_group != "dp") {
+  set.grad_sync = grad_sync_from_option(o.grad_sync);
+  if (o.flag_group == "tp" || o.flag_group == "cp" || o.flag_group == "dp") {
+    set.flag_group = o.flag_group == "tp"   ? oracle::GroupKind::kTp
+                     : o.flag_group == "cp" ? oracle::GroupKind::kCp
+                                            : oracle::GroupKind::kDp;
+  } else {
     throw_input_error("--flag-group must be tp, cp or dp, got '{}'", o.flag_group);
   }
   if (o.max_tokens_per_mb < 0) {
@@ -112,6 +125,7 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
   }
   const oracle::Topology topo(o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp, o.sizes.ep,
                               o.sizes.etp);
+  if (!o.nan_ranks.empty()) set.nan_ranks = oracle::parse_rank_list(o.nan_ranks, topo.world());
   PlacementOptions placement_options = o.placement;
   placement_options.dp = o.sizes.dp;
   if (o.dumps.dp_shards &&
@@ -127,13 +141,16 @@ void run_replay(const ReplayOptions& o, Report& report, Context& ctx) {
         loaded.batch.steps.size());
   }
   run_per_step(loaded.batch, o.dumps.step, report, ctx, [&](const StepView& v) {
-    replay_step(o, v, protocol, reduce, policy, topo, placement_options, report, ctx);
+    replay_step(o, v, set, topo, placement_options, report, ctx);
   });
 }
 
-void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol protocol,
-                 oracle::ReduceMode reduce, Policy policy, const oracle::Topology& topo,
-                 const PlacementOptions& placement_options, Report& report, Context& ctx) {
+void replay_step(const ReplayOptions& o, const StepView& v, const ReplaySettings& set,
+                 const oracle::Topology& topo, const PlacementOptions& placement_options,
+                 Report& report, Context& ctx) {
+  const oracle::Protocol protocol = set.protocol;
+  const oracle::ReduceMode reduce = set.reduce;
+  const Policy policy = set.policy;
   const Batch& b = *v.batch;
   oracle::Placement placement;
   if (v.layout != nullptr) {
@@ -151,11 +168,9 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   }
   oracle::ReplayInputs in =
       oracle::make_replay_inputs(b, topo, placement, protocol, reduce, policy, o.layout.layout());
-  in.grad_sync = grad_sync_from_option(o.grad_sync);
-  in.flag_group = o.flag_group == "cp"   ? oracle::GroupKind::kCp
-                  : o.flag_group == "dp" ? oracle::GroupKind::kDp
-                                         : oracle::GroupKind::kTp;
-  if (!o.nan_ranks.empty()) in.nan_ranks = oracle::parse_rank_list(o.nan_ranks, topo.world());
+  in.grad_sync = set.grad_sync;
+  in.flag_group = set.flag_group;
+  in.nan_ranks = set.nan_ranks;
   oracle::ReplayResult result;
   distributed::RealReplayInput real;
   if (o.backend == "sim") {
@@ -210,9 +225,9 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
       "micro-batch(es) per DP rank{}, reduce {}{}\n",
       oracle::protocol_name(protocol), o.backend, o.sizes.tp, o.sizes.pp, o.sizes.cp, o.sizes.dp,
       topo.ep() > 1 ? fmt::format(" EP{}", topo.ep()) : "", topo.world(), b.num_samples(),
-      in.min_microbatches == in.microbatches
-          ? fmt::format("{}", in.microbatches)
-          : fmt::format("{}-{} (uneven)", in.min_microbatches, in.microbatches),
+      in.min_microbatches() == in.microbatches()
+          ? fmt::format("{}", in.microbatches())
+          : fmt::format("{}-{} (uneven)", in.min_microbatches(), in.microbatches()),
       parts.loop == oracle::Loop::kNone
           ? ""
           : fmt::format(", gradient all-reduce at {}", oracle::grad_sync_name(in.grad_sync)),
@@ -275,8 +290,8 @@ void replay_step(const ReplayOptions& o, const StepView& v, oracle::Protocol pro
   res["dp"] = o.sizes.dp;
   res["world"] = topo.world();
   res["ep"] = topo.ep();
-  res["microbatches"] = in.microbatches;
-  res["min_microbatches"] = in.min_microbatches;
+  res["microbatches"] = in.microbatches();
+  res["min_microbatches"] = in.min_microbatches();
   res["grad_sync"] = oracle::grad_sync_name(in.grad_sync);
   res["nan_ranks"] = in.nan_ranks;
   res["expected_reason"] = result.expected_reason;

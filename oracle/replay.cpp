@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
-#include <unordered_map>
+#include <tuple>
 
 #include "core/errors.h"
 
@@ -215,6 +215,25 @@ bool ReplayInputs::nan_rank(int64_t rank) const {
   return std::binary_search(nan_ranks.begin(), nan_ranks.end(), rank);
 }
 
+int64_t ReplayInputs::local_tokens(std::size_t dp_cp) const {
+  int64_t n = 0;
+  for (int64_t t : microbatch_tokens[dp_cp]) n += t;
+  return n;
+}
+
+int64_t ReplayInputs::microbatches() const {
+  std::size_t m = 0;
+  for (const auto& mbs : microbatch_tokens) m = std::max(m, mbs.size());
+  return static_cast<int64_t>(m);
+}
+
+int64_t ReplayInputs::min_microbatches() const {
+  if (microbatch_tokens.empty()) return 0;
+  std::size_t m = microbatch_tokens[0].size();
+  for (const auto& mbs : microbatch_tokens) m = std::min(m, mbs.size());
+  return static_cast<int64_t>(m);
+}
+
 ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
                                 const Placement& placement, Protocol protocol, ReduceMode reduce,
                                 Policy policy, const ShardLayout& layout) {
@@ -231,31 +250,22 @@ ReplayInputs make_replay_inputs(const Batch& batch, const Topology& topo,
   const int64_t cp = topo.cp();
   const OwnedCounts counts = count_owned_tokens(batch, {cp}, layout);
   in.global_tokens = global_denominator(Policy::kFixed, counts, 0);
-  in.local_tokens.assign(static_cast<std::size_t>(topo.dp() * cp), 0);
   in.local_samples.assign(static_cast<std::size_t>(topo.dp() * cp), 0);
   in.microbatch_tokens.assign(static_cast<std::size_t>(topo.dp() * cp), {});
-  in.microbatches = 0;
-  in.min_microbatches = std::numeric_limits<int64_t>::max();
   for (int64_t d = 0; d < topo.dp(); ++d) {
-    const auto m_count = static_cast<int64_t>(placement[d].size());
-    in.microbatches = std::max(in.microbatches, m_count);
-    in.min_microbatches = std::min(in.min_microbatches, m_count);
     for (int64_t r = 0; r < cp; ++r)
       in.microbatch_tokens[d * cp + r].assign(placement[d].size(), 0);
     for (std::size_t m = 0; m < placement[d].size(); ++m) {
       for (int64_t i : placement[d][m]) {
         for (int64_t r = 0; r < cp; ++r) {
           const auto k = static_cast<std::size_t>(i);
-          const int64_t n =
+          in.microbatch_tokens[d * cp + r][m] +=
               policy_rank_count(policy, counts.count(0, k, r), counts.mask_sums[k], cp);
-          in.local_tokens[d * cp + r] += n;
-          in.microbatch_tokens[d * cp + r][m] += n;
           in.local_samples[d * cp + r] += 1;
         }
       }
     }
   }
-  if (in.min_microbatches == std::numeric_limits<int64_t>::max()) in.min_microbatches = 0;
   return in;
 }
 
@@ -271,31 +281,30 @@ RankProgram::RankProgram(const ReplayInputs* in, int64_t rank)
         kind == GroupKind::kEp || kind == GroupKind::kEdp || kind == GroupKind::kEmp;
     if (!expert || t.ep() > 1) groups_[static_cast<std::size_t>(k)] = t.group_of(kind, rank);
   }
-  const auto& mb = in->microbatch_tokens;
-  local_mb_ = idx_ < mb.size() ? static_cast<int64_t>(mb[idx_].size()) : in->microbatches;
+  LG_CHECK(idx_ < in->microbatch_tokens.size(), "rank {}: no micro-batch counts for DP+CP index {}",
+           rank, idx_);
+  local_mb_ = static_cast<int64_t>(in->microbatch_tokens[idx_].size());
   dense_nonfinite_ = expert_nonfinite_ = in->nan_rank(rank);
 }
 
-// The DDP gradient all-reduce over DP+CP (dense parameters), then over the expert-data-parallel
-// group (expert parameters, EP > 1); returns to `after` (Megatron DistributedDataParallel: dense
-// buffers on intra_dp_cp_group, expert buffers on intra_expt_dp_group).
-std::optional<CollectiveCall> RankProgram::grad_sync(Phase after) {
-  after_sync_ = after;
-  phase_ = Phase::kAfterGradSync;
-  return CollectiveCall{Op::kAllReduceSum,
-                        groups_[static_cast<std::size_t>(GroupKind::kDpCp)],
-                        -1,
-                        0,
-                        dense_nonfinite_,
-                        Payload::kGradients,
-                        static_cast<int32_t>(after == Phase::kMicrobatch ? mb_ - 1 : -1),
-                        "DDP gradient all-reduce"};
+// The DDP gradient all-reduce: dense buckets over DP+CP, expert buckets (EP > 1) over the
+// expert-data-parallel group (Megatron DistributedDataParallel: dense buffers on
+// intra_dp_cp_group, expert buffers on intra_expt_dp_group), each carrying its own NaN.
+CollectiveCall RankProgram::grad_sync_call(Payload buckets) const {
+  const bool expert = buckets == Payload::kExpertGradients;
+  return CollectiveCall{
+      Op::kAllReduceSum,
+      groups_[static_cast<std::size_t>(expert ? GroupKind::kEdp : GroupKind::kDpCp)],
+      -1,
+      0,
+      expert ? expert_nonfinite_ : dense_nonfinite_,
+      buckets,
+      static_cast<int32_t>(after_sync_ == Phase::kMicrobatch ? mb_ - 1 : -1),
+      expert ? "DDP expert-gradient all-reduce" : "DDP gradient all-reduce"};
 }
 
 std::optional<CollectiveCall> RankProgram::next() {
   const Topology& t = in_->topo;
-  const bool last_stage = last_stage_;
-  const std::size_t idx = idx_;
   auto group = [&](GroupKind k) { return groups_[static_cast<std::size_t>(k)]; };
   while (true) {
     const auto mb = static_cast<int32_t>(mb_);
@@ -326,9 +335,9 @@ std::optional<CollectiveCall> RankProgram::next() {
           continue;
         }
         phase_ = Phase::kMbFlag;
-        if (!last_stage) continue;  // earlier stages learn the decision from the last one
-        const int64_t count = mb_ < local_mb_ && idx < in_->microbatch_tokens.size()
-                                  ? in_->microbatch_tokens[idx][static_cast<std::size_t>(mb_)]
+        if (!last_stage_) continue;  // earlier stages learn the decision from the last one
+        const int64_t count = mb_ < local_mb_
+                                  ? in_->microbatch_tokens[idx_][static_cast<std::size_t>(mb_)]
                                   : 0;  // a dummy micro-batch counts 0 tokens
         if (parts_.loop == Loop::kSkipLocal) {
           mb_flag_ = count == 0 ? 1 : 0;
@@ -387,31 +396,27 @@ std::optional<CollectiveCall> RankProgram::next() {
         unsynced_ = true;
         const bool sync = in_->grad_sync == GradSync::kEveryMicrobatch ||
                           (in_->grad_sync == GradSync::kLastMicrobatch && mb_ == mb_total_);
-        if (sync) return grad_sync(Phase::kMicrobatch);
         phase_ = Phase::kMicrobatch;
-        continue;
+        if (!sync) continue;
+        after_sync_ = Phase::kMicrobatch;
+        phase_ = Phase::kAfterGradSync;
+        return grad_sync_call(Payload::kGradients);
       }
       case Phase::kLoopEnd:
-        if (in_->grad_sync == GradSync::kFinalize) return grad_sync(Phase::kCount);
         phase_ = Phase::kCount;
-        continue;
+        if (in_->grad_sync != GradSync::kFinalize) continue;
+        after_sync_ = Phase::kCount;
+        phase_ = Phase::kAfterGradSync;
+        return grad_sync_call(Payload::kGradients);
       case Phase::kExpertGradSync:
         phase_ = Phase::kAfterExpertGradSync;
-        return CollectiveCall{
-            Op::kAllReduceSum,
-            group(GroupKind::kEdp),
-            -1,
-            0,
-            expert_nonfinite_,
-            Payload::kExpertGradients,
-            static_cast<int32_t>(after_sync_ == Phase::kMicrobatch ? mb_ - 1 : -1),
-            "DDP expert-gradient all-reduce"};
+        return grad_sync_call(Payload::kExpertGradients);
       case Phase::kCount: {
         if (in_->protocol == Protocol::kNoSkip) {  // Megatron baseline: no decision is ever made
           phase_ = Phase::kDecide;
           continue;
         }
-        if (!last_stage) {  // only the last stage computes loss and counts tokens
+        if (!last_stage_) {  // only the last stage computes loss and counts tokens
           phase_ = Phase::kBroadcast;
           continue;
         }
@@ -422,7 +427,7 @@ std::optional<CollectiveCall> RankProgram::next() {
             Op::kAllReduceSum,
             group(GroupKind::kDpCp),
             -1,
-            sample_count ? in_->local_samples[idx] : in_->local_tokens[idx],
+            sample_count ? in_->local_samples[idx_] : in_->local_tokens(idx_),
             false,
             Payload::kCount,
             -1,
@@ -825,9 +830,6 @@ ReplayResult simulate(const ReplayInputs& in) {
     uint32_t seq = 0;
   };
   std::vector<Wait> waiting(static_cast<std::size_t>(world));
-  auto key_of = [](const GroupRef& g) {
-    return (static_cast<uint64_t>(g.kind) << 48) | static_cast<uint64_t>(g.id);
-  };
 
   std::vector<int64_t> work(static_cast<std::size_t>(world));
   for (int64_t r = 0; r < world; ++r) work[r] = world - 1 - r;
@@ -904,14 +906,15 @@ ReplayResult simulate(const ReplayInputs& in) {
 
   std::vector<RankResult> results;
   results.reserve(static_cast<std::size_t>(world));
-  std::map<std::pair<uint64_t, uint32_t>, std::string> blocked_text;
+  std::map<std::tuple<int, int64_t, uint32_t>, std::string> blocked_text;
   for (int64_t r = 0; r < world; ++r) {
     if (!progs[r].finished()) {
       const Wait& w = waiting[r];
       Slot& s = slots_for(w.group)[w.seq];
       // Every waiter of a slot shares its text: computed once per slot, not once per waiter (a
       // world barrier has 131,072 members).
-      auto [it, fresh] = blocked_text.try_emplace({key_of(w.group), w.seq});
+      auto [it, fresh] =
+          blocked_text.try_emplace({static_cast<int>(w.group.kind), w.group.id, w.seq});
       if (fresh) {
         std::vector<int64_t> missing;
         for (int64_t m = 0; m < static_cast<int64_t>(s.present.size()); ++m) {

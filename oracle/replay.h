@@ -108,17 +108,17 @@ struct ReplayInputs {
   Policy policy = Policy::kFixed;
   GradSync grad_sync = GradSync::kLastMicrobatch;
   GroupKind flag_group = GroupKind::kTp;  // kFlagBroadcast*: tp, cp or dp
-  std::vector<int64_t>
-      local_tokens;  // [dp * CP + cp]: CP-local token count over micro-batches, under `policy`
+  // [dp * CP + cp][m]: the CP-local token count of micro-batch m under `policy`; its sum is what
+  // the end-of-step count all-reduces, its length how many micro-batches that DP rank has.
+  std::vector<std::vector<int64_t>> microbatch_tokens;
   std::vector<int64_t>
       local_samples;  // [dp * CP + cp]: samples over micro-batches (values[0], per-token loss off)
-  // [dp * CP + cp][m]: the CP-local count of micro-batch m under `policy` (the loop's decisions)
-  std::vector<std::vector<int64_t>> microbatch_tokens;
   std::vector<int64_t> nan_ranks;  // sorted: ranks whose own gradient is non-finite (--nan-ranks)
   int64_t global_tokens = 0;       // the truth: global `fixed` count
   int64_t num_samples = 0;
-  int64_t microbatches = 1;      // the most micro-batches any DP rank has
-  int64_t min_microbatches = 1;  // the fewest
+  int64_t local_tokens(std::size_t dp_cp) const;  // over its micro-batches
+  int64_t microbatches() const;                   // the most micro-batches any DP rank has
+  int64_t min_microbatches() const;               // the fewest
   bool nan_rank(int64_t rank) const;
   // The truth: skip iff the step has no effective token or some gradient is non-finite (the
   // global grad norm is then NaN or Inf).
@@ -202,7 +202,9 @@ class RankProgram {
     kDone,
     kFailed
   };
-  std::optional<CollectiveCall> grad_sync(Phase after_dense);
+  // The DDP gradient all-reduce of its dense (kGradients) or expert (kExpertGradients) buckets;
+  // the sync returns to after_sync_.
+  CollectiveCall grad_sync_call(Payload buckets) const;
   const ReplayInputs* in_;
   ProtocolParts parts_;
   int64_t rank_;

@@ -163,16 +163,9 @@ ReplayInputs hand_inputs(const Topology& t, Protocol p,
   in.protocol = p;
   in.grad_sync = sync;
   in.microbatch_tokens = microbatch_tokens;
-  in.microbatches = 0;
-  in.min_microbatches = 1 << 30;
   for (const auto& mbs : microbatch_tokens) {
-    int64_t sum = 0;
-    for (int64_t n : mbs) sum += n;
-    in.local_tokens.push_back(sum);
+    for (int64_t n : mbs) in.global_tokens += n;
     in.local_samples.push_back(static_cast<int64_t>(mbs.size()));
-    in.global_tokens += sum;
-    in.microbatches = std::max<int64_t>(in.microbatches, static_cast<int64_t>(mbs.size()));
-    in.min_microbatches = std::min<int64_t>(in.min_microbatches, static_cast<int64_t>(mbs.size()));
   }
   return in;
 }
