@@ -1,6 +1,11 @@
 // Picks the oracle's row loops for the best instruction set this CPU has (row_math.h).
 #include "oracle/row_math.h"
 
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
 namespace lossguard::oracle {
 
 #define LOSSGUARD_ROW_MATH_DECLARE(isa)                                                        \
@@ -79,5 +84,36 @@ bool row_is_zero(const void* src, DType dtype, int64_t n) {
 }
 
 const char* row_math_isa() { return row_math().name; }
+
+namespace {
+
+std::vector<double> make_exp_table(DType dtype) {
+  std::vector<double> t(65536);
+  HostArray one;
+  one.dtype = dtype;
+  one.shape = {1};
+  for (uint32_t bits = 0; bits < 65536; ++bits) {
+    const auto b16 = static_cast<uint16_t>(bits);
+    one.data = reinterpret_cast<const std::byte*>(&b16);
+    const double x = one.get_f64(0);
+    t[bits] = std::isfinite(x) && std::fabs(x) <= 700.0 ? std::exp(x)
+                                                        : std::numeric_limits<double>::quiet_NaN();
+  }
+  return t;
+}
+
+}  // namespace
+
+const double* exp_table_16(DType dtype) {
+  if (dtype == DType::kBFloat16) {
+    static const std::vector<double> t = make_exp_table(DType::kBFloat16);
+    return t.data();
+  }
+  if (dtype == DType::kFloat16) {
+    static const std::vector<double> t = make_exp_table(DType::kFloat16);
+    return t.data();
+  }
+  return nullptr;
+}
 
 }  // namespace lossguard::oracle

@@ -18,6 +18,9 @@ struct RowStats {
   // candidate that forms z_k - max in float carries a relative error u |max - z_k| into term k of
   // its sum, so u * spread bounds the relative error that adds to the sum.
   double spread = 0.0;
+  // A NaN or an infinity in the row (sum or max_abs not finite), so that the one pass over the
+  // logits also tells which rows batch_findings must look at element by element.
+  bool non_finite = false;
 };
 // The statistics of a row of v logits in their own float dtype, read in place.
 RowStats logits_row_stats(const void* z, DType dtype, int64_t v);
@@ -63,6 +66,14 @@ bool row_is_zero(const void* src, DType dtype, int64_t n);
 
 // n values of a float dtype (bfloat16, float16, float32, float64) as float64, vectorised.
 void row_to_f64(const void* src, DType dtype, int64_t n, double* out);
+
+// e^x in float64 for every bit pattern x of a 16-bit float dtype (bfloat16, float16), indexed by
+// the bits; NaN where x is not finite or |x| > 700. Built once per dtype; nullptr for other dtypes.
+// The row loops read e^(x - s) of a 16-bit row as e^x e^-s (a gather instead of a polynomial: the
+// exponential was half of the comparison's time) wherever |s| <= 700 and the row's chunk has no NaN
+// entry: both factors then stay normal, and the product is within 2.5 ulp of e^(x - s), closer than
+// the polynomial of x - s, whose rounded argument alone costs |x - s| ulp.
+const double* exp_table_16(DType dtype);
 
 // The instruction set the row loops run on: "avx512", "avx2" or "generic".
 const char* row_math_isa();

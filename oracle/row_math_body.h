@@ -2,9 +2,13 @@
 // row_math_<isa>.cpp files, which define LOSSGUARD_ORACLE_ISA first. Written so that the compiler
 // vectorises them: eight independent accumulators instead of one loop-carried sum, selects instead
 // of branches.
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "oracle/exp64.h"
 #include "oracle/row_math.h"
@@ -20,6 +24,8 @@ struct Bf16 {
 struct Half {
   uint16_t bits;
 };
+// Read in place as arrays of 16-bit patterns (exp_from_table's gather indexes by them).
+static_assert(sizeof(Bf16) == 2 && sizeof(Half) == 2);
 inline double load(double x) { return x; }
 inline double load(float x) { return x; }
 inline double load(Bf16 x) {
@@ -42,55 +48,64 @@ inline double load(Half x) {  // exact: sign, exponent rebias, subnormals scaled
 }
 constexpr double kHuge = std::numeric_limits<double>::max();
 
-template <typename T>
-RowComparison compare_row_direct(const T* z, const T* got, int64_t begin, int64_t end, double c,
-                                 double lse, const ElementBoundRow* bounds, int num_bounds) {
+// z and got as float64; `pz`, when kTabled, holds p_k = e^(z_k - lse) from the 16-bit table.
+// kScreen: instead of each element's tolerance, the lower bound of every bound
+//   L = (atol_min + q (rtol_min + alpha_min + beta_min lp)) (1 - 2^-40),  q = |c| p = |w|
+// (grow(x) >= x for x >= 0; every term of the bounds is nonnegative; the factor covers the
+// roundings), about a third of the arithmetic: `mismatched` then counts the elements over L, and
+// is 0 only if every element is within its bound. Elements over L are rare in a right candidate
+// (its bounds carry a margin of 2 or more), so compare_row_t judges a chunk exactly only then.
+template <bool kTabled, bool kScreen>
+RowComparison compare_row_direct(const double* z, const double* got, const double* pz,
+                                 int64_t begin, int64_t end, double c, double lse,
+                                 const ElementBoundRow* bounds, int num_bounds) {
   RowComparison r;
   const double ac = std::fabs(c);
   // Up to two bounds (the per-dtype default and the derived one), unrolled for the vectoriser.
   const ElementBoundRow b0 = bounds[0], b1 = num_bounds > 1 ? bounds[0 + 1] : bounds[0];
+  const double atol_min = std::fmin(b0.atol, b1.atol), rtol_min = std::fmin(b0.rtol, b1.rtol);
+  const double per_q = rtol_min + std::fmin(b0.alpha, b1.alpha), beta_min = std::fmin(b0.beta, b1.beta);
+  constexpr double kShrink = 1.0 - 0x1p-40;
   // Per lane: mismatches, NaN differences (as counts: the vectoriser keeps integer sums), the
-  // largest absolute and relative differences.
+  // largest absolute difference, and the element with the largest finite relative difference
+  // diff / |w| kept as the pair (rd, rw): a new element wins if diff rw > rd |w|, so the loop
+  // divides nowhere (a vector division's latency was an eighth of check's time).
   int64_t bad[kLanes] = {}, nan_count[kLanes] = {};
-  double mad[kLanes] = {}, mrd[kLanes] = {};
-  int64_t k = begin;
-  for (; k + kLanes <= end; k += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const double lp = lse - load(z[k + j]);  // -log p >= 0
-      const double p = exp_nonpositive(-lp);
-      const double w = c * p;
-      const double aw = std::fabs(w);
-      const double diff = std::fabs(load(got[k + j]) - w);
+  double mad[kLanes] = {}, rd[kLanes] = {}, rw[kLanes];
+  for (int j = 0; j < kLanes; ++j) rw[j] = 1.0;
+  auto element = [&](int j, double zk, double gk, double pk) {
+    const double lp = lse - zk;  // -log p >= 0
+    // The table's product below exp_nonpositive's cut-off is 0 too, as the polynomial has it.
+    const double p = kTabled ? (lp > 708.0 ? 0.0 : pk) : exp_nonpositive(-lp);
+    const double w = c * p;
+    const double aw = std::fabs(w);
+    const double diff = std::fabs(gk - w);
+    if constexpr (kScreen) {
+      bad[j] += diff <= (atol_min + aw * (per_q + beta_min * lp)) * kShrink ? 0 : 1;
+    } else {
       const double t0 = element_tolerance(b0, ac, aw, p, lp);
       const double t1 = element_tolerance(b1, ac, aw, p, lp);
       const double tol = t0 < t1 ? t0 : t1;
       bad[j] += diff <= tol ? 0 : 1;
       nan_count[j] += diff != diff ? 1 : 0;
-      mad[j] = diff > mad[j] ? diff : mad[j];
-      const double rel = diff / (aw > 0.0 ? aw : 1.0);
-      mrd[j] = aw > 0.0 && rel > mrd[j] && rel < kHuge ? rel : mrd[j];
     }
+    mad[j] = diff > mad[j] ? diff : mad[j];
+    // aw > 0, a finite ratio (diff < kHuge aw; false for NaN and infinite diff), and larger.
+    const bool wins = aw > 0.0 && diff < kHuge * aw && diff * rw[j] > rd[j] * aw;
+    rd[j] = wins ? diff : rd[j];
+    rw[j] = wins ? aw : rw[j];
+  };
+  int64_t k = begin;
+  for (; k + kLanes <= end; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) element(j, z[k + j], got[k + j], kTabled ? pz[k + j] : 0.0);
   }
-  for (; k < end; ++k) {
-    const double lp = lse - load(z[k]);
-    const double p = exp_nonpositive(-lp);
-    const double w = c * p;
-    const double aw = std::fabs(w);
-    const double diff = std::fabs(load(got[k]) - w);
-    const double t0 = element_tolerance(b0, ac, aw, p, lp);
-    const double t1 = element_tolerance(b1, ac, aw, p, lp);
-    const double tol = t0 < t1 ? t0 : t1;
-    bad[0] += diff <= tol ? 0 : 1;
-    nan_count[0] += diff != diff ? 1 : 0;
-    mad[0] = diff > mad[0] ? diff : mad[0];
-    const double rel = diff / (aw > 0.0 ? aw : 1.0);
-    mrd[0] = aw > 0.0 && rel > mrd[0] && rel < kHuge ? rel : mrd[0];
-  }
+  for (; k < end; ++k) element(0, z[k], got[k], kTabled ? pz[k] : 0.0);
   bool nan_seen = false;
   for (int j = 0; j < kLanes; ++j) {
     r.mismatched += bad[j];
     r.max_abs_diff = mad[j] > r.max_abs_diff ? mad[j] : r.max_abs_diff;
-    r.max_rel_diff = mrd[j] > r.max_rel_diff ? mrd[j] : r.max_rel_diff;
+    const double rel = rd[j] / rw[j];
+    r.max_rel_diff = rel > r.max_rel_diff ? rel : r.max_rel_diff;
     nan_seen |= nan_count[j] > 0;
   }
   if (nan_seen) r.max_abs_diff = std::numeric_limits<double>::quiet_NaN();
@@ -108,6 +123,142 @@ void widen(const T* src, int64_t n, double* out) {
   for (int64_t k = 0; k < n; ++k) out[k] = load(src[k]);
 }
 
+// The 16-bit table of e^x (exp_table_16) of a storage type, nullptr for float and double.
+template <typename T>
+const double* exp_table_of() {
+  if constexpr (std::is_same_v<T, Bf16>) return exp_table_16(DType::kBFloat16);
+  if constexpr (std::is_same_v<T, Half>) return exp_table_16(DType::kFloat16);
+  return nullptr;
+}
+
+// out[k] = e^(src[k] - s) = table[bits] * e^-s for n values of a 16-bit row, e_neg_s = e^-s with
+// |s| <= 700; false if a value has no entry (non-finite or |x| > 700): the caller then uses the
+// polynomial for this chunk.
+template <typename T>
+bool exp_from_table(const double* table, const T* src, int64_t n, double e_neg_s, double* out) {
+  if constexpr (std::is_same_v<T, Bf16> || std::is_same_v<T, Half>) {
+    int64_t missing = 0, k = 0;
+    // The compilers leave this loop scalar (a gather is not worth it under their generic tuning);
+    // with the gather instruction it takes a third of the polynomial's time here.
+#if defined(__AVX512F__)
+    {
+      const __m512d scale = _mm512_set1_pd(e_neg_s);
+      __mmask8 nan = 0;
+      for (; k + 8 <= n; k += 8) {
+        const __m256i idx = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
+        const __m512d e = _mm512_i32gather_pd(idx, table, 8);
+        nan |= _mm512_cmp_pd_mask(e, e, _CMP_UNORD_Q);
+        _mm512_storeu_pd(out + k, _mm512_mul_pd(e, scale));
+      }
+      missing += nan != 0 ? 1 : 0;
+    }
+#elif defined(__AVX2__)
+    {
+      const __m256d scale = _mm256_set1_pd(e_neg_s);
+      __m256d nan = _mm256_setzero_pd();
+      for (; k + 4 <= n; k += 4) {
+        const __m128i idx = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k)));
+        const __m256d e = _mm256_i32gather_pd(table, idx, 8);
+        nan = _mm256_or_pd(nan, _mm256_cmp_pd(e, e, _CMP_UNORD_Q));
+        _mm256_storeu_pd(out + k, _mm256_mul_pd(e, scale));
+      }
+      missing += _mm256_movemask_pd(nan) != 0 ? 1 : 0;
+    }
+#endif
+    for (; k < n; ++k) {
+      const double e = table[src[k].bits];
+      missing += e != e ? 1 : 0;
+      out[k] = e * e_neg_s;
+    }
+    return missing == 0;
+  } else {
+    (void)table, (void)src, (void)n, (void)e_neg_s, (void)out;
+    return false;
+  }
+}
+
+// Folds the smallest and largest of n values into *lo and *hi (NaN skipped). The compiler leaves
+// the lane loop below scalar (a double max is not a reduction it may reorder), so the vector forms
+// are written out: max_pd(x, m) is x > m ? x : m, NaN included, as the scalar form.
+inline void min_max(const double* buf, int64_t n, double* lo, double* hi) {
+  double mx[kLanes], mn[kLanes];
+  for (int j = 0; j < kLanes; ++j) {
+    mx[j] = *hi;
+    mn[j] = *lo;
+  }
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  {
+    __m512d vmx = _mm512_loadu_pd(mx), vmn = _mm512_loadu_pd(mn);
+    for (; k + 8 <= n; k += 8) {
+      const __m512d x = _mm512_loadu_pd(buf + k);
+      vmx = _mm512_max_pd(x, vmx);
+      vmn = _mm512_min_pd(x, vmn);
+    }
+    _mm512_storeu_pd(mx, vmx);
+    _mm512_storeu_pd(mn, vmn);
+  }
+#elif defined(__AVX2__)
+  {
+    __m256d vmx0 = _mm256_loadu_pd(mx), vmx1 = _mm256_loadu_pd(mx + 4);
+    __m256d vmn0 = _mm256_loadu_pd(mn), vmn1 = _mm256_loadu_pd(mn + 4);
+    for (; k + 8 <= n; k += 8) {
+      const __m256d x0 = _mm256_loadu_pd(buf + k), x1 = _mm256_loadu_pd(buf + k + 4);
+      vmx0 = _mm256_max_pd(x0, vmx0);
+      vmx1 = _mm256_max_pd(x1, vmx1);
+      vmn0 = _mm256_min_pd(x0, vmn0);
+      vmn1 = _mm256_min_pd(x1, vmn1);
+    }
+    _mm256_storeu_pd(mx, vmx0);
+    _mm256_storeu_pd(mx + 4, vmx1);
+    _mm256_storeu_pd(mn, vmn0);
+    _mm256_storeu_pd(mn + 4, vmn1);
+  }
+#endif
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      mx[j] = buf[k + j] > mx[j] ? buf[k + j] : mx[j];
+      mn[j] = buf[k + j] < mn[j] ? buf[k + j] : mn[j];
+    }
+  }
+  for (; k < n; ++k) {
+    mx[0] = buf[k] > mx[0] ? buf[k] : mx[0];
+    mn[0] = buf[k] < mn[0] ? buf[k] : mn[0];
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    *hi = mx[j] > *hi ? mx[j] : *hi;
+    *lo = mn[j] < *lo ? mn[j] : *lo;
+  }
+}
+
+// Adds sum_k e^(x_k) and -sum_k e^(x_k) x_k, x_k = z_k - m, over n values of a chunk (z widened
+// to float64 in buf) to *sum and *dist; kTabled: e^(x_k) is eb[k] (exp_from_table), 0 below the
+// polynomial's cut-off as the polynomial has it.
+template <bool kTabled>
+void exp_sums(const double* buf, const double* eb, int64_t n, double m, double* sum,
+              double* dist) {
+  double s[kLanes] = {}, d[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const double x = buf[k + j] - m;
+      const double e = kTabled ? (x < -708.0 ? 0.0 : eb[k + j]) : exp_nonpositive(x);
+      s[j] += e;
+      d[j] -= e * x;
+    }
+  }
+  for (; k < n; ++k) {
+    const double x = buf[k] - m;
+    const double e = kTabled ? (x < -708.0 ? 0.0 : eb[k]) : exp_nonpositive(x);
+    s[0] += e;
+    d[0] -= e * x;
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    *sum += s[j];
+    *dist += d[j];
+  }
+}
+
 template <typename T>
 RowStats row_stats_t(const T* z, int64_t v) {
   {
@@ -117,57 +268,28 @@ RowStats row_stats_t(const T* z, int64_t v) {
     for (int64_t k0 = 0; k0 < v; k0 += kChunk) {
       const int64_t n = v - k0 < kChunk ? v - k0 : kChunk;
       widen(z + k0, n, buf);
-      double mx[kLanes], mn[kLanes];
-      for (int j = 0; j < kLanes; ++j) {
-        mx[j] = m;
-        mn[j] = lo;
-      }
-      int64_t k = 0;
-      for (; k + kLanes <= n; k += kLanes) {
-        for (int j = 0; j < kLanes; ++j) {
-          mx[j] = buf[k + j] > mx[j] ? buf[k + j] : mx[j];
-          mn[j] = buf[k + j] < mn[j] ? buf[k + j] : mn[j];
-        }
-      }
-      for (; k < n; ++k) {
-        mx[0] = buf[k] > mx[0] ? buf[k] : mx[0];
-        mn[0] = buf[k] < mn[0] ? buf[k] : mn[0];
-      }
-      for (int j = 0; j < kLanes; ++j) {
-        m = mx[j] > m ? mx[j] : m;
-        lo = mn[j] < lo ? mn[j] : lo;
-      }
+      min_max(buf, n, &lo, &m);
     }
     RowStats st;
     st.max = m;
     st.max_abs = v > 0 ? std::fmax(std::fabs(m), std::fabs(lo)) : 0.0;
     double sum = 0.0, dist = 0.0;
+    alignas(64) double eb[kChunk];
+    const double* table = std::fabs(m) <= 700.0 ? exp_table_of<T>() : nullptr;
+    const double e_neg_m = table != nullptr ? std::exp(-m) : 0.0;
     for (int64_t k0 = 0; k0 < v; k0 += kChunk) {
       const int64_t n = v - k0 < kChunk ? v - k0 : kChunk;
       widen(z + k0, n, buf);
-      double s[kLanes] = {}, d[kLanes] = {};
-      int64_t k = 0;
-      for (; k + kLanes <= n; k += kLanes) {
-        for (int j = 0; j < kLanes; ++j) {
-          const double x = buf[k + j] - m;
-          const double e = exp_nonpositive(x);
-          s[j] += e;
-          d[j] -= e * x;
-        }
-      }
-      for (; k < n; ++k) {
-        const double x = buf[k] - m;
-        const double e = exp_nonpositive(x);
-        s[0] += e;
-        d[0] -= e * x;
-      }
-      for (int j = 0; j < kLanes; ++j) {
-        sum += s[j];
-        dist += d[j];
+      if (table != nullptr && exp_from_table(table, z + k0, n, e_neg_m, eb)) {
+        exp_sums<true>(buf, eb, n, m, &sum, &dist);
+      } else {
+        exp_sums<false>(buf, eb, n, m, &sum, &dist);
       }
     }
     st.sum = sum;
     st.spread = sum > 0.0 ? dist / sum : 0.0;
+    // NaN or +inf makes the sum NaN (+inf - +inf), -inf makes max_abs infinite.
+    st.non_finite = !(std::isfinite(sum) && std::isfinite(st.max_abs));
     return st;
   }
 }
@@ -176,14 +298,27 @@ template <typename T>
 RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end, double c,
                             double lse, const ElementBoundRow* bounds, int num_bounds) {
   {
-    alignas(64) double zb[kChunk], gb[kChunk];
+    alignas(64) double zb[kChunk], gb[kChunk], pb[kChunk];
+    const double* table = std::fabs(lse) <= 700.0 ? exp_table_of<T>() : nullptr;
+    const double e_neg_lse = table != nullptr ? std::exp(-lse) : 0.0;
     RowComparison r;
     bool nan_seen = false;
     for (int64_t k0 = begin; k0 < end; k0 += kChunk) {
       const int64_t n = end - k0 < kChunk ? end - k0 : kChunk;
       widen(z + k0, n, zb);
       widen(got + k0, n, gb);
-      const RowComparison part = compare_row_direct(zb, gb, 0, n, c, lse, bounds, num_bounds);
+      const bool tabled = table != nullptr && exp_from_table(table, z + k0, n, e_neg_lse, pb);
+      // The screen first; the exact tolerances only for a chunk with an element over it (a NaN
+      // difference is over it too, and is counted there).
+      RowComparison part =
+          tabled ? compare_row_direct<true, true>(zb, gb, pb, 0, n, c, lse, bounds, num_bounds)
+                 : compare_row_direct<false, true>(zb, gb, nullptr, 0, n, c, lse, bounds, num_bounds);
+      if (part.mismatched != 0) {
+        part = tabled
+                   ? compare_row_direct<true, false>(zb, gb, pb, 0, n, c, lse, bounds, num_bounds)
+                   : compare_row_direct<false, false>(zb, gb, nullptr, 0, n, c, lse, bounds,
+                                                      num_bounds);
+      }
       r.mismatched += part.mismatched;
       nan_seen |= part.max_abs_diff != part.max_abs_diff;
       r.max_abs_diff = part.max_abs_diff > r.max_abs_diff ? part.max_abs_diff : r.max_abs_diff;

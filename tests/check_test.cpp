@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 
 #include "cli/app.h"
@@ -19,6 +20,7 @@
 #include "oracle/grad_stream.h"
 #include "oracle/loss.h"
 #include "oracle/placement.h"
+#include "oracle/row_math.h"
 #include "oracle/weights.h"
 #include "test_util.h"
 
@@ -494,6 +496,120 @@ TEST(OracleExp, WithinFourUlpOfTheLibraryExpOverTheWholeRange) {
   EXPECT_EQ(oracle::exp_nonpositive(-INFINITY), 0.0);
   EXPECT_EQ(oracle::exp_nonpositive(-800.0), 0.0);
   EXPECT_TRUE(std::isnan(oracle::exp_nonpositive(NAN)));
+}
+
+// A row as 16-bit values and as float32 (the same values): the 16-bit row loops read e^(z - s)
+// from a table, the float32 ones from the polynomial; they must agree.
+struct SixteenBitRow {
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+};
+SixteenBitRow sixteen_bit_row(DType dtype, const std::vector<double>& x) {
+  SixteenBitRow r;
+  for (double v : x) {
+    const uint16_t b = dtype == DType::kBFloat16 ? float_to_bfloat16(static_cast<float>(v))
+                                                 : float_to_half(static_cast<float>(v));
+    r.bits.push_back(b);
+    r.values.push_back(dtype == DType::kBFloat16 ? bfloat16_to_float(b) : half_to_float(b));
+  }
+  return r;
+}
+
+TEST(RowMath, SixteenBitStatisticsFromTheExpTableMatchThePolynomial) {
+  // Rows of a 150k vocabulary in bf16 and fp16: the table path against the float32 (polynomial)
+  // path on the same values. A chunk holding a value over 700 (bf16 only: fp16 ends at 65504 but
+  // its logits here stay in range) or a NaN falls back to the polynomial.
+  std::mt19937 gen(3);
+  std::normal_distribution<double> n(0.0, 4.0);
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (int variant = 0; variant < 3; ++variant) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " variant " + std::to_string(variant));
+      std::vector<double> x(151936);
+      for (double& v : x) v = n(gen);
+      if (variant == 1 && dt == DType::kBFloat16) x[70000] = 720.0;  // e^720: no table entry
+      if (variant == 2) x[1234] = NAN;
+      const SixteenBitRow r = sixteen_bit_row(dt, x);
+      const auto a = oracle::logits_row_stats(r.bits.data(), dt, static_cast<int64_t>(x.size()));
+      const auto b =
+          oracle::logits_row_stats(r.values.data(), DType::kFloat32, static_cast<int64_t>(x.size()));
+      if (variant == 2) {
+        EXPECT_TRUE(a.non_finite && b.non_finite);
+        EXPECT_TRUE(std::isnan(a.sum) && std::isnan(b.sum));
+        continue;
+      }
+      EXPECT_EQ(a.max, b.max);
+      EXPECT_EQ(a.max_abs, b.max_abs);
+      EXPECT_FALSE(a.non_finite);
+      EXPECT_NEAR(a.sum, b.sum, 1e-13 * b.sum);
+      EXPECT_NEAR(a.spread, b.spread, 1e-12 * b.spread);
+    }
+  }
+}
+
+TEST(RowMath, ComparisonCountsExactlyTheElementsOutsideTheirBound) {
+  // A gradient row c (p - onehot) of a bf16 row of logits with elements set at 0.5, 0.99, 1.01 and
+  // 3 times their bound (the smallest of two, as check uses them), and elements between the
+  // comparison's quick lower bound and the bound: compare_logits_row (vector loops, exp table,
+  // screen) must count exactly the ones over, as a scalar loop with std::exp does.
+  std::mt19937 gen(5);
+  std::normal_distribution<double> n(0.0, 3.0);
+  const int64_t v = 151936;
+  std::vector<double> x(static_cast<std::size_t>(v));
+  for (double& e : x) e = n(gen);
+  const SixteenBitRow zr = sixteen_bit_row(DType::kBFloat16, x);
+  std::vector<double> z(zr.values.begin(), zr.values.end());
+  double m = -INFINITY;
+  for (double e : z) m = std::max(m, e);
+  double s = 0.0;
+  for (double e : z) s += std::exp(e - m);
+  const double lse = m + std::log(s), c = -3.0e-4;
+  const oracle::ElementBoundRow bounds[2] = {{1e-30, 1.6e-2, 7.8e-3, 3.9e-3},
+                                            {1e-30, 1.56e-2, 0.1, 7.8e-3}};
+  auto tol = [&](double p, double lp) {
+    const double aw = std::fabs(c * p);
+    return std::min(oracle::element_tolerance(bounds[0], std::fabs(c), aw, p, lp),
+                    oracle::element_tolerance(bounds[1], std::fabs(c), aw, p, lp));
+  };
+  std::vector<double> g(static_cast<std::size_t>(v));
+  int64_t want_bad = 0;
+  for (int64_t k = 0; k < v; ++k) {
+    const double lp = lse - z[k], p = std::exp(-lp), w = c * p, t = tol(p, lp);
+    // Most elements one bf16 rounding off (well inside); every 97th placed by hand.
+    double got = static_cast<double>(bfloat16_to_float(float_to_bfloat16(static_cast<float>(w))));
+    if (k % 97 == 0) {
+      const double f[] = {0.5, 0.99, 1.01, 3.0};
+      const double factor = f[(k / 97) % 4];
+      got = w + factor * t;  // as float64: the comparison reads it exactly below
+    }
+    g[k] = got;
+    if (std::fabs(got - w) > t) ++want_bad;
+  }
+  ASSERT_GT(want_bad, 700);
+  // The comparison reads z and got in one dtype: float32 holds the bf16 logits exactly, and the
+  // placed gradients to 2^-24, far inside the 1% margins above.
+  std::vector<float> zf(z.begin(), z.end()), gf(g.begin(), g.end());
+  int64_t exact_bad = 0;
+  for (int64_t k = 0; k < v; ++k) {
+    const double lp = lse - z[k], p = std::exp(-lp), w = c * p;
+    if (std::fabs(static_cast<double>(gf[k]) - w) > tol(p, lp)) ++exact_bad;
+  }
+  EXPECT_EQ(exact_bad, want_bad);
+  const auto r =
+      oracle::compare_logits_row(zf.data(), gf.data(), DType::kFloat32, 0, v, c, lse, bounds, 2);
+  EXPECT_EQ(r.mismatched, exact_bad);
+  // And a right row (every element one bf16 rounding off) in bf16: nothing over, through the table.
+  std::vector<uint16_t> gb(static_cast<std::size_t>(v));
+  for (int64_t k = 0; k < v; ++k)
+    gb[k] = float_to_bfloat16(static_cast<float>(c * std::exp(z[k] - lse)));
+  const auto ok =
+      oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c, lse, bounds, 2);
+  EXPECT_EQ(ok.mismatched, 0);
+  EXPECT_LE(ok.max_rel_diff, std::ldexp(1.0, -8) * 1.0001);
+  // Elements past the bound in bf16, through the table: counted.
+  for (int64_t k = 0; k < v; k += 1000) gb[k] = float_to_bfloat16(static_cast<float>(2.0 * c * std::exp(z[k] - lse)));
+  const auto bad =
+      oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c, lse, bounds, 2);
+  EXPECT_EQ(bad.mismatched, (v + 999) / 1000);
 }
 
 // The candidate's gradient as a whole array, fed to a GradStream in `order` (blocks of `block`
