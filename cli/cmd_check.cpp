@@ -355,7 +355,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
         all_ok &= t.ok();
       }
     }
-    const auto findings = oracle::batch_findings(b);
+    const auto findings = oracle::batch_findings(b, 20, &logits_stats);
     report.add_findings(findings);
     print_findings(out, report.findings());
     out << fmt::format("\nverdict: {}\n", all_ok ? "pass: the candidate matches the oracle"

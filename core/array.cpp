@@ -289,6 +289,35 @@ void HostArray::copy_f64(int64_t start, int64_t n, double* dst) const {
   }
 }
 
+namespace {
+
+// An all-ones exponent, tested on the bits of each element.
+template <typename U>
+bool any_non_finite_bits(const std::byte* data, int64_t begin, int64_t end, U exponent) {
+  const U* p = reinterpret_cast<const U*>(data);
+  U hit = 0;
+  for (int64_t k = begin; k < end; ++k) hit |= static_cast<U>((p[k] & exponent) == exponent);
+  return hit != 0;
+}
+
+}  // namespace
+
+bool HostArray::any_non_finite(int64_t begin, int64_t end) const {
+  if (end <= begin || !dtype_is_float(dtype)) return false;
+  switch (dtype) {
+    case DType::kBFloat16:
+      return any_non_finite_bits<uint16_t>(data, begin, end, 0x7f80);
+    case DType::kFloat16:
+      return any_non_finite_bits<uint16_t>(data, begin, end, 0x7c00);
+    case DType::kFloat32:
+      return any_non_finite_bits<uint32_t>(data, begin, end, 0x7f800000u);
+    case DType::kFloat64:
+      return any_non_finite_bits<uint64_t>(data, begin, end, 0x7ff0000000000000ull);
+    default:
+      return true;
+  }
+}
+
 void HostArray::drop_pages(int64_t begin, int64_t end) const {
   if (!file_backed || end <= begin) return;
   const std::size_t e = dtype_size_bytes(dtype);

@@ -55,6 +55,10 @@ struct HostArray {
   // n).
   void copy_i64(int64_t start, int64_t n, int64_t* dst) const;
   void copy_f64(int64_t start, int64_t n, double* dst) const;
+  // Whether elements [begin, end) of a float array hold a NaN or an infinity (a test of the
+  // exponent bits, vectorised; an unknown float layout answers true, for an exact look). False for
+  // integer dtypes.
+  bool any_non_finite(int64_t begin, int64_t end) const;
   // A file-backed array may give back the pages of elements [begin, end) once read (madvise
   // MADV_DONTNEED on a private read-only mapping: touched again, they are read from the file); a
   // no-op for arrays in memory. A pass over GiBs of logits then keeps only its window resident.

@@ -19,48 +19,29 @@ int64_t sample_of_row(const Batch& b, int64_t row) {
   return static_cast<int64_t>(it - b.response_offsets.begin()) - 1;
 }
 
-// Whether elements [begin, end) hold a NaN or an infinity: an all-ones exponent, tested on the bits
-// (vectorisable; a dump's logits are GiBs).
-template <typename U>
-bool any_non_finite_bits(const std::byte* data, int64_t begin, int64_t end, U exponent) {
-  const U* p = reinterpret_cast<const U*>(data);
-  U hit = 0;
-  for (int64_t k = begin; k < end; ++k) hit |= static_cast<U>((p[k] & exponent) == exponent);
-  return hit != 0;
-}
-
-bool any_non_finite(const HostArray& a, int64_t begin, int64_t end) {
-  switch (a.dtype) {
-    case DType::kBFloat16:
-      return any_non_finite_bits<uint16_t>(a.data, begin, end, 0x7f80);
-    case DType::kFloat16:
-      return any_non_finite_bits<uint16_t>(a.data, begin, end, 0x7c00);
-    case DType::kFloat32:
-      return any_non_finite_bits<uint32_t>(a.data, begin, end, 0x7f800000u);
-    case DType::kFloat64:
-      return any_non_finite_bits<uint64_t>(a.data, begin, end, 0x7ff0000000000000ull);
-    default:
-      return true;  // unknown layout: the exact scan decides
-  }
-}
-
+// `rows`: the logits' row statistics, whose non_finite flags say which rows hold a NaN or an
+// infinity (then blocks are rows); without them, a bit test of every block.
 void scan_non_finite(const Batch& b, const std::string& field, const HostArray& a, int64_t cols,
-                     std::size_t max_reported, std::vector<Finding>& out) {
+                     std::size_t max_reported, std::vector<Finding>& out,
+                     const std::vector<RowStats>* rows = nullptr) {
   if (!dtype_is_float(a.dtype)) return;
   int64_t count = 0;
   const int64_t n = a.numel();
   // Blocks without a non-finite value are skipped by a bit test, on every core.
-  constexpr int64_t kBlock = int64_t{1} << 20;
+  const bool by_row = rows != nullptr && static_cast<int64_t>(rows->size()) * cols == n;
+  const int64_t kBlock = by_row ? cols : int64_t{1} << 20;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<uint8_t> hit(static_cast<std::size_t>(blocks), 0);
-  {
+  if (by_row) {
+    for (int64_t r = 0; r < blocks; ++r) hit[r] = (*rows)[static_cast<std::size_t>(r)].non_finite;
+  } else {
     const int64_t threads =
         std::max<int64_t>(1, std::min<int64_t>(blocks, std::thread::hardware_concurrency()));
     std::vector<std::thread> pool;
     for (int64_t w = 0; w < threads; ++w) {
       pool.emplace_back([&, w] {
         for (int64_t k = w; k < blocks; k += threads) {
-          hit[k] = any_non_finite(a, k * kBlock, std::min(n, (k + 1) * kBlock));
+          hit[k] = a.any_non_finite(k * kBlock, std::min(n, (k + 1) * kBlock));
           if (!hit[k]) a.drop_pages(k * kBlock, std::min(n, (k + 1) * kBlock));
         }
       });
@@ -147,7 +128,8 @@ std::vector<Finding> legacy_slicing_findings(const Batch& b) {
            {{"samples", empty_r}}}};
 }
 
-std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported) {
+std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported,
+                                    const std::vector<RowStats>* logits_stats) {
   std::vector<Finding> out;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     const SampleNote note = classify_sample(b, i, b.mask_sum(i));
@@ -166,7 +148,8 @@ std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported) {
            {{"sample", i}}});
     }
   }
-  if (b.logits) scan_non_finite(b, "logits", *b.logits, b.vocab_size(), max_reported, out);
+  if (b.logits)
+    scan_non_finite(b, "logits", *b.logits, b.vocab_size(), max_reported, out, logits_stats);
   for (const auto& [name, a] : b.per_token) scan_non_finite(b, name, a, 1, max_reported, out);
   // Targets outside the logits' vocabulary (an effective row's target: RL tokens[P + j]; SFT
   // tokens[j + 1], 0 for the last row): the loss cannot be computed for them.

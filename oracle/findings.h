@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "oracle/row_math.h"
 
 namespace lossguard::oracle {
 
@@ -35,7 +36,9 @@ SampleNote classify_sample(const Batch& batch, int64_t sample, int64_t mask_sum)
 std::vector<Finding> legacy_slicing_findings(const Batch& batch);
 
 // NaN/Inf in float fields (first `max_reported` with coordinates, then a count), samples with T =
-// 0, SFT samples whose last mask entry is 1.
-std::vector<Finding> batch_findings(const Batch& batch, std::size_t max_reported = 20);
+// 0, SFT samples whose last mask entry is 1. With `logits_stats` (oracle_logits_stats of this
+// batch), only the logits rows it flags non_finite are read, instead of a pass over all of them.
+std::vector<Finding> batch_findings(const Batch& batch, std::size_t max_reported = 20,
+                                    const std::vector<RowStats>* logits_stats = nullptr);
 
 }  // namespace lossguard::oracle

@@ -27,7 +27,8 @@ void CompensatedSum::add(double x) {
 namespace {
 
 // The logits' per-row statistics (max, max |z|, sum of exp(z - max), spread) of every row with
-// mask 1, rows split over the cores in runs of 16; a mapped file's pages are given back per run.
+// mask 1, and of every masked row whether it holds a NaN or an infinity (a bit test), rows split
+// over the cores in runs of 16; a mapped file's pages are given back per run.
 std::vector<RowStats> logits_stats(const Batch& b, int64_t v) {
   const int64_t rows = b.num_response_tokens();
   std::vector<RowStats> stats(static_cast<std::size_t>(rows));
@@ -43,7 +44,11 @@ std::vector<RowStats> logits_stats(const Batch& b, int64_t v) {
         for (int64_t run = w; run < runs; run += threads) {
           const int64_t r0 = run * kRun, r1 = std::min(rows, r0 + kRun);
           for (int64_t row = r0; row < r1; ++row) {
-            if (!b.loss_mask[row]) continue;
+            if (!b.loss_mask[row]) {
+              stats[static_cast<std::size_t>(row)].non_finite =
+                  b.logits->any_non_finite(row * v, (row + 1) * v);
+              continue;
+            }
             stats[static_cast<std::size_t>(row)] = logits_row_stats(
                 b.logits->data + static_cast<std::size_t>(row * v) * dtype_size_bytes(b.logits->dtype),
                 b.logits->dtype, v);

@@ -43,9 +43,10 @@ struct OracleLoss {
 OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logits_grad = true,
                        const std::vector<RowStats>* logits_stats = nullptr);
 
-// The per-row statistics of the logits (row_math.h) of every row with mask 1: the one pass over the
-// logits an oracle_loss from logits makes. check computes it once per step and hands it to every
-// (loss, reduction) case instead of one pass each.
+// The per-row statistics of the logits (row_math.h) of every row with mask 1, and every row's
+// non_finite flag: the one pass over the logits an oracle_loss from logits makes. check computes
+// it once per step and hands it to every (loss, reduction) case and to batch_findings instead of
+// one pass each.
 std::vector<RowStats> oracle_logits_stats(const Batch& batch);
 
 // Neumaier's compensated sum.

@@ -8,6 +8,7 @@
 #include "core/errors.h"
 #include "fixtures/cases.h"
 #include "oracle/findings.h"
+#include "oracle/loss.h"
 
 namespace lossguard::oracle {
 namespace {
@@ -176,6 +177,55 @@ TEST(Batch, NonFiniteValuesAreFindingsWithCoordinates) {
   EXPECT_EQ(findings[0].detail["vocab_index"], 1);
   EXPECT_EQ(findings[1].detail["field"], "log_probs");
   EXPECT_EQ(findings[1].detail["value"], "-inf");
+}
+
+// check hands batch_findings the row statistics of its one pass over the logits, and the findings
+// must be the same as from batch_findings' own scan: every non-finite value, masked or not, in
+// every float dtype a dump holds.
+TEST(Batch, NonFiniteFindingsFromTheRowStatisticsMatchTheFullScan) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16, DType::kFloat32, DType::kFloat64}) {
+    SCOPED_TRACE(dtype_name(dt));
+    // One sample, prompt 1, response 5: rows 0..4 over a vocabulary of 4; row 2 masked.
+    HostArray t = ints({0, 1, 2, 3, 0, 1}), m = ints({1, 1, 0, 1, 1});
+    const double inf = INFINITY;
+    HostArray logits = HostArray::from_f64(dt, {5, 4},
+                                           {0, 1, 2, 3,        // row 0: clean
+                                            1, NAN, 0, 0,      // row 1: NaN, mask 1
+                                            inf, 0, 0, 1,      // row 2: +inf, masked
+                                            0, 0, 0, -inf,     // row 3: -inf, mask 1
+                                            -1, -2, -3, -4});  // row 4: clean
+    SampleFields f;
+    f.tokens = &t;
+    f.response_length = 5;
+    f.loss_mask = &m;
+    f.logits = &logits;
+    BatchBuilder b;
+    b.begin_file("n.pt");
+    b.add_sample(0, f);
+    Batch batch = b.finish();
+    const std::vector<RowStats> stats = oracle_logits_stats(batch);
+    ASSERT_EQ(stats.size(), 5u);
+    EXPECT_FALSE(stats[0].non_finite);
+    EXPECT_TRUE(stats[1].non_finite);
+    EXPECT_TRUE(stats[2].non_finite);
+    EXPECT_TRUE(stats[3].non_finite);
+    EXPECT_FALSE(stats[4].non_finite);
+    const auto full = batch_findings(batch);
+    const auto from_stats = batch_findings(batch, 20, &stats);
+    ASSERT_EQ(full.size(), 3u);
+    ASSERT_EQ(from_stats.size(), full.size());
+    const std::vector<std::pair<int, int>> where = {{1, 1}, {2, 0}, {3, 3}};
+    for (std::size_t k = 0; k < full.size(); ++k) {
+      EXPECT_EQ(from_stats[k].message, full[k].message);
+      EXPECT_EQ(from_stats[k].detail, full[k].detail);
+      EXPECT_EQ(full[k].detail["response_index"], where[k].first);
+      EXPECT_EQ(full[k].detail["vocab_index"], where[k].second);
+    }
+    EXPECT_EQ(full[0].detail["value"], "nan");
+    EXPECT_EQ(full[1].detail["value"], "inf");
+    EXPECT_EQ(full[1].detail["masked"], true);
+    EXPECT_EQ(full[2].detail["value"], "-inf");
+  }
 }
 
 TEST(DType, HalfAndBFloat16RoundTripEveryBitPattern) {
