@@ -11,6 +11,8 @@
 #include <malloc.h>
 
 #include <cstring>
+#include <future>
+#include <limits>
 #include <new>
 #include <stdexcept>
 
@@ -105,7 +107,7 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     // 3. Each rank's partial loss in the working dtype, and its gradient by autograd, a block of
     // the rank's rows at a time (the loss is a sum over tokens, and a row's gradient depends only
     // on its own input and coefficient): each block's gradient goes to the sink, so memory stays
-    // one block's worth whatever the vocabulary.
+    // two blocks' worth (one computed, one judged) whatever the vocabulary.
     if (!in->sink) throw std::logic_error("the torch candidate: no gradient sink");
     double total = 0.0;
     // ppo-clip's other inputs, in the working dtype, once for every rank.
@@ -117,66 +119,106 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const int64_t cols = x_host.shape.size() == 2 ? x_host.shape[1] : 1;
     // Rows per block: the float working tensors (log_softmax's) under 16 MiB each.
     const int64_t block = std::max<int64_t>(1, (int64_t{16} << 20) / (cols * 4));
-    for (int64_t rank = 0; rank < cp; ++rank) {
-      const auto& mine = owned[rank];
-      for (std::size_t b0 = 0; b0 < mine.size(); b0 += static_cast<std::size_t>(block)) {
-        const std::size_t b1 = std::min(mine.size(), b0 + static_cast<std::size_t>(block));
-        std::vector<int64_t> idx, targets;
-        std::vector<double> coeff;
-        for (std::size_t k = b0; k < b1; ++k) {
-          const OwnedRow& o = mine[k];
-          idx.push_back(o.row);
-          const int64_t i = o.sample;
-          const int64_t j = o.row - b.response_offsets[i];
-          coeff.push_back((in->contract != nullptr
-                               ? by_contract.coeff[o.row]
-                               : token_coefficient(d, spec, i, b.loss_mask[o.row])) *
-                          (in->weight_scale != nullptr ? (*in->weight_scale)[o.row] : 1.0));
-          if (input == LossInput::kLogits) {
-            // RL: tokens[P + j]. SFT (P = 0): row j is position j, predicting tokens[j + 1]; the
-            // last row's label is 0, as Relax's compute_sft_response_chunk pads it.
-            const int64_t p = b.prompt_length(i), next = p > 0 ? p + j : j + 1;
-            targets.push_back(next < b.total_lengths[i] ? b.tokens[b.token_offsets[i] + next] : 0);
-          }
+    struct Block {
+      std::vector<int64_t> rows;
+      at::Tensor grad;  // [rows, cols] in the working dtype
+      double partial = 0.0;
+    };
+    auto compute = [&](const std::vector<OwnedRow>& mine, std::size_t b0, std::size_t b1) {
+      Block out_block;
+      std::vector<int64_t>& idx = out_block.rows;
+      std::vector<int64_t> targets;
+      std::vector<double> coeff;
+      for (std::size_t k = b0; k < b1; ++k) {
+        const OwnedRow& o = mine[k];
+        idx.push_back(o.row);
+        const int64_t i = o.sample;
+        const int64_t j = o.row - b.response_offsets[i];
+        coeff.push_back((in->contract != nullptr
+                             ? by_contract.coeff[o.row]
+                             : token_coefficient(d, spec, i, b.loss_mask[o.row])) *
+                        (in->weight_scale != nullptr ? (*in->weight_scale)[o.row] : 1.0));
+        if (input == LossInput::kLogits) {
+          // RL: tokens[P + j]. SFT (P = 0): row j is position j, predicting tokens[j + 1]; the
+          // last row's label is 0, as Relax's compute_sft_response_chunk pads it.
+          const int64_t p = b.prompt_length(i), next = p > 0 ? p + j : j + 1;
+          targets.push_back(next < b.total_lengths[i] ? b.tokens[b.token_offsets[i] + next] : 0);
         }
-        const at::Tensor rows_idx = at::tensor(idx, at::kLong);
-        // A block of consecutive rows (every block at CP 1, most of a zig-zag chunk) is a view of
-        // the mapped dump, not a copy: one pass over the block less.
-        bool consecutive = true;
-        for (std::size_t k = 1; k < idx.size() && consecutive; ++k) {
-          consecutive = idx[k] == idx[0] + static_cast<int64_t>(k);
-        }
-        const at::Tensor leaf =
-            (consecutive ? x.narrow(0, idx.front(), static_cast<int64_t>(idx.size()))
-                         : x.index_select(0, rows_idx))
-                .detach()
-                .requires_grad_(true);
-        const at::Tensor c = at::tensor(coeff, at::kDouble).to(dt);
-        at::Tensor partial;
-        {
-          c10::AutoGradMode enable(true);
-          at::Tensor l;
-          if (input == LossInput::kLogits) {
-            const at::Tensor y = at::tensor(targets, at::kLong).unsqueeze(1);
-            l = -at::log_softmax(leaf, -1).gather(1, y).squeeze(1);
-          } else if (spec.loss == LossKind::kNll) {
-            l = -leaf;
-          } else if (spec.loss == LossKind::kPpoClip) {
-            const at::Tensor old = old_all.index_select(0, rows_idx);
-            const at::Tensor adv = adv_all.index_select(0, rows_idx);
-            const at::Tensor rho = at::exp(leaf - old);
-            const at::Tensor clipped = at::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
-            l = at::maximum(-rho * adv, -clipped * adv);
-          } else {
-            l = leaf;
-          }
-          partial = (l * c).sum();
-          partial.backward();
-        }
-        total += partial.to(at::kDouble).item<double>();
-        const at::Tensor g = leaf.grad().contiguous();
-        in->sink(idx.data(), static_cast<int64_t>(idx.size()), g.data_ptr());
       }
+      const at::Tensor rows_idx = at::tensor(idx, at::kLong);
+      // A block of consecutive rows (every block at CP 1, most of a zig-zag chunk) is a view of
+      // the mapped dump, not a copy: one pass over the block less.
+      bool consecutive = true;
+      for (std::size_t k = 1; k < idx.size() && consecutive; ++k) {
+        consecutive = idx[k] == idx[0] + static_cast<int64_t>(k);
+      }
+      const at::Tensor leaf =
+          (consecutive ? x.narrow(0, idx.front(), static_cast<int64_t>(idx.size()))
+                       : x.index_select(0, rows_idx))
+              .detach()
+              .requires_grad_(true);
+      const at::Tensor c = at::tensor(coeff, at::kDouble).to(dt);
+      at::Tensor partial;
+      {
+        c10::AutoGradMode enable(true);
+        at::Tensor l;
+        if (input == LossInput::kLogits) {
+          // nll_loss of log_softmax, as torch.nn.functional.cross_entropy computes it: the same
+          // values as -log_softmax(z).gather(y), but its backward writes -1 at the targets of a
+          // zero-filled gradient, where gather's backward is a scatter_add that PyTorch 2.x runs
+          // on a float copy of the whole bf16 block (half of the candidate's time). No target is
+          // ignored (nll_loss's default skips -100): one outside the vocabulary is an error, as
+          // gather's was.
+          const at::Tensor y = at::tensor(targets, at::kLong);
+          l = at::nll_loss(at::log_softmax(leaf, -1), y, /*weight=*/{}, at::Reduction::None,
+                           std::numeric_limits<int64_t>::min());
+        } else if (spec.loss == LossKind::kNll) {
+          l = -leaf;
+        } else if (spec.loss == LossKind::kPpoClip) {
+          const at::Tensor old = old_all.index_select(0, rows_idx);
+          const at::Tensor adv = adv_all.index_select(0, rows_idx);
+          const at::Tensor rho = at::exp(leaf - old);
+          const at::Tensor clipped = at::clamp(rho, 1.0 - spec.eps_low, 1.0 + spec.eps_high);
+          l = at::maximum(-rho * adv, -clipped * adv);
+        } else {
+          l = leaf;
+        }
+        partial = (l * c).sum();
+        partial.backward();
+      }
+      out_block.partial = partial.to(at::kDouble).item<double>();
+      out_block.grad = leaf.grad().contiguous();
+      return out_block;
+    };
+    // The sink judges block k on a second thread while this one computes block k + 1 with
+    // LibTorch: each leaves the cores idle in its serial parts (LibTorch's small ops and autograd,
+    // the judge's ends of block), and together they keep both busy. Block k's gradient lives until
+    // the sink has returned from it; the partial losses are summed in block order, as before.
+    std::future<void> judging;
+    Block judged;  // the block the sink is reading
+    auto finish_judging = [&] {
+      if (judging.valid()) judging.get();  // rethrows the sink's error
+      judged = Block{};
+    };
+    try {
+      for (int64_t rank = 0; rank < cp; ++rank) {
+        const auto& mine = owned[rank];
+        for (std::size_t b0 = 0; b0 < mine.size(); b0 += static_cast<std::size_t>(block)) {
+          const std::size_t b1 = std::min(mine.size(), b0 + static_cast<std::size_t>(block));
+          Block next = compute(mine, b0, b1);
+          finish_judging();
+          total += next.partial;
+          judged = std::move(next);
+          judging = std::async(std::launch::async, [&in, &judged] {
+            in->sink(judged.rows.data(), static_cast<int64_t>(judged.rows.size()),
+                     judged.grad.data_ptr());
+          });
+        }
+      }
+      finish_judging();
+    } catch (...) {
+      if (judging.valid()) judging.wait();  // the sink reads `judged` until it returns
+      throw;
     }
     out->loss = total;
   } catch (const std::bad_alloc&) {
