@@ -39,8 +39,9 @@ struct HostArray {
   std::vector<int64_t> shape;
   std::shared_ptr<const void> owner;  // keeps `data` alive
   const std::byte* data = nullptr;
-  // `data` is a read-only view of a memory-mapped file: a pass over it may drop the pages it read
-  // (they are read from the file again if needed), so GiBs of logits never stay resident.
+  // `data` is a read-only view of a memory-mapped file large enough that a pass over it drops the
+  // pages it read (they are read from the file again if needed), so GiBs of logits never stay
+  // resident (io/safetensors.cpp decides: over a quarter of the machine's memory).
   bool file_backed = false;
 
   int64_t numel() const;
