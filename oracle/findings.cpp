@@ -28,7 +28,7 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
   int64_t count = 0;
   const int64_t n = a.numel();
   // Blocks without a non-finite value are skipped by a bit test, on every core.
-  const bool by_row = rows != nullptr && static_cast<int64_t>(rows->size()) * cols == n;
+  const bool by_row = rows != nullptr && cols > 0 && static_cast<int64_t>(rows->size()) * cols == n;
   const int64_t kBlock = by_row ? cols : int64_t{1} << 20;
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<uint8_t> hit(static_cast<std::size_t>(blocks), 0);

@@ -228,6 +228,29 @@ TEST(Batch, NonFiniteFindingsFromTheRowStatisticsMatchTheFullScan) {
   }
 }
 
+TEST(Batch, NonFiniteScanOfAnEmptyVocabularyFromRowStatistics) {
+  // Logits [rows, 0]: nothing to scan, with or without the row statistics (rows of zero
+  // elements once divided the scan's blocks by zero).
+  HostArray t = ints({0, 1, 2}), lp = floats({-1, NAN});
+  HostArray logits = HostArray::from_f64(DType::kBFloat16, {2, 0}, {});
+  SampleFields f;
+  f.tokens = &t;
+  f.response_length = 2;
+  f.logits = &logits;
+  f.per_token["log_probs"] = &lp;
+  BatchBuilder b;
+  b.begin_file("v0.pt");
+  b.add_sample(0, f);
+  Batch batch = b.finish();
+  const std::vector<RowStats> stats = oracle_logits_stats(batch);
+  for (const auto& findings : {batch_findings(batch), batch_findings(batch, 20, &stats)}) {
+    ASSERT_EQ(findings.size(), 3u);  // the NaN log-prob; targets 1 and 2 outside a vocabulary of 0
+    EXPECT_EQ(findings[0].detail["field"], "log_probs");
+    EXPECT_EQ(findings[1].kind, "target_out_of_vocab");
+    EXPECT_EQ(findings[2].kind, "target_out_of_vocab");
+  }
+}
+
 TEST(DType, HalfAndBFloat16RoundTripEveryBitPattern) {
   // Every finite 16-bit pattern must survive float conversion and back (round to nearest even is
   // exact for representable values); NaNs stay NaN.
