@@ -239,17 +239,21 @@ void exp_sums(const double* buf, const double* eb, int64_t n, double m, double* 
               double* dist) {
   double s[kLanes] = {}, d[kLanes] = {};
   int64_t k = 0;
+  // The table's value is read unconditionally, then selected: a load under the condition kept the
+  // loop scalar.
   for (; k + kLanes <= n; k += kLanes) {
     for (int j = 0; j < kLanes; ++j) {
       const double x = buf[k + j] - m;
-      const double e = kTabled ? (x < -708.0 ? 0.0 : eb[k + j]) : exp_nonpositive(x);
+      const double t = kTabled ? eb[k + j] : 0.0;
+      const double e = kTabled ? (x < -708.0 ? 0.0 : t) : exp_nonpositive(x);
       s[j] += e;
       d[j] -= e * x;
     }
   }
   for (; k < n; ++k) {
     const double x = buf[k] - m;
-    const double e = kTabled ? (x < -708.0 ? 0.0 : eb[k]) : exp_nonpositive(x);
+    const double t = kTabled ? eb[k] : 0.0;
+    const double e = kTabled ? (x < -708.0 ? 0.0 : t) : exp_nonpositive(x);
     s[0] += e;
     d[0] -= e * x;
   }
