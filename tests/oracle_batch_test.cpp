@@ -19,6 +19,21 @@ HostArray ints(std::vector<int64_t> v) {
 HostArray floats(std::vector<double> v) {
   return HostArray::from_f64(DType::kFloat64, {static_cast<int64_t>(v.size())}, v);
 }
+// A batch of one sample read from `file`: its tokens and response length, and the optional fields.
+Batch one_sample(const char* file, const HostArray& tokens, int64_t response_length,
+                 const HostArray* logits, const HostArray* log_probs = nullptr,
+                 const HostArray* loss_mask = nullptr) {
+  SampleFields f;
+  f.tokens = &tokens;
+  f.response_length = response_length;
+  f.logits = logits;
+  f.loss_mask = loss_mask;
+  if (log_probs != nullptr) f.per_token["log_probs"] = log_probs;
+  BatchBuilder b;
+  b.begin_file(file);
+  b.add_sample(0, f);
+  return b.finish();
+}
 
 TEST(Batch, ValidSampleBuildsPackedBatch) {
   HostArray t = ints({1, 2, 3, 4, 5}), m = ints({1, 0});
@@ -161,15 +176,7 @@ TEST(Batch, NonFiniteValuesAreFindingsWithCoordinates) {
   HostArray t = ints({1, 2, 0, 2});  // targets 0 and 2, inside the vocabulary of 3
   HostArray logits = HostArray::from_f64(DType::kFloat32, {2, 3}, {0, 1, 2, 3, NAN, 5});
   HostArray lp = floats({-1, -INFINITY});
-  SampleFields f;
-  f.tokens = &t;
-  f.response_length = 2;
-  f.logits = &logits;
-  f.per_token["log_probs"] = &lp;
-  BatchBuilder b;
-  b.begin_file("n.pt");
-  b.add_sample(0, f);
-  Batch batch = b.finish();
+  const Batch batch = one_sample("n.pt", t, 2, &logits, &lp);
   auto findings = batch_findings(batch);
   ASSERT_EQ(findings.size(), 2u);
   EXPECT_EQ(findings[0].detail["field"], "logits");
@@ -194,15 +201,7 @@ TEST(Batch, NonFiniteFindingsFromTheRowStatisticsMatchTheFullScan) {
                                             inf, 0, 0, 1,      // row 2: +inf, masked
                                             0, 0, 0, -inf,     // row 3: -inf, mask 1
                                             -1, -2, -3, -4});  // row 4: clean
-    SampleFields f;
-    f.tokens = &t;
-    f.response_length = 5;
-    f.loss_mask = &m;
-    f.logits = &logits;
-    BatchBuilder b;
-    b.begin_file("n.pt");
-    b.add_sample(0, f);
-    Batch batch = b.finish();
+    const Batch batch = one_sample("n.pt", t, 5, &logits, nullptr, &m);
     const std::vector<RowStats> stats = oracle_logits_stats(batch);
     ASSERT_EQ(stats.size(), 5u);
     EXPECT_FALSE(stats[0].non_finite);
@@ -233,15 +232,7 @@ TEST(Batch, NonFiniteScanOfAnEmptyVocabularyFromRowStatistics) {
   // elements once divided the scan's blocks by zero).
   HostArray t = ints({0, 1, 2}), lp = floats({-1, NAN});
   HostArray logits = HostArray::from_f64(DType::kBFloat16, {2, 0}, {});
-  SampleFields f;
-  f.tokens = &t;
-  f.response_length = 2;
-  f.logits = &logits;
-  f.per_token["log_probs"] = &lp;
-  BatchBuilder b;
-  b.begin_file("v0.pt");
-  b.add_sample(0, f);
-  Batch batch = b.finish();
+  const Batch batch = one_sample("v0.pt", t, 2, &logits, &lp);
   const std::vector<RowStats> stats = oracle_logits_stats(batch);
   for (const auto& findings : {batch_findings(batch), batch_findings(batch, 20, &stats)}) {
     ASSERT_EQ(findings.size(), 3u);  // the NaN log-prob; targets 1 and 2 outside a vocabulary of 0
