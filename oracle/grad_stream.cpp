@@ -157,9 +157,15 @@ void GradStream::compare_logits(Part& part, int64_t row, const std::byte* raw,
   for (int j = 0; j < nb; ++j)
     rb[j] = bound_at_row(s_.bounds[static_cast<std::size_t>(j)], coeff, want_.spread[row],
                          want_.log_sum[row], lse);
-  const RowComparison a = compare_logits_row(zraw, raw, s_.got_dtype, 0, y, coeff, lse, rb, nb);
+  // The float32 screen (row_math.h) against this part's worst so far: a chunk it certifies can
+  // add no mismatch and no new worst element, so only the others are compared in float64.
+  LogitsScreen screen;
+  if (part.worst_row >= 0)
+    screen = logits_screen(coeff, lse, rb, nb, c.max_abs_diff, c.max_rel_diff);
+  const RowComparison a =
+      compare_logits_row(zraw, raw, s_.got_dtype, 0, y, coeff, lse, rb, nb, &screen);
   const RowComparison b =
-      compare_logits_row(zraw, raw, s_.got_dtype, y + 1, cols_, coeff, lse, rb, nb);
+      compare_logits_row(zraw, raw, s_.got_dtype, y + 1, cols_, coeff, lse, rb, nb, &screen);
   // Element k from its z and got: (|got - w|, w, whether within the bound).
   auto element = [&](int64_t k, double zk, double gk) {
     const double lp = lse - zk;

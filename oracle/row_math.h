@@ -49,13 +49,35 @@ struct RowComparison {
   double max_abs_diff = 0.0;  // NaN if any difference is NaN
   double max_rel_diff = 0.0;  // over w_k != 0, finite ratios only
 };
+// A float32 screen in front of the float64 comparison of a 16-bit row (bf16 and fp16: the dtypes
+// of real logits). A chunk of the row is certified, and not compared in float64, only if float32
+// arithmetic with every rounding error bounded (logits_screen's derivation, row_math.cpp) proves
+// that each of its elements is within its bound (the quick lower bound of compare_logits_row) and
+// that none holds a larger |difference| than `max_abs` or a larger relative difference than
+// `max_rel`: the worst the caller has seen so far. A certified chunk can change no count and no
+// reported maximum; every other chunk is compared in float64 as without a screen. Twice the lanes
+// of float64 and no table gather: most of a right candidate's rows pass it.
+struct LogitsScreen {
+  bool on = false;  // false: no chunk is certified (a row or bounds outside the derivation)
+  // In units of c (got / c against p): lse as float, 1/c, the bound on the relative error of p
+  // (d0 + d1 lp), the factor on |difference|, the bound's terms shrunk, the largest lp screened,
+  // and the thresholds.
+  float lse = 0, inv_c = 0, d0 = 0, d1 = 0, k = 0, atol = 0, per_q = 0, beta = 0, lp_max = 0;
+  float max_abs = 0, max_rel = 0;
+};
+// The screen of a row with coefficient c and log-sum-exp lse under `num_bounds` (1 or 2) bounds;
+// max_abs and max_rel as above (a NaN max_abs certifies against no absolute maximum, as `worse`).
+LogitsScreen logits_screen(double c, double lse, const ElementBoundRow* bounds, int num_bounds,
+                           double max_abs, double max_rel);
+
 // Compares got[k] with w_k for k in [begin, end) of a row of logits z and a gradient row got, both
 // in `dtype` and read in place; the target column is excluded by the caller (its w has the -c
 // term; it is compared on its own). An element passes if it is within the smallest of the
-// `num_bounds` (1 or 2) bounds.
+// `num_bounds` (1 or 2) bounds. With a `screen` (16-bit dtypes only; ignored for others), the
+// chunks it certifies count nothing and report no maximum (see LogitsScreen).
 RowComparison compare_logits_row(const void* z, const void* got, DType dtype, int64_t begin,
                                  int64_t end, double c, double lse, const ElementBoundRow* bounds,
-                                 int num_bounds);
+                                 int num_bounds, const LogitsScreen* screen = nullptr);
 
 // Row k of a zero truth (a masked row, a zero weight): elements of `got` over `tol` are
 // mismatches; `nonzero` counts those not exactly 0; max_abs_diff is max |got|.

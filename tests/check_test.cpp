@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -16,6 +17,7 @@
 #include "trainer/candidate.h"
 #include "oracle/check.h"
 #include "oracle/compare.h"
+#include "oracle/exp32.h"
 #include "oracle/exp64.h"
 #include "oracle/grad_stream.h"
 #include "oracle/loss.h"
@@ -610,6 +612,119 @@ TEST(RowMath, ComparisonCountsExactlyTheElementsOutsideTheirBound) {
   const auto bad =
       oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c, lse, bounds, 2);
   EXPECT_EQ(bad.mismatched, (v + 999) / 1000);
+}
+
+TEST(OracleExp, TheScreensFloatExpIsWithinItsBudget) {
+  // logits_screen budgets 2^-20 of relative error for exp_screen; it is held to 2^-22 here, over a
+  // dense sweep of its range [-87, 2] and every 61st float in [-1, 0] (the reduced arguments').
+  double worst = 0.0;
+  auto at = [&](float x) {
+    const double want = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::fabs(static_cast<double>(oracle::exp_screen(x)) - want) / want);
+  };
+  for (int64_t i = 0; i <= 4000000; ++i) at(-87.0f + 89.0f * static_cast<float>(i) / 4000000.0f);
+  for (uint32_t bits = 0x3f800000u; bits > 0; bits -= std::min<uint32_t>(bits, 61)) {
+    float x;  // -1 to 0, every 61st float
+    std::memcpy(&x, &bits, 4);
+    at(-x);
+  }
+  EXPECT_LT(worst, std::ldexp(1.0, -22)) << "relative error " << worst;
+  EXPECT_TRUE(std::isnan(oracle::exp_screen(NAN)));
+}
+
+// The float32 screen in front of the float64 comparison must never hide a mismatch or a new worst
+// element, and must certify a right row. Rows of 150k 16-bit logits (in bf16 including a tail of
+// very unlikely tokens, lp up to ~60; in fp16 with a loss scale's c, so that c p stays normal) and
+// gradients c p (1 + e) rounded to the dtype; the bound and the thresholds are set from the row's
+// own exact differences (a scalar float64 loop with std::exp), a hair above or below them.
+TEST(RowMath, TheScreenCertifiesOnlyChunksTheFloat64ComparisonPasses) {
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<double> err(-3e-3, 3e-3);
+  const int64_t v = 151936;
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    const bool bf16 = dt == DType::kBFloat16;
+    std::normal_distribution<double> logit(0.0, bf16 ? 3.0 : 1.0);
+    for (double c : bf16 ? std::vector<double>{-3.0e-4, 1.0 / 3145.0, 5.0}
+                         : std::vector<double>{2048.0, -4096.0}) {
+      SCOPED_TRACE(std::string(dtype_name(dt)) + " c " + std::to_string(c));
+      std::vector<double> x(static_cast<std::size_t>(v));
+      for (double& e : x) e = logit(gen);
+      for (int64_t k = 0; bf16 && k < v; k += 501)
+        x[static_cast<std::size_t>(k)] = -40.0 + 0.01 * (k % 7);
+      const SixteenBitRow zr = sixteen_bit_row(dt, x);
+      std::vector<double> z(zr.values.begin(), zr.values.end());
+      double m = -INFINITY, sum = 0.0;
+      for (double e : z) m = std::max(m, e);
+      for (double e : z) sum += std::exp(e - m);
+      const double lse = m + std::log(sum);
+      std::vector<double> w(static_cast<std::size_t>(v));
+      for (int64_t k = 0; k < v; ++k) w[k] = c * std::exp(z[k] - lse);
+      for (int64_t k = 0; k < v; ++k) x[k] = w[k] * (1.0 + err(gen));
+      const SixteenBitRow gr = sixteen_bit_row(dt, x);
+      // The exact relative differences, and the largest absolute and relative ones.
+      double max_abs = 0.0, max_rel = 0.0;
+      int64_t at = 0;
+      for (int64_t k = 0; k < v; ++k) {
+        const double d = std::fabs(static_cast<double>(gr.values[k]) - w[k]);
+        max_abs = std::max(max_abs, d);
+        if (d / std::fabs(w[k]) > max_rel) max_rel = d / std::fabs(w[k]), at = k;
+      }
+      ASSERT_GT(max_rel, 1e-3);
+      // Elements over a relative bound, counted here (several may share the largest difference:
+      // equal logits and errors round to the same 16-bit value).
+      auto over = [&](double rtol) {
+        int64_t n = 0;
+        for (int64_t k = 0; k < v; ++k)
+          n += std::fabs(static_cast<double>(gr.values[k]) - w[k]) > rtol * std::fabs(w[k]);
+        return n;
+      };
+      // The bound: rtol alone, so that element k is over it iff its relative difference is.
+      auto run = [&](double rtol, double thr_abs, double thr_rel, bool screened) {
+        const oracle::ElementBoundRow b{0.0, rtol, 0.0, 0.0};
+        const oracle::LogitsScreen s = oracle::logits_screen(c, lse, &b, 1, thr_abs, thr_rel);
+        EXPECT_TRUE(s.on);
+        return oracle::compare_logits_row(zr.bits.data(), gr.bits.data(), dt, 0, v, c, lse, &b, 1,
+                                          screened ? &s : nullptr);
+      };
+      const double big = 1e300;
+      // Every element within a bound 1% above the largest relative difference, nothing to beat:
+      // every chunk certified, so nothing is compared and no maximum reported.
+      auto r = run(max_rel * 1.01, big, big, true);
+      EXPECT_EQ(r.mismatched, 0);
+      EXPECT_EQ(r.max_abs_diff, 0.0);
+      // The bound 1e-7 under the largest relative difference: the element(s) at it are over, and
+      // must be counted (the screen's own error is ~1e-5 relative: it cannot certify them).
+      const int64_t want_over = over(max_rel * (1.0 - 1e-7));
+      ASSERT_GE(want_over, 1);
+      EXPECT_EQ(run(max_rel * (1.0 - 1e-7), big, big, false).mismatched, want_over);
+      EXPECT_EQ(run(max_rel * (1.0 - 1e-7), big, big, true).mismatched, want_over)
+          << "element " << at;
+      // The bound 1e-7 over it: within, and the screen may not count what float64 passes.
+      EXPECT_EQ(over(max_rel * (1.0 + 1e-7)), 0);
+      EXPECT_EQ(run(max_rel * (1.0 + 1e-7), big, big, true).mismatched, 0);
+      // A worst so far a hair under the row's largest difference: the chunks holding it are
+      // compared, and report it as float64 does; a hair over: nothing to report.
+      const auto all = run(max_rel * 1.01, big, big, false);
+      EXPECT_NEAR(all.max_abs_diff, max_abs, 1e-12 * max_abs);
+      EXPECT_EQ(run(max_rel * 1.01, max_abs * (1.0 - 1e-9), big, true).max_abs_diff,
+                all.max_abs_diff);
+      EXPECT_EQ(run(max_rel * 1.01, big, max_rel * (1.0 - 1e-9), true).max_rel_diff,
+                all.max_rel_diff);
+      EXPECT_EQ(run(max_rel * 1.01, max_abs * 1.01, max_rel * 1.01, true).max_abs_diff, 0.0);
+    }
+  }
+}
+
+TEST(RowMath, TheScreenStaysOffOutsideItsDerivation) {
+  const oracle::ElementBoundRow b{0.0, 4e-3, 0.0, 0.0};
+  EXPECT_TRUE(oracle::logits_screen(1e-3, 12.0, &b, 1, 1.0, 1.0).on);
+  EXPECT_FALSE(oracle::logits_screen(1e-3, NAN, &b, 1, 1.0, 1.0).on);
+  EXPECT_FALSE(oracle::logits_screen(1e-3, 800.0, &b, 1, 1.0, 1.0).on);  // e^-lse past float
+  EXPECT_FALSE(oracle::logits_screen(0.0, 12.0, &b, 1, 1.0, 1.0).on);
+  EXPECT_FALSE(oracle::logits_screen(1e-30, 12.0, &b, 1, 1.0, 1.0).on);  // 1/c past float
+  // A float32 candidate's bound (rtol 1e-6) is tighter than the screen's own error: off.
+  const oracle::ElementBoundRow tight{0.0, 1e-6, 0.0, 0.0};
+  EXPECT_FALSE(oracle::logits_screen(1e-3, 12.0, &tight, 1, 1.0, 1.0).on);
 }
 
 // The candidate's gradient as a whole array, fed to a GradStream in `order` (blocks of `block`
