@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "cli/command.h"
 #include "cli/inputs.h"
@@ -145,6 +146,10 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                                       info.status.empty() ? "none found" : info.status));
   }
   const ShardLayout layout = o.layout.layout();
+  // LibTorch starts up while the dump is read and the oracle makes its pass over the logits.
+  std::optional<trainer::TorchPreload> torch_loading;
+  if (std::find(impls.begin(), impls.end(), trainer::Impl::kTorch) != impls.end())
+    torch_loading.emplace();
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
   if (loaded.batch.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
   run_per_step(loaded.batch, o.dumps.step, report, ctx, [&](const StepView& v) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/array.h"
@@ -60,6 +61,21 @@ inline constexpr int kTrainerAbiVersion = 7;
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.
 CandidateOutput run_candidate(const CandidateInput& in);
+
+// Loads the LibTorch plugin on a thread of its own from construction on, so that LibTorch's
+// start-up (0.4 s here) overlaps the caller's own work (check: reading the dump, the oracle's pass
+// over the logits); run_candidate waits for it. A load that fails is reported by run_candidate, as
+// without a preload. The destructor waits for the thread.
+class TorchPreload {
+ public:
+  TorchPreload();
+  ~TorchPreload();
+  TorchPreload(const TorchPreload&) = delete;
+  TorchPreload& operator=(const TorchPreload&) = delete;
+
+ private:
+  std::thread thread_;
+};
 
 // The kernels implementation (candidate_kernels.cpp), in process.
 void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out);

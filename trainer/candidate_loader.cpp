@@ -57,7 +57,34 @@ struct Collector {
   }
 };
 
+// LibTorch's OpenMP workers spin after each parallel region by default, on the cores the oracle's
+// comparison of the block they just produced needs (1.3 GB bf16 check: 7.4 s against 5.8 s
+// passive). Set before libgomp loads with the plugin, on the thread that starts the load (setenv
+// is not safe against a concurrent getenv); a user's own setting wins.
+void set_omp_wait_policy() { setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0); }
+
+// The plugin's table, loaded once per process (a failure is remembered and thrown on every call).
+const TrainerApi* torch_api() {
+  return static_cast<const TrainerApi*>(
+      load_plugin_table("the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER",
+                        LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api", kTrainerAbiVersion));
+}
+
 }  // namespace
+
+TorchPreload::TorchPreload() {
+  set_omp_wait_policy();
+  thread_ = std::thread([] {
+    try {
+      torch_api();
+    } catch (...) {  // remembered by load_plugin_table, and thrown where the candidate runs
+    }
+  });
+}
+
+TorchPreload::~TorchPreload() {
+  if (thread_.joinable()) thread_.join();
+}
 
 CandidateOutput run_candidate(const CandidateInput& in_given) {
   // Test-only: a planted bug (LOSSGUARD_TEST_MUTATION, mutation.h) the tests expect check to catch.
@@ -86,14 +113,8 @@ CandidateOutput run_candidate(const CandidateInput& in_given) {
   if (in.impl == Impl::kKernels) {
     run_kernels_candidate(in, &out);
   } else {
-    // LibTorch's OpenMP workers spin after each parallel region by default, on the cores the
-    // oracle's comparison of the block they just produced needs (1.3 GB bf16 check: 7.4 s against
-    // 5.8 s passive). Set before libgomp loads with the plugin; a user's own setting wins.
-    setenv("OMP_WAIT_POLICY", "PASSIVE", /*overwrite=*/0);
-    const auto* api = static_cast<const TrainerApi*>(
-        load_plugin_table("the LibTorch trainer (liblossguard_trainer.so)", "LOSSGUARD_TRAINER",
-                          LOSSGUARD_TRAINER_PLUGIN, "lossguard_trainer_api", kTrainerAbiVersion));
-    api->run(&in, &out);
+    set_omp_wait_policy();
+    torch_api()->run(&in, &out);
   }
   if (!out.error.empty()) {
     rethrow_error(out.error_kind == ErrorKind::kNone ? ErrorKind::kInternal : out.error_kind,
