@@ -411,6 +411,78 @@ TEST_P(Mutations, CheckRejectsThePlantedBugAndNamesWhere) {
   }
 }
 
+// The same gate at a real shape: bf16 logits over Qwen's 151,936-token vocabulary at CP 4, where
+// the comparison runs through the float32 screen (16-bit rows) and the LibTorch candidate ends its
+// blocks at zig-zag chunk boundaries (rows of 64 KiB and more). A right candidate passes; each
+// planted bug is rejected at the coordinates worked out here from the batch.
+TEST(Check, AtARealVocabularyRejectsPlantedBugsInBf16) {
+  const auto dir = testing::temp_dir("real-vocab");
+  fixtures::GenOptions o;
+  o.seed = 7;
+  o.num_samples = 4;
+  o.vocab_size = 151936;
+  o.dtype = DType::kBFloat16;
+  o.min_prompt = 1;  // short prompts: CP rank 0's first chunk holds response rows too
+  o.max_prompt = 2;
+  o.max_response = 24;
+  o.empty_fraction = 0.0;
+  o.masked_fraction = 0.0;
+  const Batch b = fixtures::make_case("random", o);
+  const std::string path = (dir / "b.safetensors").string();
+  io::write_batch(b, path);
+  // swap-chunk needs effective rows of rank 0 in both of its chunks.
+  bool chunk_held[2] = {false, false};
+  for (int64_t i = 0; i < b.num_samples(); ++i)
+    for (int64_t k = 0; k < b.response_lengths[i]; ++k) {
+      const auto [r0, c0] = zigzag_owner(b.total_lengths[i], b.response_lengths[i], k, 4);
+      if (r0 == 0 && b.loss_mask[b.response_offsets[i] + k]) chunk_held[c0] = true;
+    }
+  ASSERT_TRUE(chunk_held[0] && chunk_held[1]);
+  int64_t sample = -1, j = -1;
+  for (int64_t i = 0; i < b.num_samples() && sample < 0; ++i)
+    for (int64_t k = 0; k < b.response_lengths[i] && sample < 0; ++k)
+      if (b.loss_mask[b.response_offsets[i] + k]) sample = i, j = k;
+  ASSERT_GE(sample, 0);
+  const int64_t target = b.tokens[b.token_offsets[sample] + b.prompt_length(sample) + j];
+  const auto [rank, chunk] = zigzag_owner(b.total_lengths[sample], b.response_lengths[sample], j, 4);
+  for (const char* impl : {"torch", "kernels"}) {
+    SCOPED_TRACE(impl);
+    const std::vector<std::string> args = {"--cp", "4", "--impl", impl};
+    const CheckRun clean = check(path, args);
+    ASSERT_EQ(clean.code, 0) << clean.err << clean.doc.dump(1);
+    EXPECT_EQ(clean.doc["cases"][0]["grad"]["mismatched"], 0);
+    for (const char* m : {"drop-row", "swap-chunk", "weight-token:5e-2"}) {
+      SCOPED_TRACE(m);
+      setenv("LOSSGUARD_TEST_MUTATION", m, 1);
+      const CheckRun r = check(path, args);
+      unsetenv("LOSSGUARD_TEST_MUTATION");
+      ASSERT_EQ(r.code, 1) << r.err << r.doc.dump(1);
+      const auto& worst = r.doc["cases"][0]["grad"]["worst"];
+      if (std::string(m) == "swap-chunk") {
+        EXPECT_EQ(worst["cp_rank"], 0);
+        continue;
+      }
+      EXPECT_EQ(worst["sample"], sample);
+      EXPECT_EQ(worst["response_index"], j);
+      EXPECT_EQ(worst["cp_rank"], rank);
+      EXPECT_EQ(worst["chunk"], chunk);
+      if (std::string(m) == "drop-row") {
+        EXPECT_EQ(worst["vocab_index"], target);
+        EXPECT_EQ(worst["got"], 0.0);
+      } else if (std::string(impl) == "kernels") {
+        // Every element of the row 5% off: all over the kernels' bound (float accumulation of
+        // bf16 inputs, one bf16 rounding: 2^-8 relative).
+        EXPECT_EQ(r.doc["cases"][0]["grad"]["mismatched"], b.vocab_size());
+      } else {
+        // LibTorch's bf16 log_softmax output is off by up to 2^-8 lp, so its bound allows ~10%
+        // where p ~ 1/V (lp ~ 12): the target element, |c (p - 1)|, is the one over.
+        EXPECT_GE(r.doc["cases"][0]["grad"]["mismatched"].get<int64_t>(), 1);
+        EXPECT_EQ(worst["vocab_index"], target);
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Check, Mutations,
                          ::testing::Values(MutationCase{"shift-target", "per-token"},
                                            MutationCase{"drop-row", "per-token"},
