@@ -35,6 +35,7 @@ inline double load(Bf16 x) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+inline float load_f32(float x) { return x; }
 inline float load_f32(Bf16 x) {
   const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
   float f;
@@ -310,16 +311,17 @@ RowStats row_stats_t(const T* z, int64_t v) {
   }
 }
 
-// Whether the screen certifies n elements of a 16-bit chunk, widened to float32 (exactly) in z
-// and got (row_math.h, LogitsScreen; the derivation of every constant is in logits_screen).
+// Whether the screen certifies n elements of a 16-bit chunk, read as float32 (exactly) from z and
+// got (row_math.h, LogitsScreen; the derivation of every constant is in logits_screen).
 // Written for the vectoriser: 16 float lanes, one flag folded with OR, selects instead of
 // branches; a NaN anywhere fails a comparison.
-inline bool screen_chunk(const float* z, const float* got, int64_t n, const LogitsScreen& s) {
+template <typename T>
+bool screen_chunk(const T* z, const T* got, int64_t n, const LogitsScreen& s) {
   int bad = 0;
   for (int64_t k = 0; k < n; ++k) {
-    const float lp = s.lse - z[k];
+    const float lp = s.lse - load_f32(z[k]);
     const float p = exp_screen(-lp);
-    const float diff = std::fabs(got[k] * s.inv_c - p);
+    const float diff = std::fabs(load_f32(got[k]) * s.inv_c - p);
     const float pd = p * (s.d0 + s.d1 * lp);
     const float ub = diff * s.k + pd;
     const float bound = s.atol + (p - pd) * (s.per_q + s.beta * lp);
@@ -346,11 +348,15 @@ RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end
       const int64_t n = end - k0 < kChunk ? end - k0 : kChunk;
       if constexpr (std::is_same_v<T, Bf16> || std::is_same_v<T, Half>) {
         if (screen != nullptr && screen->on) {
-          float* zf = reinterpret_cast<float*>(zb);  // the float64 buffers, free until below
-          float* gf = reinterpret_cast<float*>(gb);
-          widen_f32(z + k0, n, zf);
-          widen_f32(got + k0, n, gf);
-          if (screen_chunk(zf, gf, n, *screen)) continue;
+          if constexpr (std::is_same_v<T, Bf16>) {  // read in place: bf16 to float is a shift
+            if (screen_chunk(z + k0, got + k0, n, *screen)) continue;
+          } else {  // fp16 widened first: its conversion inside the loop keeps the loop scalar
+            float* zf = reinterpret_cast<float*>(zb);  // the float64 buffers, free until below
+            float* gf = reinterpret_cast<float*>(gb);
+            widen_f32(z + k0, n, zf);
+            widen_f32(got + k0, n, gf);
+            if (screen_chunk(zf, gf, n, *screen)) continue;
+          }
         }
       }
       widen(z + k0, n, zb);
