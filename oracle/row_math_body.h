@@ -252,6 +252,44 @@ void exp_sums(const double* buf, const double* eb, int64_t n, double m, double* 
               double* dist) {
   double s[kLanes] = {}, d[kLanes] = {};
   int64_t k = 0;
+  // The tabled form written out (the compiler vectorised each step but added the eight lanes one
+  // by one, a third of check's row statistics): lane j still sums elements j mod 8, in order.
+#if defined(__AVX512F__)
+  if constexpr (kTabled) {
+    __m512d vs = _mm512_setzero_pd(), vd = _mm512_setzero_pd();
+    const __m512d vm = _mm512_set1_pd(m), cut = _mm512_set1_pd(-708.0);
+    for (; k + 8 <= n; k += 8) {
+      const __m512d x = _mm512_sub_pd(_mm512_loadu_pd(buf + k), vm);
+      const __mmask8 under = _mm512_cmp_pd_mask(x, cut, _CMP_LT_OQ);  // NaN: not under
+      const __m512d e = _mm512_maskz_mov_pd(static_cast<__mmask8>(~under), _mm512_loadu_pd(eb + k));
+      vs = _mm512_add_pd(vs, e);
+      vd = _mm512_fnmadd_pd(e, x, vd);
+    }
+    _mm512_storeu_pd(s, vs);
+    _mm512_storeu_pd(d, vd);
+  }
+#elif defined(__AVX2__)
+  if constexpr (kTabled) {
+    __m256d vs0 = _mm256_setzero_pd(), vs1 = _mm256_setzero_pd();
+    __m256d vd0 = _mm256_setzero_pd(), vd1 = _mm256_setzero_pd();
+    const __m256d vm = _mm256_set1_pd(m), cut = _mm256_set1_pd(-708.0);
+    for (; k + 8 <= n; k += 8) {
+      const __m256d x0 = _mm256_sub_pd(_mm256_loadu_pd(buf + k), vm);
+      const __m256d x1 = _mm256_sub_pd(_mm256_loadu_pd(buf + k + 4), vm);
+      const __m256d e0 = _mm256_andnot_pd(_mm256_cmp_pd(x0, cut, _CMP_LT_OQ), _mm256_loadu_pd(eb + k));
+      const __m256d e1 =
+          _mm256_andnot_pd(_mm256_cmp_pd(x1, cut, _CMP_LT_OQ), _mm256_loadu_pd(eb + k + 4));
+      vs0 = _mm256_add_pd(vs0, e0);
+      vs1 = _mm256_add_pd(vs1, e1);
+      vd0 = _mm256_fnmadd_pd(e0, x0, vd0);
+      vd1 = _mm256_fnmadd_pd(e1, x1, vd1);
+    }
+    _mm256_storeu_pd(s, vs0);
+    _mm256_storeu_pd(s + 4, vs1);
+    _mm256_storeu_pd(d, vd0);
+    _mm256_storeu_pd(d + 4, vd1);
+  }
+#endif
   // The table's value is read unconditionally, then selected: a load under the condition kept the
   // loop scalar.
   for (; k + kLanes <= n; k += kLanes) {
