@@ -312,6 +312,26 @@ struct MutationCase {
 
 class Mutations : public ::testing::TestWithParam<MutationCase> {};
 
+// A "random" batch with every response token effective (no empty or fully masked sample), written
+// as safetensors in `dir`.
+Batch write_effective_batch(const std::filesystem::path& dir, fixtures::GenOptions o,
+                            std::string* path) {
+  o.empty_fraction = 0.0;
+  o.masked_fraction = 0.0;
+  Batch b = fixtures::make_case("random", o);
+  *path = (dir / "b.safetensors").string();
+  io::write_batch(b, *path);
+  return b;
+}
+
+// The first row with mask 1, by a plain scan: (sample, response index), or (-1, -1).
+std::pair<int64_t, int64_t> first_effective(const Batch& b) {
+  for (int64_t i = 0; i < b.num_samples(); ++i)
+    for (int64_t k = 0; k < b.response_lengths[i]; ++k)
+      if (b.loss_mask[b.response_offsets[i] + k]) return {i, k};
+  return {-1, -1};
+}
+
 // CP rank and chunk that own response index j of sample (t, r) at CP 2, by the predicting logit.
 std::pair<int64_t, int64_t> zigzag_owner(int64_t t, int64_t r, int64_t j, int64_t cp) {
   const int64_t pos = t - r - 1 + j, cs = (t + 2 * cp - 1) / (2 * cp), chunk = pos / cs;
@@ -329,16 +349,10 @@ TEST_P(Mutations, CheckRejectsThePlantedBugAndNamesWhere) {
   o.min_prompt = 2;
   o.max_prompt = 6;
   o.max_response = 9;
-  o.empty_fraction = 0.0;
-  o.masked_fraction = 0.0;
-  const Batch b = fixtures::make_case("random", o);
-  const std::string path = (dir / "b.safetensors").string();
-  io::write_batch(b, path);
+  std::string path;
+  const Batch b = write_effective_batch(dir, o, &path);
   // The first effective row (all samples here are RL), and its target.
-  int64_t sample = -1, j = -1;
-  for (int64_t i = 0; i < b.num_samples() && sample < 0; ++i)
-    for (int64_t k = 0; k < b.response_lengths[i] && sample < 0; ++k)
-      if (b.loss_mask[b.response_offsets[i] + k]) sample = i, j = k;
+  const auto [sample, j] = first_effective(b);
   ASSERT_GE(sample, 0);
   const int64_t row = b.response_offsets[sample] + j;
   const int64_t target = b.tokens[b.token_offsets[sample] + b.prompt_length(sample) + j];
@@ -425,11 +439,8 @@ TEST(Check, AtARealVocabularyRejectsPlantedBugsInBf16) {
   o.min_prompt = 1;  // short prompts: CP rank 0's first chunk holds response rows too
   o.max_prompt = 2;
   o.max_response = 24;
-  o.empty_fraction = 0.0;
-  o.masked_fraction = 0.0;
-  const Batch b = fixtures::make_case("random", o);
-  const std::string path = (dir / "b.safetensors").string();
-  io::write_batch(b, path);
+  std::string path;
+  const Batch b = write_effective_batch(dir, o, &path);
   // swap-chunk needs effective rows of rank 0 in both of its chunks.
   bool chunk_held[2] = {false, false};
   for (int64_t i = 0; i < b.num_samples(); ++i)
@@ -438,10 +449,7 @@ TEST(Check, AtARealVocabularyRejectsPlantedBugsInBf16) {
       if (r0 == 0 && b.loss_mask[b.response_offsets[i] + k]) chunk_held[c0] = true;
     }
   ASSERT_TRUE(chunk_held[0] && chunk_held[1]);
-  int64_t sample = -1, j = -1;
-  for (int64_t i = 0; i < b.num_samples() && sample < 0; ++i)
-    for (int64_t k = 0; k < b.response_lengths[i] && sample < 0; ++k)
-      if (b.loss_mask[b.response_offsets[i] + k]) sample = i, j = k;
+  const auto [sample, j] = first_effective(b);
   ASSERT_GE(sample, 0);
   const int64_t target = b.tokens[b.token_offsets[sample] + b.prompt_length(sample) + j];
   const auto [rank, chunk] = zigzag_owner(b.total_lengths[sample], b.response_lengths[sample], j, 4);
