@@ -200,13 +200,15 @@ void GradStream::compare_logits(Part& part, int64_t row, const std::byte* raw,
       if (part.worst_row >= 0 && !(y >= k0 && y < k1)) {
         // The chunk's largest differences from the vectorised loop: a chunk none of whose
         // elements beats the worst so far (the running one: it only grows) is passed over, as
-        // the scalar pass would pass over each of its elements. The margin covers the two
-        // loops' exponentials differing in the last bits.
+        // the scalar pass would pass over each of its elements. The two loops' w = c p differ in
+        // the last bits (a table or another rounding of the exponential, whose argument carries
+        // |lse| ulp): by far less than |c| 1e-13 (1 + |lse|) (p <= 1 off the target column), and
+        // relative differences by far less than 1e-13 (1 + |lse|) (1 + rel).
         const RowComparison q =
             compare_logits_row(zraw, raw, s_.got_dtype, k0, k1, coeff, lse, rb, nb);
-        constexpr double kMargin = 1.0 - 1e-9;
-        if (!worse(q.max_abs_diff, c.max_abs_diff * kMargin) &&
-            !(q.max_rel_diff > c.max_rel_diff * kMargin))
+        const double slack = 1e-13 * (1.0 + std::fabs(lse));
+        if (!worse(q.max_abs_diff + slack * std::fabs(coeff), c.max_abs_diff) &&
+            !(q.max_rel_diff + slack * (1.0 + q.max_rel_diff) > c.max_rel_diff))
           continue;
       }
       for (int64_t k = k0; k < k1; ++k) {

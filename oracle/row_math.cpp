@@ -18,6 +18,7 @@ namespace lossguard::oracle {
   RowComparison compare_zero_row(const double* got, int64_t n, double tol, int64_t* nonzero);  \
   void row_to_f64(const void* src, DType dtype, int64_t n, double* out);                       \
   bool row_is_zero(const void* src, DType dtype, int64_t n);                                   \
+  void exp_screen_row(const float* x, int64_t n, float* out);                                  \
   }
 LOSSGUARD_ROW_MATH_DECLARE(generic)
 #if defined(__x86_64__) && defined(LOSSGUARD_ORACLE_X86)
@@ -35,12 +36,13 @@ struct RowMath {
   RowComparison (*zero)(const double*, int64_t, double, int64_t*);
   void (*to_f64)(const void*, DType, int64_t, double*);
   bool (*is_zero)(const void*, DType, int64_t);
+  void (*exp_screen_row)(const float*, int64_t, float*);
 };
 
 #define LOSSGUARD_ROW_MATH_TABLE(isa)                                                          \
   RowMath {                                                                                    \
     #isa, isa::logits_row_stats, isa::compare_logits_row, isa::compare_zero_row,               \
-        isa::row_to_f64, isa::row_is_zero                                                      \
+        isa::row_to_f64, isa::row_is_zero, isa::exp_screen_row                                 \
   }
 
 RowMath pick() {
@@ -84,6 +86,8 @@ bool row_is_zero(const void* src, DType dtype, int64_t n) {
   return row_math().is_zero(src, dtype, n);
 }
 
+void exp_screen_row(const float* x, int64_t n, float* out) { row_math().exp_screen_row(x, n, out); }
+
 const char* row_math_isa() { return row_math().name; }
 
 LogitsScreen logits_screen(double c, double lse, const ElementBoundRow* bounds, int num_bounds,
@@ -105,6 +109,8 @@ LogitsScreen logits_screen(double c, double lse, const ElementBoundRow* bounds, 
   //  - lw = p_f (1 - d) <= p, so ub <= max_rel' lw bounds the relative difference by max_rel.
   //  - The bound's terms shrunk by 2^-18 (and per_q by beta's share of delta, beta lp_f <=
   //    beta (lp + delta)), so that the float32 bound, after its roundings, stays under L / |c|.
+  //  - An infinite ub (got / c past float's range) never passes, whatever the bound's terms became
+  //    in float (an atol / |c| past float's range is +inf).
   //  - Flush-to-zero and denormals-are-zero, if a thread runs with them, move a value by at most
   //    2^-126 (2^-126 / |c| for got / c): under p_f 2^-22 wherever p >= 2^-100 max(1, 1/|c|),
   //    which lp_max keeps (and 64 keeps exp_screen's argument in range).
@@ -135,6 +141,9 @@ LogitsScreen logits_screen(double c, double lse, const ElementBoundRow* bounds, 
   s.per_q = static_cast<float>(per_q_s);
   s.beta = static_cast<float>(beta * shrink);
   s.lp_max = static_cast<float>(lp_max);
+  // lp >= 0 exactly (lse >= max z); lp_f falls below 0 by at most delta (|lse| u for the largest
+  // logit), and where it does, beta lp_f still stays above beta (lp - delta): per_q_s covers it.
+  s.lp_min = static_cast<float>(-(std::fabs(lse) + 1.0) * 2.0 * u);
   s.max_abs = static_cast<float>(max_abs / ac * shrink);
   s.max_rel = static_cast<float>(max_rel * shrink);
   return s;

@@ -60,9 +60,10 @@ struct RowComparison {
 struct LogitsScreen {
   bool on = false;  // false: no chunk is certified (a row or bounds outside the derivation)
   // In units of c (got / c against p): lse as float, 1/c, the bound on the relative error of p
-  // (d0 + d1 lp), the factor on |difference|, the bound's terms shrunk, the largest lp screened,
+  // (d0 + d1 lp), the factor on |difference|, the bound's terms shrunk, the range of lp screened,
   // and the thresholds.
-  float lse = 0, inv_c = 0, d0 = 0, d1 = 0, k = 0, atol = 0, per_q = 0, beta = 0, lp_max = 0;
+  float lse = 0, inv_c = 0, d0 = 0, d1 = 0, k = 0, atol = 0, per_q = 0, beta = 0, lp_min = 0,
+        lp_max = 0;
   float max_abs = 0, max_rel = 0;
 };
 // The screen of a row with coefficient c and log-sum-exp lse under `num_bounds` (1 or 2) bounds;
@@ -96,6 +97,10 @@ void row_to_f64(const void* src, DType dtype, int64_t n, double* out);
 // entry: both factors then stay normal, and the product is within 2.5 ulp of e^(x - s), closer than
 // the polynomial of x - s, whose rounded argument alone costs |x - s| ulp.
 const double* exp_table_16(DType dtype);
+
+// exp_screen (exp32.h) of n values as the row loops' instruction set compiles it (contracted into
+// fused multiply-adds there): for the test of its error bound.
+void exp_screen_row(const float* x, int64_t n, float* out);
 
 // The instruction set the row loops run on: "avx512", "avx2" or "generic".
 const char* row_math_isa();

@@ -407,6 +407,8 @@ RowStats row_stats_t(const T* z, int64_t v) {
 // got (row_math.h, LogitsScreen; the derivation of every constant is in logits_screen).
 // Written for the vectoriser: 16 float lanes, one flag folded with OR, selects instead of
 // branches; a NaN anywhere fails a comparison.
+constexpr float kFloatMax = std::numeric_limits<float>::max();
+
 template <typename T>
 bool screen_chunk(const T* z, const T* got, int64_t n, const LogitsScreen& s) {
   int bad = 0;
@@ -418,8 +420,9 @@ bool screen_chunk(const T* z, const T* got, int64_t n, const LogitsScreen& s) {
     const float ub = diff * s.k + pd;
     const float bound = s.atol + (p - pd) * (s.per_q + s.beta * lp);
     // Bitwise, not &&: a short-circuit is control flow, which keeps the loop scalar.
-    const int ok = static_cast<int>(ub <= bound) & static_cast<int>(lp <= s.lp_max) &
-                   static_cast<int>(lp >= -1.0f) & static_cast<int>(!(ub > s.max_abs)) &
+    const int ok = static_cast<int>(ub <= bound) & static_cast<int>(ub < kFloatMax) &
+                   static_cast<int>(lp <= s.lp_max) & static_cast<int>(lp >= s.lp_min) &
+                   static_cast<int>(!(ub > s.max_abs)) &
                    static_cast<int>(!(ub > s.max_rel * (p - pd)));
     bad |= ok ^ 1;
   }
@@ -443,8 +446,7 @@ RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end
           if constexpr (std::is_same_v<T, Bf16>) {  // read in place: bf16 to float is a shift
             if (screen_chunk(z + k0, got + k0, n, *screen)) continue;
           } else {  // fp16 widened first: its conversion inside the loop keeps the loop scalar
-            float* zf = reinterpret_cast<float*>(zb);  // the float64 buffers, free until below
-            float* gf = reinterpret_cast<float*>(gb);
+            alignas(64) float zf[kChunk], gf[kChunk];
             widen_f32(z + k0, n, zf);
             widen_f32(got + k0, n, gf);
             if (screen_chunk(zf, gf, n, *screen)) continue;
@@ -566,6 +568,10 @@ bool row_is_zero(const void* src, DType dtype, int64_t n) {
     any |= w & magnitude;
   }
   return any == 0;
+}
+
+void exp_screen_row(const float* x, int64_t n, float* out) {
+  for (int64_t k = 0; k < n; ++k) out[k] = exp_screen(x[k]);
 }
 
 void row_to_f64(const void* src, DType dtype, int64_t n, double* out) {

@@ -697,18 +697,27 @@ TEST(RowMath, ComparisonCountsExactlyTheElementsOutsideTheirBound) {
 TEST(OracleExp, TheScreensFloatExpIsWithinItsBudget) {
   // logits_screen budgets 2^-20 of relative error for exp_screen; it is held to 2^-22 here, over a
   // dense sweep of its range [-87, 2] and every 61st float in [-1, 0] (the reduced arguments').
-  double worst = 0.0;
-  auto at = [&](float x) {
-    const double want = std::exp(static_cast<double>(x));
-    worst = std::max(worst, std::fabs(static_cast<double>(oracle::exp_screen(x)) - want) / want);
-  };
-  for (int64_t i = 0; i <= 4000000; ++i) at(-87.0f + 89.0f * static_cast<float>(i) / 4000000.0f);
+  // Both as this test's flags compile it, and as the row loops do (exp_screen_row: on this CPU's
+  // instruction set, Horner's rule contracted into fused multiply-adds).
+  std::vector<float> xs;
+  for (int64_t i = 0; i <= 4000000; ++i) xs.push_back(-87.0f + 89.0f * static_cast<float>(i) / 4000000.0f);
   for (uint32_t bits = 0x3f800000u; bits > 0; bits -= std::min<uint32_t>(bits, 61)) {
     float x;  // -1 to 0, every 61st float
     std::memcpy(&x, &bits, 4);
-    at(-x);
+    xs.push_back(-x);
+  }
+  std::vector<float> dispatched(xs.size());
+  oracle::exp_screen_row(xs.data(), static_cast<int64_t>(xs.size()), dispatched.data());
+  double worst = 0.0, worst_dispatched = 0.0;
+  for (std::size_t i = 0; i < xs.size(); ++i) {
+    const double want = std::exp(static_cast<double>(xs[i]));
+    worst = std::max(worst, std::fabs(static_cast<double>(oracle::exp_screen(xs[i])) - want) / want);
+    worst_dispatched =
+        std::max(worst_dispatched, std::fabs(static_cast<double>(dispatched[i]) - want) / want);
   }
   EXPECT_LT(worst, std::ldexp(1.0, -22)) << "relative error " << worst;
+  EXPECT_LT(worst_dispatched, std::ldexp(1.0, -22))
+      << "relative error " << worst_dispatched << " (" << oracle::row_math_isa() << ")";
   EXPECT_TRUE(std::isnan(oracle::exp_screen(NAN)));
 }
 
@@ -805,6 +814,26 @@ TEST(RowMath, TheScreenStaysOffOutsideItsDerivation) {
   // A float32 candidate's bound (rtol 1e-6) is tighter than the screen's own error: off.
   const oracle::ElementBoundRow tight{0.0, 1e-6, 0.0, 0.0};
   EXPECT_FALSE(oracle::logits_screen(1e-3, 12.0, &tight, 1, 1.0, 1.0).on);
+}
+
+TEST(RowMath, TheScreenNeverPassesAnInfiniteGradient) {
+  // An absolute bound past float's range once divided by |c| (atol 1e36, c 1e-4: +inf in the
+  // screen's units), no worst to beat (a NaN worst so far, a huge relative one): a +inf gradient
+  // element must still be counted, as float64 counts it.
+  const int64_t v = 4096;
+  std::vector<uint16_t> z(static_cast<std::size_t>(v), float_to_bfloat16(0.0f));
+  const double c = 1e-4, lse = std::log(static_cast<double>(v));
+  std::vector<uint16_t> g(static_cast<std::size_t>(v),
+                          float_to_bfloat16(static_cast<float>(c / static_cast<double>(v))));
+  g[100] = 0x7f80;  // +inf in bf16
+  const oracle::ElementBoundRow b{1e36, 1e-2, 0.0, 0.0};
+  const oracle::LogitsScreen s = oracle::logits_screen(c, lse, &b, 1, NAN, 1e300);
+  ASSERT_TRUE(s.on);
+  const auto exact = oracle::compare_logits_row(z.data(), g.data(), DType::kBFloat16, 0, v, c, lse, &b, 1);
+  EXPECT_EQ(exact.mismatched, 1);
+  EXPECT_EQ(oracle::compare_logits_row(z.data(), g.data(), DType::kBFloat16, 0, v, c, lse, &b, 1, &s)
+                .mismatched,
+            1);
 }
 
 // The candidate's gradient as a whole array, fed to a GradStream in `order` (blocks of `block`

@@ -119,8 +119,8 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const int64_t cols = x_host.shape.size() == 2 ? x_host.shape[1] : 1;
     // Rows per block: the float working tensors (log_softmax's) under 16 MiB each.
     const int64_t block = std::max<int64_t>(1, (int64_t{16} << 20) / (cols * 4));
-    const bool split_at_jumps =
-        cols * static_cast<int64_t>(dtype_size_bytes(x_host.dtype)) >= (int64_t{64} << 10);
+    const int64_t row_bytes = cols * static_cast<int64_t>(dtype_size_bytes(x_host.dtype));
+    const bool split_at_jumps = row_bytes >= (int64_t{64} << 10);
     struct Block {
       std::vector<int64_t> rows;
       at::Tensor grad;  // [rows, cols] in the working dtype
@@ -207,13 +207,15 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         const auto& mine = owned[rank];
         for (std::size_t b0 = 0, b1 = 0; b0 < mine.size(); b0 = b1) {
           // Up to `block` rows; rows of 64 KiB or more (a vocabulary's logits) also end a block
-          // where the rank's rows jump (a zig-zag chunk's end), so that every block is a view of
-          // the dump instead of an index_select copy (5% of a 150k-vocabulary check at CP 4).
-          // Small rows keep whole blocks: a block per chunk of 100k samples' per-token values
-          // would cost more in LibTorch's per-call overhead than the copy.
+          // of 1 MiB or more where the rank's rows jump (a zig-zag chunk's end), so that most
+          // blocks are views of the dump instead of index_select copies (5% of a 150k-vocabulary
+          // check at CP 4). Smaller blocks and small rows run on across the jump: a block per
+          // short chunk (or per chunk of 100k samples' per-token values) would cost more in
+          // LibTorch's per-call overhead than the copy.
           b1 = b0 + 1;
           while (b1 < mine.size() && b1 - b0 < static_cast<std::size_t>(block) &&
-                 (!split_at_jumps || mine[b1].row == mine[b1 - 1].row + 1))
+                 (mine[b1].row == mine[b1 - 1].row + 1 || !split_at_jumps ||
+                  static_cast<int64_t>(b1 - b0) * row_bytes < (int64_t{1} << 20)))
             ++b1;
           Block next = compute(mine, b0, b1);
           finish_judging();
