@@ -148,8 +148,9 @@ void run(const CandidateInput* in, CandidateOutput* out) {
         }
       }
       const at::Tensor rows_idx = at::tensor(idx, at::kLong);
-      // A block of consecutive rows (every block at CP 1, and of rows of large vocabularies: see
-      // the loop below) is a view of the mapped dump, not a copy: one pass over the block less.
+      // A block of consecutive rows (every block at CP 1, nearly every block of a large
+      // vocabulary's rows: see the loop below) is a view of the mapped dump, not a copy: one pass
+      // over the block less.
       bool consecutive = true;
       for (std::size_t k = 1; k < idx.size() && consecutive; ++k) {
         consecutive = idx[k] == idx[0] + static_cast<int64_t>(k);
