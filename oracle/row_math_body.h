@@ -403,12 +403,12 @@ RowStats row_stats_t(const T* z, int64_t v) {
   }
 }
 
+constexpr float kFloatMax = std::numeric_limits<float>::max();
+
 // Whether the screen certifies n elements of a 16-bit chunk, read as float32 (exactly) from z and
 // got (row_math.h, LogitsScreen; the derivation of every constant is in logits_screen).
 // Written for the vectoriser: 16 float lanes, one flag folded with OR, selects instead of
 // branches; a NaN anywhere fails a comparison.
-constexpr float kFloatMax = std::numeric_limits<float>::max();
-
 template <typename T>
 bool screen_chunk(const T* z, const T* got, int64_t n, const LogitsScreen& s) {
   int bad = 0;
