@@ -1,13 +1,24 @@
-"""lossguard-capture: record a trainer's own loss-normalisation numbers for `lossguard audit` (docs/semantics.md §10)."""
+"""lossguard-capture: record a trainer's own loss-normalisation numbers for `lossguard audit` (docs/semantics.md §10).
 
-from .recorder import SCHEMA, MicroBatch, Recorder, capture_filename
+* :class:`Capture` — one per run; ``with cap.step(n) as s:`` records rank-local step ``n``.
+* :mod:`lossguard_capture.hf` — the Hugging Face ``transformers.Trainer`` adapter (imported on use).
+* :class:`Recorder` — the first, positional API (one object per step, coordinates given).
+* :func:`run_audit` / :class:`AuditFailed` — run ``lossguard audit`` from the training job (fail fast).
+"""
+
+from ._version import __version__
+from .audit import AuditError, AuditFailed, AuditResult, find_lossguard, run_audit
+from .capture import Capture, InactiveStep, coordinates
+from .recorder import (CP_LAYOUTS, REDUCE_CHOICES, SCHEMA, CaptureWarning, MicroBatch, Recorder, StepRecorder,
+                       capture_filename)
 from .zigzag import (owned_count, zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned,
                      zigzag_owned_logit_positions, zigzag_slices)
 
-__version__ = "0.1.0"
-
 __all__ = [
-    "Recorder", "MicroBatch", "SCHEMA", "capture_filename",
+    "__version__",
+    "Capture", "StepRecorder", "InactiveStep", "MicroBatch", "Recorder", "coordinates",
+    "SCHEMA", "REDUCE_CHOICES", "CP_LAYOUTS", "CaptureWarning", "capture_filename",
+    "AuditFailed", "AuditError", "AuditResult", "run_audit", "find_lossguard",
     "zigzag_owned", "zigzag_slices", "zigzag_chunk_size", "zigzag_owned_logit_positions", "zigzag_local_logit_index",
     "owned_count",
 ]

@@ -50,6 +50,7 @@ def test_round_trip(tmp_path):
         "tp": "1", "pp": "2", "cp": "2", "dp": "2",
         "tp_rank": "0", "pp_rank": "1", "cp_rank": "1", "dp_rank": "0",
         "cp_layout": "zigzag", "reduce": "per-token", "num_microbatches": "2", "metrics.keys": "loss,clipfrac",
+        "dtype": "float32",
     }
     assert t["mb.0.sample_indices"].tolist() == [10, 11]
     assert t["mb.0.total_lengths"].tolist() == [16, 5]
@@ -162,6 +163,8 @@ def test_bf16_written_as_float32(tmp_path):
     assert t["mb.0.token_weight"].dtype == torch.float32 and t["mb.0.token_weight"].tolist() == [0.5, 0.5]
     assert t["mb.0.token_loss"].dtype == torch.float32
     assert t["mb.0.loss"].dtype == torch.float64 and t["mb.0.loss"].item() == 2.0
+    with safe_open(rec.path, framework="pt") as f:
+        assert f.metadata()["dtype"] == "bfloat16"      # the tensor's own dtype, though written as float32
 
 
 def test_no_host_sync_before_finish(tmp_path, monkeypatch):

@@ -193,7 +193,7 @@ def test_capture_files_and_metadata(run):
                 "lossguard.schema": "audit/1", "step": str(st.step), "rank": str(r), "world_size": str(world),
                 "tp": "1", "pp": "1", "cp": str(cp), "dp": str(dp), "tp_rank": "0", "pp_rank": "0",
                 "cp_rank": str(c), "dp_rank": str(d), "cp_layout": "zigzag", "reduce": "per-token",
-                "num_microbatches": str(M), "metrics.keys": "nll"}
+                "num_microbatches": str(M), "metrics.keys": "nll", "dtype": "float32"}
             t = st.cap[r]
             for k, idx in enumerate(st.place[d]):
                 p = f"mb.{k}."

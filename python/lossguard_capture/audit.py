@@ -1,0 +1,187 @@
+"""Run ``lossguard audit`` from inside a training job, and agree on its verdict on every rank.
+
+``run_audit(paths)`` runs the binary (``binary=`` / ``$LOSSGUARD_BIN`` / ``lossguard`` on ``PATH``) and
+returns an :class:`AuditResult`; ``result.raise_for_verdict()`` raises :class:`AuditFailed` when the
+verdict is FAIL (exit 1, or 3: a distributed fault) and :class:`AuditError` when audit gave no verdict
+(bad or missing captures: exit 2; nothing verified: exit 4; a missing binary, a timeout).
+
+``agree(key, compute, timeout=...)`` runs ``compute()`` on rank 0 once every rank has called it and
+hands its (JSON) result to every rank through the process group's store, each wait bounded by a
+timeout: no rank hangs, and a rank that cannot learn the result raises :class:`AuditError`.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["AuditResult", "AuditFailed", "AuditError", "find_lossguard", "run_audit", "agree", "EXIT_MEANINGS"]
+
+#: lossguard's exit codes (docs/exit-codes.md)
+EXIT_MEANINGS = {0: "pass", 1: "fail", 2: "error (inputs or invocation)", 3: "fault (distributed)",
+                 4: "unverified (nothing checked)"}
+
+
+class AuditError(RuntimeError):
+    """``lossguard audit`` gave no verdict: no binary, a timeout, captures it refused (exit 2), nothing
+    verified (exit 4), or this rank could not learn the verdict from rank 0."""
+
+    def __init__(self, message: str, result: "Optional[AuditResult]" = None):
+        super().__init__(message)
+        self.result = result
+
+
+class AuditFailed(RuntimeError):
+    """``lossguard audit`` judged the captured step and it FAILED (exit 1; 3 for a distributed fault).
+    ``text`` is audit's own report; ``exit_code``, ``step`` and ``paths`` say what was audited."""
+
+    def __init__(self, result: "AuditResult"):
+        self.result = result
+        self.exit_code = result.exit_code
+        self.text = result.text
+        self.step = result.step
+        self.paths = result.paths
+        where = f"step {result.step}" if result.step is not None else "the captures"
+        super().__init__(f"lossguard audit FAILED {where} (exit {result.exit_code}: "
+                         f"{EXIT_MEANINGS.get(result.exit_code, '?')}):\n{result.text.rstrip()}\n"
+                         f"(command: {' '.join(result.command)})")
+
+
+class AuditResult:
+    """What ``lossguard audit`` said: ``exit_code``, ``text`` (stdout then stderr), the ``command`` run,
+    the audited ``paths``, and ``json_path`` when a JSON report was asked for."""
+
+    def __init__(self, exit_code: int, text: str, command: Sequence[str], paths: Sequence[str],
+                 step: Optional[int] = None, json_path: Optional[str] = None):
+        self.exit_code = int(exit_code)
+        self.text = text
+        self.command = list(command)
+        self.paths = list(paths)
+        self.step = step
+        self.json_path = json_path
+
+    @property
+    def verdict(self) -> str:
+        return {0: "pass", 1: "fail", 2: "error", 3: "fault", 4: "unverified"}.get(self.exit_code, "error")
+
+    @property
+    def passed(self) -> bool:
+        return self.exit_code == 0
+
+    def raise_for_verdict(self) -> None:
+        """AuditFailed on FAIL (1) or FAULT (3), AuditError on no verdict (2, 4, anything else)."""
+        if self.exit_code == 0:
+            return
+        if self.exit_code in (1, 3):
+            raise AuditFailed(self)
+        raise AuditError(f"lossguard audit gave no verdict (exit {self.exit_code}: "
+                         f"{EXIT_MEANINGS.get(self.exit_code, 'unexpected')}):\n{self.text.rstrip()}\n"
+                         f"(command: {' '.join(self.command)})", self)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"exit_code": self.exit_code, "text": self.text, "command": self.command, "paths": self.paths,
+                "step": self.step, "json_path": self.json_path}
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> "AuditResult":
+        return cls(d["exit_code"], d["text"], d["command"], d["paths"], d.get("step"), d.get("json_path"))
+
+
+def find_lossguard(binary: Optional[str] = None) -> str:
+    """The ``lossguard`` executable: ``binary``, else ``$LOSSGUARD_BIN``, else ``lossguard`` on ``PATH``.
+    AuditError naming all three when none is an executable file."""
+    for where, cand in (("binary=", binary), ("$LOSSGUARD_BIN", os.environ.get("LOSSGUARD_BIN"))):
+        if cand:
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return os.path.abspath(cand)
+            raise AuditError(f"lossguard binary {cand!r} (from {where}) is not an executable file")
+    found = shutil.which("lossguard")
+    if found:
+        return found
+    raise AuditError("no lossguard binary: pass binary=..., set LOSSGUARD_BIN, or put `lossguard` on PATH "
+                     "(build: cmake --build build; the binary is build/cli/lossguard)")
+
+
+def run_audit(paths: Sequence[str], *, binary: Optional[str] = None, args: Sequence[str] = (),
+              timeout: float = 300.0, json_path: Optional[str] = None, step: Optional[int] = None) -> AuditResult:
+    """``lossguard audit PATHS... ARGS... [--json JSON_PATH]``; AuditError if it cannot run or times out."""
+    exe = find_lossguard(binary)
+    cmd: List[str] = [exe, "audit", *[str(p) for p in paths], *[str(a) for a in args]]
+    if json_path is not None:
+        cmd += ["--json", json_path]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AuditError(f"lossguard audit did not finish within {timeout:g} s: {' '.join(cmd)}") from e
+    except OSError as e:
+        raise AuditError(f"lossguard audit could not run: {e}: {' '.join(cmd)}") from e
+    text = r.stdout + (("\n" if r.stdout and not r.stdout.endswith("\n") else "") + r.stderr if r.stderr else "")
+    return AuditResult(r.returncode, text, cmd, [str(p) for p in paths], step, json_path)
+
+
+def _default_store() -> Any:
+    """The default process group's store (torch.distributed.distributed_c10d._get_default_store: a
+    private function, present since torch 1.x); None where it is not available."""
+    try:
+        from torch.distributed import distributed_c10d
+        return distributed_c10d._get_default_store()
+    except Exception:
+        return None
+
+
+def agree(key: str, compute: Callable[[], Dict[str, Any]], *, timeout: float = 300.0,
+          wait_timeout: Optional[float] = None) -> Dict[str, Any]:
+    """Every rank calls this with the same ``key``; rank 0 runs ``compute()`` once all ranks have arrived
+    (or reports the missing ones after ``timeout``) and every rank returns its JSON-able result.
+
+    No collective is issued: the ranks meet on the default process group's store (``add`` to count
+    arrivals, ``set``/``wait``/``get`` for the result), every wait bounded — rank 0 waits ``timeout`` for
+    the others, the others wait ``wait_timeout`` (default ``2*timeout + 30`` s) for rank 0 — so a crashed
+    or stuck rank makes the others raise :class:`AuditError` instead of hanging.  Without an initialised
+    process group (or with one rank) ``compute()`` runs here.  An exception in ``compute()`` on rank 0 becomes
+    ``{"error": message}`` on every rank."""
+    try:
+        import torch.distributed as dist
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except ImportError:                 # pragma: no cover
+        distributed = False
+
+    def safe() -> Dict[str, Any]:
+        try:
+            return compute()
+        except Exception as e:                          # noqa: BLE001 - handed to every rank
+            return {"error": f"{type(e).__name__}: {e}"}
+
+    if not distributed:
+        return safe()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = _default_store()
+    if store is None:       # fall back on a collective (bounded by the process group's own timeout)
+        box: List[Any] = [safe() if rank == 0 else None]
+        dist.barrier()
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    arrived, result_key = f"lossguard_capture/{key}/arrived", f"lossguard_capture/{key}/result"
+    store.add(arrived, 1)
+    if rank == 0:
+        deadline = time.monotonic() + timeout
+        n = store.add(arrived, 0)
+        while n < world and time.monotonic() < deadline:
+            time.sleep(0.02)
+            n = store.add(arrived, 0)
+        if n < world:
+            result = {"error": f"only {n} of {world} ranks reached the audit of {key} within {timeout:g} s"}
+        else:
+            result = safe()
+        store.set(result_key, json.dumps(result))
+        return result
+    wait_s = 2 * timeout + 30 if wait_timeout is None else wait_timeout
+    try:
+        store.wait([result_key], timedelta(seconds=wait_s))
+        return json.loads(store.get(result_key))
+    except Exception as e:                              # noqa: BLE001 - a timeout or a lost store
+        raise AuditError(f"rank {rank}: no audit verdict from rank 0 for {key} within {wait_s:g} s "
+                         f"({type(e).__name__}: {e})") from e

@@ -1,0 +1,479 @@
+"""Audit captures of the Hugging Face ``transformers.Trainer``'s OWN loss path (and so TRL's SFTTrainer).
+
+    import lossguard_capture.hf
+    lossguard_capture.hf.attach(trainer, "captures")      # capture step 0, audit it, stop on FAIL
+    trainer.train()
+
+or ``trainer.add_callback(lossguard_capture.hf.AuditCallback("captures"))`` (the callback finds its
+trainer when training begins).  On every rank, for each step in ``steps`` (default ``[0]``), it writes
+``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` (docs/semantics.md §10); after the audited
+step (default: the first captured one) rank 0 runs ``lossguard audit captures/step{n:06d}``, every rank
+learns the exit code through the process group's store (bounded waits), and every rank raises
+:class:`lossguard_capture.AuditFailed` — before the optimizer applies that step — when the verdict is FAIL.
+
+What is measured, and where (transformers 5.24.0, accelerate 1.16.0; line numbers of that release):
+
+* ``Trainer.training_step`` (trainer.py:2051) calls ``self.compute_loss(model, inputs,
+  num_items_in_batch=...)`` (trainer.py:2130).  The adapter wraps that call: for its duration
+  ``torch.nn.functional.cross_entropy`` is replaced by a wrapper.  Causal LMs reach it through
+  ``model.loss_function`` = ``ForCausalLMLoss`` -> ``fixed_cross_entropy`` (loss/loss_utils.py:51, :34),
+  which calls ``nn.functional.cross_entropy(source, target, ignore_index=-100, reduction=R)`` (line 42)
+  with ``R = "sum"`` when the Trainer passed ``num_items_in_batch`` (then ``loss / num_items_in_batch``,
+  line 47) and ``"mean"`` otherwise.  The wrapper computes the real call unchanged (its value ``v``),
+  and the per-token losses ``l = cross_entropy(..., reduction="none")``, which it hooks; it returns
+  ``v + (R(l) - R(l).detach())`` with ``R`` the real call's reduction over the non-ignored tokens
+  (``(l*m).sum()``, or that ``/ m.sum()``): the value is the real one bit for bit, and the gradient flows
+  through the hooked tensor, so ``dL/dl_t`` is measured after everything the Trainer does to the
+  value: the division by ``num_items_in_batch``, ``loss *= num_processes`` under
+  ``average_tokens_across_devices`` (trainer.py:2214-2215), the ``/ current_gradient_accumulation_steps``
+  of a loss not scaled for GA (trainer.py:2115-2119).
+* ``Accelerator.backward`` (accelerate accelerator.py:2735) is wrapped to record the scalar the
+  Trainer hands it (trainer.py:2126) as ``loss``; accelerate divides it by its own
+  ``gradient_accumulation_steps`` (accelerator.py:2757), which the Trainer sets to 1 (trainer.py:825;
+  checked).
+* DDP averages gradients over the ranks: ``grad_scale = 1/world``.  Gradient clipping is not a
+  normalisation and is not in ``grad_scale``; ``grad_norm`` is the Trainer's own, pre-clip
+  (``Trainer._get_grad_norm``, trainer.py:2789, wrapped).
+* ``num_items_in_batch`` (``Trainer._get_num_items_in_batch``, trainer.py:2306: the accumulated
+  batch's count of ``labels[..., 1:] != -100``, summed over ranks under ``average_tokens_across_devices``)
+  is the step's count, not a micro-batch's: it is recorded as ``num_tokens_reduced``, and ``mb.num_tokens``
+  is not written (the Trainer computes no per-micro-batch count).
+
+Sample layout: a row of ``input_ids`` of (padded) length ``L`` is one sample with prompt length 1 and
+response length ``L-1``: response index ``j`` is token ``j+1``, predicted by the logit at position ``j``
+(docs/semantics.md §1/§2: a token is owned by its predicting logit), and its loss mask is
+``labels[j+1] != -100`` (``shift_labels[j]`` when the collator provides them).  The logit at ``L-1``
+predicts nothing (its shifted label is -100; checked).  Micro-batch ``k`` of DP rank ``d`` holds the
+global samples ``(k*dp + d)*B ... + B-1`` (``B = per_device_train_batch_size``): accelerate hands rank
+``d`` the batches ``d, d+dp, ...``.  ``global_batch_size`` is the step's number of rows over all ranks.
+
+The objective claimed is ``per-token`` (``reduce=``): with a model that accepts loss kwargs the Trainer
+normalises by ``num_items_in_batch``; with one that does not (``accepts_loss_kwargs = False``, e.g.
+Qwen2.5-VL, Gemma 4 in this release; trainer.py:518) it averages each micro-batch and divides by the
+number of micro-batches — the user still means per-token, and ``lossguard audit`` fails that step with
+the ``hf-ga`` shape.
+
+Unsupported (an error at attach, naming the reason): transformers outside :data:`SUPPORTED`,
+DataParallel (``n_gpu > 1``), DeepSpeed/FSDP/XLA/Megatron, tensor/context/sequence parallelism, label
+smoothing, a loss that does not go through ``torch.nn.functional.cross_entropy`` exactly once per
+micro-batch with 2-D logits, class-index targets, no ``weight``, no ``label_smoothing`` (an error at the
+first captured micro-batch).
+"""
+
+import itertools
+import os
+import sys
+import weakref
+from types import FrameType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
+from .recorder import MicroBatch, StepRecorder, check_reduce
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+except ImportError as e:            # pragma: no cover - the adapter needs transformers
+    raise ImportError("lossguard_capture.hf needs transformers (pip install 'lossguard-capture[hf]'); "
+                      "supported: transformers>=5.24.0,<5.25.0") from e
+
+__all__ = ["attach", "AuditCallback", "SUPPORTED", "check_version"]
+
+#: transformers versions whose internals this adapter was checked against: [low, high).
+SUPPORTED = ("5.24.0", "5.25.0")
+_SUPPORTED_TEXT = f"transformers>={SUPPORTED[0]},<{SUPPORTED[1]}"
+
+_ATTACH_IDS = itertools.count()
+
+
+def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
+    """RuntimeError naming the supported range when ``version`` (default: the installed transformers)
+    is outside :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
+    from packaging.version import Version      # a dependency of transformers
+    v = version or transformers.__version__
+    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
+    if lo <= vt and vt.release < hi.release:      # 5.25.0.dev0 / rc1 count as 5.25: outside
+        return
+    msg = (f"lossguard_capture.hf supports {_SUPPORTED_TEXT} (it hooks Trainer.compute_loss, "
+           f"fixed_cross_entropy and Accelerator.backward as these versions have them); transformers {v} "
+           f"is installed.  Install a supported version (scripts/setup-trainers.sh pins one), or pass "
+           f"allow_unsupported=True to try anyway: the adapter then still measures the real weights, but an "
+           f"unverified loss path may be missed or mis-described.")
+    if not allow_unsupported:
+        raise RuntimeError(msg)
+    import warnings
+    warnings.warn(msg)
+
+
+class _CEState:
+    """The cross_entropy wrapper's view of one micro-batch's compute_loss."""
+
+    def __init__(self, mb: MicroBatch, rows: int, index: torch.Tensor, real: Callable[..., torch.Tensor]):
+        self.mb, self.rows, self.index, self.real = mb, rows, index, real
+        self.calls = 0
+        self.problems: List[str] = []
+
+
+def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
+    real = state.real
+
+    def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                      size_average: Optional[bool] = None, ignore_index: int = -100, reduce: Optional[bool] = None,
+                      reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+        state.calls += 1
+        why = None
+        if state.calls > 1:
+            why = f"cross_entropy called {state.calls} times in one compute_loss"
+        elif weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0:
+            why = "cross_entropy called with weight / size_average / reduce / label_smoothing"
+        elif reduction not in ("sum", "mean"):
+            why = f"cross_entropy called with reduction={reduction!r}"
+        elif input.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+            why = (f"cross_entropy called with input {tuple(input.shape)} and target {tuple(target.shape)} "
+                   f"{target.dtype} (expected [rows, vocab] logits and [rows] class indices)")
+        elif input.shape[0] != state.rows:
+            why = (f"cross_entropy got {input.shape[0]} rows, the micro-batch has {state.rows} positions "
+                   f"(batch x sequence)")
+        elif not torch.is_grad_enabled() or not input.requires_grad:
+            why = "cross_entropy called without autograd"
+        if why is not None:
+            state.problems.append(why)
+            return real(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        # The real call, unchanged: its value is what the trainer gets (bit for bit).
+        with torch.no_grad():
+            v = real(input, target, ignore_index=ignore_index, reduction=reduction)
+        # The same per-token losses, hooked; R(l) is the real call's reduction over the non-ignored tokens,
+        # so d v / d input == d R(l) / d input and the hook sees d L / d l_t.
+        l = real(input, target, ignore_index=ignore_index, reduction="none")
+        m = (target != ignore_index).to(l.dtype)
+        r = (l * m).sum()
+        if reduction == "mean":
+            # the count as the real call's total weight; clamped so that a micro-batch with no target (real
+            # value 0/0 = NaN, real gradient 0) gets gradient 0 here too, not 0 * inf = NaN.  For a count
+            # >= 1 the clamp changes nothing, and the division's backward (grad / count) is the real
+            # nll_loss mean backward's, bit for bit.
+            r = r / m.sum().clamp_min(1)
+        state.mb.hook(l, index=state.index)
+        return v + (r - r.detach())
+
+    return cross_entropy
+
+
+def _find_trainer(callback: "AuditCallback") -> Any:
+    """The Trainer whose callback handler holds ``callback``: a caller's ``self`` up the stack (the
+    callback handler calls on_train_begin from Trainer.train)."""
+    f: Optional[FrameType] = sys._getframe(1)
+    while f is not None:
+        obj = f.f_locals.get("self")
+        if isinstance(obj, transformers.Trainer) and callback in getattr(obj.callback_handler, "callbacks", ()):
+            return obj
+        f = f.f_back
+    return None
+
+
+class AuditCallback(TrainerCallback):
+    """Captures ``steps`` of a ``transformers.Trainer`` run for ``lossguard audit`` and, with
+    ``fail_fast``, audits one of them (``audit_step``, default the first of ``steps``) from rank 0 and
+    raises :class:`lossguard_capture.AuditFailed` on every rank when it FAILS, before that step's
+    optimizer update.  ``steps=None`` captures every step.
+
+    ``lossguard_bin``: the binary (else ``$LOSSGUARD_BIN``, else ``lossguard`` on ``PATH``);
+    ``audit_args``: extra ``lossguard audit`` arguments (e.g. ``["--strict-scale"]``); ``timeout``: seconds
+    for audit and for each rank's wait; ``reduce``: the objective claimed (per-token: what the Trainer's
+    ``num_items_in_batch`` normalisation means).  ``results`` maps each audited step to its
+    :class:`lossguard_capture.AuditResult`."""
+
+    def __init__(self, out_dir: str, *, steps: Optional[Iterable[int]] = (0,), fail_fast: bool = True,
+                 audit_step: Optional[int] = None, lossguard_bin: Optional[str] = None,
+                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: str = "per-token",
+                 strict: bool = True, allow_unsupported: bool = False):
+        self.out_dir = out_dir
+        self.steps = None if steps is None else sorted({int(s) for s in steps})
+        if self.steps is not None and not self.steps:
+            raise ValueError("steps is empty (None captures every step)")
+        self.fail_fast = bool(fail_fast)
+        if audit_step is None:
+            audit_step = 0 if self.steps is None else self.steps[0]
+        if self.steps is not None and audit_step not in self.steps:
+            raise ValueError(f"audit_step {audit_step} is not one of the captured steps {self.steps}")
+        self.audit_step = int(audit_step)
+        self.lossguard_bin = lossguard_bin
+        self.audit_args = list(audit_args)
+        self.timeout = float(timeout)
+        self.reduce = check_reduce(reduce)
+        self.strict = strict
+        self.allow_unsupported = allow_unsupported
+        self.results: Dict[int, AuditResult] = {}
+        self.paths: Dict[int, str] = {}              # step -> this rank's capture file
+        self._trainer_ref: Any = None
+        self._id = next(_ATTACH_IDS)
+        self._train_runs = 0
+        self._step: Optional[StepRecorder] = None
+        self._k = 0                                   # micro-batches of the open step
+        self._rows = 0                                # rows (samples) of the open step on this rank
+        self._num_items: Any = None
+        self._pending: Optional[MicroBatch] = None    # compute_loss done, backward not yet
+        self._last_col: List[torch.Tensor] = []       # shifted labels of each row's last logit (must be ignored)
+        self._grad_norm: Any = None
+
+    # -- wiring ---------------------------------------------------------------------------------
+    @property
+    def trainer(self) -> Any:
+        return None if self._trainer_ref is None else self._trainer_ref()
+
+    def attach(self, trainer: Any) -> "AuditCallback":
+        """Wire the callback into ``trainer`` (idempotent): checks the version and configuration, wraps
+        ``trainer.compute_loss``, ``trainer.accelerator.backward`` and ``trainer._get_grad_norm`` (instance
+        attributes; the class is untouched), and adds the callback if it is not there yet."""
+        if self.trainer is trainer:
+            return self
+        if self.trainer is not None:
+            raise RuntimeError("this AuditCallback is already attached to another Trainer")
+        check_version(allow_unsupported=self.allow_unsupported)
+        self._check_config(trainer)
+        self._trainer_ref = weakref.ref(trainer)
+        cb = self
+
+        orig_compute_loss = trainer.compute_loss
+
+        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return cb._compute_loss(orig_compute_loss, model, inputs, *args, **kwargs)
+        trainer.compute_loss = compute_loss
+
+        acc = trainer.accelerator
+        orig_backward = acc.backward
+
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            if cb._pending is not None:
+                cb._pending.loss(loss)
+                cb._pending = None
+            return orig_backward(loss, **kwargs)
+        acc.backward = backward
+
+        if hasattr(trainer, "_get_grad_norm"):
+            orig_grad_norm = trainer._get_grad_norm
+
+            def get_grad_norm(*args: Any, **kwargs: Any) -> Any:
+                r = orig_grad_norm(*args, **kwargs)
+                if cb._step is not None:
+                    cb._grad_norm = r
+                return r
+            trainer._get_grad_norm = get_grad_norm
+
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        if trainer.args.process_index == 0:
+            mode = ("normalises by num_items_in_batch" if trainer.model_accepts_loss_kwargs else
+                    "averages each micro-batch (the model does not accept loss kwargs: the hf-ga shape)")
+            print(f"lossguard_capture.hf: capturing steps {self.steps if self.steps is not None else 'all'} "
+                  f"into {self.out_dir} (reduce={self.reduce}; the Trainer {mode})", file=sys.stderr)
+            if self.fail_fast:
+                try:
+                    find_lossguard(self.lossguard_bin)
+                except AuditError as e:
+                    print(f"lossguard_capture.hf: warning: {e}; step {self.audit_step} will raise AuditError",
+                          file=sys.stderr)
+        return self
+
+    def _check_config(self, trainer: Any) -> None:
+        args = trainer.args
+        bad = []
+        if getattr(args, "n_gpu", 1) > 1:
+            bad.append(f"torch.nn.DataParallel (n_gpu = {args.n_gpu}); launch one process per device instead")
+        dt = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
+        if dt in ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM"):
+            bad.append(f"distributed type {dt} (only plain DDP: its gradient mean is grad_scale = 1/world)")
+        pc = getattr(trainer.accelerator, "parallelism_config", None)
+        if pc is not None:
+            sizes = {n: getattr(pc, n + "_size", 1) or 1 for n in ("tp", "cp", "sp")}
+            if any(v > 1 for v in sizes.values()):
+                bad.append(f"parallelism_config {sizes} (only data parallelism)")
+        if getattr(trainer, "label_smoother", None) is not None:
+            bad.append("label_smoothing_factor != 0 (the LabelSmoother does not go through cross_entropy)")
+        if getattr(trainer.accelerator, "gradient_accumulation_steps", 1) != 1:
+            bad.append(f"accelerator.gradient_accumulation_steps = {trainer.accelerator.gradient_accumulation_steps} "
+                       f"(the Trainer sets 1 and divides itself)")
+        if bad:
+            raise RuntimeError("lossguard_capture.hf does not support: " + "; ".join(bad))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is None:
+            trainer = _find_trainer(self)
+            if trainer is None:
+                raise RuntimeError("AuditCallback could not find its Trainer: use "
+                                   "lossguard_capture.hf.attach(trainer, out_dir) instead of add_callback")
+            self.attach(trainer)
+        self._train_runs += 1
+
+    # -- capture --------------------------------------------------------------------------------
+    def _captures(self, step: int) -> bool:
+        return self.steps is None or step in self.steps
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.out_dir, f"step{step:06d}")
+
+    def _compute_loss(self, orig: Callable[..., Any], model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.trainer
+        step = trainer.state.global_step
+        if not (model.training and self._captures(step)):
+            return orig(model, inputs, *args, **kwargs)
+        if self._step is not None and self._step.step != step:     # not finished (should not happen)
+            self._step.abort()
+            self._step = None
+        if self._step is None:
+            self._open(step)
+        try:
+            mb, rows, index = self._microbatch(inputs)
+            num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
+            nn_f = torch.nn.functional
+            ce = _CEState(mb, rows, index, nn_f.cross_entropy)
+            wrapper = _make_cross_entropy(ce)
+            nn_f.cross_entropy = wrapper
+            try:
+                out = orig(model, inputs, *args, **kwargs)
+            finally:
+                replaced = nn_f.cross_entropy is not wrapper
+                nn_f.cross_entropy = ce.real
+            problems = list(ce.problems)
+            if replaced:
+                problems.append("torch.nn.functional.cross_entropy was replaced by someone else during compute_loss")
+            if ce.calls == 0:
+                problems.append("the loss did not call torch.nn.functional.cross_entropy (a fused or custom "
+                                "loss kernel, or a model without labels)")
+            if problems:
+                raise RuntimeError(f"lossguard_capture.hf: step {step} micro-batch {mb.index}: cannot measure the "
+                                   f"Trainer's loss: " + "; ".join(problems))
+        except BaseException:
+            if self._step is not None:
+                self._step.abort()
+            self._step = None
+            raise
+        self._pending = mb
+        self._num_items = num_items
+        return out
+
+    def _open(self, step: int) -> None:
+        args = self.trainer.args
+        world = args.world_size
+        self._step = StepRecorder(self._step_dir(step), step, args.process_index, world, dp=world,
+                                  dp_rank=args.process_index, reduce=self.reduce, strict=self.strict)
+        self._k = 0
+        self._rows = 0
+        self._num_items = None
+        self._pending = None
+        self._last_col = []
+        self._grad_norm = None
+
+    def _microbatch(self, inputs: Any) -> "tuple[MicroBatch, int, torch.Tensor]":
+        args = self.trainer.args
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if ids is None or ids.dim() != 2:
+            raise RuntimeError("lossguard_capture.hf: the batch has no 2-D input_ids [batch, seq]")
+        if inputs.get("shift_labels") is not None:
+            shifted = inputs["shift_labels"]
+        elif inputs.get("labels") is not None:
+            # the shift of ForCausalLMLoss (loss/loss_utils.py:65-66): logit j predicts labels[j+1]
+            shifted = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[..., 1:]
+        else:
+            raise RuntimeError("lossguard_capture.hf: the batch has no labels (the Trainer computes no loss)")
+        B, L = ids.shape
+        if tuple(shifted.shape) != (B, L):
+            raise RuntimeError(f"lossguard_capture.hf: labels {tuple(shifted.shape)} do not match input_ids {(B, L)}")
+        bs = args.per_device_train_batch_size
+        if B > bs:
+            raise RuntimeError(f"lossguard_capture.hf: a micro-batch of {B} rows > per_device_train_batch_size {bs}")
+        dp, d, k = args.world_size, args.process_index, self._k
+        first = (k * dp + d) * bs
+        mask = (shifted[:, : L - 1] != -100).to(torch.int64)
+        self._last_col.append(shifted[:, L - 1].detach())
+        assert self._step is not None
+        mb = self._step.microbatch(
+            sample_indices=torch.arange(first, first + B, dtype=torch.int64),
+            tokens=ids.reshape(-1), total_lengths=torch.full((B,), L, dtype=torch.int64),
+            response_lengths=torch.full((B,), L - 1, dtype=torch.int64),
+            loss_masks=mask.reshape(-1), cp_size=1)
+        # the hooked tensor holds every position of the [B, L] batch (row-major, as ForCausalLMLoss's
+        # logits.view(-1, vocab)); the owned ones are each row's first L-1
+        index = (torch.arange(B, dtype=torch.int64)[:, None] * L
+                 + torch.arange(L - 1, dtype=torch.int64)[None, :]).reshape(-1)
+        self._k += 1
+        self._rows += B
+        return mb, B * L, index
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        s = self._step
+        if s is None or s.step != state.global_step:
+            return
+        self._step = None
+        try:
+            self._finish(s)
+        except BaseException:
+            s.abort()
+            raise
+        if self.fail_fast and s.step == self.audit_step:
+            self._audit(s.step)
+
+    def _finish(self, s: StepRecorder) -> None:
+        trainer = self.trainer
+        args = trainer.args
+        if self._pending is not None:
+            raise RuntimeError(f"lossguard_capture.hf: step {s.step}: a micro-batch's loss never reached "
+                               f"accelerator.backward")
+        for col in self._last_col:
+            if bool((col != -100).any()):
+                raise RuntimeError("lossguard_capture.hf: a row's last logit has a label (shift_labels without "
+                                   "-100 at the end): the prompt-1 layout cannot hold it")
+        world = args.world_size
+        rows = torch.tensor(self._rows, dtype=torch.int64)
+        grad_scale = 1.0
+        if world > 1:
+            import torch.distributed as dist
+            ddp = trainer.model_wrapped
+            if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                raise RuntimeError(f"lossguard_capture.hf: {world} processes but the model is wrapped in "
+                                   f"{type(ddp).__name__}, not DistributedDataParallel")
+            # DDP averages the gradients over its process group
+            grad_scale = 1.0 / dist.get_world_size(ddp.process_group)
+            t = rows.to(args.device)
+            dist.all_reduce(t)
+            rows = t.cpu()
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        dt = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
+        # Without a grad scaler the Trainer always steps (it has no zero-token skip): skipped is known.
+        skipped = False if scaler is None and dt != "DEEPSPEED" else None
+        grad_norm = self._grad_norm
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+            grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
+        self.paths[s.step] = s.finish(grad_scale=grad_scale, num_tokens_reduced=self._num_items, skipped=skipped,
+                                      grad_norm=grad_norm, global_batch_size=rows)
+
+    def _audit(self, step: int) -> None:
+        step_dir = self._step_dir(step)
+        json_path = os.path.join(self.out_dir, f"audit-step{step:06d}.json")
+
+        def compute() -> Dict[str, Any]:
+            return run_audit([step_dir], binary=self.lossguard_bin, args=self.audit_args, timeout=self.timeout,
+                             json_path=json_path, step=step).to_json()
+
+        key = f"hf/{self._id}/{self._train_runs}/step{step}"
+        got = agree(key, compute, timeout=self.timeout)
+        if "error" in got:
+            raise AuditError(f"lossguard_capture.hf: step {step}: no audit verdict: {got['error']}")
+        result = AuditResult.from_json(got)
+        self.results[step] = result
+        if self.trainer.args.process_index == 0:
+            print(f"lossguard_capture.hf: lossguard audit {step_dir}: {result.verdict.upper()} "
+                  f"(exit {result.exit_code})", file=sys.stderr)
+        result.raise_for_verdict()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._step is not None:           # a captured step that never reached the optimizer
+            self._step.abort()
+            self._step = None
+
+
+def attach(trainer: Any, out_dir: str, **kwargs: Any) -> AuditCallback:
+    """``AuditCallback(out_dir, **kwargs).attach(trainer)``: one line before ``trainer.train()``."""
+    return AuditCallback(out_dir, **kwargs).attach(trainer)

@@ -1,0 +1,360 @@
+"""lossguard_capture.hf against the real transformers.Trainer (CPU, Gloo, a tiny Llama built from a config).
+
+For every configuration (gradient accumulation 1/2/4, DP 1 and 2, average_tokens_across_devices on and
+off, a model that accepts loss kwargs and one that does not) tests/trainers/hf_driver.py runs
+``Trainer.train`` twice from the same seed, with the adapter and without; the tests prove
+
+(a) the adapter changes nothing: every micro-batch's loss, and every gradient the optimizer receives,
+    is bit for bit the same with and without it;
+(b) the measured weights are the truth: ``sum_t w_t grad(l_t)`` with ``w_t = token_weight_t * grad_scale``
+    from the captures (recomputed here in float64 from the captured tokens and the step's parameters)
+    equals the gradient the Trainer's optimizer was about to apply (after backward and DDP);
+(c) ``lossguard audit`` (when built) passes the correct configurations and fails the buggy ones naming
+    their shape: ``hf-num-items`` (per-rank counts without average_tokens_across_devices), ``hf-ga``
+    (per-micro-batch means of a model without loss kwargs; with a micro-batch that has no token, a
+    uniform x1/M that only --strict-scale fails), and ``norm=microbatch`` without the 1/M (a compute_loss
+    override that drops num_items_in_batch);
+
+and that fail-fast stops a buggy run at step 0, on every rank, before the optimizer step.
+
+    scripts/setup-trainers.sh
+    ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+DRIVER = os.path.join(HERE, "hf_driver.py")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import hf_driver as drv  # noqa: E402
+
+import lossguard_capture as lc  # noqa: E402
+import lossguard_capture.hf as lhf  # noqa: E402
+
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
+
+DP1 = ["ga1-kw", "ga2-kw", "ga4-kw", "ga2-kw-noavg", "ga1-nokw", "ga2-nokw", "ga4-nokw", "ga2-kw-empty",
+       "ga2-nokw-empty", "ga2-kw-dropnum"]
+DP2 = ["ga1-kw", "ga2-kw", "ga4-kw", "ga1-kw-noavg", "ga2-kw-noavg", "ga1-nokw", "ga2-nokw", "ga4-nokw"]
+CASES = [(1, c) for c in DP1] + [(2, c) for c in DP2]
+IDS = [f"dp{w}-{c}" for w, c in CASES]
+
+
+def expected(world, config):
+    """(exit code, diagnosis kind, preset audit must name) — from the Trainer's arithmetic (hf.py docstring)."""
+    ga, kw, avg, empty = drv.parse(config)
+    if "dropnum" in config:     # a per-micro-batch mean the Trainer takes as scaled for GA: no / G
+        return 1, "per-microbatch", "truth with norm=microbatch"
+    if kw:
+        if world == 1 or avg:
+            return 0, "exact", None
+        return 1, "per-rank", "hf-num-items"               # each rank divides by its own count
+    if world == 1 and ga == 1:
+        return 0, "exact", None                             # one micro-batch's mean is the per-token mean
+    if empty:       # step 0's first micro-batch has no token: its mean is NaN with gradient 0, and the other
+        return 1, "uniform-scale", "hf-ga"                  # holds every token at weight m/(n*M): x 1/M
+    return 1, ("per-rank" if ga == 1 else "per-microbatch"), "hf-ga"
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _passing(world, configs):
+    return ",".join(c for c in configs if expected(world, c)[0] == 0)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Both driver runs, one after the other (1 process, then 2 under torchrun): {world: out_dir}."""
+    out = {}
+    for world, configs in ((1, DP1), (2, DP2)):
+        d = str(tmp_path_factory.mktemp(f"hf-dp{world}"))
+        args = [DRIVER, "--out", d, "--configs", ",".join(configs)]
+        if HAVE_BIN:      # the correct configurations also audit step 0 inside the run (fail-fast passes)
+            args += ["--audit-in-run", _passing(world, configs), "--lossguard-bin", LOSSGUARD]
+        if world == 1:
+            cmd = [sys.executable, *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+        out[world] = d
+    return out
+
+
+def run_dir(runs, world, config, which="adapter"):
+    return os.path.join(runs[world], config, which)
+
+
+def captures(runs, world, config, step):
+    d = os.path.join(run_dir(runs, world, config), "captures", f"step{step:06d}")
+    caps = []
+    for r in range(world):
+        path = os.path.join(d, f"step{step:06d}-rank{r:05d}.safetensors")
+        with safe_open(path, framework="pt") as f:
+            meta = f.metadata()
+        caps.append((load_file(path), meta))
+    return caps
+
+
+# ---- (a) the adapter changes nothing ---------------------------------------------------------------
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_loss_and_gradient_bit_for_bit(runs, world, config):
+    ga = drv.parse(config)[0]
+    bits = lambda x: x.reshape(1).view(torch.int32)     # noqa: E731 - NaN == NaN, bit for bit
+    for r in range(world):
+        a = torch.load(os.path.join(run_dir(runs, world, config), f"losses-rank{r}.pt"))
+        p = torch.load(os.path.join(run_dir(runs, world, config, "plain"), f"losses-rank{r}.pt"))
+        assert len(a) == len(p) == ga * drv.STEPS
+        for i, (x, y) in enumerate(zip(a, p)):
+            assert x.dtype == y.dtype == torch.float32 and torch.equal(bits(x), bits(y)), (r, i, x.item(), y.item())
+        for n in range(drv.STEPS):
+            ga_ = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank{r}.pt"))
+            gp = torch.load(os.path.join(run_dir(runs, world, config, "plain"), f"grads-step{n}-rank{r}.pt"))
+            for name in gp:
+                assert torch.equal(ga_[name], gp[name]), (r, n, name, (ga_[name] - gp[name]).abs().max().item())
+
+
+# ---- what the captures hold ------------------------------------------------------------------------
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_capture_records(runs, world, config):
+    ga, kw, avg, empty = drv.parse(config)
+    data = drv.dataset(empty)
+    by_ids = {tuple(s["input_ids"]): s for s in data}
+    for n in range(drv.STEPS):
+        caps = captures(runs, world, config, n)
+        losses = [torch.load(os.path.join(run_dir(runs, world, config), f"losses-rank{r}.pt")) for r in range(world)]
+        grads = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank0.pt"))
+        seen, rank_counts = set(), []
+        for r, (t, meta) in enumerate(caps):
+            assert meta == {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+                            "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
+                            "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": "per-token",
+                            "num_microbatches": str(ga), "dtype": "float32"}
+            assert t["grad_scale"].item() == 1.0 / world          # DDP's mean
+            assert t["global_batch_size"].item() == drv.BS * ga * world
+            assert t["skipped"].item() == 0
+            norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+            assert math.isclose(t["grad_norm"].item(), norm, rel_tol=1e-5)
+            count = 0
+            for k in range(ga):
+                p = f"mb.{k}."
+                idx = t[p + "sample_indices"].tolist()
+                assert idx == [(k * world + r) * drv.BS + j for j in range(drv.BS)]
+                assert not (set(idx) & seen)
+                seen |= set(idx)
+                T, R = t[p + "total_lengths"], t[p + "response_lengths"]
+                assert (R == T - 1).all() and len(set(T.tolist())) == 1
+                L = int(T[0])
+                toks = t[p + "tokens"].view(-1, L)
+                masks = t[p + "loss_masks"].view(-1, L - 1)
+                for row, m in zip(toks.tolist(), masks.tolist()):
+                    real = [x for x in row if x != drv.PAD]
+                    assert row == real + [drv.PAD] * (L - len(real))
+                    s = by_ids[tuple(real)]                        # a dataset sample, padded on the right
+                    lab = s["labels"] + [-100] * (L - len(real))
+                    assert m == [int(lab[j + 1] != -100) for j in range(L - 1)]
+                count += int(masks.sum())
+                assert "mb.%d.num_tokens" % k not in t            # the Trainer computes no per-micro-batch count
+                # the recorded loss is the scalar training_step backpropagated
+                want_loss = losses[r][n * ga + k].double().item()
+                tw, tl = t[p + "token_weight"].double(), t[p + "token_loss"].double()
+                assert (tw[masks.view(-1) == 0] == 0).all()
+                if math.isnan(want_loss):                # a mean over no token: NaN value, zero gradient
+                    assert math.isnan(t[p + "loss"].item()) and int(masks.sum()) == 0 and not tw.any()
+                    assert not kw and empty and n == 0 and k == 0
+                    continue
+                assert t[p + "loss"].item() == want_loss
+                assert math.isclose(t[p + "loss"].item(), float((tw * tl).sum()), rel_tol=1e-5, abs_tol=1e-7)
+            rank_counts.append(count)
+        N = sum(rank_counts)
+        for r, (t, _) in enumerate(caps):
+            if not kw:
+                assert "num_tokens_reduced" not in t               # the Trainer passes no num_items_in_batch
+            elif world == 1 or avg:
+                assert t["num_tokens_reduced"].item() == N         # gathered over ranks
+            else:
+                assert t["num_tokens_reduced"].item() == rank_counts[r]   # this rank's own count
+
+
+# ---- (b) the measured weights are the truth -----------------------------------------------------
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_gradient_is_sum_of_measured_weights(runs, world, config):
+    """grad (after the Trainer's backward and DDP) == sum_t w_t grad(l_t), w_t = token_weight_t * grad_scale,
+    with l_t = cross_entropy(logits[j], tokens[j+1]) recomputed in float64 on the step's parameters."""
+    ga = drv.parse(config)[0]
+    for n in range(drv.STEPS):
+        params = torch.load(os.path.join(run_dir(runs, world, config), f"params-step{n}-rank0.pt"))
+        got = [torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank{r}.pt")) for r in range(world)]
+        for r in range(1, world):                                  # DDP left every replica the same gradient
+            assert all(torch.equal(got[r][k], got[0][k]) for k in got[0])
+        model = drv.LlamaForCausalLM(drv.model_config()).double()
+        model.load_state_dict({k: v.double() for k, v in params.items()})
+        terms = []
+        for t, _ in captures(runs, world, config, n):
+            gs = t["grad_scale"].item()
+            for k in range(ga):
+                p = f"mb.{k}."
+                L = int(t[p + "total_lengths"][0])
+                toks = t[p + "tokens"].view(-1, L)
+                w = (t[p + "token_weight"].double() * gs).view(-1, L - 1)
+                logits = model(input_ids=toks).logits                        # [B, L, V], float64
+                lt = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, drv.VOCAB), toks[:, 1:].reshape(-1),
+                                                       reduction="none").view(-1, L - 1)
+                terms.append((w * lt).sum())
+        torch.stack(terms).sum().backward()
+        want = {k: p.grad for k, p in model.named_parameters()}
+        scale = max(v.abs().max().item() for v in want.values())
+        for k in want:
+            torch.testing.assert_close(got[0][k].double(), want[k], rtol=1e-4, atol=1e-6 * scale,
+                                       msg=lambda m: f"{config} dp{world} step {n} {k}: {m}")
+
+
+# ---- (c) lossguard audit's verdicts ----------------------------------------------------------------
+def audit(*paths):
+    r = subprocess.run([LOSSGUARD, "audit", *paths, "--json", "-"], capture_output=True, text=True, timeout=120)
+    text = subprocess.run([LOSSGUARD, "audit", *paths], capture_output=True, text=True, timeout=120).stdout
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_audit_verdict(runs, world, config):
+    want_code, want_kind, want_preset = expected(world, config)
+    caps = os.path.join(run_dir(runs, world, config), "captures")
+    code, doc, err, text = audit(*[os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)])
+    where = f"dp{world} {config}:\n{text}\n{err}"
+    assert doc is not None, where
+    assert code == want_code, where
+    s0 = doc["steps"][0]
+    assert s0["dtype"] == "float32", where
+    assert s0["diagnosis"]["kind"] == want_kind, where
+    checks = {c["name"]: c["ok"] for c in s0["checks"]}
+    assert checks["coverage"] is True and checks["loss"] is True and checks["decision"] is True, where
+    if want_preset is None:
+        assert all(c["ok"] is not False for s in doc["steps"] for c in s["checks"]), where
+        assert "truth" in s0["matches"], where
+    elif want_kind == "uniform-scale":      # reported, but a uniform scale fails only with --strict-scale
+        assert checks["weights"] is True and s0["diagnosis"]["named"] == "1/M", where
+        assert math.isclose(s0["diagnosis"]["scale"], 1 / drv.parse(config)[0], rel_tol=1e-6), where
+        assert want_preset in s0["matches"], where
+        assert any(f["kind"] == "mean_over_zero_tokens" and f["step"] == 0 for f in doc["findings"]), where
+        assert doc["steps"][1]["diagnosis"]["kind"] == "per-microbatch", where
+        code1, _, _, text1 = audit(os.path.join(caps, "step000000"), "--strict-scale")
+        assert code1 == 1, text1
+    else:
+        assert checks["weights"] is False, where
+        assert want_preset in s0["matches"], where
+    if HAVE_BIN and want_code == 0:                      # the in-run fail-fast audit passed the same step
+        meta = json.load(open(os.path.join(run_dir(runs, world, config), "meta-rank0.json")))
+        assert meta["audit"]["0"]["exit_code"] == 0, meta["audit"]
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
+    """A model without loss kwargs, GA 2, DP 2: rank 0's audit of step 0 FAILS (hf-ga); every rank raises
+    AuditFailed before the optimizer step (parameters unchanged), and the job exits non-zero."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", DRIVER,
+           "--out", str(tmp_path), "--fail-fast", "ga2-nokw", "--lossguard-bin", LOSSGUARD]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "AuditFailed" in r.stderr
+    for rank in range(2):
+        with open(tmp_path / "ga2-nokw" / f"failfast-rank{rank}.json") as f:
+            got = json.load(f)
+        assert got["global_step"] == 0 and got["exit_code"] == 1, got
+        assert got["params_unchanged"] is True, got
+        assert "per-micro-batch normalisation" in got["text"] and "hf-ga" in got["text"], got["text"]
+        assert "lossguard audit FAILED step 0" in got["message"]
+    assert not (tmp_path / "ga2-nokw" / "adapter").exists()
+    assert not (tmp_path / "ga2-nokw" / "captures" / "step000001").exists()
+
+
+# ---- the adapter's guards, in this process -----------------------------------------------------------
+def _tiny_trainer(tmp_path, **overrides):
+    from transformers import TrainingArguments
+    kw = dict(output_dir=str(tmp_path / "hf-out"), per_device_train_batch_size=2, max_steps=1, optim="sgd",
+              learning_rate=0.1, use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no",
+              disable_tqdm=True, remove_unused_columns=False, max_grad_norm=0.0)
+    kw.update(overrides)
+    return drv.Trainer(model=drv.make_model(True), args=TrainingArguments(**kw), train_dataset=drv.dataset()[:4],
+                       data_collator=drv.collate)
+
+
+def test_unsupported_version_names_the_range():
+    with pytest.raises(RuntimeError, match=r"transformers>=5\.24\.0,<5\.25\.0.*transformers 4\.57\.1 is installed"):
+        lhf.check_version("4.57.1")
+    for v in ("5.25.0", "5.25.0.dev0", "5.24.0rc1", "6.0.0"):
+        with pytest.raises(RuntimeError):
+            lhf.check_version(v)
+    lhf.check_version("5.24.0")
+    with pytest.warns(UserWarning, match="supports"):
+        lhf.check_version("5.30.0", allow_unsupported=True)
+    lhf.check_version()                                      # the installed pin is inside the range
+
+
+def test_unsupported_configurations_refused(tmp_path):
+    tr = _tiny_trainer(tmp_path, label_smoothing_factor=0.1)
+    with pytest.raises(RuntimeError, match="label_smoothing"):
+        lhf.attach(tr, str(tmp_path / "c"))
+
+
+def test_add_callback_finds_its_trainer(tmp_path):
+    """trainer.add_callback(AuditCallback(...)) without attach(): the callback attaches itself when training
+    begins; the capture is written, the Trainer's loss path is measured (weights 1/N)."""
+    tr = _tiny_trainer(tmp_path)
+    cb = lhf.AuditCallback(str(tmp_path / "caps"), fail_fast=False)
+    tr.add_callback(cb)
+    tr.train()
+    assert cb.trainer is tr
+    t = load_file(cb.paths[0])
+    masks = t["mb.0.loss_masks"]
+    N = int(masks.sum())
+    assert t["num_tokens_reduced"].item() == N
+    assert torch.equal(t["mb.0.token_weight"], masks.to(torch.float32) / N)
+    assert torch.nn.functional.cross_entropy is not None and \
+        torch.nn.functional.cross_entropy.__module__ == "torch.nn.functional"     # restored
+
+
+def test_a_loss_that_bypasses_cross_entropy_is_an_error(tmp_path):
+    """A compute_loss_func that does not call F.cross_entropy cannot be measured: a clear error, and the
+    step is dropped (no capture file)."""
+    def custom(outputs, labels, num_items_in_batch=None):
+        lp = torch.log_softmax(outputs.logits[:, :-1].float(), -1)
+        tgt = labels[:, 1:]
+        m = tgt != -100
+        return -(lp.gather(-1, tgt.clamp_min(0)[..., None])[..., 0] * m).sum() / num_items_in_batch
+    from transformers import TrainingArguments
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=1, optim="sgd",
+                             use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             remove_unused_columns=False)
+    tr = drv.Trainer(model=drv.make_model(True), args=args, train_dataset=drv.dataset()[:4], data_collator=drv.collate,
+                     compute_loss_func=custom)
+    cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False)
+    with pytest.raises(RuntimeError, match="did not call torch.nn.functional.cross_entropy"):
+        tr.train()
+    assert not cb.paths and not os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
+
+
+def test_fail_fast_without_a_binary_is_an_error_not_a_pass(tmp_path):
+    """No verdict (here: no lossguard binary) stops the run with AuditError naming the cause; it never passes
+    silently."""
+    tr = _tiny_trainer(tmp_path)
+    lhf.attach(tr, str(tmp_path / "caps"), lossguard_bin=str(tmp_path / "no-such-lossguard"))
+    with pytest.raises(lc.AuditError, match="no-such-lossguard.*is not an executable file"):
+        tr.train()
+    assert os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
