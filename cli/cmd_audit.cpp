@@ -105,7 +105,8 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
                           {"checks", checks},
                           {"diagnosis", diagnosis_json(s.diagnosis)},
                           {"matches", s.matches},
-                          {"weight_rel_tol", s.weight_rel_tol}});
+                          {"weight_rel_tol", s.weight_rel_tol},
+                          {"dtype", std::string(dtype_name(s.dtype))}});
   }
   if (!o.svg_path.empty()) {
     const auto& s = steps.front();

@@ -42,6 +42,7 @@ struct CheckOptions {
   PlacementOptions placement;
   int64_t tp = 1;
   int64_t global_batch_size = 0;
+  std::string token_loss_is;  // empty: not stated
 };
 
 // The element bounds a gradient was judged by (grad_stream.h): the defaults', then the derived.
@@ -327,6 +328,11 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       oracle::CheckSettings tl_settings;
       tl_settings.rtol = o.rtol;
       tl_settings.atol = o.atol;
+      if (o.token_loss_is == "nll") {
+        tl_settings.token_loss_is = LossKind::kNll;
+      } else if (o.token_loss_is == "ppo-clip") {
+        tl_settings.token_loss_is = LossKind::kPpoClip;
+      }
       const oracle::TokenLossCheck t =
           oracle::check_token_loss(
               b, tl_spec, tl_settings,
@@ -338,16 +344,36 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
             t.ok() ? "" : fmt::format("; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",
                                       t.worst.sample, t.worst.response_index, t.worst.got,
                                       t.worst.want);
+        const std::string what =
+            !t.matches.empty()
+                ? fmt::format("the per-token {} loss", t.matches)
+                : "neither the per-token nll nor the ppo-clip loss of the dump's inputs";
         out << fmt::format(
-            "\ntoken_loss: {} ({} tokens with mask 1; {} differ from the nll{}){}\n",
-            t.ok() ? fmt::format("the per-token {} loss", t.matches)
-                   : "FAIL: neither the per-token nll nor the ppo-clip loss of the dump's inputs",
+            "\ntoken_loss: {}{} ({} tokens with mask 1; {} differ from the nll{}){}\n",
+            t.judged() ? (t.ok() ? "" : "FAIL: ")
+                       : "(not judged: it may carry KL or entropy terms; --token-loss-is states "
+                         "what it is) ",
+            t.judged() && !t.ok()
+                ? fmt::format("not the per-token {} loss the dump's inputs give ({})",
+                              o.token_loss_is, what)
+                : what,
             t.checked, t.mismatched_nll,
             t.mismatched_ppo >= 0 ? fmt::format(", {} from the ppo-clip loss", t.mismatched_ppo)
                                   : "",
             where);
-        report.add_case({"lossguard.check", "token_loss is a per-token loss of the dump's inputs",
-                         t.ok(), t.ok() ? "" : where.substr(2), false});
+        if (t.judged()) {
+          report.add_case({"lossguard.check",
+                           fmt::format("token_loss is the per-token {} loss of the dump's inputs",
+                                       o.token_loss_is),
+                           t.ok(), t.ok() ? "" : where.substr(2), false});
+        } else if (t.matches.empty()) {
+          report.add_findings({{"token_loss_not_plain",
+                                fmt::format("token_loss is neither the per-token nll nor the "
+                                            "ppo-clip loss of the dump's inputs (a KL, entropy or "
+                                            "other term?){}",
+                                            where),
+                                {{"worst", location_json(t.worst)}}}});
+        }
         token_loss_json = {{"matches", t.matches.empty() ? nlohmann::ordered_json(nullptr)
                                                          : nlohmann::ordered_json(t.matches)},
                            {"checked", t.checked},
@@ -355,8 +381,12 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                            {"mismatched_ppo_clip", t.mismatched_ppo >= 0
                                                        ? nlohmann::ordered_json(t.mismatched_ppo)
                                                        : nlohmann::ordered_json(nullptr)},
-                           {"worst", t.ok() ? nlohmann::ordered_json(nullptr) : location_json(t.worst)},
-                           {"ok", t.ok()}};
+                           {"worst", t.matches.empty() ? location_json(t.worst)
+                                                       : nlohmann::ordered_json(nullptr)},
+                           {"stated", t.judged() ? nlohmann::ordered_json(o.token_loss_is)
+                                                 : nlohmann::ordered_json(nullptr)},
+                           {"ok", t.judged() ? nlohmann::ordered_json(t.ok())
+                                             : nlohmann::ordered_json(nullptr)}};
         all_ok &= t.ok();
       }
     }
@@ -389,8 +419,8 @@ void register_check(CLI::App& root, Commands& commands) {
   cmd->app = app;
   app->footer(
       "Losses: nll (from logits, else log_probs), ppo-clip (log_probs, old_log_probs, advantages), "
-      "given (token_loss; with --loss given the dump's token_loss must itself be the per-token nll or "
-      "ppo-clip loss of its logits or log_probs).\n"
+      "given (the dump's token_loss, whatever it holds; whether it is the per-token nll or ppo-clip "
+      "loss of\nits inputs is a finding, and a check with --token-loss-is nll|ppo-clip).\n"
       "Reductions: per-token, sample-mean, token-mean, seq-mean-token-sum, seq-mean-token-mean, "
       "seq-mean-token-sum-norm,\n"
       "or all. Tolerances: PyTorch's per dtype (fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 "
@@ -444,7 +474,13 @@ void register_check(CLI::App& root, Commands& commands) {
       ->capture_default_str();
   app->add_option(
       "--global-batch-size", opts->global_batch_size,
-      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)");
+      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
+  app->add_option("--token-loss-is", opts->token_loss_is,
+                  "State what the dump's token_loss is (nll or ppo-clip of its inputs): a check "
+                  "then (default: a finding, since real per-token losses carry KL or entropy "
+                  "terms)")
+      ->check(CLI::IsMember({"nll", "ppo-clip"}));
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_check(*opts, r, c); };
   commands.push_back(std::move(cmd));

@@ -290,6 +290,7 @@ void register_count(CLI::App& root, Commands& commands) {
       ->capture_default_str();
   add_placement_options(*app, opts->placement, false);
   app->add_option("--max-rows", opts->max_rows, "Sample rows in the text table (0: all)")
+      ->check(CLI::Range(int64_t{0}, kMaxCount))
       ->capture_default_str();
   add_output_options(*app, cmd->output);
   cmd->run = [opts, app](Report& r, Context& c) { run_count(*opts, *app, r, c); };

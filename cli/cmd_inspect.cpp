@@ -169,6 +169,7 @@ void register_inspect(CLI::App& root, Commands& commands) {
   cmd->app->footer("Example: lossguard inspect fixtures/data/cp-examples.safetensors --json -");
   add_dump_options(*cmd->app, opts->dumps, false);
   cmd->app->add_option("--max-rows", opts->max_rows, "Sample rows in the text table (0: all)")
+      ->check(CLI::Range(int64_t{0}, kMaxCount))
       ->capture_default_str();
   add_output_options(*cmd->app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_inspect(*opts, r, c); };

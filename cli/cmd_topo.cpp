@@ -103,6 +103,7 @@ void register_topo(CLI::App& root, Commands& commands) {
       "  lossguard topo --tp 1 --pp 2 --dp 4 --ep 2");
   add_topology_options(*app, *opts);
   app->add_option("--max-rows", opts->max_rows, "Rank rows in the text table (0: all)")
+      ->check(CLI::Range(int64_t{0}, kMaxCount))
       ->capture_default_str();
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_topo(*opts, r, c); };

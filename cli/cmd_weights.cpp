@@ -121,7 +121,7 @@ void weights_step(const WeightsOptions& o, const StepView& v, Reduction reduce,
   out << fmt::format("contract {}{}\n", contract.preset.empty() ? "" : contract.preset + " = ",
                      contract_components(contract));
   int64_t max_m = 0;
-  for (int64_t d = 0; d < layout.dp; ++d) max_m = std::max(max_m, layout.num_microbatches(d));
+  for (int64_t m : layout.microbatches_per_rank()) max_m = std::max(max_m, m);
   out << fmt::format("layout: DP {} x {} micro-batch(es), CP {} ({}), TP {} (from {})\n\n",
                      layout.dp, max_m, layout.cp, mode_name(layout.cp_layout), layout.tp,
                      layout_source);
@@ -313,18 +313,23 @@ void register_weights(CLI::App& root, Commands& commands) {
   app->add_option("--contract", opts->contract,
                   "The trainer's contract: a preset or key=value,... (see below)")
       ->required();
-  app->add_option("--cp", opts->cp, "Context-parallel size")->capture_default_str();
+  app->add_option("--cp", opts->cp, "Context-parallel size")
+      ->check(CLI::Range(int64_t{1}, kMaxCp))
+      ->capture_default_str();
   app->add_option("--tp", opts->tp,
                   "Tensor-parallel size (counts summed over the world group include it)")
+      ->check(CLI::Range(int64_t{1}, kMaxCp))
       ->capture_default_str();
   add_cp_layout_options(*app, opts->cp_layout);
   add_layout_options(*app, opts->layout);
   add_placement_options(*app, opts->placement, false);
   app->add_option(
       "--global-batch-size", opts->global_batch_size,
-      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)");
+      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
   app->add_option("--l-norm", opts->l_norm,
-                  "L_norm of seq-mean-token-sum-norm (default: the longest response)");
+                  "L_norm of seq-mean-token-sum-norm, in tokens (default: the longest response)")
+      ->check(CLI::Range(1.0, static_cast<double>(kMaxCount)));
   app->add_flag("--per-token", opts->per_token,
                 "Show (and put in --json) every token's weight beside the truth");
   app->add_flag("--strict-scale", opts->strict_scale,

@@ -12,6 +12,15 @@
 
 namespace lossguard::cli {
 
+// The ranges options are validated against (CLI11 rejects a value outside with exit 2 and the
+// range). Counts and lengths are token or sample counts a real job can reach; the layout caps keep
+// every per-rank or per-micro-batch table a few hundred MB at most (weights models each
+// micro-batch of each DP rank as a row).
+inline constexpr int64_t kMaxCount = int64_t{1} << 40;
+inline constexpr int64_t kMaxDp = int64_t{1} << 20;
+inline constexpr int64_t kMaxCp = int64_t{1} << 14;  // CP owners are int16 (oracle/weights.h)
+inline constexpr int64_t kMaxMicrobatches = int64_t{1} << 22;  // DP x micro-batches
+
 struct Context {
   std::ostream& out;  // text report (a null stream when --json - takes stdout)
   std::ostream& err;  // diagnostics, progress

@@ -28,7 +28,8 @@ void add_dump_options(CLI::App& app, DumpOptions& o, bool with_dp_shards) {
 void add_step_option(CLI::App& app, DumpOptions& o) {
   app.add_option("--step", o.step,
                  "Only this optimizer step of a dump that holds several (slime's format-2 train "
-                 "dumps); default: every step, reported one by one");
+                 "dumps); default: every step, reported one by one")
+      ->check(CLI::Range(int64_t{0}, kMaxCount));
 }
 
 namespace {

@@ -1,6 +1,8 @@
 // CP layout and placement options.
 #include "cli/placement_options.h"
 
+#include "cli/command.h"
+
 #include <fmt/format.h>
 
 #include "core/errors.h"
@@ -73,20 +75,25 @@ void add_cp_layout_options(CLI::App& app, CpLayoutOptions& o) {
       ->capture_default_str();
   app.add_option("--allgather-pad", o.allgather_pad,
                  "allgather: the stream is padded to a multiple of cp*tp*this")
+      ->check(CLI::Range(int64_t{1}, kMaxCount))
       ->capture_default_str();
   app.add_option("--dynamic-cp", o.dynamic_cp,
                  "Relax's dynamic CP: each micro-batch's CP size is the smallest power of two that "
-                 "keeps its longest sample within this many tokens per GPU");
+                 "keeps its longest sample within this many tokens per GPU")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
 }
 
 void add_layout_options(CLI::App& app, LayoutOptions& o) {
   app.add_option("--padded-total-length", o.padded_total_length,
                  "thd packing with every sample padded to this length (a multiple of 2*cp); "
-                 "default: ceil(T / 2cp) chunks");
-  app.add_option("--max-seq-len", o.max_seq_len, "bshd packing: chunks of ceil(max_seq_len / 2cp)");
+                 "default: ceil(T / 2cp) chunks")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
+  app.add_option("--max-seq-len", o.max_seq_len, "bshd packing: chunks of ceil(max_seq_len / 2cp)")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
   app.add_option("--pad-multiple", o.pad_multiple,
                  "thd packing with each sample padded to a multiple of K (and of 2*cp), as Relax's "
-                 "VL path pads to tp*cp*2; a sample's own padded_total_length field wins");
+                 "VL path pads to tp*cp*2; a sample's own padded_total_length field wins")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
 }
 
 oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards) const {
@@ -97,6 +104,12 @@ oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards
     s = Split::kRoundRobin;
   else
     throw_input_error("--split must be contiguous or round-robin, got '{}'", split);
+  if (dp * microbatches > kMaxMicrobatches) {
+    throw_input_error(
+        "--dp {} x --microbatches {} = {} micro-batches; at most {} are modelled (every one is a "
+        "row of the layout)",
+        dp, microbatches, dp * microbatches, kMaxMicrobatches);
+  }
   if (dp_shards) {
     const auto shards = static_cast<int64_t>(batch.files.size());
     if (dp != 1 && dp != shards)
@@ -111,8 +124,10 @@ oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards
 void add_placement_options(CLI::App& app, PlacementOptions& o, bool dp_required) {
   auto* d =
       app.add_option("--dp", o.dp, "Data-parallel size: the global batch is split over DP ranks");
+  d->check(CLI::Range(int64_t{1}, kMaxDp));
   if (dp_required) d->required();
   app.add_option("--microbatches", o.microbatches, "Micro-batches per DP rank (contiguous)")
+      ->check(CLI::Range(int64_t{1}, kMaxDp))
       ->capture_default_str();
   app.add_option("--split", o.split, "How samples go to DP ranks: contiguous or round-robin")
       ->capture_default_str();

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 
 #include "core/errors.h"
 
@@ -249,6 +250,16 @@ Contract parse_contract(const std::string& text, Reduction reduce) {
     pos = comma + 1;
   }
   if (overridden) c.preset.clear();  // a preset with overrides is no longer that preset
+  // A compensation factor a trainer can apply: a float32 normal number. Outside that range the
+  // trainer's own arithmetic overflows or flushes to zero (`check` computes inf or 0 gradients),
+  // so `weights`, reasoning in float64, must not call it a plain uniform scale.
+  const double lo = std::numeric_limits<float>::min(), hi = std::numeric_limits<float>::max();
+  if (!(c.scale.number >= lo && c.scale.number <= hi)) {
+    throw_input_error(
+        "--contract '{}': the scale's numbers multiply to {}, outside the float32 range a trainer "
+        "can apply ({:g} to {:g})",
+        text, c.scale.number, lo, hi);
+  }
   return c;
 }
 
@@ -259,7 +270,7 @@ std::string scale_text(const ScaleFactor& s) {
       out += (out.empty() ? "" : "*") + std::string(exponent < 0 ? "1/" : "") + name;
     }
   };
-  if (s.number != 1.0) out = fmt::format("{:g}", s.number);
+  if (s.number != 1.0) out = fmt::format("{}", s.number);  // shortest text that reads back
   add(s.dp, "dp");
   add(s.cp, "cp");
   add(s.tp, "tp");

@@ -34,10 +34,19 @@ struct StepLayout {
   std::string source = "flags";  // "flags" or "dump"
   bool dynamic_cp = false;
 
-  // Micro-batches of DP rank d (M of SPEC §9 for that rank).
+  // Micro-batches of DP rank d (M of SPEC §9 for that rank). A scan: for every rank at once (a
+  // loop over ranks calling this is quadratic in DP), use microbatches_per_rank().
   int64_t num_microbatches(int64_t d) const {
     int64_t m = 0;
     for (const auto& mb : microbatches) m += mb.dp_rank == d;
+    return m;
+  }
+  // [dp] the micro-batches of every DP rank, in one pass.
+  std::vector<int64_t> microbatches_per_rank() const {
+    std::vector<int64_t> m(static_cast<std::size_t>(dp > 0 ? dp : 0), 0);
+    for (const auto& mb : microbatches) {
+      if (mb.dp_rank >= 0 && mb.dp_rank < dp) ++m[static_cast<std::size_t>(mb.dp_rank)];
+    }
     return m;
   }
 };

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/array.h"
 #include "core/modes.h"
 
 namespace lossguard {
@@ -32,7 +33,9 @@ struct RankCapture {
   int64_t tp_rank = 0, pp_rank = 0, cp_rank = 0, dp_rank = 0;
   CpLayout cp_layout = CpLayout::kZigzag;
   std::string reduce;                    // the objective the trainer claims
-  std::string weight_dtype = "float32";  // of token_weight: sets the weight tolerance
+  // The dtype the trainer computed its per-token loss in (metadata `dtype`; else token_weight's
+  // own dtype): sets the loss and weight tolerances. A bf16 loss is written as float32.
+  DType dtype = DType::kFloat32;
   std::vector<CapturedMicroBatch> microbatches;
   double grad_scale = 1.0;
   std::optional<int64_t> num_tokens_reduced, global_batch_size;

@@ -3,6 +3,7 @@
 // (oracle/replay.h) over them with deadlines, and the outcomes through the store to rank 0.
 #include "distributed/real_replay.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
 #include <unistd.h>
@@ -43,6 +44,8 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 // store, mid-protocol. LOSSGUARD_INJECT_FAULT=hang:RANK makes rank RANK never arrive (it sleeps
 // until it is killed).
 int injected_kill_point(int64_t rank) {
+  // (LOSSGUARD_INJECT_FAULT=overshoot:RANK:S, which holds rank RANK S seconds past its verdict, is
+  // read by agree_exit_code: the fault-timing tests plant it to prove they catch a late rank.)
   const char* spec = std::getenv("LOSSGUARD_INJECT_FAULT");
   long long r = -1, n = -1;
   if (spec != nullptr && std::sscanf(spec, "hang:%lld", &r) == 1 && r == rank) {
@@ -76,9 +79,28 @@ void exit_3_on_sigterm(int64_t rank) {
   ::sigaction(SIGTERM, &sa, nullptr);
 }
 
+// LOSSGUARD_TIMING_FILE=PATH: each rank appends {"rank", "start", "timeout"} (start: the wall
+// clock, in seconds since the epoch, when its deadline began) so that a test measures every rank
+// against its own deadline, not against the launcher's start (start-up under load is not a hang).
+void record_start(int64_t rank, double timeout_s) {
+  const char* path = std::getenv("LOSSGUARD_TIMING_FILE");
+  if (path == nullptr || *path == '\0') return;
+  const double now = std::chrono::duration<double>(
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
+  const std::string line =
+      fmt::format("{{\"rank\": {}, \"start\": {:.6f}, \"timeout\": {}}}\n", rank, now, timeout_s);
+  const int fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd < 0) return;
+  if (::write(fd, line.data(), line.size()) < 0) {
+  }
+  ::close(fd);
+}
+
 void run(const RealReplayInput* in, RealReplayOutput* out) {
   const auto run_start = Clock::now();
   g_run_start = run_start;
+  record_start(in->env.rank, in->timeout_s);
   const LaunchEnv& env = in->env;
   exit_3_on_sigterm(env.rank);
   const int kill_before = injected_kill_point(env.rank);
@@ -288,7 +310,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   }
 }
 
-int agree_exit_code(const RealReplayInput* in, int code) {
+int agree_exit_code_with_store(const RealReplayInput* in, int code) {
   if (g_store == nullptr) return code;
   c10d::Store& store = **g_store;
   // Rank 0 posts the code once it has every outcome or its deadline (its start + --timeout + 5 s)
@@ -323,6 +345,17 @@ int agree_exit_code(const RealReplayInput* in, int code) {
   } catch (const std::exception&) {
     return -1;
   }
+}
+
+int agree_exit_code(const RealReplayInput* in, int code) {
+  const int agreed = agree_exit_code_with_store(in, code);
+  const char* spec = std::getenv("LOSSGUARD_INJECT_FAULT");
+  long long r = -1, seconds = 0;
+  if (spec != nullptr && std::sscanf(spec, "overshoot:%lld:%lld", &r, &seconds) == 2 &&
+      r == in->env.rank) {
+    std::this_thread::sleep_for(std::chrono::seconds(seconds));
+  }
+  return agreed;
 }
 
 const DistApi kApi = {kDistAbiVersion, run, agree_exit_code};

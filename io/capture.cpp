@@ -181,12 +181,37 @@ RankCapture read_capture(const std::string& path) {
     mb.num_tokens = r.opt_int(p + "num_tokens");
     mb.loss = r.opt_float(p + "loss");
     mb.token_weight = r.floats(p + "token_weight");
-    if (k == 0) c.weight_dtype = std::string(dtype_name(r.need(p + "token_weight").dtype));
+    if (k == 0) c.dtype = r.need(p + "token_weight").dtype;
     if (r.find(p + "token_loss")) {
       mb.token_loss = r.floats(p + "token_loss", static_cast<int64_t>(mb.token_weight.size()));
     }
     if (r.find(p + "sample_denoms")) mb.sample_denoms = r.floats(p + "sample_denoms", n);
     c.microbatches.push_back(std::move(mb));
+  }
+  if (auto it = file.metadata.find("dtype"); it != file.metadata.end()) {
+    if (!parse_dtype(it->second, &c.dtype) || !dtype_is_float(c.dtype)) {
+      throw_input_error("{}: metadata dtype = '{}' is not a float dtype (bfloat16, float16, "
+                        "float32, float64)",
+                        path, it->second);
+    }
+  }
+  // Every tensor is a record this format names: a micro-batch beyond num_microbatches (or a typo)
+  // would otherwise be dropped without a word.
+  for (const auto& [name, array] : file.tensors) {
+    if (name.rfind("mb.", 0) == 0) {
+      const std::size_t dot = name.find('.', 3);
+      const std::string index = name.substr(3, dot == std::string::npos ? dot : dot - 3);
+      const bool digits = !index.empty() && index.size() < 10 &&
+                          std::all_of(index.begin(), index.end(), [](char ch) {
+                            return ch >= '0' && ch <= '9';
+                          });
+      if (!digits || std::stoll(index) >= num_mb) {
+        throw_input_error(
+            "{}: tensor '{}' names micro-batch '{}' but metadata num_microbatches = {} (micro-batches "
+            "0..{})",
+            path, name, index, num_mb, num_mb - 1);
+      }
+    }
   }
   const HostArray& scale = r.need("grad_scale");
   if (scale.numel() != 1) throw_input_error("{}: 'grad_scale' must be a scalar", path);

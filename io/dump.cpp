@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 #include "core/errors.h"
@@ -36,9 +37,14 @@ const char* dump_format_name(DumpFormat f) {
 
 namespace {
 
+// A batch field and the keys it is read from. Two of those keys in one dict are the same field
+// twice (an input error naming both), except where `distinct` says the keys hold different
+// quantities a dump may carry side by side (slime keeps the inference engine's rollout_log_probs
+// beside the trainer's old_log_probs): then the first listed wins.
 struct FieldSpec {
   const char* name;
   std::vector<const char*> aliases;
+  bool distinct = false;
 };
 const std::vector<FieldSpec>& field_specs() {
   static const std::vector<FieldSpec> kSpecs = {
@@ -49,7 +55,7 @@ const std::vector<FieldSpec>& field_specs() {
       {"loss_mask", {"loss_mask", "loss_masks"}},
       {"logits", {"logits"}},
       {"log_probs", {"log_probs"}},
-      {"old_log_probs", {"old_log_probs", "rollout_log_probs"}},
+      {"old_log_probs", {"old_log_probs", "rollout_log_probs"}, true},
       {"ref_log_probs", {"ref_log_probs"}},
       {"advantages", {"advantages"}},
       {"token_loss", {"token_loss"}},
@@ -75,21 +81,32 @@ bool is_field_key(const std::string& key, const FieldMap& map) {
   return false;
 }
 
-// Finds a batch-model field in a dict: the --field override if given, else the first alias present.
+// Finds a batch-model field in a dict: the --field override if given, else the alias present (two
+// present: an input error naming both, `where` first).
 const Value* find_field(const Value& dict, const std::string& name, const FieldMap& map,
-                        std::string* key_used) {
+                        std::string* key_used, const std::string& where = "") {
   if (auto it = map.keys.find(name); it != map.keys.end()) {
     *key_used = it->second;
     return dict.get(it->second);
   }
   for (const auto& spec : field_specs()) {
     if (name != spec.name) continue;
+    const Value* found = nullptr;
     for (const char* a : spec.aliases) {
-      if (const Value* v = dict.get(a)) {
+      const Value* v = dict.get(a);
+      if (v == nullptr) continue;
+      if (found == nullptr) {
+        found = v;
         *key_used = a;
-        return v;
+        if (spec.distinct) break;
+      } else {
+        throw_input_error(
+            "{}{}keys '{}' and '{}' are both the batch field '{}': keep one, or choose with "
+            "--field {}=KEY",
+            where, where.empty() ? "" : " ", *key_used, a, name, name);
       }
     }
+    if (found != nullptr) return found;
   }
   *key_used = name;
   return nullptr;
@@ -280,7 +297,7 @@ void add_samples(BatchBuilder& builder, const Value& samples, const std::string&
     std::deque<HostArray> keep;
     SampleFields f;
     auto array_field = [&](const std::string& name) -> const HostArray* {
-      const Value* v = find_field(s, name, map, &key);
+      const Value* v = find_field(s, name, map, &key, where_sample);
       if (v == nullptr || v->kind == Kind::kNone) return nullptr;
       keep.push_back(to_array(*v, fmt::format("{} field '{}'", where_sample, key)));
       return &keep.back();
@@ -295,21 +312,21 @@ void add_samples(BatchBuilder& builder, const Value& samples, const std::string&
             return fmt::format("{}", fmt::join(k, ", "));
           }());
     }
-    if (const Value* v = find_field(s, "response_length", map, &key)) {
+    if (const Value* v = find_field(s, "response_length", map, &key, where_sample)) {
       f.response_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
     }
-    if (const Value* v = find_field(s, "total_length", map, &key)) {
+    if (const Value* v = find_field(s, "total_length", map, &key, where_sample)) {
       f.total_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
     }
-    if (const Value* v = find_field(s, "padded_total_length", map, &key);
+    if (const Value* v = find_field(s, "padded_total_length", map, &key, where_sample);
         v != nullptr && v->kind != Kind::kNone) {
       f.padded_total_length = to_length(*v, fmt::format("{} field '{}'", where_sample, key));
     }
-    if (const Value* v = find_field(s, "sample_denom", map, &key);
+    if (const Value* v = find_field(s, "sample_denom", map, &key, where_sample);
         v != nullptr && v->kind != Kind::kNone) {
       f.sample_denom = to_scalar(*v, fmt::format("{} field '{}'", where_sample, key));
     }
-    if (const Value* v = find_field(s, "removed", map, &key);
+    if (const Value* v = find_field(s, "removed", map, &key, where_sample);
         v != nullptr && v->kind != Kind::kNone) {
       f.removed = to_scalar(*v, fmt::format("{} field '{}'", where_sample, key)) != 0.0;
     }
@@ -497,7 +514,7 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
       builder.add_metadata(k->s, to_metadata(*v));
     }
   }
-  if (const Value* samples = find_field(root, "samples", map, &key)) {
+  if (const Value* samples = find_field(root, "samples", map, &key, path + ":")) {
     if (!samples->is_sequence())
       throw_input_error("{}: field '{}' is a {}, expected a list of samples", path, key,
                         samples->type_name());
@@ -508,11 +525,11 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
   }
   // slime's per-rank train dump: {"rollout_id", "rank", "rollout_data": {packed fields}}.
   if (const Value* data = root.get("rollout_data");
-      data != nullptr && data->is_dict() && find_field(root, "tokens", map, &key) == nullptr) {
+      data != nullptr && data->is_dict() && find_field(root, "tokens", map, &key, path + ":") == nullptr) {
     add_tree(builder, *data, path, map);
     return;
   }
-  if (find_field(root, "tokens", map, &key) == nullptr) {
+  if (find_field(root, "tokens", map, &key, path + ":") == nullptr) {
     std::vector<std::string> keys;
     for (const auto& e : root.entries)
       keys.push_back(e.first->kind == Kind::kString ? e.first->s : e.first->type_name());
@@ -524,7 +541,7 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
   std::deque<HostArray> keep;
   PackedFields f;
   auto array_field = [&](const std::string& name) -> const HostArray* {
-    const Value* v = find_field(root, name, map, &key);
+    const Value* v = find_field(root, name, map, &key, path + ":");
     if (v == nullptr || v->kind == Kind::kNone) return nullptr;
     keep.push_back(to_packed_array(*v, fmt::format("{}: field '{}'", path, key)));
     return &keep.back();
@@ -742,10 +759,44 @@ DumpFormat detect_format(const std::string& path) {
 
 ValuePtr json_to_value(const std::string& text, const std::string& what) {
   nlohmann::json j;
+  // nlohmann keeps the last of two equal keys in an object; a dump whose "loss_mask" appears twice
+  // is ambiguous, so it is refused, naming the key and where it is.
+  std::vector<std::set<std::string>> keys;  // one set per open object
+  std::vector<std::string> path;            // the key that leads to each open object
+  std::string pending_key, duplicate;
+  nlohmann::json::parser_callback_t on_event = [&](int, nlohmann::json::parse_event_t ev,
+                                                   nlohmann::json& v) {
+    using E = nlohmann::json::parse_event_t;
+    if (ev == E::object_start) {
+      keys.emplace_back();
+      path.push_back(pending_key);
+    } else if (ev == E::object_end && !keys.empty()) {
+      keys.pop_back();
+      path.pop_back();
+    } else if (ev == E::key && !keys.empty()) {
+      pending_key = v.get<std::string>();
+      if (!keys.back().insert(pending_key).second && duplicate.empty()) {
+        std::string at;
+        for (const auto& p : path) {
+          if (!p.empty()) at += "/" + p;
+        }
+        duplicate = fmt::format("'{}' (in the object at '{}')", pending_key,
+                                at.empty() ? std::string("/") : at);
+      }
+    } else if (ev == E::array_start) {
+      pending_key = "[]";
+    }
+    return true;
+  };
   try {
-    j = nlohmann::json::parse(text);
+    j = nlohmann::json::parse(text, on_event);
   } catch (const nlohmann::json::exception& e) {
     throw_input_error("{}: invalid JSON: {}", what, e.what());
+  }
+  if (!duplicate.empty()) {
+    throw_input_error("{}: JSON key {} appears twice in one object (the second would replace the "
+                      "first)",
+                      what, duplicate);
   }
   return from_json(j, what, 0);
 }
@@ -846,7 +897,7 @@ std::optional<HostArray> reassemble_cp_local(const std::vector<const Dump*>& mem
   for (const Dump* d : members) {
     const Value* data = d->tree->get("rollout_data");
     std::string key;
-    const Value* v = find_field(*data, name, map, &key);
+    const Value* v = find_field(*data, name, map, &key, d->path + ":");
     if (v == nullptr || v->kind == Kind::kNone) {
       *why = fmt::format("{} lacks it", d->path);
       return std::nullopt;

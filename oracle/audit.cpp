@@ -1,7 +1,8 @@
 // Audit of a trainer's captures (SPEC §10). The global batch is rebuilt by sample index from the
 // loss-computing ranks (last pipeline stage, TP rank 0), the layout from what each rank says it
 // trained, each rank's token_weight mapped to tokens through the ownership rule (§2), and every
-// check run on that.
+// check run on that. Captures that contradict each other are an input error (exit 2); a value the
+// trainer recorded that is wrong, infinite or NaN is a failed check (exit 1), never a pass.
 #include "oracle/audit.h"
 
 #include <fmt/format.h>
@@ -24,6 +25,27 @@ bool AuditStep::failed(bool strict_scale) const {
   return diagnosis.fails(strict_scale);
 }
 
+AuditTolerance audit_tolerance(DType dtype) {
+  // u: the unit roundoff of the dtype the trainer computed its per-token loss in.
+  // Weights: the hook's gradient dL/dl_t passes through at most a few ops in that dtype (the
+  // reduction's division, a compensation factor, the gradient-accumulation division), each
+  // rounding by at most u: 4u bounds four roundings. Loss: the scalar is a rounding of a sum
+  // accumulated in float32 or wider (u), divided or scaled up to three times (3u), against
+  // sum(w·l) whose every w carries the weight's 4u: 8u of the summed magnitude.
+  // float32 keeps the 1e-5 used since the first round (~170u: its reductions run over millions of
+  // terms with a float accumulator); float64 1e-9.
+  switch (dtype) {
+    case DType::kBFloat16:
+      return {4 * 0x1p-9, 8 * 0x1p-9};  // 7.8e-3, 1.6e-2 (PyTorch's bf16 rtol is 1.6e-2)
+    case DType::kFloat16:
+      return {4 * 0x1p-11, 8 * 0x1p-11};  // 2.0e-3, 3.9e-3
+    case DType::kFloat64:
+      return {1e-9, 1e-9};
+    default:
+      return {1e-5, 1e-5};
+  }
+}
+
 namespace {
 
 struct SampleRecord {
@@ -39,10 +61,8 @@ std::string where(const RankCapture& c) {
                      c.tp_rank, c.pp_rank, c.file);
 }
 
-AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
-                     const AuditOptions& opt) {
-  AuditStep out;
-  out.step = step;
+// Metadata every capture of a step must share, and each capture's own place in the world.
+void check_metadata(int64_t step, const std::vector<const RankCapture*>& all) {
   const RankCapture& first = *all.front();
   for (const RankCapture* c : all) {
     if (c->world_size != first.world_size || c->tp != first.tp || c->pp != first.pp ||
@@ -53,11 +73,40 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
           step, where(first), first.world_size, first.tp, first.pp, first.cp, first.dp, where(*c),
           c->world_size, c->tp, c->pp, c->cp, c->dp);
     }
+    if (c->tp * c->pp * c->cp * c->dp != c->world_size) {
+      throw_input_error("{}: world_size {} is not tp {} x pp {} x cp {} x dp {}", c->file,
+                        c->world_size, c->tp, c->pp, c->cp, c->dp);
+    }
+    if (c->rank < 0 || c->rank >= c->world_size) {
+      throw_input_error("{}: rank {} is outside a world of {} (ranks 0..{})", c->file, c->rank,
+                        c->world_size, c->world_size - 1);
+    }
+    auto differs = [&](const char* what, const std::string& a, const std::string& b) {
+      if (a != b) {
+        throw_input_error("step {}: {} says {} = '{}' but {} says '{}' (one step, one {})", step,
+                          first.file, what, a, c->file, b, what);
+      }
+    };
+    differs("reduce", first.reduce, c->reduce);
+    differs("cp_layout", std::string(mode_name(first.cp_layout)),
+            std::string(mode_name(c->cp_layout)));
+    if (first.global_batch_size && c->global_batch_size &&
+        *first.global_batch_size != *c->global_batch_size) {
+      differs("global_batch_size", std::to_string(*first.global_batch_size),
+              std::to_string(*c->global_batch_size));
+    }
   }
-  const int64_t dp = first.dp, cp = first.cp;
+}
+
+struct LossRanks {
   // The loss-computing ranks, one per (DP, CP) coordinate; TP peers are compared with them.
-  std::map<std::pair<int64_t, int64_t>, const RankCapture*> loss_rank;
+  std::map<std::pair<int64_t, int64_t>, const RankCapture*> by_coord;
   std::vector<const RankCapture*> tp_peers;
+};
+
+LossRanks loss_ranks(int64_t step, const std::vector<const RankCapture*>& all) {
+  const RankCapture& first = *all.front();
+  LossRanks out;
   std::map<int64_t, const RankCapture*> by_rank;
   for (const RankCapture* c : all) {
     if (!by_rank.emplace(c->rank, c).second) {
@@ -65,36 +114,61 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
                         by_rank[c->rank]->file, c->file);
     }
     if (c->pp_rank != c->pp - 1) continue;
-    if (c->tp_rank == 0) {
-      loss_rank[{c->dp_rank, c->cp_rank}] = c;
-    } else {
-      tp_peers.push_back(c);
+    if (c->tp_rank != 0) {
+      out.tp_peers.push_back(c);
+      continue;
+    }
+    auto [it, fresh] = out.by_coord.emplace(std::make_pair(c->dp_rank, c->cp_rank), c);
+    if (!fresh) {
+      throw_input_error(
+          "step {}: {} and {} both say they are the loss-computing rank of DP {} CP {} (TP 0, "
+          "last stage)",
+          step, it->second->file, c->file, c->dp_rank, c->cp_rank);
     }
   }
   std::vector<std::string> missing;
-  for (int64_t d = 0; d < dp; ++d) {
-    for (int64_t c = 0; c < cp; ++c) {
-      if (!loss_rank.count({d, c})) missing.push_back(fmt::format("DP {} CP {}", d, c));
+  for (int64_t d = 0; d < first.dp; ++d) {
+    for (int64_t c = 0; c < first.cp; ++c) {
+      if (!out.by_coord.count({d, c})) missing.push_back(fmt::format("DP {} CP {}", d, c));
     }
   }
   if (!missing.empty()) {
     throw_input_error(
         "step {}: no capture from the loss-computing rank (last pipeline stage, TP rank 0) of {}{}",
-        step, fmt::format("{}", missing.front()),
+        step, missing.front(),
         missing.size() > 1 ? fmt::format(" and {} more", missing.size() - 1) : "");
   }
-  if (opt.reduce) {
-    out.reduce = *opt.reduce;
-  } else if (!first.reduce.empty() && !parse_reduction(first.reduce, &out.reduce)) {
-    throw_input_error("{}: metadata reduce = '{}' is not {}", first.file, first.reduce,
-                      mode_choices<Reduction>());
-  }
+  return out;
+}
 
-  // 1. The global batch, by sample index; every rank that holds a sample must hold the same one.
+// 1. The global batch, by sample index; every rank that holds a sample must hold the same one.
+// A dummy micro-batch's samples are not part of it: one that holds effective tokens or weight is
+// a coverage problem (its loss would be dropped or counted where it must not be).
+struct RebuiltBatch {
+  Batch batch;
+  std::map<int64_t, int64_t> position;  // global sample index -> position in the batch
+  std::vector<std::string> dummy_problems;
+};
+
+RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
+  RebuiltBatch out;
   std::map<int64_t, SampleRecord> samples;
-  for (const auto& [coord, c] : loss_rank) {
+  for (const auto& [coord, c] : ranks.by_coord) {
     for (const CapturedMicroBatch& mb : c->microbatches) {
-      if (mb.dummy) continue;
+      if (mb.dummy) {
+        int64_t effective = 0;
+        for (uint8_t m : mb.loss_masks) effective += m;
+        const bool weighted = std::any_of(mb.token_weight.begin(), mb.token_weight.end(),
+                                          [](double w) { return w != 0.0; });
+        if (effective > 0 || weighted) {
+          out.dummy_problems.push_back(fmt::format(
+              "{} micro-batch {} is marked dummy but holds {} sample(s) with {} effective "
+              "token(s){}: a dummy micro-batch carries no loss",
+              where(*c), mb.index, mb.sample_indices.size(), effective,
+              weighted ? " and non-zero token_weight" : ""));
+        }
+        continue;
+      }
       int64_t tok = 0, msk = 0;
       for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
         const int64_t idx = mb.sample_indices[p], t = mb.total_lengths[p],
@@ -124,13 +198,12 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
       }
     }
   }
-  std::map<int64_t, int64_t> position;  // global sample index -> position in the rebuilt batch
   BatchBuilder builder(LoadNeeds{true, false, false});
   builder.begin_file(fmt::format("captures of step {}", step));
   std::vector<HostArray> keep;
   keep.reserve(samples.size() * 2);
   for (const auto& [idx, rec] : samples) {
-    position[idx] = static_cast<int64_t>(position.size());
+    out.position[idx] = static_cast<int64_t>(out.position.size());
     keep.push_back(HostArray::from_i64(DType::kInt64, {rec.t},
                                        std::vector<int64_t>(rec.tokens, rec.tokens + rec.t)));
     SampleFields f;
@@ -142,23 +215,31 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
     builder.add_sample(idx, f);
   }
   out.batch = builder.finish();
-  const Batch& b = out.batch;
+  return out;
+}
 
-  // 2. The layout each rank trained: its micro-batches, their CP size and sub-groups.
-  out.layout.dp = dp;
-  out.layout.cp = cp;
-  out.layout.tp = first.tp;
-  out.layout.cp_layout = first.cp_layout;
-  out.layout.source = "dump";
-  for (int64_t d = 0; d < dp; ++d) {
-    const RankCapture& lead = *loss_rank[{d, 0}];
+// 2. The layout each rank trained: its micro-batches, their CP size and sub-groups.
+StepLayout rebuild_layout(int64_t step, const RankCapture& first, const LossRanks& ranks,
+                          const std::map<int64_t, int64_t>& position) {
+  StepLayout layout;
+  layout.dp = first.dp;
+  layout.cp = first.cp;
+  layout.tp = first.tp;
+  layout.cp_layout = first.cp_layout;
+  layout.source = "dump";
+  const int64_t cp = first.cp;
+  auto rank_at = [&](int64_t d, int64_t c) -> const RankCapture& {
+    return *ranks.by_coord.at({d, c});
+  };
+  for (int64_t d = 0; d < first.dp; ++d) {
+    const RankCapture& lead = rank_at(d, 0);
     for (int64_t c = 1; c < cp; ++c) {
-      if (loss_rank[{d, c}]->microbatches.size() != lead.microbatches.size()) {
+      if (rank_at(d, c).microbatches.size() != lead.microbatches.size()) {
         throw_input_error(
             "step {}: {} has {} micro-batches but {} has {} (the CP ranks of a DP rank train the "
             "same micro-batches)",
-            step, where(lead), lead.microbatches.size(), where(*loss_rank[{d, c}]),
-            loss_rank[{d, c}]->microbatches.size());
+            step, where(lead), lead.microbatches.size(), where(rank_at(d, c)),
+            rank_at(d, c).microbatches.size());
       }
     }
     for (std::size_t k = 0; k < lead.microbatches.size(); ++k) {
@@ -173,262 +254,383 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
             lead.file, k, mb.cp_size, cp);
       }
       for (int64_t c = 0; c < cp; ++c) {
-        const CapturedMicroBatch& m = loss_rank[{d, c}]->microbatches[k];
+        const CapturedMicroBatch& m = rank_at(d, c).microbatches[k];
         if (m.cp_size != mb.cp_size || m.dummy != mb.dummy) {
           throw_input_error(
-              "step {}: DP rank {} micro-batch {}: CP rank 0 says CP size {}{} but CP rank {} says "
-              "{}{}",
-              step, d, k, mb.cp_size, mb.dummy ? " (dummy)" : "", c, m.cp_size,
-              m.dummy ? " (dummy)" : "");
+              "step {}: DP rank {} micro-batch {}: CP rank 0 says CP size {}{} but CP rank {} ({}) "
+              "says {}{}",
+              step, d, k, mb.cp_size, mb.dummy ? " (dummy)" : "", c, rank_at(d, c).file,
+              m.cp_size, m.dummy ? " (dummy)" : "");
         }
+        if (mb.dummy) continue;  // its samples are not in the batch (rebuild_batch)
         const int64_t g = c / mb.cp_size;
         std::vector<int64_t> pos;
         for (int64_t idx : m.sample_indices) pos.push_back(position.at(idx));
         if (static_cast<int64_t>(mb.groups.size()) <= g) {
           mb.groups.push_back(pos);
-        } else if (mb.groups[g] != pos && !mb.dummy) {
+        } else if (mb.groups[g] != pos) {
           throw_input_error(
               "step {}: DP rank {} micro-batch {}: CP ranks {} and {} of one CP group hold "
-              "different samples",
-              step, d, k, g * mb.cp_size, c);
+              "different samples ({} and {})",
+              step, d, k, g * mb.cp_size, c, rank_at(d, g * mb.cp_size).file,
+              rank_at(d, c).file);
         }
       }
-      if (mb.dummy) mb.groups.clear();
-      out.layout.microbatches.push_back(std::move(mb));
+      layout.microbatches.push_back(std::move(mb));
     }
   }
+  return layout;
+}
 
-  // 3. The truth, the ownership of every token, and each rank's measured weights placed on it.
-  int64_t n = 0;
-  for (uint8_t m : b.loss_mask) n += m;
-  out.global_tokens = n;
-  out.expected_skip = n == 0;
-  ObjectiveSizes sizes;
-  if (first.global_batch_size) sizes.global_batch_size = *first.global_batch_size;
-  sizes = resolve_sizes(b, sizes);
-  out.truth = true_weights(b, out.reduce, sizes);
-  const ContractWeights owned =
-      contract_weights(b, out.layout, preset_contract("truth", out.reduce), sizes);
-  out.place = owned.place;
-  const int64_t rows = b.num_response_tokens();
-  out.measured.assign(static_cast<std::size_t>(rows), 0.0);
-  std::vector<int32_t> held(static_cast<std::size_t>(rows), 0);
-  std::vector<std::string> count_problems, loss_problems;
+// The first few problems of one kind, and how many there were.
+struct Problems {
+  std::vector<std::string> items;
+  int64_t total = 0;
+  void add(std::string text) {
+    if (total++ < 3) items.push_back(std::move(text));
+  }
+  bool empty() const { return total == 0; }
+  std::string text() const {
+    return fmt::format("{}{}", fmt::join(items, "; "),
+                       total > 3 ? fmt::format(" (and {} more)", total - 3) : "");
+  }
+};
+
+// A float record that is inf or NaN, named by its place.
+void check_finite(Problems& p, const RankCapture& c, const std::string& record, double v) {
+  if (!std::isfinite(v)) p.add(fmt::format("{}: {} = {}", where(c), record, v));
+}
+
+// 3. Each loss rank's measured weights placed on the tokens it owns; the per-micro-batch counts
+// and loss consistency on the way.
+struct Measurement {
+  std::vector<double> measured;  // [sum R] sum over ranks of token_weight · grad_scale
+  std::vector<int32_t> held;     // [sum R] how many ranks hold each token
+  Problems counts, loss, nonfinite_weights, nonfinite_loss;
   std::string masked_weighted;
   int64_t nan_losses = 0;  // micro-batch means over zero tokens: NaN values, zero gradients
   std::string first_nan;
   int64_t num_tokens_seen = 0;
-  bool loss_seen = false;
-  double weight_tol = opt.weight_rel_tol > 0            ? opt.weight_rel_tol
-                      : first.weight_dtype == "float64" ? 1e-9
-                                                        : 1e-5;
-  out.weight_rel_tol = weight_tol;
-  const bool per_token_objective =
-      out.reduce == Reduction::kPerToken || out.reduce == Reduction::kTokenMean;
-  for (const auto& [coord, c] : loss_rank) {
-    AuditRank ar{c->rank,    c->dp_rank,
-                 c->cp_rank, c->tp_rank,
-                 c->pp_rank, static_cast<int64_t>(c->microbatches.size()),
-                 0,          c->grad_scale,
-                 c->skipped, c->grad_norm,
-                 c->file};
-    for (const CapturedMicroBatch& mb : c->microbatches) {
-      if (mb.dummy) {
-        for (double w : mb.token_weight) {
-          if (w != 0.0) {
-            loss_problems.push_back(fmt::format(
-                "{} micro-batch {} is a dummy but carries weight {}", where(*c), mb.index, w));
-            break;
-          }
-        }
-        continue;
-      }
-      std::size_t j = 0;
-      int64_t owned_effective = 0;
-      double weighted_loss = 0.0, magnitude = 0.0;
-      for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
-        const int64_t i = position.at(mb.sample_indices[p]);
-        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-          if (out.place.owner[t] != c->cp_rank) continue;
-          if (j >= mb.token_weight.size()) {
-            j = mb.token_weight.size() + 1;  // report below
-            break;
-          }
-          const double w = mb.token_weight[j] * c->grad_scale;
-          if (b.loss_mask[t]) {
-            ++owned_effective;
-            out.measured[t] += w;
-          } else if (w != 0.0 && masked_weighted.empty()) {
-            masked_weighted = fmt::format(
-                "{} micro-batch {}: sample {} response index {} has mask 0 but weight {:.6g}",
-                where(*c), mb.index, mb.sample_indices[p], t - b.response_offsets[i], w);
-          }
-          ++held[t];
-          if (mb.token_loss) {
-            weighted_loss += mb.token_weight[j] * (*mb.token_loss)[j];
-            magnitude += std::fabs(mb.token_weight[j] * (*mb.token_loss)[j]);
-          }
-          ++j;
-        }
-      }
-      if (j != mb.token_weight.size()) {
-        int64_t owns = 0;
-        for (int64_t idx : mb.sample_indices) {
-          const int64_t i = position.at(idx);
-          for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
-            owns += out.place.owner[t] == c->cp_rank;
-        }
-        throw_input_error(
-            "{}: micro-batch {}: token_weight has {} entries but the rank owns {} response tokens "
-            "of its samples at CP size {} ({} layout)",
-            c->file, mb.index, mb.token_weight.size(), owns, mb.cp_size,
-            mode_name(out.layout.cp_layout));
-      }
-      ar.owned_tokens += static_cast<int64_t>(j);
-      if (mb.num_tokens) {
-        ++num_tokens_seen;
-        if (per_token_objective && *mb.num_tokens != owned_effective && count_problems.size() < 3) {
-          count_problems.push_back(
-              fmt::format("{} micro-batch {}: num_tokens {} but the rank owns {} effective tokens",
-                          where(*c), mb.index, *mb.num_tokens, owned_effective));
-        }
-      }
-      if (mb.loss && mb.token_loss) {
-        loss_seen = true;
-        if (std::isnan(*mb.loss) && owned_effective == 0) {
-          if (nan_losses++ == 0) first_nan = fmt::format("{} micro-batch {}", where(*c), mb.index);
-        } else if (!(std::fabs(*mb.loss - weighted_loss) <=
-                     1e-5 * magnitude + 1e-6 * std::fabs(*mb.loss) + 1e-12)) {
-          if (loss_problems.size() < 3) {
-            loss_problems.push_back(fmt::format(
-                "{} micro-batch {}: loss {:.9g} but sum of token_weight x token_loss is {:.9g}",
-                where(*c), mb.index, *mb.loss, weighted_loss));
-          }
-        }
+  bool loss_seen = false, token_loss_seen = false;
+};
+
+void measure_rank(const RankCapture& c, const AuditStep& out,
+                  const std::map<int64_t, int64_t>& position, bool per_token_objective,
+                  double loss_tol, Measurement& m, AuditRank& ar) {
+  const Batch& b = out.batch;
+  check_finite(m.nonfinite_weights, c, "grad_scale", c.grad_scale);
+  for (const CapturedMicroBatch& mb : c.microbatches) {
+    if (mb.dummy) continue;
+    const std::string mbname = fmt::format("micro-batch {}", mb.index);
+    for (std::size_t j = 0; j < mb.token_weight.size(); ++j) {
+      check_finite(m.nonfinite_weights, c, fmt::format("{} token_weight[{}]", mbname, j),
+                   mb.token_weight[j]);
+      if (mb.token_loss) {
+        check_finite(m.nonfinite_loss, c, fmt::format("{} token_loss[{}]", mbname, j),
+                     (*mb.token_loss)[j]);
       }
     }
-    if (per_token_objective && c->num_tokens_reduced && *c->num_tokens_reduced != n &&
-        count_problems.size() < 3) {
-      count_problems.push_back(
-          fmt::format("{}: num_tokens_reduced {} but the step has N = {} effective tokens",
-                      where(*c), *c->num_tokens_reduced, n));
+    if (mb.sample_denoms) {
+      for (std::size_t p = 0; p < mb.sample_denoms->size(); ++p) {
+        check_finite(m.nonfinite_weights, c, fmt::format("{} sample_denoms[{}]", mbname, p),
+                     (*mb.sample_denoms)[p]);
+      }
     }
-    out.ranks.push_back(ar);
+    std::size_t j = 0;
+    int64_t owned_effective = 0, owns = 0;
+    double weighted_loss = 0.0, magnitude = 0.0;
+    for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
+      const int64_t i = position.at(mb.sample_indices[p]);
+      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+        if (out.place.owner[t] != c.cp_rank) continue;
+        ++owns;
+        if (j >= mb.token_weight.size()) continue;  // reported below, with the count
+        const double w = mb.token_weight[j] * c.grad_scale;
+        if (b.loss_mask[t]) {
+          ++owned_effective;
+          m.measured[t] += w;
+        } else if (w != 0.0 && m.masked_weighted.empty()) {
+          m.masked_weighted = fmt::format(
+              "{} {}: sample {} response index {} has mask 0 but weight {:.6g}", where(c), mbname,
+              mb.sample_indices[p], t - b.response_offsets[i], w);
+        }
+        ++m.held[t];
+        if (mb.token_loss) {
+          weighted_loss += mb.token_weight[j] * (*mb.token_loss)[j];
+          magnitude += std::fabs(mb.token_weight[j] * (*mb.token_loss)[j]);
+        }
+        ++j;
+      }
+    }
+    if (static_cast<int64_t>(mb.token_weight.size()) != owns) {
+      throw_input_error(
+          "{}: {}: token_weight has {} entries but the rank owns {} response tokens of its "
+          "samples at CP size {} ({} layout)",
+          c.file, mbname, mb.token_weight.size(), owns, mb.cp_size,
+          mode_name(out.layout.cp_layout));
+    }
+    ar.owned_tokens += owns;
+    if (mb.num_tokens) {
+      ++m.num_tokens_seen;
+      if (per_token_objective && *mb.num_tokens != owned_effective) {
+        m.counts.add(fmt::format("{} {}: num_tokens {} but the rank owns {} effective tokens",
+                                 where(c), mbname, *mb.num_tokens, owned_effective));
+      }
+    }
+    m.loss_seen |= mb.loss.has_value();
+    m.token_loss_seen |= mb.token_loss.has_value();
+    if (!mb.loss) continue;
+    if (std::isnan(*mb.loss) && owned_effective == 0) {
+      if (m.nan_losses++ == 0) m.first_nan = fmt::format("{} {}", where(c), mbname);
+      continue;
+    }
+    check_finite(m.nonfinite_loss, c, mbname + " loss", *mb.loss);
+    if (!mb.token_loss || !std::isfinite(*mb.loss) || !std::isfinite(weighted_loss)) continue;
+    if (!(std::fabs(*mb.loss - weighted_loss) <=
+          loss_tol * magnitude + 0.1 * loss_tol * std::fabs(*mb.loss) + 1e-12)) {
+      m.loss.add(fmt::format("{} {}: loss {:.9g} but sum of token_weight x token_loss is {:.9g}",
+                             where(c), mbname, *mb.loss, weighted_loss));
+    }
   }
-  if (nan_losses > 0) {
-    out.findings.push_back({"mean_over_zero_tokens",
-                            fmt::format("step {}: {} micro-batch loss value(s) are NaN, a mean "
-                                        "over zero tokens, while their gradient is 0 "
-                                        "(first: {})",
-                                        step, nan_losses, first_nan),
-                            {{"step", step}, {"microbatches", nan_losses}}});
+  if (per_token_objective && c.num_tokens_reduced &&
+      *c.num_tokens_reduced != out.global_tokens) {
+    m.counts.add(fmt::format("{}: num_tokens_reduced {} but the step has N = {} effective tokens",
+                             where(c), *c.num_tokens_reduced, out.global_tokens));
   }
-  // TP peers compute the same loss: their weights must agree exactly with TP rank 0's.
-  std::string tp_problem;
-  for (const RankCapture* peer : tp_peers) {
-    const RankCapture& lead = *loss_rank[{peer->dp_rank, peer->cp_rank}];
+}
+
+// TP peers compute the same loss: their weights must agree exactly with TP rank 0's.
+std::string tp_disagreement(const LossRanks& ranks) {
+  for (const RankCapture* peer : ranks.tp_peers) {
+    const RankCapture& lead = *ranks.by_coord.at({peer->dp_rank, peer->cp_rank});
     bool same = peer->microbatches.size() == lead.microbatches.size() &&
                 peer->grad_scale == lead.grad_scale;
     for (std::size_t k = 0; same && k < lead.microbatches.size(); ++k) {
       same = peer->microbatches[k].token_weight == lead.microbatches[k].token_weight &&
              peer->microbatches[k].sample_indices == lead.microbatches[k].sample_indices;
     }
-    if (!same && tp_problem.empty())
-      tp_problem = fmt::format("{} disagrees with its TP rank 0 ({})", where(*peer), lead.file);
+    if (!same) return fmt::format("{} disagrees with its TP rank 0 ({})", where(*peer), lead.file);
   }
+  return "";
+}
 
-  // 4. The checks.
-  std::string coverage;
-  for (int64_t i = 0; i < b.num_samples() && coverage.empty(); ++i) {
+AuditCheck coverage_check(const AuditStep& out, const Measurement& m,
+                          const std::vector<std::string>& placement_problems,
+                          const std::vector<std::string>& dummy_problems,
+                          const std::string& tp_problem, std::optional<int64_t> recorded_batch) {
+  const Batch& b = out.batch;
+  std::string problem;
+  for (const auto& p : dummy_problems) {
+    if (problem.empty()) problem = p;
+  }
+  for (const auto& p : placement_problems) {
+    if (problem.empty()) problem = p;
+  }
+  if (problem.empty() && recorded_batch && *recorded_batch > b.num_samples()) {
+    problem = fmt::format(
+        "the captures record global_batch_size = {} but hold {} sample(s): {} sample(s) of the "
+        "step were dropped before the loss",
+        *recorded_batch, b.num_samples(), *recorded_batch - b.num_samples());
+  }
+  for (int64_t i = 0; i < b.num_samples() && problem.empty(); ++i) {
     for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-      if (!b.loss_mask[t]) continue;
-      if (held[t] != 1) {
-        coverage = fmt::format(
-            "sample {} response index {} is held by {} rank(s){}", b.origins[i].index_in_file,
-            t - b.response_offsets[i], held[t],
-            held[t] == 0 ? " (no rank owns its predicting logit)" : " (placed more than once)");
-        break;
-      }
+      if (!b.loss_mask[t] || m.held[t] == 1) continue;
+      problem = fmt::format(
+          "sample {} response index {} is held by {} rank(s){}", b.origins[i].index_in_file,
+          t - b.response_offsets[i], m.held[t],
+          m.held[t] == 0 ? " (no rank owns its predicting logit)" : " (placed more than once)");
+      break;
     }
   }
-  for (const auto& p : owned.problems) {
-    if (coverage.empty()) coverage = p;
+  if (problem.empty() && !m.masked_weighted.empty())
+    problem = "masked tokens carry weight: " + m.masked_weighted;
+  if (problem.empty()) problem = tp_problem;
+  if (!problem.empty()) return {"coverage", false, problem};
+  return {"coverage", true,
+          fmt::format("every one of {} effective tokens held exactly once; masked tokens weigh 0",
+                      out.global_tokens)};
+}
+
+AuditCheck counts_check(const AuditStep& out, const Measurement& m, bool recorded_reduced,
+                        bool per_token_objective) {
+  if (m.num_tokens_seen == 0 && !recorded_reduced) return {"counts", std::nullopt, "not recorded"};
+  if (!per_token_objective) {
+    return {"counts", std::nullopt,
+            fmt::format("shown, not judged under {} (N = {})", mode_name(out.reduce),
+                        out.global_tokens)};
   }
-  if (coverage.empty() && !masked_weighted.empty())
-    coverage = "masked tokens carry weight: " + masked_weighted;
-  if (coverage.empty() && !tp_problem.empty()) coverage = tp_problem;
-  out.checks.push_back(
-      {"coverage", coverage.empty(),
-       coverage.empty()
-           ? fmt::format(
-                 "every one of {} effective tokens held exactly once; masked tokens weigh 0", n)
-           : coverage});
-  if (num_tokens_seen == 0 && !first.num_tokens_reduced) {
-    out.checks.push_back({"counts", std::nullopt, "not recorded"});
-  } else if (!per_token_objective) {
-    out.checks.push_back(
-        {"counts", std::nullopt,
-         fmt::format("shown, not judged under {} (N = {})", mode_name(out.reduce), n)});
-  } else {
-    out.checks.push_back({"counts", count_problems.empty(),
-                          count_problems.empty()
-                              ? fmt::format("every num_tokens is the rank's owned count; N = {}", n)
-                              : fmt::format("{}", fmt::join(count_problems, "; "))});
+  if (!m.counts.empty()) return {"counts", false, m.counts.text()};
+  return {"counts", true,
+          fmt::format("every num_tokens is the rank's owned count; N = {}", out.global_tokens)};
+}
+
+AuditCheck loss_check(const Measurement& m) {
+  if (!m.nonfinite_loss.empty()) return {"loss", false, "not finite: " + m.nonfinite_loss.text()};
+  if (!m.loss_seen || !m.token_loss_seen) {
+    return {"loss", std::nullopt,
+            fmt::format("not recorded ({})", !m.loss_seen && !m.token_loss_seen ? "loss and token_loss"
+                                             : !m.loss_seen                     ? "loss"
+                                                                                : "token_loss")};
   }
-  int64_t contract_count = 0;  // not known for a measured run: N/N' is named from the counts if any
-  for (const RankCapture* c : all) {
-    if (c->num_tokens_reduced && per_token_objective) contract_count = *c->num_tokens_reduced;
-  }
-  out.diagnosis = diagnose_weights(b, out.measured, out.truth, out.place, out.layout, n,
-                                   contract_count, weight_tol);
-  out.checks.push_back(
-      {"weights", !out.diagnosis.fails(opt.strict_scale), out.diagnosis.summary()});
-  if (n > 0)
-    out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes, weight_tol);
-  out.checks.push_back(
-      {"loss", loss_seen ? std::optional<bool>(loss_problems.empty()) : std::nullopt,
-       !loss_seen              ? "not recorded (loss and token_loss)"
-       : loss_problems.empty() ? "every loss is the sum of token_weight x token_loss"
-                               : fmt::format("{}", fmt::join(loss_problems, "; "))});
-  // The skip decision: expected from the global fixed count, identical on every rank.
-  std::vector<std::string> decision_problems;
+  if (!m.loss.empty()) return {"loss", false, m.loss.text()};
+  return {"loss", true, "every loss is the sum of token_weight x token_loss"};
+}
+
+// The skip decision: expected from the global fixed count, identical on every rank; a stepping
+// rank's norm finite, a skipping rank's 0.
+AuditCheck decision_check(const AuditStep& out, const std::vector<const RankCapture*>& all) {
+  Problems problems;
   int64_t recorded = 0;
   for (const RankCapture* c : all) {
+    if (c->grad_norm && !std::isfinite(*c->grad_norm)) {
+      problems.add(fmt::format("rank {} ({}) reports grad_norm {}{}", c->rank, c->file,
+                               *c->grad_norm,
+                               c->skipped && !*c->skipped ? " and stepped on it" : ""));
+    }
     if (!c->skipped) continue;
     ++recorded;
-    if (*c->skipped != out.expected_skip && decision_problems.size() < 4) {
-      decision_problems.push_back(fmt::format("rank {} {} (expected {}: N = {})", c->rank,
-                                              *c->skipped ? "skipped" : "stepped",
-                                              out.expected_skip ? "skip" : "step", n));
+    if (*c->skipped != out.expected_skip) {
+      problems.add(fmt::format("rank {} {} (expected {}: N = {})", c->rank,
+                               *c->skipped ? "skipped" : "stepped",
+                               out.expected_skip ? "skip" : "step", out.global_tokens));
     }
-    if (*c->skipped && c->grad_norm && *c->grad_norm != 0.0 && decision_problems.size() < 4) {
-      decision_problems.push_back(
-          fmt::format("rank {} skipped but reports grad_norm {}", c->rank, *c->grad_norm));
-    }
+    if (*c->skipped && c->grad_norm && *c->grad_norm != 0.0 && std::isfinite(*c->grad_norm))
+      problems.add(fmt::format("rank {} skipped but reports grad_norm {}", c->rank, *c->grad_norm));
   }
-  out.checks.push_back(
-      {"decision", recorded ? std::optional<bool>(decision_problems.empty()) : std::nullopt,
-       !recorded                   ? "not recorded (skipped)"
-       : decision_problems.empty() ? fmt::format("all {} recording rank(s) {} (N = {})", recorded,
-                                                 out.expected_skip ? "skipped" : "stepped", n)
-                                   : fmt::format("{}", fmt::join(decision_problems, "; "))});
-  std::vector<std::string> metric_problems;
+  if (!problems.empty()) return {"decision", false, problems.text()};
+  if (!recorded) return {"decision", std::nullopt, "not recorded (skipped)"};
+  return {"decision", true,
+          fmt::format("all {} recording rank(s) {} (N = {})", recorded,
+                      out.expected_skip ? "skipped" : "stepped", out.global_tokens)};
+}
+
+AuditCheck metrics_check(const std::vector<const RankCapture*>& all) {
+  Problems problems;
   int64_t metric_ranks = 0;
   for (const RankCapture* c : all) {
     if (!c->metrics_values) continue;
     ++metric_ranks;
+    for (std::size_t j = 0; j < c->metrics_values->size(); ++j)
+      check_finite(problems, *c, fmt::format("metrics.values[{}]", j), (*c->metrics_values)[j]);
     try {
       normalize_metrics(*c->metrics_values, c->metrics_keys);
     } catch (const MetricsError& e) {
-      if (metric_problems.size() < 3)
-        metric_problems.push_back(fmt::format("rank {}: {}", c->rank, e.what()));
+      problems.add(fmt::format("rank {}: {}", c->rank, e.what()));
     }
   }
-  out.checks.push_back(
-      {"metrics", metric_ranks ? std::optional<bool>(metric_problems.empty()) : std::nullopt,
-       !metric_ranks             ? "not recorded"
-       : metric_problems.empty() ? fmt::format("{} rank(s) normalise", metric_ranks)
-                                 : fmt::format("{}", fmt::join(metric_problems, "; "))});
+  if (!problems.empty()) return {"metrics", false, problems.text()};
+  if (!metric_ranks) return {"metrics", std::nullopt, "not recorded"};
+  return {"metrics", true, fmt::format("{} rank(s) normalise", metric_ranks)};
+}
+
+AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
+                     const AuditOptions& opt) {
+  AuditStep out;
+  out.step = step;
+  check_metadata(step, all);
+  const RankCapture& first = *all.front();
+  const LossRanks ranks = loss_ranks(step, all);
+  if (opt.reduce) {
+    out.reduce = *opt.reduce;
+  } else if (!first.reduce.empty() && !parse_reduction(first.reduce, &out.reduce)) {
+    throw_input_error("{}: metadata reduce = '{}' is not {}", first.file, first.reduce,
+                      mode_choices<Reduction>());
+  }
+  RebuiltBatch rebuilt = rebuild_batch(step, ranks);
+  out.batch = std::move(rebuilt.batch);
+  const Batch& b = out.batch;
+  if (b.num_samples() == 0 && rebuilt.dummy_problems.empty()) {
+    throw UnverifiedError(fmt::format(
+        "step {}: the {} capture(s) hold no sample in any micro-batch (first: {}): nothing to "
+        "audit",
+        step, all.size(), first.file));
+  }
+  out.layout = rebuild_layout(step, first, ranks, rebuilt.position);
+
+  // 3. The truth, the ownership of every token, and each rank's measured weights placed on it.
+  for (uint8_t mk : b.loss_mask) out.global_tokens += mk;
+  out.expected_skip = out.global_tokens == 0;
+  std::optional<int64_t> recorded_batch;
+  for (const RankCapture* c : all) {
+    if (c->global_batch_size) recorded_batch = c->global_batch_size;
+  }
+  ObjectiveSizes sizes;
+  if (recorded_batch) sizes.global_batch_size = *recorded_batch;
+  sizes = resolve_sizes(b, sizes);
+  out.truth = true_weights(b, out.reduce, sizes);
+  // The ownership each rank's weights are mapped through (a sample placed twice is owned where
+  // first placed: the second holder's weights then land on no token of its own, and coverage
+  // names the duplicate).
+  const ContractWeights owned =
+      contract_weights(b, out.layout, preset_contract("truth", out.reduce), sizes);
+  out.place = owned.place;
+  DType dtype = first.dtype;
+  for (const RankCapture* c : all) {
+    if (audit_tolerance(c->dtype).loss > audit_tolerance(dtype).loss) dtype = c->dtype;
+  }
+  const AuditTolerance tol = audit_tolerance(dtype);
+  out.weight_rel_tol = opt.weight_rel_tol > 0 ? opt.weight_rel_tol : tol.weight;
+  out.dtype = dtype;
+  const bool per_token_objective =
+      out.reduce == Reduction::kPerToken || out.reduce == Reduction::kTokenMean;
+  Measurement m;
+  m.measured.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
+  m.held.assign(static_cast<std::size_t>(b.num_response_tokens()), 0);
+  if (owned.problems.empty()) {
+    for (const auto& [coord, c] : ranks.by_coord) {
+      AuditRank ar{c->rank,    c->dp_rank,
+                   c->cp_rank, c->tp_rank,
+                   c->pp_rank, static_cast<int64_t>(c->microbatches.size()),
+                   0,          c->grad_scale,
+                   c->skipped, c->grad_norm,
+                   c->file};
+      measure_rank(*c, out, rebuilt.position, per_token_objective, tol.loss, m, ar);
+      out.ranks.push_back(ar);
+    }
+  }
+  out.measured = m.measured;
+  if (m.nan_losses > 0) {
+    out.findings.push_back({"mean_over_zero_tokens",
+                            fmt::format("step {}: {} micro-batch loss value(s) are NaN, a mean "
+                                        "over zero tokens, while their gradient is 0 "
+                                        "(first: {})",
+                                        step, m.nan_losses, m.first_nan),
+                            {{"step", step}, {"microbatches", m.nan_losses}}});
+  }
+
+  // 4. The checks. A layout that holds a sample twice has no single weight per token: the checks
+  // that need one are not run, and coverage names the duplicate.
+  out.checks.push_back(coverage_check(out, m, owned.problems, rebuilt.dummy_problems,
+                                      tp_disagreement(ranks), recorded_batch));
+  if (!owned.problems.empty()) {
+    const std::string why = "not run: the layout holds a sample twice (see coverage)";
+    for (const char* name : {"counts", "weights", "loss"})
+      out.checks.push_back({name, std::nullopt, why});
+    out.diagnosis.kind = "not-run";  // not diagnosed; coverage fails the step
+  } else {
+    bool recorded_reduced = false;
+    int64_t contract_count = 0;  // a measured run's N' (names N/N'), from its recorded counts
+    for (const RankCapture* c : all) {
+      recorded_reduced |= c->num_tokens_reduced.has_value();
+      if (c->num_tokens_reduced && per_token_objective) contract_count = *c->num_tokens_reduced;
+    }
+    out.checks.push_back(counts_check(out, m, recorded_reduced, per_token_objective));
+    out.diagnosis = diagnose_weights(b, out.measured, out.truth, out.place, out.layout,
+                                     out.global_tokens, contract_count, out.weight_rel_tol);
+    if (!m.nonfinite_weights.empty()) {
+      out.checks.push_back({"weights", false, "not finite: " + m.nonfinite_weights.text()});
+    } else {
+      out.checks.push_back(
+          {"weights", !out.diagnosis.fails(opt.strict_scale), out.diagnosis.summary()});
+    }
+    if (opt.match_presets && out.global_tokens > 0 && out.diagnosis.kind != "non-finite") {
+      out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
+                                     out.weight_rel_tol);
+    }
+    out.checks.push_back(loss_check(m));
+  }
+  out.checks.push_back(decision_check(out, all));
+  out.checks.push_back(metrics_check(all));
   return out;
 }
 

@@ -46,14 +46,25 @@ struct AuditStep {
   int64_t global_tokens = 0;
   bool expected_skip = false;
   double weight_rel_tol = 1e-5;
+  DType dtype = DType::kFloat32;  // the trainer's per-token loss dtype the tolerances come from
   std::vector<Finding> findings;
   bool failed(bool strict_scale) const;
 };
 
+// The relative tolerances of the weights and loss checks for a trainer that computed its per-token
+// loss in `dtype` (argued in audit.cpp): float32 1e-5, float64 1e-9, bf16 4u / 8u, fp16 4u / 8u.
+struct AuditTolerance {
+  double weight = 1e-5, loss = 1e-5;
+};
+AuditTolerance audit_tolerance(DType dtype);
+
 struct AuditOptions {
   std::optional<Reduction> reduce;  // overrides the objective the captures claim
-  double weight_rel_tol = 0.0;  // 0: from the recorded weights' dtype (float32 1e-5, float64 1e-9)
+  double weight_rel_tol = 0.0;  // 0: from the trainer's recorded dtype (audit_tolerance)
   bool strict_scale = false;
+  // Name the presets (or single component changes) that reproduce the measured weights: a pass
+  // over the tokens per candidate contract, the bulk of a small audit's time.
+  bool match_presets = true;
 };
 
 // One result per step, in step order.

@@ -116,6 +116,7 @@ TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const Chec
   TokenLossCheck t;
   if (!b.per_token.count("token_loss") || (!b.logits && !b.per_token.count("log_probs"))) return t;
   t.ran = true;
+  t.stated = s.token_loss_is;
   const HostArray& given = b.per_token.at("token_loss");
   const Tolerance tol = base_tolerance(given.dtype, s);
   LossSpec nll_spec = spec;

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,10 @@ namespace lossguard::oracle {
 struct CheckSettings {
   double rtol = -1.0, atol = -1.0;  // >= 0: the user's override of the derived tolerances
   bool judge_denominator = true;    // false under a contract: the trainer's own count is shown only
+  // What the user states the dump's token_loss is (--token-loss-is): then it must be that loss of
+  // the dump's inputs. Unstated, token_loss may hold any per-token loss (a KL or entropy term
+  // added, SPEC §4, §11): whether it is the nll or ppo-clip loss is a finding, not a failure.
+  std::optional<LossKind> token_loss_is;
 };
 
 struct CheckCase {
@@ -71,7 +76,13 @@ struct TokenLossCheck {
   int64_t mismatched_nll = 0;
   int64_t mismatched_ppo = -1;  // -1: the ppo-clip loss cannot be computed from this dump
   GradLocation worst;          // the worst token against the closer of the two (vocab_index -1)
-  bool ok() const { return !ran || !matches.empty(); }
+  std::optional<LossKind> stated;  // settings.token_loss_is
+  // Judged only against what the user stated; otherwise `matches` is reported, never failed.
+  bool judged() const { return ran && stated.has_value(); }
+  bool ok() const {
+    if (!judged()) return true;
+    return *stated == LossKind::kNll ? mismatched_nll == 0 : mismatched_ppo == 0;
+  }
 };
 // `trainer`: how the dump's trainer is assumed to have computed token_loss from logits (its error
 // is allowed on top of the dtype's tolerance; see derive_bounds).

@@ -122,6 +122,7 @@ PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
   if (cp < 1 || cp > 32767) throw_input_error("CP size {} is out of range", cp);
   PlacedTokens out;
   out.place.sample_microbatch.assign(static_cast<std::size_t>(s), -1);
+  out.place.sample_group.assign(static_cast<std::size_t>(s), -1);
   out.place.owner.assign(static_cast<std::size_t>(b.num_response_tokens()), -1);
   const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
   for (int64_t k = 0; k < num_mb; ++k) {
@@ -150,13 +151,24 @@ PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
               mb.index, i, s);
         }
         if (out.place.sample_microbatch[i] >= 0) {
+          const MicroBatch& at = layout.microbatches[out.place.sample_microbatch[i]];
           out.problems.push_back(
-              fmt::format("sample {} is placed twice (DP rank {} micro-batch {} again)", i,
-                          mb.dp_rank, mb.index));
+              &at == &mb
+                  ? fmt::format(
+                        "sample {} is placed twice: DP rank {} micro-batch {} trains it on CP "
+                        "sub-groups {} and {} (CP ranks {}-{} and {}-{})",
+                        i, mb.dp_rank, mb.index, out.place.sample_group[i], g,
+                        out.place.sample_group[i] * cs, out.place.sample_group[i] * cs + cs - 1,
+                        base, base + cs - 1)
+                  : fmt::format(
+                        "sample {} is placed twice: DP rank {} micro-batch {} and DP rank {} "
+                        "micro-batch {}",
+                        i, at.dp_rank, at.index, mb.dp_rank, mb.index));
           stream += b.total_lengths[i];
           continue;
         }
         out.place.sample_microbatch[i] = static_cast<int32_t>(k);
+        out.place.sample_group[i] = static_cast<int32_t>(g);
         mark_owners(b, i, layout, cs, base, stream, part, out.place.owner);
         stream += b.total_lengths[i];
       }
@@ -196,7 +208,9 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     for (std::size_t g = 0; g < mb.groups.size(); ++g) {
       const int64_t base = static_cast<int64_t>(g) * cs;
       for (int64_t i : mb.groups[g]) {
-        if (out.place.sample_microbatch[i] != k) continue;  // placed twice: counted where first
+        // placed twice: counted where first (its owners are that sub-group's ranks only)
+        if (out.place.sample_microbatch[i] != k || out.place.sample_group[i] != int32_t(g))
+          continue;
         const bool clamp = contract.clamp == ClampRule::kPerSample ||
                            (contract.clamp == ClampRule::kAtCp1 && cs == 1);
         auto clamped = [&](int64_t x) { return clamp ? std::max<int64_t>(x, 1) : x; };
@@ -266,6 +280,7 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
   };
 
   // 3. The weights.
+  const std::vector<int64_t> rank_microbatches = layout.microbatches_per_rank();
   const double grad_div = contract.grad == GradRule::kMean
                               ? static_cast<double>(group_size(contract.grad_group, layout))
                               : 1.0;
@@ -278,7 +293,7 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     sz.cp = cp;
     sz.dp = layout.dp;
     sz.tp = layout.tp;
-    sz.microbatches = layout.num_microbatches(mb.dp_rank);
+    sz.microbatches = rank_microbatches[mb.dp_rank];
     sz.batch = z.global_batch_size;
     sz.batch_nonzero = std::max<int64_t>(nonzero, 1);
     sz.l_norm = z.l_norm;
@@ -286,9 +301,9 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     for (int64_t c = 0; c < cp; ++c) {
       factor[c] = scale / static_cast<double>(std::max<int64_t>(denominator(k, c), 1)) / grad_div;
     }
-    for (const auto& group : mb.groups) {
-      for (int64_t i : group) {
-        if (out.place.sample_microbatch[i] != k)
+    for (std::size_t g = 0; g < mb.groups.size(); ++g) {
+      for (int64_t i : mb.groups[g]) {
+        if (out.place.sample_microbatch[i] != k || out.place.sample_group[i] != int32_t(g))
           continue;  // placed twice: counted where first placed
         const double per_sample = contract.sample == SampleRule::kMean
                                       ? 1.0 / std::max(b.sample_denom(i, m[i]), 1.0)
@@ -305,7 +320,10 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
 
 namespace {
 
+// Equal within a relative tolerance; a non-finite value equals nothing (inf - inf is no
+// difference to a relative test: |inf - 1| <= tol * inf holds, and a gate must not pass it).
 bool same(double a, double b, double tol = kWeightRelTol) {
+  if (!std::isfinite(a) || !std::isfinite(b)) return false;
   return std::fabs(a - b) <= tol * std::max(std::fabs(a), std::fabs(b));
 }
 
@@ -335,8 +353,8 @@ TokenCoord coord_of(const Batch& b, int64_t i, int64_t t, const TokenPlace& plac
 
 // A simple product of the layout's sizes equal to r: "1/cp", "dp*cp", "1/M" (ties: all names).
 std::string name_factor(double r, const StepLayout& l, double tol) {
-  int64_t m = 0;
-  for (int64_t d = 0; d < l.dp; ++d) m = std::max(m, l.num_microbatches(d));
+  const std::vector<int64_t> per_rank = l.microbatches_per_rank();
+  const int64_t m = per_rank.empty() ? 0 : *std::max_element(per_rank.begin(), per_rank.end());
   struct Base {
     const char* name;
     double value;
@@ -396,6 +414,19 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
   bool first = true;
   double r0 = 1.0;
   bool uniform = true;
+  // Non-finite weights first: every later test is a comparison, and comparisons with inf or NaN
+  // answer whatever their form happens to give.
+  for (int64_t i = 0; i < s; ++i) {
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+      if (std::isfinite(got[t]) && std::isfinite(want[t])) continue;
+      if (dg.non_finite++ == 0) dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
+    }
+  }
+  if (dg.non_finite > 0) {
+    dg.kind = "non-finite";
+    dg.min_ratio = dg.max_ratio = NAN;
+    return dg;
+  }
   for (int64_t i = 0; i < s; ++i) {
     for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
       if (want[t] == 0.0) {
@@ -428,6 +459,11 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
   }
   if (dg.mismatched == 0) {
     dg.kind = "exact";
+    return dg;
+  }
+  if (uniform && r0 == 0.0) {
+    dg.kind = "zero";  // not a scale Adam hides: no gradient reaches the parameters at all
+    dg.scale = 0.0;
     return dg;
   }
   if (uniform) {
@@ -506,6 +542,17 @@ std::string WeightDiagnosis::summary() const {
   if (kind == "exact" && tokens == 0) return "no effective tokens in this step: nothing to weigh";
   if (kind == "exact")
     return fmt::format("exact: every one of {} tokens weighted as the objective says", tokens);
+  if (kind == "not-run") return "not diagnosed: the layout does not give each token one weight";
+  if (kind == "non-finite") {
+    return fmt::format(
+        "non-finite weights: {} token(s) have w or w* = inf or NaN; first: {}, w = {} (w* = {})",
+        non_finite, where(), worst.got, worst.want);
+  }
+  if (kind == "zero") {
+    return fmt::format(
+        "every weight is 0: the trainer applies no gradient for any of {} effective tokens",
+        tokens);
+  }
   if (kind == "masked-weight") {
     return fmt::format(
         "masked tokens carry weight: {} token(s) with mask 0 have w != 0; first: {}, w = {:.6g}",
@@ -598,8 +645,10 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
     for (int64_t i = 0; i < b.num_samples(); ++i) {
       for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
         const double a = ref.weight[t], c = w.weight[t];
-        if (a == c) continue;
-        const double rel = std::fabs(a - c) / std::max(std::fabs(a), std::fabs(c));
+        if (a == c && std::isfinite(a)) continue;
+        const double rel = std::isfinite(a) && std::isfinite(c)
+                               ? std::fabs(a - c) / std::max(std::fabs(a), std::fabs(c))
+                               : INFINITY;  // an infinite or NaN weight differs from anything
         if (rel > worst) {
           worst = rel;
           res.worst = coord_of(b, i, t, w.place, l, c, a);
@@ -607,7 +656,7 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
       }
     }
     res.max_rel_diff = std::max(worst, 0.0);
-    res.ok = res.max_rel_diff <= kWeightRelTol;
+    res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
     res.against_truth =
         res.ok ? base_diagnosis
                : diagnose_weights(b, w.weight, truth, w.place, l, true_count, w.global_count);

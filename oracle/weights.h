@@ -35,6 +35,7 @@ std::vector<double> true_weights(const Batch& batch, Reduction reduce, const Obj
 // Where each token's weight comes from on a layout.
 struct TokenPlace {
   std::vector<int32_t> sample_microbatch;  // [S] index into layout.microbatches; -1: not placed
+  std::vector<int32_t> sample_group;       // [S] its CP sub-group in that micro-batch
   std::vector<int16_t> owner;  // [sum R] the CP rank (static numbering) that owns it; -1: none
 };
 
@@ -70,17 +71,19 @@ struct TokenCoord {
 };
 
 struct WeightDiagnosis {
-  std::string kind;  // exact, uniform-scale, masked-weight, per-rank, per-microbatch, per-cp-shard,
-                     // per-sample, mixed
+  std::string kind;  // exact, non-finite, zero, uniform-scale, masked-weight, per-rank,
+                     // per-microbatch, per-cp-shard, per-sample, mixed
   double scale = 1.0;  // uniform-scale: the common ratio
   std::string named;   // uniform-scale: "1/cp", "dp*cp", ... when a simple product fits
   double min_ratio = 1.0, max_ratio = 1.0;
   int64_t tokens = 0;           // tokens with w* > 0
   int64_t mismatched = 0;       // of those, ratio != 1
   int64_t masked_weighted = 0;  // tokens with w* = 0 but w != 0
-  TokenCoord worst;             // the greatest |log ratio|, or the first masked token with weight
+  int64_t non_finite = 0;       // tokens whose w or w* is inf or NaN (never a pass)
+  TokenCoord worst;  // the greatest |log ratio|, or the first non-finite or masked-but-weighted
+  // Fails the gate: anything but exact, and a uniform scale only when strict. A non-finite weight,
+  // and a step whose every weight is 0 (a trainer that applies no gradient), always fail.
   bool exact() const { return kind == "exact"; }
-  // Fails the gate: anything but exact, and a uniform scale only when strict.
   bool fails(bool strict_scale) const {
     return !(kind == "exact" || (kind == "uniform-scale" && !strict_scale));
   }

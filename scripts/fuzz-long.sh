@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs="${1:-1000000}"
-for t in safetensors pickle json batch; do
+for t in safetensors pickle json batch capture contract; do
   dir=$(mktemp -d)
   bash tests/fuzz/make_corpus.sh "$t" fixtures/data "$dir"
   start=$(date +%s)

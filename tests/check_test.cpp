@@ -1018,11 +1018,31 @@ TEST(TokenLoss, ADumpsTokenLossMustBeThePerTokenNllOrPpoClipOfItsInputs) {
     bumped[static_cast<std::size_t>(r)] *= 1.1;
   Batch wrong = b;
   wrong.per_token["token_loss"] = HostArray::from_f64(DType::kFloat32, {rows}, bumped);
+  // Unstated, a token_loss that is neither (a KL or entropy term in it, SPEC §4) is a finding naming
+  // the sample; stated (--token-loss-is), it is a failed check.
   const CheckRun w = run(wrong, "wrong");
-  EXPECT_EQ(w.code, 1) << w.err;
+  EXPECT_EQ(w.code, 0) << w.err;
   EXPECT_TRUE(w.doc["token_loss"]["matches"].is_null());
+  EXPECT_TRUE(w.doc["token_loss"]["ok"].is_null());
   EXPECT_EQ(w.doc["token_loss"]["mismatched_nll"], b.mask_sum(sample));
   EXPECT_EQ(w.doc["token_loss"]["worst"]["sample"], sample);
+  bool finding = false;
+  for (const auto& f : w.doc["findings"]) finding |= f["kind"] == "token_loss_not_plain";
+  EXPECT_TRUE(finding);
+  const std::string wrong_path = (dir / "wrong.safetensors").string();
+  const CheckRun stated = check(wrong_path, {"--cp", "1", "--loss", "given", "--token-loss-is", "nll"});
+  EXPECT_EQ(stated.code, 1) << stated.err;
+  EXPECT_EQ(stated.doc["token_loss"]["ok"], false);
+  EXPECT_EQ(stated.doc["token_loss"]["worst"]["sample"], sample);
+  // Stated as the other loss: the plain nll dump is not its ppo-clip loss, the ppo one is.
+  EXPECT_EQ(check((dir / "plain.safetensors").string(),
+                  {"--cp", "1", "--loss", "given", "--token-loss-is", "ppo-clip"})
+                .code,
+            1);
+  EXPECT_EQ(check((dir / "ppo.safetensors").string(),
+                  {"--cp", "1", "--loss", "given", "--token-loss-is", "ppo-clip"})
+                .code,
+            0);
 }
 
 TEST(TokenLoss, EveryBundledGenFixtureIsSelfConsistent) {

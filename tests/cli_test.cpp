@@ -1,4 +1,6 @@
 // The command line through run(argc, argv, out, err): exit codes, text, JSON and JUnit reports.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -790,6 +792,108 @@ TEST(CliDumps, PerRankRelaxDumpsOfOneDpRankCountOnce) {
 
 // The aliases and --field the README promises, at the command line: `input_ids` read as tokens,
 // a loss mask under another key mapped with --field, and a field ignored with KEY none.
+// The gate never calls an overflowing, underflowing or zero contract a pass (issue: no false
+// green): a scale outside what a float32 trainer can apply is refused by weights and check alike,
+// and the echo keeps every digit given.
+TEST(CliWeights, ContractsOutsideFloat32AreRefusedByWeightsAndCheck) {
+  const std::string dump = fixture("gen_random.safetensors");
+  for (const char* contract :
+       {"scale=1e308", "megatron-per-token,scale=1e200*1e200", "megatron-per-token,scale=1e-200*1e-200",
+        "scale=1e-39"}) {
+    Result w = run_cli({"weights", dump, "--contract", contract, "--strict-scale"});
+    EXPECT_EQ(w.code, 2) << contract << "\n" << w.out << w.err;
+    EXPECT_NE(w.err.find("outside the float32 range"), std::string::npos) << w.err;
+    Result c = run_cli({"check", dump, "--contract", contract, "--cp", "1"});
+    EXPECT_EQ(c.code, 2) << contract << "\n" << c.out << c.err;
+  }
+  Result echo = run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=1.00000001",
+                         "--json", "-"});
+  const auto doc = nlohmann::json::parse(echo.out);
+  EXPECT_EQ(doc["contract"]["scale"], "1.00000001") << echo.out;
+  EXPECT_EQ(echo.code, 0);  // a uniform scale, reported
+  Result strict = run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=1.00000001",
+                           "--strict-scale"});
+  EXPECT_EQ(strict.code, 1) << strict.out;
+}
+
+// Options out of range are usage errors naming the valid range, never silently replaced.
+TEST(CliWeights, OptionsOutOfRangeExitTwoWithTheRange) {
+  const std::string dump = fixture("gen_random.safetensors");
+  const std::vector<std::vector<std::string>> bad = {
+      {"--reduce", "seq-mean-token-sum-norm", "--l-norm", "0"},
+      {"--reduce", "seq-mean-token-sum-norm", "--l-norm", "-1"},
+      {"--reduce", "seq-mean-token-sum-norm", "--l-norm", "inf"},
+      {"--reduce", "seq-mean-token-sum-norm", "--l-norm", "1e308"},
+      {"--global-batch-size", "0"},
+      {"--global-batch-size", "-1"},
+      {"--dynamic-cp", "0", "--cp", "2"},
+      {"--pad-multiple", "0"},
+      {"--step", "-1"},
+      {"--dp", "2147483647"},
+      {"--dp", "0"},
+      {"--microbatches", "100000", "--dp", "100"},
+      {"--cp", "0"}};
+  for (const auto& extra : bad) {
+    std::vector<std::string> args = {"weights", dump, "--contract", "truth"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Result r = run_cli(args);
+    EXPECT_EQ(r.code, 2) << fmt::format("{}", fmt::join(extra, " ")) << "\n" << r.out << r.err;
+    EXPECT_TRUE(r.err.find("not in range") != std::string::npos ||
+                r.err.find("at most") != std::string::npos)
+        << r.err;
+  }
+  EXPECT_EQ(run_cli({"count", dump, "--max-rows", "-1"}).code, 2);
+  EXPECT_EQ(run_cli({"inspect", dump, "--max-rows", "-1"}).code, 2);
+}
+
+// A JSON dump whose object holds a key twice, or a field under two of its names, is ambiguous.
+TEST(CliDumps, DuplicateAndAliasedKeysAreInputErrorsNamingBoth) {
+  const auto dir = testing::temp_dir("dup-keys");
+  const std::string twice = (dir / "twice.json").string();
+  std::ofstream(twice) << R"({"samples": [{"tokens": [5, 6, 7], "response_length": 2,
+                             "loss_mask": [1, 1], "loss_mask": [0, 1]}]})";
+  Result r = run_cli({"count", twice});
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.err.find("'loss_mask'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("twice"), std::string::npos) << r.err;
+  const std::string alias = (dir / "alias.json").string();
+  std::ofstream(alias) << R"({"samples": [{"tokens": [5, 6, 7], "response_length": 2,
+                             "loss_mask": [1, 1], "loss_masks": [0, 1]}]})";
+  Result a = run_cli({"count", alias});
+  EXPECT_EQ(a.code, 2) << a.out;
+  EXPECT_NE(a.err.find("'loss_mask' and 'loss_masks'"), std::string::npos) << a.err;
+  EXPECT_NE(a.err.find("sample 0"), std::string::npos) << a.err;
+}
+
+// check --loss given takes token_loss as it is: a KL term in it is a finding, not a failure; it
+// fails only against what the user states it is.
+TEST(CliCheck, GivenTokenLossWithAKlTermIsAFindingUnlessStated) {
+  const auto dir = testing::temp_dir("given-kl");
+  // V = 2, logits [0, 0]: every nll is log 2. token_loss = nll + 0.1 (a KL penalty), or exactly nll.
+  auto write = [&](const std::string& name, double extra) {
+    const std::string path = (dir / name).string();
+    const double l = std::log(2.0) + extra;
+    std::ofstream(path) << fmt::format(
+        R"({{"samples": [{{"tokens": [1, 0, 1], "response_length": 2, "loss_mask": [1, 1],
+             "logits": [[0.0, 0.0], [0.0, 0.0]], "token_loss": [{:.17g}, {:.17g}]}}]}})",
+        l, l);
+    return path;
+  };
+  const std::string kl = write("kl.json", 0.1), plain = write("plain.json", 0.0);
+  Result r = run_cli({"check", kl, "--loss", "given", "--cp", "1", "--json", "-"});
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  auto doc = nlohmann::json::parse(r.out.substr(r.out.find("{\n")));
+  bool finding = false;
+  for (const auto& f : doc["findings"]) finding |= f["kind"] == "token_loss_not_plain";
+  EXPECT_TRUE(finding) << doc["findings"].dump();
+  EXPECT_TRUE(doc["token_loss"]["ok"].is_null());
+  Result stated = run_cli({"check", kl, "--loss", "given", "--cp", "1", "--token-loss-is", "nll"});
+  EXPECT_EQ(stated.code, 1) << stated.out;
+  Result right = run_cli({"check", plain, "--loss", "given", "--cp", "1", "--token-loss-is", "nll"});
+  EXPECT_EQ(right.code, 0) << right.out << right.err;
+  EXPECT_EQ(run_cli({"check", plain, "--token-loss-is", "kl"}).code, 2);
+}
+
 TEST(CliDumps, InputIdsAliasAndFieldMapping) {
   const auto dir = testing::temp_dir("alias");
   const std::string path = (dir / "a.json").string();

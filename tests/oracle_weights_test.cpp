@@ -310,5 +310,71 @@ TEST(Weights, ContractSyntax) {
   EXPECT_THROW(parse_contract("count=everything", Reduction::kPerToken), InputError);
 }
 
+// Weights that are inf or NaN (measured by audit, or a contract's arithmetic) never pass: a
+// relative comparison with inf holds (|inf - 1| <= tol * inf), so the diagnosis looks first.
+TEST(Weights, NonFiniteWeightsAreNeverExactOrAScale) {
+  const Batch b = hand_batch();
+  const StepLayout l = layout(b, 1, 1, 1);
+  const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+  for (double bad : {INFINITY, -INFINITY, NAN}) {
+    std::vector<double> got = truth;
+    got[1] = bad;
+    const WeightDiagnosis d = diagnose_weights(b, got, truth, place_tokens(b, l).place, l);
+    EXPECT_EQ(d.kind, "non-finite") << bad;
+    EXPECT_EQ(d.non_finite, 1);
+    EXPECT_EQ(d.worst.sample, 0);
+    EXPECT_EQ(d.worst.response_index, 1);
+    EXPECT_TRUE(d.fails(false));
+    // every weight infinite: still not a uniform scale
+    const std::vector<double> all(truth.size(), bad);
+    EXPECT_TRUE(diagnose_weights(b, all, truth, place_tokens(b, l).place, l).fails(false));
+  }
+}
+
+// A trainer that applies no gradient (every weight 0) is not a "uniform scale ×0" that passes.
+TEST(Weights, AllZeroWeightsFailEvenWithoutStrictScale) {
+  const Batch b = hand_batch();
+  const StepLayout l = layout(b, 1, 1, 1);
+  const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+  const std::vector<double> zero(truth.size(), 0.0);
+  const WeightDiagnosis d = diagnose_weights(b, zero, truth, place_tokens(b, l).place, l);
+  EXPECT_EQ(d.kind, "zero");
+  EXPECT_TRUE(d.fails(false));
+  EXPECT_NE(d.summary().find("no gradient"), std::string::npos) << d.summary();
+  // a tiny but non-zero common scale is still a scale
+  std::vector<double> tiny = truth;
+  for (double& w : tiny) w *= 1e-30;
+  EXPECT_EQ(diagnose_weights(b, tiny, truth, place_tokens(b, l).place, l).kind, "uniform-scale");
+}
+
+// A contract's numbers must multiply to a float32 normal number; the text echoes every digit.
+TEST(Weights, ContractScalesOutsideFloat32AreInputErrors) {
+  for (const char* c : {"scale=1e308", "scale=1e200*1e200", "scale=1e-200*1e-200", "scale=1e-39",
+                        "megatron-per-token,scale=1e39"}) {
+    EXPECT_THROW(parse_contract(c, Reduction::kPerToken), InputError) << c;
+  }
+  EXPECT_NO_THROW(parse_contract("scale=1e38*1/4096", Reduction::kPerToken));
+  EXPECT_EQ(scale_text(parse_contract("scale=1.00000001", Reduction::kPerToken).scale),
+            "1.00000001");
+  EXPECT_EQ(scale_text(parse_contract("scale=1/3*cp", Reduction::kPerToken).scale),
+            "0.3333333333333333*cp");
+}
+
+// Two CP sub-groups of one micro-batch that both list a sample (dynamic CP): the second placement
+// is a problem and is counted nowhere (it used to index owners of the first sub-group from the
+// second's base: heap corruption).
+TEST(Weights, ASampleInTwoSubGroupsIsNamedAndCountedOnce) {
+  const Batch b = hand_batch();
+  StepLayout l;
+  l.dp = 1;
+  l.cp = 2;
+  l.microbatches.push_back({0, 0, 1, {{0, 1}, {1, 2}}, false});
+  const ContractWeights w = contract_weights(b, l, parse_contract("truth", Reduction::kPerToken), {});
+  ASSERT_EQ(w.problems.size(), 1u);
+  EXPECT_NE(w.problems[0].find("sample 1 is placed twice"), std::string::npos) << w.problems[0];
+  EXPECT_NE(w.problems[0].find("sub-groups 0 and 1"), std::string::npos) << w.problems[0];
+  EXPECT_EQ(w.global_count, 8);  // every effective token once
+}
+
 }  // namespace
 }  // namespace lossguard::oracle

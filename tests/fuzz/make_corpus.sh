@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Seed corpus for a fuzz target from the committed fixtures: safetensors files, the data.pkl of every
-# torch.save archive, JSON batches. The batch target starts from nothing.
+# torch.save archive, JSON batches. The batch, capture and contract targets start from nothing (their
+# inputs are decisions, not files).
 set -euo pipefail
 target="$1"; fixtures="$2"; out="$3"
 mkdir -p "$out"
@@ -18,5 +19,5 @@ for p in sorted(src.glob("*.pt")):
                 (dst / (p.stem + ".pkl")).write_bytes(z.read(n))
 PY
     ;;
-  batch) ;;
+  batch|capture|contract) ;;
 esac

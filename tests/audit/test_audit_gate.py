@@ -1,0 +1,251 @@
+"""audit as a CI gate that never lies (issue: no false green, no false red, no crash).
+
+Each case starts from correct captures written by the recorder itself (a DP 2 x CP 2 step, or a dynamic-CP
+step, computed in one process exactly as each rank's trainer would: the per-token loss hooked, the loss
+(l * m).sum() / N backpropagated) and then edits one file, as a user did when trying the gate adversarially.
+Every edit that makes the step wrong must give a non-zero exit naming the place; the correct captures, in
+float32 and in bfloat16, must pass.
+
+    LOSSGUARD_BIN=build/cli/lossguard ~/.cache/lossguard/venv/bin/python -m pytest -q tests/audit/test_audit_gate.py
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import lossguard_capture as lc  # noqa: E402
+
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+
+# Five samples: lengths (T, R) and masks; sample 3 fully masked.
+SAMPLES = [(9, 5, [1, 1, 0, 1, 1]), (7, 3, [1, 1, 1]), (12, 6, [0, 1, 1, 1, 1, 0]), (6, 2, [0, 0]),
+           (10, 4, [1, 0, 1, 1])]
+N = sum(sum(m) for _, _, m in SAMPLES)
+
+
+def tokens_of(i):
+    T = SAMPLES[i][0]
+    return [(7 * i + k) % 50 + 1 for k in range(T)]
+
+
+def write_step(out, dp, cp, layout, dtype=torch.float32, global_batch_size=None):
+    """Records one step as every rank (d, c) would. layout[d] = list of micro-batches (cp_size, groups),
+    groups[g] = the global sample indices CP sub-group g trains (cp / cp_size sub-groups)."""
+    gen = torch.Generator().manual_seed(0)
+    for d in range(dp):
+        for c in range(cp):
+            rec = lc.Recorder(out, 0, d * cp + c, dp * cp, cp=cp, dp=dp, cp_rank=c, dp_rank=d)
+            for cp_size, groups in layout[d]:
+                idx = groups[c // cp_size]
+                owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
+                mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js], dtype=dtype)
+                h = rec.microbatch(idx, [tokens_of(i) for i in idx], [SAMPLES[i][0] for i in idx],
+                                   [SAMPLES[i][1] for i in idx], [SAMPLES[i][2] for i in idx], cp_size)
+                per_token = (torch.rand(mask.numel(), generator=gen) * 3).to(dtype).requires_grad_()
+                h.hook(per_token)
+                loss = (per_token * mask).sum() / N
+                h.loss(loss)
+                loss.backward()
+            rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0,
+                       global_batch_size=global_batch_size)
+
+
+STATIC = [[(2, [[0, 1]]), (2, [[2]])], [(2, [[3, 4]])]]                # DP 2 x CP 2, M = 2 / 1
+
+
+def audit(path, *extra):
+    assert os.path.exists(LOSSGUARD), f"{LOSSGUARD} not built (set LOSSGUARD_BIN)"
+    r = subprocess.run([LOSSGUARD, "audit", str(path), "--json", "-", *extra], capture_output=True, text=True,
+                       timeout=120)
+    doc = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
+    return r.returncode, doc, r.stderr
+
+
+def failed_checks(doc):
+    return {c["name"]: c["detail"] for s in doc["steps"] for c in s["checks"] if c["ok"] is False}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate-good")
+    write_step(str(out), 2, 2, STATIC)
+    return out
+
+
+def edited(good, tmp_path, rank, change, meta_change=None):
+    d = tmp_path / "edited"
+    shutil.copytree(good, d)
+    path = d / f"step000000-rank{rank:05d}.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    t = load_file(str(path))
+    change(t)
+    if meta_change:
+        meta_change(meta)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path), metadata=meta)
+    return d
+
+
+def test_correct_captures_pass(good):
+    code, doc, err = audit(good, "--strict-scale")
+    assert code == 0, (doc, err)
+    assert doc["steps"][0]["diagnosis"]["kind"] == "exact"
+
+
+def test_correct_bf16_trainer_passes(tmp_path):
+    """bf16 per-token losses and gradients: the recorder writes them as float32 and records dtype=bfloat16;
+    audit's loss and weight tolerances follow it (a float32 1e-5 made this correct run fail)."""
+    write_step(str(tmp_path), 2, 2, STATIC, dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "step000000-rank00000.safetensors"), "pt") as f:
+        assert f.metadata().get("dtype") == "bfloat16"
+    code, doc, err = audit(tmp_path)
+    assert code == 0, (failed_checks(doc) if doc else None, err)
+    assert all(c["ok"] is not False for c in doc["steps"][0]["checks"])
+
+
+def test_bf16_tolerance_still_sees_a_wrong_weight(tmp_path):
+    """The wider bf16 tolerance (4 bf16 roundings) must not hide a 5% weight error on one token."""
+    write_step(str(tmp_path), 2, 2, STATIC, dtype=torch.bfloat16)
+    path = tmp_path / "step000000-rank00001.safetensors"
+    with safe_open(str(path), "pt") as f:
+        meta = dict(f.metadata())
+    t = load_file(str(path))
+    w = t["mb.0.token_weight"].clone()
+    k = int(torch.nonzero(w)[0])
+    w[k] *= 1.05
+    t["mb.0.token_weight"] = w
+    save_file(t, str(path), metadata=meta)
+    code, doc, _ = audit(tmp_path)
+    assert code == 1 and "weights" in failed_checks(doc)
+
+
+def first_nonzero(t, name):
+    return int(torch.nonzero(t[name])[0])
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_non_finite_token_weight_fails(good, tmp_path, value):
+    def change(t):
+        w = t["mb.0.token_weight"].clone()
+        w[first_nonzero(t, "mb.0.token_weight")] = value
+        t["mb.0.token_weight"] = w
+    code, doc, err = audit(edited(good, tmp_path, 1, change))
+    assert code == 1, err
+    detail = failed_checks(doc)
+    assert "weights" in detail or "coverage" in detail, detail
+    assert "rank 1" in json.dumps(detail) and ("token_weight" in json.dumps(detail) or "non-finite" in json.dumps(detail))
+
+
+@pytest.mark.parametrize("record", ["grad_scale", "mb.0.loss", "mb.0.token_loss"])
+def test_non_finite_scale_and_losses_fail_naming_the_record(good, tmp_path, record):
+    def change(t):
+        v = t[record].clone()
+        v.view(-1)[0] = float("inf")
+        t[record] = v
+    code, doc, err = audit(edited(good, tmp_path, 1, change))
+    assert code == 1, err
+    assert record.split(".")[-1] in json.dumps(failed_checks(doc)), failed_checks(doc)
+
+
+def test_a_dropped_sample_fails_coverage(tmp_path):
+    """global_batch_size says 6 samples; the captures hold 5."""
+    write_step(str(tmp_path), 2, 2, STATIC, global_batch_size=len(SAMPLES) + 1)
+    code, doc, err = audit(tmp_path)
+    assert code == 1, err
+    assert "dropped" in failed_checks(doc)["coverage"]
+
+
+def test_captures_without_samples_verify_nothing(tmp_path):
+    for r in range(2):
+        lc.Recorder(str(tmp_path), 0, r, 2, dp=2, dp_rank=r).finish(grad_scale=0.5)
+    code, doc, err = audit(tmp_path)
+    assert code == 4, (code, err)
+    assert "no sample" in err
+
+
+def test_ranks_that_disagree_on_the_objective_are_an_input_error(good, tmp_path):
+    d = edited(good, tmp_path, 3, lambda t: None, lambda m: m.update(reduce="sample-mean"))
+    code, _, err = audit(d)
+    assert code == 2 and "reduce" in err and "rank00000" in err and "rank00003" in err, err
+
+
+def test_a_rank_outside_the_world_is_an_input_error(good, tmp_path):
+    d = edited(good, tmp_path, 3, lambda t: None, lambda m: m.update(rank="77"))
+    code, _, err = audit(d)
+    assert code == 2 and "rank 77" in err and "world of 4" in err, err
+
+
+def test_a_real_microbatch_marked_dummy_is_a_coverage_failure(good, tmp_path):
+    def change(t):
+        t["mb.0.dummy"] = torch.tensor(1, dtype=torch.int64)
+    d = edited(good, tmp_path, 0, change)
+    for r in (1,):  # the CP peer says the same, so the layout itself is consistent
+        p = d / f"step000000-rank{r:05d}.safetensors"
+        with safe_open(str(p), "pt") as f:
+            meta = dict(f.metadata())
+        t = load_file(str(p))
+        t["mb.0.dummy"] = torch.tensor(1, dtype=torch.int64)
+        save_file(t, str(p), metadata=meta)
+    code, doc, err = audit(d)
+    assert code == 1, err
+    assert "map::at" not in err
+    assert "dummy" in failed_checks(doc)["coverage"]
+
+
+def test_stray_microbatch_records_are_an_input_error(good, tmp_path):
+    d = edited(good, tmp_path, 2, lambda t: None, lambda m: m.update(num_microbatches="0"))
+    code, _, err = audit(d)
+    assert code == 2 and "num_microbatches = 0" in err and "mb.0." in err, err
+
+
+@pytest.mark.parametrize("groups", [
+    [[0, 1], [1, 2]],           # one sample shared by the two sub-groups
+    [[0, 1, 2], [1, 2]],        # one sub-group holds a subset of the other's samples
+    [[0, 1, 2], [0, 1, 2]],     # both hold all
+], ids=["share-one", "subset", "both-all"])
+def test_dynamic_cp_sub_groups_sharing_a_sample_fail_coverage(tmp_path, groups):
+    """CP 2, micro-batches at cp_size 1: the two CP ranks are two sub-groups that must train distinct samples.
+    Sharing one is the bug the coverage check exists for; it used to crash audit (SIGSEGV / SIGABRT)."""
+    layout = [[(1, groups)], [(2, [[3, 4]])]]
+    write_step(str(tmp_path), 2, 2, layout)
+    report = tmp_path / "report.json"
+    r = subprocess.run([LOSSGUARD, "audit", str(tmp_path), "--json", str(report)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    doc = json.load(open(report))
+    cov = failed_checks(doc)["coverage"]
+    assert "placed twice" in cov and "sub-groups 0 and 1" in cov, cov
+
+
+def test_dynamic_cp_with_distinct_sub_groups_passes(tmp_path):
+    layout = [[(1, [[0, 1], [2]])], [(2, [[3, 4]])]]
+    write_step(str(tmp_path), 2, 2, layout)
+    code, doc, err = audit(tmp_path, "--strict-scale")
+    assert code == 0, (failed_checks(doc) if doc else None, err)
+
+
+def test_loss_not_recorded_names_what_is_missing(good, tmp_path):
+    def change(t):
+        for k in [k for k in t if k.endswith(".loss")]:
+            del t[k]
+    d = tmp_path / "noloss"
+    shutil.copytree(good, d)
+    for r in range(4):
+        p = d / f"step000000-rank{r:05d}.safetensors"
+        with safe_open(str(p), "pt") as f:
+            meta = dict(f.metadata())
+        t = load_file(str(p))
+        change(t)
+        save_file(t, str(p), metadata=meta)
+    code, doc, _ = audit(d)
+    loss = next(c for c in doc["steps"][0]["checks"] if c["name"] == "loss")
+    assert loss["ok"] is None and loss["detail"] == "not recorded (loss)", loss

@@ -1,0 +1,135 @@
+// libFuzzer target: `weights` on contracts x layouts. A contract built from random components and
+// scale terms (numbers from 1e-300 to 1e300 among them), a small batch and a layout (DP, micro-batches,
+// static or dynamic CP), then the weights, the diagnosis, I5 and the verdict. Besides ASan and
+// UBSan it traps when the verdict passes a non-finite or all-zero weight, or calls weights "exact"
+// that an independent comparison with the objective's finds different.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "core/batch.h"
+#include "core/contract.h"
+#include "core/errors.h"
+#include "oracle/placement.h"
+#include "oracle/weights.h"
+
+namespace {
+
+using namespace lossguard;
+
+std::string random_contract(FuzzedDataProvider& in) {
+  static const char* presets[] = {"truth",      "megatron-per-token", "megatron-mean", "relax",
+                                  "relax-legacy", "slime",            "hf-ga",         "hf-num-items",
+                                  "hf-num-items-across-devices"};
+  static const char* components[] = {
+      "count=cp-local", "count=full-sample", "count=samples",  "clamp=per-sample", "clamp=at-cp1",
+      "norm=none",      "norm=microbatch",   "norm=rank",      "norm=global:dp",   "norm=global:cp",
+      "norm=global:world", "sample=mean",    "grad=sum",       "grad=mean:dp",     "grad=mean:dp-cp",
+      "grad=mean:world"};
+  static const char* terms[] = {"cp", "dp", "tp", "M", "B", "Bnz", "L", "1/cp", "1/M", "1/B", "1/L"};
+  std::string c = in.ConsumeBool() ? presets[in.ConsumeIntegralInRange<std::size_t>(0, 8)] : "";
+  const int n = in.ConsumeIntegralInRange(0, 3);
+  for (int k = 0; k < n; ++k) {
+    c += (c.empty() ? "" : ",") + std::string(components[in.ConsumeIntegralInRange<std::size_t>(0, 15)]);
+  }
+  if (in.ConsumeBool()) {
+    std::string scale;
+    const int parts = in.ConsumeIntegralInRange(1, 4);
+    for (int k = 0; k < parts; ++k) {
+      std::string term;
+      if (in.ConsumeBool()) {
+        term = terms[in.ConsumeIntegralInRange<std::size_t>(0, 10)];
+      } else {
+        const double e = in.ConsumeFloatingPointInRange(-300.0, 300.0);
+        term = std::to_string(std::pow(10.0, std::round(e)));
+        if (in.ConsumeBool()) term = "1/" + term;
+      }
+      scale += (scale.empty() ? "" : "*") + term;
+    }
+    c += (c.empty() ? "" : ",") + ("scale=" + scale);
+  }
+  return c.empty() ? "truth" : c;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzedDataProvider in(data, size);
+  const Reduction reduces[] = {Reduction::kPerToken, Reduction::kSampleMean,
+                               Reduction::kSeqMeanTokenSum, Reduction::kSeqMeanTokenMean,
+                               Reduction::kSeqMeanTokenSumNorm};
+  const Reduction reduce = reduces[in.ConsumeIntegralInRange(0, 4)];
+  BatchBuilder b;
+  b.begin_file("fuzz");
+  const int samples = in.ConsumeIntegralInRange(1, 10);
+  std::vector<HostArray> keep;
+  keep.reserve(static_cast<std::size_t>(samples) * 2);
+  for (int i = 0; i < samples; ++i) {
+    const int64_t t = in.ConsumeIntegralInRange<int64_t>(1, 30);
+    const int64_t r = in.ConsumeIntegralInRange<int64_t>(0, t);
+    keep.push_back(HostArray::from_i64(DType::kInt64, {t}, std::vector<int64_t>(t, 1)));
+    SampleFields f;
+    f.tokens = &keep.back();
+    f.response_length = r;
+    std::vector<int64_t> mask(static_cast<std::size_t>(r));
+    for (auto& m : mask) m = in.ConsumeIntegralInRange(0, 3) != 0;
+    keep.push_back(HostArray::from_i64(DType::kInt64, {r}, mask));
+    f.loss_mask = &keep.back();
+    b.add_sample(i, f);
+  }
+  const Batch batch = b.finish();
+  const std::string text = random_contract(in);
+  Contract contract;
+  try {
+    contract = parse_contract(text, reduce);
+  } catch (const InputError&) {
+    return 0;  // a contract the CLI refuses with exit 2 (a scale outside float32, ...)
+  }
+  const int64_t dp = in.ConsumeIntegralInRange<int64_t>(1, 4);
+  const int64_t m = in.ConsumeIntegralInRange<int64_t>(1, 4);
+  const int64_t cp = int64_t{1} << in.ConsumeIntegralInRange(0, 3);
+  oracle::ObjectiveSizes sizes;
+  if (in.ConsumeBool()) sizes.global_batch_size = in.ConsumeIntegralInRange<int64_t>(1, 20);
+  if (in.ConsumeBool()) sizes.l_norm = in.ConsumeIntegralInRange<int64_t>(1, 40);
+  const Placement p = oracle::place_samples(samples, dp, m, Split::kContiguous);
+  StepLayout layout;
+  try {
+    layout = cp > 1 && in.ConsumeBool()
+                 ? oracle::dynamic_cp_layout(batch.total_lengths, p, cp,
+                                             in.ConsumeIntegralInRange<int64_t>(1, 40))
+                 : static_layout(p, cp, in.ConsumeIntegralInRange<int64_t>(1, 2), {});
+  } catch (const InputError&) {
+    return 0;
+  }
+  const std::vector<double> truth = oracle::true_weights(batch, reduce, sizes);
+  oracle::ContractWeights w;
+  try {
+    w = oracle::contract_weights(batch, layout, contract, sizes);
+  } catch (const InputError&) {
+    return 0;
+  }
+  int64_t n = 0;
+  for (uint8_t x : batch.loss_mask) n += x;
+  const oracle::WeightDiagnosis dg =
+      oracle::diagnose_weights(batch, w.weight, truth, w.place, layout, n, w.global_count);
+  const auto inv = oracle::check_split_invariance(batch, layout, contract, sizes,
+                                                  Split::kContiguous, truth, {}, &w);
+  const bool strict = in.ConsumeBool();
+  const oracle::WeightsVerdict v = oracle::weights_verdict(dg, w, inv, strict);
+  bool non_finite = false, all_zero = n > 0;
+  for (std::size_t t = 0; t < w.weight.size(); ++t) {
+    non_finite |= !std::isfinite(w.weight[t]) || !std::isfinite(truth[t]);
+    if (truth[t] != 0.0 && w.weight[t] != 0.0) all_zero = false;
+  }
+  if ((non_finite || all_zero) && !v.here_fails) __builtin_trap();
+  if (dg.exact()) {  // an independent look at "exact"
+    for (std::size_t t = 0; t < w.weight.size(); ++t) {
+      const double a = w.weight[t], e = truth[t];
+      if (!(std::fabs(a - e) <= 1e-12 * std::max(std::fabs(a), std::fabs(e)))) __builtin_trap();
+    }
+  }
+  return 0;
+}
