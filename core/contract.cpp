@@ -194,7 +194,7 @@ Contract preset_contract(const std::string& name, Reduction reduce) {
         spec = "sample=mean,scale=1/Bnz";
         break;
       case Reduction::kSeqMeanTokenSumNorm:
-        spec = "scale=1/L";
+        spec = "scale=1/B*1/L";
         break;
     }
   } else if (name == "megatron-per-token") {

@@ -137,8 +137,10 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_gr
     case Reduction::kSeqMeanTokenMean:
       o.denominator = k_nonempty;
       break;
-    case Reduction::kSeqMeanTokenSumNorm:
-      o.denominator = static_cast<int64_t>(l_norm);
+    case Reduction::kSeqMeanTokenSumNorm:  // B·L_norm, B the global batch size in samples
+      o.denominator = std::llround(
+          static_cast<double>(spec.global_batch_size > 0 ? spec.global_batch_size : std::max<int64_t>(s, 1)) *
+          l_norm);
       break;
   }
   o.no_signal = n_tokens == 0;

@@ -57,8 +57,8 @@ std::vector<double> true_weights(const Batch& b, Reduction reduce, const Objecti
       case Reduction::kSeqMeanTokenMean:
         c = 1.0 / (static_cast<double>(nonzero) * static_cast<double>(m[i]));
         break;
-      case Reduction::kSeqMeanTokenSumNorm:
-        c = 1.0 / z.l_norm;
+      case Reduction::kSeqMeanTokenSumNorm:  // Dr.GRPO: B·L_norm (verl agg_loss, TRL dr_grpo)
+        c = 1.0 / (batch * z.l_norm);
         break;
     }
     for (int64_t row = b.response_offsets[i]; row < b.response_offsets[i + 1]; ++row) {

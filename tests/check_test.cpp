@@ -522,8 +522,10 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
     plain_fp16_failures += check(h, {"--cp", "1,2", "--loss", "ppo-clip", "--reduce", "all",
                                      "--rtol", "1e-3", "--atol", "1e-5"})
                                .code == 1;
+    // Few samples, so that 1/B (the largest weight of seq-mean-token-sum and sample-mean) is large
+    // enough for p's bf16 rounding near 1 to exceed the plain tolerance's atol.
     const std::string bf =
-        write_random(dir, "b" + std::to_string(seed), DType::kBFloat16, seed, 24, 50);
+        write_random(dir, "b" + std::to_string(seed), DType::kBFloat16, seed, 6, 50);
     EXPECT_EQ(check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all"}).code, 0) << seed;
     plain_bf16_failures += check(bf, {"--cp", "1,2", "--loss", "nll", "--reduce", "all", "--rtol",
                                       "1.6e-2", "--atol", "1e-5"})

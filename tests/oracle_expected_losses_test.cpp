@@ -257,7 +257,9 @@ TEST_P(ExpectedLosses, OracleMatchesIndependentTorchFloat64) {
     }
   }
   // Only gen_cp-examples (masks only) has nothing to compare: every loss is refused there.
-  if (GetParam() != "gen_cp-examples") EXPECT_GE(compared, 6u);
+  if (GetParam() != "gen_cp-examples") {
+    EXPECT_GE(compared, 6u);
+  }
 }
 
 std::string param_name(const ::testing::TestParamInfo<std::string>& info) {
@@ -321,7 +323,8 @@ TEST(OracleExpectedLosses, HandTwoTokensNllFromLogits) {
              "seq-mean-token-sum");
   expect_rel(run(f, LossKind::kNll, Reduction::kSeqMeanTokenMean).loss, total / 4,
              "seq-mean-token-mean");
-  expect_rel(run(f, LossKind::kNll, Reduction::kSeqMeanTokenSumNorm).loss, total / 2,
+  // Dr.GRPO: over B · L_norm = 3 · 2.
+  expect_rel(run(f, LossKind::kNll, Reduction::kSeqMeanTokenSumNorm).loss, total / 6,
              "seq-mean-token-sum-norm");
 
   // Gradient, per-token (c = 1/4): (softmax - onehot) / 4 per row.
@@ -368,7 +371,7 @@ TEST(OracleExpectedLosses, HandReductionsTableOfSemanticsSection4) {
       {Reduction::kSampleMean, (2.0 / 1 + 3.0 / 3 + 0) / 3},
       {Reduction::kSeqMeanTokenSum, 5.0 / 3},
       {Reduction::kSeqMeanTokenMean, (2.0 / 1 + 3.0 / 3) / 2},
-      {Reduction::kSeqMeanTokenSumNorm, 5.0 / 3}};
+      {Reduction::kSeqMeanTokenSumNorm, 5.0 / 9}};  // B · L_norm = 3 · 3
   for (const auto& [reduce, value] : table) {
     expect_rel(run(f, LossKind::kGiven, reduce).loss, value, reduction_name(reduce));
     // log_probs = -token_loss, so nll reads the same losses.
@@ -397,7 +400,8 @@ TEST(OracleExpectedLosses, HandSftPreshiftedTargetsTheNextToken) {
   expect_rel(run(f, LossKind::kNll, Reduction::kPerToken).loss, std::log(10.0) / 3, "per-token");
   expect_rel(run(f, LossKind::kNll, Reduction::kSampleMean).loss,
              (std::log(10.0 / 3.0) / 2 + std::log(3.0)) / 2, "sample-mean");
-  expect_rel(run(f, LossKind::kNll, Reduction::kSeqMeanTokenSumNorm).loss, std::log(10.0) / 3,
+  // Dr.GRPO: over B · L_norm = 2 · 3.
+  expect_rel(run(f, LossKind::kNll, Reduction::kSeqMeanTokenSumNorm).loss, std::log(10.0) / 6,
              "seq-mean-token-sum-norm");
   const OracleLoss o = run(f, LossKind::kNll, Reduction::kPerToken);
   ASSERT_EQ(o.grad.size(), 15u);

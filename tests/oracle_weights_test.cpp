@@ -65,9 +65,12 @@ TEST(Weights, TruthPerReductionByHand) {
   // A given B (rollouts counted as the trainer counts them) replaces the sample count.
   expect_weights(true_weights(b, Reduction::kSeqMeanTokenSum, {6, 0}),
                  {1. / 6, 1. / 6, 1. / 6, 1. / 6, 0, 1. / 6, 1. / 6, 1. / 6, 1. / 6});
-  // seq-mean-token-sum-norm: L_norm defaults to the longest response (4).
-  expect_weights(true_weights(b, Reduction::kSeqMeanTokenSumNorm, {}),
-                 {.25, .25, .25, .25, 0, .25, .25, .25, .25});
+  // seq-mean-token-sum-norm (Dr.GRPO): m_t / (B L_norm), L_norm defaults to the longest response
+  // (4): 1/12 with B = 3.
+  const double g = 1.0 / 12;
+  expect_weights(true_weights(b, Reduction::kSeqMeanTokenSumNorm, {}), {g, g, g, g, 0, g, g, g, g});
+  expect_weights(true_weights(b, Reduction::kSeqMeanTokenSumNorm, {6, 10}),
+                 {1. / 60, 1. / 60, 1. / 60, 1. / 60, 0, 1. / 60, 1. / 60, 1. / 60, 1. / 60});
 }
 
 TEST(Weights, EveryPresetByHandAtCp1) {

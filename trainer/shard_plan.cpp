@@ -75,8 +75,8 @@ TrainerDenominators trainer_denominators(const Batch& b, const LossSpec& spec, i
     case Reduction::kSeqMeanTokenMean:
       d.denominator = d.k_nonempty;
       break;
-    case Reduction::kSeqMeanTokenSumNorm:
-      d.denominator = static_cast<int64_t>(d.l_norm);
+    case Reduction::kSeqMeanTokenSumNorm:  // B·L_norm
+      d.denominator = std::llround(d.batch_size * d.l_norm);
       break;
   }
   d.m = std::move(m);
@@ -104,7 +104,7 @@ double token_coefficient(const TrainerDenominators& d, const LossSpec& spec, int
                      : 0.0;
       break;
     case Reduction::kSeqMeanTokenSumNorm:
-      c = 1.0 / d.l_norm;
+      c = 1.0 / (d.batch_size * d.l_norm);
       break;
   }
   return w * c;
