@@ -10,7 +10,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 export LOSSGUARD_VENV := $(VENV)
 
-.PHONY: all setup configure build demo test test-fuzz test-cpu clean regen-fixtures
+.PHONY: all setup configure build build-tool demo test test-fuzz test-cpu clean regen-fixtures gallery
 
 all: build
 
@@ -24,7 +24,12 @@ configure: setup
 build: configure
 	@cmake --build $(BUILD)
 
-demo: build
+# What the demo runs: the binary and the LibTorch plugins it loads (no test binary, no benchmark).
+DEMO_TARGETS := lossguard lossguard_torchzip lossguard_trainer lossguard_distributed
+build-tool: configure
+	@cmake --build $(BUILD) --target $(DEMO_TARGETS)
+
+demo: build-tool
 	@scripts/demo.sh $(BUILD)/cli/lossguard
 
 test: build test-fuzz

@@ -174,8 +174,11 @@ TEST(Layouts, DynamicCpCountsHoldI1ToI4OverRandomBatches) {
       for (const auto& g : mb.groups) {
         in_groups += g.size();
         EXPECT_FALSE(g.empty());
-        for (int64_t i : g)  // a sub-group of cp_k ranks holds each sample within max_tokens
-          if (mb.cp_size < cp) EXPECT_LE(b.total_lengths[i], max_tokens * mb.cp_size);
+        for (int64_t i : g) {  // a sub-group of cp_k ranks holds each sample within max_tokens
+          if (mb.cp_size < cp) {
+            EXPECT_LE(b.total_lengths[i], max_tokens * mb.cp_size);
+          }
+        }
       }
       EXPECT_EQ(in_groups, p[mb.dp_rank][mb.index].size());
       split_groups += mb.groups.size() > 1;
@@ -299,8 +302,11 @@ TEST(Layouts, AuditCoverageFailsWhenATokenIsHeldTwice) {
   EXPECT_TRUE(found);
   // The same with each sample held once passes coverage.
   const auto good = audit_captures({rank(0, {0}), rank(1, {1})}, {});
-  for (const auto& check : good[0].checks)
-    if (check.name == "coverage") EXPECT_TRUE(check.ok.value_or(false)) << check.detail;
+  for (const auto& check : good[0].checks) {
+    if (check.name == "coverage") {
+      EXPECT_TRUE(check.ok.value_or(false)) << check.detail;
+    }
+  }
 }
 }  // namespace
 }  // namespace lossguard::oracle
