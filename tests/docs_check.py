@@ -1,18 +1,26 @@
 #!/usr/bin/env python3
 """Checks the user-facing Markdown (README.md, docs/*.md, python/README.md) for damage an edit can do
 without any build noticing: a paragraph pasted twice (one commit once inserted the same paragraph
-between every character of the README, 32 MB), a file grown past any plausible size, and a relative
-link to a file that is not in the repository.
+between every character of the README, 32 MB), a file grown past any plausible size, a relative link to
+a file that is not in the repository, a front page (the top-level README.md) grown past 200 lines, and a
+`lossguard <command> --option` shown in the front page's code blocks that the binary does not have.
 
-usage: docs_check.py REPO_ROOT [FILE ...]   (files default to the repository's Markdown)
+usage: docs_check.py REPO_ROOT [--binary LOSSGUARD] [FILE ...]   (files default to the repository's Markdown)
        docs_check.py --self-test              (shows the check rejecting each kind of damage)
+The commands are checked against `LOSSGUARD --help` and `LOSSGUARD <command> --help`; without --binary,
+$LOSSGUARD_BIN or REPO_ROOT/build/cli/lossguard is used, and when there is none the commands are reported
+as not checked (the rest still runs).
 Exit 0 when clean; 1 with one line per problem, naming the file and line."""
+import os
 import pathlib
 import re
+import shlex
+import subprocess
 import sys
 
-MAX_BYTES = 200_000  # the README is ~48 KB; four times that is an accident, not a document
+MAX_BYTES = 200_000  # the largest page is ~45 KB; four times that is an accident, not a document
 MIN_PARAGRAPH = 120  # shorter repeats (table rows, "See above.") are normal
+MAX_FRONT_LINES = 200  # the front page: what lossguard is, the two commands, one example per use; the rest is docs/
 
 
 def paragraphs(text):
@@ -34,13 +42,139 @@ def paragraphs(text):
     return out
 
 
-def check(root, path):
+def shown_commands(text):
+    """(line number, [tokens after `lossguard`]) of each lossguard command in the code blocks of a Markdown
+    text. A block with `$ ` prompts is a session: only its prompt lines are commands, the rest is output.
+    Python blocks are code, not commands. Lines ending in a backslash continue; a command ends at a pipe,
+    `&&`, `||`, `;`, a redirection or a comment."""
+    blocks, block, lang, fenced = [], [], "", False
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            if fenced:
+                blocks.append((lang, block))
+            else:
+                lang, block = line.lstrip()[3:].strip().lower(), []
+            fenced = not fenced
+        elif fenced:
+            block.append((n, line))
+    out = []
+    for lang, lines in blocks:
+        if lang in ("python", "py", "pycon", "json", "toml", "yaml"):
+            continue
+        session = any(line.lstrip().startswith("$ ") for _, line in lines)
+        logical, start = "", None
+        for n, line in lines:
+            if not logical:
+                if session and not line.lstrip().startswith("$ "):
+                    continue
+                start = n
+            logical += line.rstrip()
+            if logical.endswith("\\"):
+                logical = logical[:-1] + " "
+                continue
+            cmd, logical = logical, ""
+            words = shell_words(cmd)
+            at = [i for i, w in enumerate(words) if w == "lossguard" or w.endswith("/lossguard")]
+            if not at:
+                continue
+            args = []
+            for w in words[at[0] + 1:]:
+                if re.fullmatch(r"[();<>|&]+", w):
+                    break  # the end of the command: a pipe, &&, ;, a redirection
+                args.append(w)
+            if args:
+                out.append((start, args))
+    return out
+
+
+def shell_words(line):
+    """A shell line's words, comments dropped, operators (`|`, `&&`, `;`, `>`) as words of their own."""
+    lex = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lex.whitespace_split = True
+    try:
+        return list(lex)
+    except ValueError:  # an unbalanced quote: good enough to find the options
+        return line.split("#")[0].split()
+
+
+def help_options(help_text):
+    """The long options a CLI11 help text lists (`  --name ...` or `  -h,--help`), and its subcommands."""
+    options = set(re.findall(r"^  (?:-\w,)?(--[A-Za-z0-9][\w-]*)", help_text, re.M))
+    subcommands, in_sub = set(), False
+    for line in help_text.split("\n"):
+        if re.match(r"^\S.*:$", line) or not line.strip():
+            in_sub = line.startswith("Subcommands:")
+            continue
+        m = re.match(r"^  ([a-z][\w-]*)\b", line)
+        if in_sub and m:
+            subcommands.add(m.group(1))
+    return options, subcommands
+
+
+def check_commands(rel, text, binary):
+    """Each `lossguard <command> [--option ...]` in the code blocks: the command exists and so does every
+    option, as `binary <command> --help` lists them."""
+    problems, helps = [], {}
+
+    def help_of(*words):
+        if words not in helps:
+            run = subprocess.run([str(binary), *words, "--help"], capture_output=True, text=True, timeout=60)
+            helps[words] = help_options(run.stdout) if run.returncode == 0 else None
+        return helps[words]
+
+    top = help_of()
+    if top is None:
+        return [f"{rel}: `{binary} --help` failed: the commands shown cannot be checked"]
+    for line, args in shown_commands(text):
+        command = args[0]
+        if command.startswith("<"):
+            continue  # a placeholder: `lossguard <command> --help`
+        if command.startswith("-"):
+            known, where = top[0], "lossguard"
+            rest = args
+        elif command not in top[1]:
+            problems.append(f"{rel}:{line}: `lossguard {command}`: no such command (commands: "
+                            f"{', '.join(sorted(top[1]))})")
+            continue
+        else:
+            sub = help_of(command)
+            if sub is None:
+                problems.append(f"{rel}:{line}: `lossguard {command} --help` failed")
+                continue
+            known, where, rest = sub[0], f"lossguard {command}", args[1:]
+        for word in rest:
+            m = re.match(r"^(--[A-Za-z0-9][\w-]*)", word)
+            if m and m.group(1) not in known:
+                problems.append(f"{rel}:{line}: `{where}` has no option {m.group(1)} ({where} --help)")
+    return problems
+
+
+def find_binary(root, given):
+    """The binary the commands are checked against: the one given (or None when it is not executable),
+    else $LOSSGUARD_BIN, else the default build's."""
+    for cand in ([given] if given else [os.environ.get("LOSSGUARD_BIN"), root / "build" / "cli" / "lossguard"]):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return pathlib.Path(cand)
+    return None
+
+
+def check(root, path, binary=None):
+    """Problems of one Markdown file. The front page (REPO_ROOT/README.md) also gets its length and, with a
+    binary, its commands checked."""
     problems = []
     data = path.read_bytes()
     rel = path.relative_to(root)
     if len(data) > MAX_BYTES:
         problems.append(f"{rel}: {len(data):,} bytes, over the {MAX_BYTES:,} a document of this repository can be")
     text = data.decode("utf-8", errors="replace")
+    front = path == root / "README.md"
+    if front:
+        lines = text.count("\n") + (0 if text.endswith("\n") or not text else 1)
+        if lines > MAX_FRONT_LINES:
+            problems.append(f"{rel}: {lines} lines, over the {MAX_FRONT_LINES} of the front page "
+                            "(move the detail into docs/ and link it)")
+        if binary is not None:
+            problems += check_commands(rel, text, binary)
     seen = {}
     for line, para in paragraphs(text):
         if len(para) < MIN_PARAGRAPH:
@@ -58,6 +192,18 @@ def check(root, path):
             if not (path.parent / target).exists():
                 problems.append(f"{rel}:{n}: link to {target}, which is not in the repository")
     return problems
+
+
+FAKE_HELP = {  # what the self-test's stand-in binary prints, in CLI11's layout
+    "": "Usage: lossguard [OPTIONS] [SUBCOMMAND]\n\nOptions:\n  -h,--help   Print this help\n"
+        "  --version   Print the version\n\nSubcommands:\n  count       Token counts\n"
+        "  replay      Replay the skip decision\n\nExit codes: 0 pass\n  notacommand here\n",
+    "count": "Usage: lossguard count [OPTIONS] dumps...\n\nOptions:\n  -h,--help   Print\n"
+             "  --cp INT=[1,2,4,8] ...\n                 CP sizes, e.g. --cpp is not an option\n"
+             "  --json FILE|-   JSON report\n\nExamples:\n  lossguard count x --policy legacy\n",
+    "replay": "Usage: lossguard replay [OPTIONS] dumps...\n\nOptions:\n  -h,--help   Print\n"
+              "  --tp INT=1   TP\n  --backend TEXT=sim   sim, gloo or nccl\n",
+}
 
 
 def self_test():
@@ -78,22 +224,93 @@ def self_test():
         big.write_text("word " * (MAX_BYTES // 5 + 1))
         got = check(root, big)
         assert len(got) == 1 and "over the 200,000" in got[0], got
-    print("docs_check self-test: duplicate paragraph, missing link and size each rejected")
+
+        # The front page: at most MAX_FRONT_LINES lines (other pages may be longer).
+        front = root / "README.md"
+        front.write_text("line\n" * MAX_FRONT_LINES)
+        assert check(root, front) == [], check(root, front)
+        front.write_text("line\n" * (MAX_FRONT_LINES + 1))
+        got = check(root, front)
+        assert got == [f"README.md: {MAX_FRONT_LINES + 1} lines, over the {MAX_FRONT_LINES} of the front page "
+                       "(move the detail into docs/ and link it)"], got
+        (root / "long.md").write_text("line\n" * (MAX_FRONT_LINES + 1))
+        assert check(root, root / "long.md") == []
+
+        # The front page's commands, against a stand-in binary's --help.
+        fake = root / "fake-lossguard"
+        fake.write_text(f"#!{sys.executable}\nimport sys\nHELP = {FAKE_HELP!r}\n"
+                        "args = [a for a in sys.argv[1:] if a != '--help']\n"
+                        "text = HELP.get(' '.join(args))\n"
+                        "sys.stdout.write(text or 'unknown command\\n')\nsys.exit(0 if text else 2)\n")
+        fake.chmod(0o755)
+        fence = "`" * 3
+        front.write_text(
+            f"# t\n\n{fence}sh\n"
+            "lossguard count d.safetensors --cp 1,2 --json out.json | tail -3 --lines   # not --bogus\n"
+            "torchrun --standalone --nproc-per-node 4 --no-python build/cli/lossguard replay d \\\n"
+            "    --tp 2 --backend gloo 2>&1 --nope\n"
+            "lossguard --version && echo lossguard: done\n"
+            "lossguard <command> --help\n"
+            "make demo   # builds, and runs lossguard on the examples\n"
+            f"{fence}\n\n{fence}\n$ lossguard count d --cp 2\nlossguard frobnicate --output-lines-are-not-run\n{fence}\n\n"
+            f"{fence}python\nlossguard_capture.hf.attach(trainer, 'captures')\nrun('lossguard nosuch --x')\n{fence}\n"
+            "\nProse may say lossguard whatever --it-likes.\n")
+        got = check(root, front, binary=fake)
+        assert got == [], got
+        front.write_text(
+            f"# t\n\n{fence}\n"
+            "lossguard cuont d\n"                                   # line 4: no such command
+            "lossguard count d --cpp 2 --json=x.json\n"             # line 5: --cpp (said only in a description)
+            "torchrun --nproc-per-node 2 lossguard replay d \\\n"   # line 6, continued:
+            "    --tp 2 --backen gloo\n"                            # --backen
+            "lossguard --verbose\n"                                 # line 8: no top-level --verbose
+            "lossguard notacommand\n"                               # line 9: not under Subcommands
+            f"{fence}\n")
+        got = check(root, front, binary=fake)
+        want = ["README.md:4: `lossguard cuont`: no such command (commands: count, replay)",
+                "README.md:5: `lossguard count` has no option --cpp (lossguard count --help)",
+                "README.md:6: `lossguard replay` has no option --backen (lossguard replay --help)",
+                "README.md:8: `lossguard` has no option --verbose (lossguard --help)",
+                "README.md:9: `lossguard notacommand`: no such command (commands: count, replay)"]
+        assert got == want, got
+        (root / "broken").write_text("#!/bin/sh\nexit 1\n")
+        (root / "broken").chmod(0o755)
+        got = check(root, front, binary=root / "broken")
+        assert len(got) == 1 and "--help` failed" in got[0], got
+    print("docs_check self-test: duplicate paragraph, missing link, size, a front page over "
+          f"{MAX_FRONT_LINES} lines, and an unknown command or option in its code blocks each rejected")
     return 0
 
 
-def main():
-    if sys.argv[1:] == ["--self-test"]:
+def main(argv):
+    if argv == ["--self-test"]:
         return self_test()
-    root = pathlib.Path(sys.argv[1]).resolve()
-    files = [pathlib.Path(f).resolve() for f in sys.argv[2:]] or (
+    given = None
+    if "--binary" in argv:
+        i = argv.index("--binary")
+        if i + 1 >= len(argv):
+            print("docs_check: --binary needs the path of the lossguard binary")
+            return 2
+        given = argv[i + 1]
+        argv = argv[:i] + argv[i + 2:]
+    if not argv:
+        print(__doc__)
+        return 2
+    root = pathlib.Path(argv[0]).resolve()
+    files = [pathlib.Path(f).resolve() for f in argv[1:]] or (
         [root / "README.md", root / "python" / "README.md"] + sorted((root / "docs").glob("*.md")))
-    problems = [p for f in files for p in check(root, f)]
+    binary = find_binary(root, given)
+    problems = []
+    if given and binary is None:
+        problems.append(f"--binary {given}: not an executable file")
+    problems += [p for f in files for p in check(root, f, binary)]
     for p in problems:
         print(p)
-    print(f"docs_check: {len(files)} files, {len(problems)} problems")
+    commands = (f"README commands checked against {binary}" if binary else
+                "README commands NOT checked: no lossguard binary (--binary, $LOSSGUARD_BIN or build/cli/lossguard)")
+    print(f"docs_check: {len(files)} files, {len(problems)} problems; {commands}")
     return 1 if problems else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
