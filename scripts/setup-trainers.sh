@@ -4,11 +4,14 @@
 # a .pth file in the trainer venv puts the main venv's site-packages on its sys.path, after its own, so
 # pip sees torch (and numpy, safetensors, pytest) as installed and installs only what the trainer adds.
 # The trainer packages are PINNED: an adapter hooks a trainer's internals (python/lossguard_capture/hf.py
-# cites the functions), so a new version is adopted deliberately, by changing the pin and rerunning the
-# tests.  Idempotent: a second run checks and returns in seconds.
+# and trl.py cite the functions), so a new version is adopted deliberately, by changing the pin and
+# rerunning the tests.  Idempotent: a second run checks and returns in seconds.
 #
 #   scripts/setup.sh && scripts/setup-trainers.sh
-#   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers
+#   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_hf_trainer.py
+#   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_trl_trainer.py
+#   ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q tests/trainers/test_megatron.py
+#   ~/.cache/lossguard/venv-verl/bin/python -m pytest -q tests/trainers/test_verl.py
 set -euo pipefail
 
 BASE="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}"
@@ -16,7 +19,26 @@ HF_VENV="${LOSSGUARD_HF_VENV:-$HOME/.cache/lossguard/venv-hf}"
 # The newest releases pip could install when this was written (pip index versions transformers /
 # accelerate): 5.25.0 is listed but requires kernels>=0.19.1,<0.20, which the index does not have, so
 # 5.24.0 is the newest that resolves.  Keep in step with SUPPORTED in python/lossguard_capture/hf.py.
-HF_PINS=(transformers==5.24.0 accelerate==1.16.0)
+# TRL (python/lossguard_capture/trl.py SUPPORTED) shares this venv: 1.16.0 is the newest release pip lists
+# (pip index versions trl) and requires transformers>=4.56.2, so it resolves over the 5.24.0 pin (it adds
+# datasets, pandas, pyarrow; nothing already installed changes).
+HF_PINS=(transformers==5.24.0 accelerate==1.16.0 trl==1.16.0)
+MEGATRON_VENV="${LOSSGUARD_MEGATRON_VENV:-$HOME/.cache/lossguard/venv-megatron}"
+# The newest megatron-core pip lists (pip index versions megatron-core); its own requirements are torch,
+# numpy and packaging only (no Transformer Engine, no apex: the tests run its CPU paths).  Keep in step
+# with SUPPORTED in python/lossguard_capture/megatron.py.
+MEGATRON_PINS=(megatron-core==0.16.1)
+VERL_VENV="${LOSSGUARD_VERL_VENV:-$HOME/.cache/lossguard/venv-verl}"
+# verl 0.9.1 is the newest release on the index (pip index versions verl).  Its own requirements add
+# wandb, tensorboard, torchdata, pybind11, pylatexenc ..., which the actor's loss path never imports (and
+# torchdata could bring another torch), so verl is installed --no-deps, together with what importing
+# verl.workers.utils.losses and verl.workers.engine.fsdp.transformer_impl needs, pinned: ray (verl/protocol.py
+# imports it when verl is imported), tensordict (verl requires >=0.8,<=0.10.0), transformers (verl requires
+# >=5.5.3,<5.11, !=5.6.0: 5.10.4 is the newest), and the packages its modules import at the top.  Keep
+# VERL_PIN in step with SUPPORTED in python/lossguard_capture/verl.py.
+VERL_PIN=verl==0.9.1
+VERL_DEPS=(ray==2.60.0 tensordict==0.10.0 transformers==5.10.4 accelerate==1.16.0 peft==0.21.2 datasets==5.2.0
+           hydra-core==1.3.2 omegaconf==2.3.0 codetiming==1.4.0 pillow==13.0.0)
 
 if ! "$BASE/bin/python" -c 'import torch, safetensors' 2>/dev/null; then
   echo "setup-trainers: $BASE has no torch; run scripts/setup.sh first" >&2
@@ -63,8 +85,40 @@ fi
 # torch must still be the base venv's (a dependency resolution that pulled a second torch would
 # mean gigabytes and a different build)
 "$HF_VENV/bin/python" - "$base_site" <<'EOF'
-import sys, torch, transformers, accelerate
+import sys, torch, transformers, accelerate, trl
 assert torch.__file__.startswith(sys.argv[1]), f"torch comes from {torch.__file__}, not {sys.argv[1]}"
 print(f"setup-trainers: venv-hf ready: transformers {transformers.__version__}, accelerate "
-      f"{accelerate.__version__}, torch {torch.__version__} (shared)", file=sys.stderr)
+      f"{accelerate.__version__}, trl {trl.__version__}, torch {torch.__version__} (shared)", file=sys.stderr)
+EOF
+
+make_venv "$MEGATRON_VENV"
+if ! have_pins "$MEGATRON_VENV/bin/python" "${MEGATRON_PINS[@]}"; then
+  echo "setup-trainers: installing ${MEGATRON_PINS[*]} into $MEGATRON_VENV (torch from $BASE)" >&2
+  "$MEGATRON_VENV/bin/python" -m pip install -q --disable-pip-version-check "${MEGATRON_PINS[@]}"
+fi
+"$MEGATRON_VENV/bin/python" - "$base_site" <<'EOF'
+import sys, torch
+from importlib.metadata import version
+assert torch.__file__.startswith(sys.argv[1]), f"torch comes from {torch.__file__}, not {sys.argv[1]}"
+import megatron.core.parallel_state  # noqa: F401  (imports without Transformer Engine / apex)
+print(f"setup-trainers: venv-megatron ready: megatron-core {version('megatron-core')}, torch {torch.__version__} "
+      f"(shared)", file=sys.stderr)
+EOF
+
+make_venv "$VERL_VENV"
+if ! have_pins "$VERL_VENV/bin/python" "$VERL_PIN" "${VERL_DEPS[@]}"; then
+  echo "setup-trainers: installing $VERL_PIN (--no-deps) and ${VERL_DEPS[*]} into $VERL_VENV (torch from $BASE)" >&2
+  "$VERL_VENV/bin/python" -m pip install -q --disable-pip-version-check "${VERL_DEPS[@]}"
+  "$VERL_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$VERL_PIN"
+fi
+"$VERL_VENV/bin/python" - "$base_site" <<'EOF'
+import os, sys, warnings
+os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
+warnings.simplefilter("ignore")
+import torch, verl, transformers
+import verl.workers.utils.losses                                    # the loss path lossguard_capture.verl hooks
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine    # noqa: F401 - the engine tests/trainers drives
+assert torch.__file__.startswith(sys.argv[1]), f"torch comes from {torch.__file__}, not {sys.argv[1]}"
+print(f"setup-trainers: venv-verl ready: verl {verl.__version__}, transformers {transformers.__version__}, "
+      f"torch {torch.__version__} (shared)", file=sys.stderr)
 EOF

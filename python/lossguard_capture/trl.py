@@ -1,0 +1,602 @@
+"""Audit captures of TRL's ``GRPOTrainer`` and ``SFTTrainer``, measured on the trainers' OWN per-token loss tensors.
+
+    import lossguard_capture.trl
+    lossguard_capture.trl.attach(trainer, "captures")     # a GRPOTrainer or an SFTTrainer; every rank
+    trainer.train()
+
+(or ``trainer.add_callback(lossguard_capture.trl.AuditCallback("captures"))``).  As
+:mod:`lossguard_capture.hf`: on every rank, for each step in ``steps`` (default ``[0]``), it writes
+``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` (docs/semantics.md §10); after the audited step
+rank 0 runs ``lossguard audit``, every rank learns the verdict through the process group's store (bounded
+waits, :func:`lossguard_capture.audit.agree`), and every rank raises :class:`lossguard_capture.AuditFailed`
+before the optimizer applies that step when the verdict is FAIL.
+
+What is measured, and where (TRL 1.16.0 over transformers 5.24.0; line numbers of those releases):
+
+**GRPOTrainer** (trl/trainer/grpo_trainer.py).  ``compute_loss`` (:2939) calls ``_compute_loss`` (:3020), which
+builds the per-token loss tensor ``per_token_loss`` [B, C] (B completions of the micro-batch, C its padded
+completion width): the loss_type's policy term (:3109-3138), times the off-policy mask (:3141), the
+high-entropy mask (:3144) and vLLM's importance-sampling ratio (:3147), plus ``beta * per_token_kl`` (:3150).
+It is then reduced by the loss_type's normalisation (:3153-3184), all of the form ``sum_t (per_token_loss *
+mask)_{i,t} * a_i`` with a per-sample factor ``a_i``.  The adapter does not re-implement any of it: for the
+duration of ``_compute_loss`` a profile function (``sys.setprofile``) waits for that frame to return and
+reads its locals ``per_token_loss`` and ``mask`` (:3027: the completion mask, times the tool mask); a
+backward hook on ``per_token_loss`` itself then receives ``dL/dl_t`` when the Trainer backpropagates —
+after every normalisation: the loss_type's, ``/ current_gradient_accumulation_steps`` (the class sets
+``loss_is_scaled_for_ga = True``, :285, so transformers' ``Trainer.training_step`` does not divide again,
+trainer.py:2111-2119), and DDP's mean (``grad_scale = 1/world``).  Nothing in the computation changes: the
+loss and the gradients are bit for bit those of the run without the adapter (tested).  With
+``importance_sampling_level="sequence"`` (GSPO, LUSPO) ``per_token_loss`` may be one value per sequence
+[B, 1]; the reduction broadcasts it over the sequence's tokens, so each token's copy weighs ``a_i m_t``:
+the hook's ``dL/dl_i = a_i m_i`` is recorded split over the sample's masked tokens (``dL/dl_i * m_t / m_i``),
+and each token's loss as ``l_i``.
+
+**SFTTrainer** (trl/trainer/sft_trainer.py).  It does NOT go through ``Trainer.compute_loss`` nor
+``torch.nn.functional.cross_entropy`` (so :mod:`lossguard_capture.hf` refuses it: "the loss did not call
+cross_entropy"): ``compute_loss`` (:1560) runs the model with TRL's fused LM head (``fused_lm_head=True``,
+:1611; trl/trainer/utils.py ``add_fused_lm_head``), takes ``per_token_loss = -outputs.log_probs`` [B, L-1]
+(:1612; times ``exp(log_probs).detach()`` for ``loss_type="dft"``, :1615), ``loss = per_token_loss.sum() /
+num_items_in_batch`` (:1616-1618) and ``* num_processes`` under ``average_tokens_across_devices`` (:1623-1624).
+The same profile function reads ``per_token_loss`` and ``outputs.label_mask`` from ``compute_loss``'s frame.
+The positions whose label is -100 hold a constant 0 (``masked_fill``/``masked_scatter`` of the fused head,
+utils.py:1658-1660: no gradient reaches the model through them) while the plain ``.sum()`` gives them
+``dL/dl_t = 1/N``: their weight in the gradient is 0, and it is recorded as such (``dL/dl_t * m_t``).  The
+sample layout is :mod:`lossguard_capture.hf`'s: a row is a sample with prompt length 1 and response length L-1.
+
+GRPO sample layout: each completion is one sample: its tokens are the prompt (``prompt_ids`` where
+``prompt_mask`` is 1, i.e. without the left padding) followed by the micro-batch's C completion positions
+(right padding included, as masked tokens); response length C; loss mask = ``mask`` (padding and tool-result
+tokens 0; all 0 for a truncated completion under ``mask_truncated_completions``).  Micro-batch ``k`` of DP rank
+``d`` holds the global samples ``(k*dp + d)*B ... + B-1``, unique within the optimizer step.
+``global_batch_size`` is the step's completions over all ranks.  Records: ``mb.num_tokens`` = the
+micro-batch's ``mask.sum()`` for ``bnpo`` (the count it divides by, :3159); ``num_tokens_reduced`` =
+``inputs["num_items_in_batch"]`` for ``dapo``/``cispo``/``vespo`` (:3170; the count of the *generation* batch,
+gathered over ranks, :2498) when the whole step is one generation batch's slices (not when
+``steps_per_generation`` < gradient accumulation: each micro-batch then has its own count).
+
+The objective claimed (``reduce=``), by default what TRL's documentation of ``loss_type`` (grpo_config.py
+``loss_type``) says the aggregation is: :data:`OBJECTIVES`.
+
+Unsupported (an error at attach, naming the reason): TRL or transformers outside their ranges; DeepSpeed,
+FSDP, XLA, Megatron; TP/CP/SP; a loss term outside the per-token tensor — GRPO's entropy bonus
+(``entropy_coef``/``use_adaptive_entropy``, :3189-3211) and an MoE aux loss (:3248-3250), SFT's MoE aux loss —
+unless ``allow_untracked_terms=True`` (then their gradient is not in the capture, and audit's weights describe
+the per-token term only); SFT with ``compute_loss_func`` or label smoothing (no per-token tensor of TRL's);
+an active ``sys.setprofile`` profiler during a captured step.
+"""
+
+import itertools
+import os
+import sys
+import weakref
+from types import FrameType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
+from .recorder import MicroBatch, StepRecorder, check_reduce
+
+try:
+    import transformers
+    from transformers import TrainerCallback
+    import trl
+    from trl import GRPOTrainer, SFTTrainer
+except ImportError as e:            # pragma: no cover - the adapter needs TRL
+    raise ImportError("lossguard_capture.trl needs trl: pip install 'trl>=1.16.0,<1.17.0' "
+                      "'transformers>=5.24.0,<5.25.0' (scripts/setup-trainers.sh pins them)") from e
+
+from . import hf as _hf
+
+__all__ = ["attach", "AuditCallback", "SUPPORTED", "OBJECTIVES", "check_version"]
+
+#: TRL versions whose internals this adapter was checked against: [low, high).
+SUPPORTED = ("1.16.0", "1.17.0")
+_SUPPORTED_TEXT = f"trl>={SUPPORTED[0]},<{SUPPORTED[1]}"
+
+#: The objective each GRPO ``loss_type`` claims (the ``reduce`` written into the capture), from TRL's own
+#: documentation of ``loss_type`` (grpo_config.py) and docs/semantics.md §4/§9:
+#:
+#: * ``grpo`` "normalizing over sequence length": each completion's token mean, averaged over the
+#:   completions: ``sample-mean`` (``m_t / (B m_i)``).  ``sapo`` shares its reduction (:3153).
+#: * ``dr_grpo`` "normalizing with a global constant ... max_completion_length": ``seq-mean-token-sum-norm``
+#:   (``m_t / (B L_norm)``, L_norm = max_completion_length).
+#: * ``dapo`` / ``cispo`` "normalizing with the number of active tokens in the global accumulated batch":
+#:   ``per-token`` (``m_t / N``); ``vespo`` shares their reduction (:3168).
+#: * ``bnpo`` "normalizing with the number of active token in the local batch" — TRL documents that this
+#:   makes the result depend on the local batch size; the objective that batch normalisation approximates
+#:   is ``per-token``, and audit reports the local normalisation against it.
+#: * ``luspo`` "scales each sequence's loss by its length": ``(per_token_loss * mask).sum(-1).mean()``,
+#:   ``seq-mean-token-sum`` (``m_t / B``).
+OBJECTIVES: Dict[str, str] = {
+    "grpo": "sample-mean", "sapo": "sample-mean", "bnpo": "per-token", "dr_grpo": "seq-mean-token-sum-norm",
+    "dapo": "per-token", "cispo": "per-token", "vespo": "per-token", "luspo": "seq-mean-token-sum",
+}
+
+_ATTACH_IDS = itertools.count()
+
+
+def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
+    """RuntimeError naming the supported range when ``version`` (default: the installed trl) is outside
+    :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
+    from packaging.version import Version
+    v = version or trl.__version__
+    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
+    if lo <= vt and vt.release < hi.release:      # 1.17.0.dev0 / rc1 count as 1.17: outside
+        return
+    msg = (f"lossguard_capture.trl supports {_SUPPORTED_TEXT} (it reads GRPOTrainer._compute_loss's and "
+           f"SFTTrainer.compute_loss's per-token loss tensor as these versions build it); trl {v} is installed.  "
+           f"Install a supported version (scripts/setup-trainers.sh pins one), or pass allow_unsupported=True to try "
+           f"anyway: the adapter then still measures the real weights of the tensor it finds, but an unverified loss "
+           f"path may be missed or mis-described.")
+    if not allow_unsupported:
+        raise RuntimeError(msg)
+    import warnings
+    warnings.warn(msg)
+
+
+def _code(fn: Any) -> Any:
+    while hasattr(fn, "__wrapped__"):          # profiling_decorator and the like (functools.wraps)
+        fn = fn.__wrapped__
+    return fn.__code__
+
+
+#: The frames whose locals are read: GRPOTrainer._compute_loss, SFTTrainer.compute_loss.
+_GRPO_CODE = _code(GRPOTrainer._compute_loss)
+_SFT_CODE = _code(SFTTrainer.compute_loss)
+
+
+class _CannotMeasure(Exception):
+    """A captured micro-batch whose loss path is not the one this adapter reads (becomes a RuntimeError)."""
+
+
+class _ReturnLocals:
+    """For the duration of a ``with`` block, a profile function (``sys.setprofile``, this thread) that keeps
+    the named locals of the frame running ``code`` when that frame returns.  Reading a frame's locals changes
+    nothing in the computation."""
+
+    def __init__(self, code: Any, names: Sequence[str]):
+        self.code, self.names = code, tuple(names)
+        self.found: Optional[Dict[str, Any]] = None
+        self.returns = 0
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "return" and frame.f_code is self.code:
+            loc = frame.f_locals
+            self.found = {n: loc.get(n) for n in self.names}
+            self.returns += 1
+
+    def __enter__(self) -> "_ReturnLocals":
+        prev = sys.getprofile()
+        if prev is not None:
+            raise RuntimeError(f"lossguard_capture.trl: a profiler is active (sys.getprofile() = {prev!r}); the "
+                               f"adapter needs sys.setprofile during the captured step's loss (capture another "
+                               f"step, or profile without sys.setprofile)")
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        sys.setprofile(None)
+
+
+class _Spread:
+    """Records, on a leaf proxy hooked by the recorder, per-token weights derived from the gradient of the
+    trainer's own tensor ``X``: ``dL/dX * share`` (``share`` broadcast against ``X``'s gradient).
+
+    Used where ``X``'s own gradient is not yet the per-token weight: a per-sequence ``X`` [B, 1] that the
+    reduction broadcasts over the tokens (``share = m_t / m_i``), and SFT's per-position ``X`` whose ignored
+    positions are constants (``share = m_t``).  The proxy holds ``X``'s values broadcast to the token layout
+    (the recorded ``token_loss``); when ``X``'s hook fires it backpropagates ``g * share`` into the proxy (a
+    reentrant backward of a leaf: nothing of the model's graph is touched), where the recorder's hook keeps it."""
+
+    def __init__(self, mb: MicroBatch, X: torch.Tensor, share: torch.Tensor):
+        self.proxy = X.detach().expand(share.shape).clone().requires_grad_(True)
+        self.share = share.detach().to(X.dtype)
+        numel = self.proxy.numel()
+        mb.hook(self.proxy, index=torch.arange(numel, dtype=torch.int64))
+        self.handle = X.register_hook(self._fire)
+
+    def _fire(self, g: torch.Tensor) -> None:
+        self.proxy.backward(g.detach() * self.share)
+        return None
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+def _find_trainer(callback: "AuditCallback") -> Any:
+    f: Optional[FrameType] = sys._getframe(1)
+    while f is not None:
+        obj = f.f_locals.get("self")
+        if isinstance(obj, transformers.Trainer) and callback in getattr(obj.callback_handler, "callbacks", ()):
+            return obj
+        f = f.f_back
+    return None
+
+
+class AuditCallback(TrainerCallback):
+    """Captures ``steps`` of a TRL ``GRPOTrainer`` or ``SFTTrainer`` run for ``lossguard audit`` and, with
+    ``fail_fast``, audits ``audit_step`` (default the first of ``steps``) from rank 0 and raises
+    :class:`lossguard_capture.AuditFailed` on every rank when it FAILS, before that step's optimizer update.
+
+    ``reduce``: the objective claimed; ``None`` takes :data:`OBJECTIVES` of the GRPO ``loss_type``
+    (``per-token`` for SFT).  ``allow_untracked_terms``: capture even when a loss term outside the per-token
+    tensor is active (entropy bonus, MoE aux loss; their gradient is then not in the capture).  The other
+    arguments are :class:`lossguard_capture.hf.AuditCallback`'s.  ``results`` maps each audited step to its
+    :class:`lossguard_capture.AuditResult`; ``paths`` each captured step to this rank's file."""
+
+    def __init__(self, out_dir: str, *, steps: Optional[Iterable[int]] = (0,), fail_fast: bool = True,
+                 audit_step: Optional[int] = None, lossguard_bin: Optional[str] = None,
+                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: Optional[str] = None,
+                 strict: bool = True, allow_unsupported: bool = False, allow_untracked_terms: bool = False):
+        self.out_dir = out_dir
+        self.steps = None if steps is None else sorted({int(s) for s in steps})
+        if self.steps is not None and not self.steps:
+            raise ValueError("steps is empty (None captures every step)")
+        self.fail_fast = bool(fail_fast)
+        if audit_step is None:
+            audit_step = 0 if self.steps is None else self.steps[0]
+        if self.steps is not None and audit_step not in self.steps:
+            raise ValueError(f"audit_step {audit_step} is not one of the captured steps {self.steps}")
+        self.audit_step = int(audit_step)
+        self.lossguard_bin = lossguard_bin
+        self.audit_args = list(audit_args)
+        self.timeout = float(timeout)
+        self.reduce = None if reduce is None else check_reduce(reduce)
+        self.strict = strict
+        self.allow_unsupported = allow_unsupported
+        self.allow_untracked_terms = allow_untracked_terms
+        self.kind: Optional[str] = None              # "grpo" or "sft", set at attach
+        self.loss_type: Optional[str] = None
+        self.results: Dict[int, AuditResult] = {}
+        self.paths: Dict[int, str] = {}
+        self._trainer_ref: Any = None
+        self._id = next(_ATTACH_IDS)
+        self._train_runs = 0
+        self._step: Optional[StepRecorder] = None
+        self._k = 0
+        self._rows = 0
+        self._pending: Optional[MicroBatch] = None
+        self._spreads: List[_Spread] = []
+        self._num_items: List[Any] = []               # GRPO: each micro-batch's inputs["num_items_in_batch"]
+        self._num_items_step: Any = None              # SFT: the Trainer's num_items_in_batch
+        self._grad_norm: Any = None
+
+    # -- wiring ---------------------------------------------------------------------------------
+    @property
+    def trainer(self) -> Any:
+        return None if self._trainer_ref is None else self._trainer_ref()
+
+    def attach(self, trainer: Any) -> "AuditCallback":
+        """Wire the callback into ``trainer`` (idempotent): checks the versions and configuration, wraps
+        ``trainer.compute_loss``, ``trainer.accelerator.backward`` and ``trainer._get_grad_norm`` (instance
+        attributes; the classes are untouched), and adds the callback if it is not there yet."""
+        if self.trainer is trainer:
+            return self
+        if self.trainer is not None:
+            raise RuntimeError("this AuditCallback is already attached to another Trainer")
+        check_version(allow_unsupported=self.allow_unsupported)
+        _hf.check_version(allow_unsupported=self.allow_unsupported)
+        if isinstance(trainer, GRPOTrainer):
+            self.kind, self.loss_type = "grpo", trainer.loss_type
+            if self.loss_type not in OBJECTIVES:
+                raise RuntimeError(f"lossguard_capture.trl: GRPO loss_type {self.loss_type!r} is not one this adapter "
+                                   f"knows ({', '.join(OBJECTIVES)})")
+            if self.reduce is None:
+                self.reduce = OBJECTIVES[self.loss_type]
+        elif isinstance(trainer, SFTTrainer):
+            self.kind, self.loss_type = "sft", trainer.args.loss_type
+            if self.reduce is None:
+                self.reduce = "per-token"
+        else:
+            raise RuntimeError(f"lossguard_capture.trl supports GRPOTrainer and SFTTrainer, not "
+                               f"{type(trainer).__name__} (a plain transformers.Trainer: lossguard_capture.hf)")
+        self._check_config(trainer)
+        self._trainer_ref = weakref.ref(trainer)
+        cb = self
+
+        orig_compute_loss = trainer.compute_loss
+
+        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            return cb._compute_loss(orig_compute_loss, model, inputs, *args, **kwargs)
+        trainer.compute_loss = compute_loss
+
+        acc = trainer.accelerator
+        orig_backward = acc.backward
+
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            if cb._pending is not None:
+                cb._pending.loss(loss)
+                cb._pending = None
+            return orig_backward(loss, **kwargs)
+        acc.backward = backward
+
+        if hasattr(trainer, "_get_grad_norm"):
+            orig_grad_norm = trainer._get_grad_norm
+
+            def get_grad_norm(*args: Any, **kwargs: Any) -> Any:
+                r = orig_grad_norm(*args, **kwargs)
+                if cb._step is not None:
+                    cb._grad_norm = r
+                return r
+            trainer._get_grad_norm = get_grad_norm
+
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        if trainer.args.process_index == 0:
+            what = (f"GRPOTrainer loss_type={self.loss_type}" if self.kind == "grpo"
+                    else f"SFTTrainer loss_type={self.loss_type}")
+            print(f"lossguard_capture.trl: capturing steps {self.steps if self.steps is not None else 'all'} of the "
+                  f"{what} into {self.out_dir} (reduce={self.reduce})", file=sys.stderr)
+            if self.fail_fast:
+                try:
+                    find_lossguard(self.lossguard_bin)
+                except AuditError as e:
+                    print(f"lossguard_capture.trl: warning: {e}; step {self.audit_step} will raise AuditError",
+                          file=sys.stderr)
+        return self
+
+    def _check_config(self, trainer: Any) -> None:
+        args = trainer.args
+        bad = []
+        if getattr(args, "n_gpu", 1) > 1:
+            bad.append(f"torch.nn.DataParallel (n_gpu = {args.n_gpu}); launch one process per device instead")
+        dt = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
+        if dt in ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM"):
+            bad.append(f"distributed type {dt} (only plain DDP: its gradient mean is grad_scale = 1/world)")
+        pc = getattr(trainer.accelerator, "parallelism_config", None)
+        if pc is not None:
+            sizes = {n: getattr(pc, n + "_size", 1) or 1 for n in ("tp", "cp", "sp")}
+            if any(v > 1 for v in sizes.values()):
+                bad.append(f"parallelism_config {sizes} (only data parallelism)")
+        if getattr(trainer.accelerator, "gradient_accumulation_steps", 1) != 1:
+            bad.append(f"accelerator.gradient_accumulation_steps = {trainer.accelerator.gradient_accumulation_steps} "
+                       f"(the Trainer sets 1 and divides itself)")
+        untracked = []
+        if self.kind == "grpo":
+            if getattr(trainer, "_entropy_bonus_enabled", False):
+                untracked.append("the entropy bonus (entropy_coef / use_adaptive_entropy: a per-micro-batch token "
+                                 "mean / gradient_accumulation_steps, grpo_trainer.py:3189-3211)")
+            if getattr(trainer, "aux_loss_enabled", False):
+                untracked.append("the MoE aux loss (grpo_trainer.py:3248-3250)")
+        else:
+            if getattr(trainer, "compute_loss_func", None) is not None:
+                bad.append("compute_loss_func (the loss is the user's function, not TRL's per-token tensor; "
+                           "lossguard_capture.hf measures one that calls torch.nn.functional.cross_entropy)")
+            if getattr(trainer, "label_smoother", None) is not None:
+                bad.append("label_smoothing_factor != 0 (the LabelSmoother, not TRL's per-token tensor)")
+            if getattr(trainer, "aux_loss_enabled", False):
+                untracked.append("the MoE aux loss (sft_trainer.py:1619-1629)")
+        if untracked and not self.allow_untracked_terms:
+            bad.append("a loss term outside the per-token loss tensor: " + ", ".join(untracked) +
+                       " (pass allow_untracked_terms=True to capture the per-token term alone)")
+        if bad:
+            raise RuntimeError("lossguard_capture.trl does not support: " + "; ".join(bad))
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.trainer is None:
+            trainer = _find_trainer(self)
+            if trainer is None:
+                raise RuntimeError("AuditCallback could not find its Trainer: use "
+                                   "lossguard_capture.trl.attach(trainer, out_dir) instead of add_callback")
+            self.attach(trainer)
+        self._train_runs += 1
+
+    # -- capture --------------------------------------------------------------------------------
+    def _captures(self, step: int) -> bool:
+        return self.steps is None or step in self.steps
+
+    def _step_dir(self, step: int) -> str:
+        return os.path.join(self.out_dir, f"step{step:06d}")
+
+    def _compute_loss(self, orig: Callable[..., Any], model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.trainer
+        step = trainer.state.global_step
+        if not (model.training and self._captures(step)):
+            return orig(model, inputs, *args, **kwargs)
+        if self._step is not None and self._step.step != step:     # not finished (should not happen)
+            self._abort()
+        if self._step is None:
+            self._open(step)
+        try:
+            if self.kind == "grpo":
+                grab = _ReturnLocals(_GRPO_CODE, ("per_token_loss", "mask"))
+            else:
+                grab = _ReturnLocals(_SFT_CODE, ("per_token_loss", "outputs"))
+            with grab:
+                out = orig(model, inputs, *args, **kwargs)
+            where = "GRPOTrainer._compute_loss" if self.kind == "grpo" else "SFTTrainer.compute_loss"
+            if grab.returns != 1 or grab.found is None:
+                raise _CannotMeasure(f"{where} ran {grab.returns} times in one compute_loss (expected once)")
+            if self.kind == "grpo":
+                mb = self._grpo_microbatch(inputs, grab.found)
+            else:
+                num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
+                mb = self._sft_microbatch(inputs, grab.found, num_items)
+        except _CannotMeasure as e:
+            self._abort()
+            raise RuntimeError(f"lossguard_capture.trl: step {step} micro-batch {self._k}: cannot measure the "
+                               f"trainer's loss: {e}") from None
+        except BaseException:
+            self._abort()
+            raise
+        self._pending = mb
+        return out
+
+    def _abort(self) -> None:
+        for s in self._spreads:
+            s.remove()
+        self._spreads = []
+        if self._step is not None:
+            self._step.abort()
+        self._step = None
+
+    def _open(self, step: int) -> None:
+        args = self.trainer.args
+        world = args.world_size
+        self._step = StepRecorder(self._step_dir(step), step, args.process_index, world, dp=world,
+                                  dp_rank=args.process_index, reduce=self.reduce, strict=self.strict)
+        self._k = 0
+        self._rows = 0
+        self._pending = None
+        self._spreads = []
+        self._num_items = []
+        self._num_items_step = None
+        self._grad_norm = None
+
+    def _first_index(self, B: int) -> int:
+        args = self.trainer.args
+        bs = args.per_device_train_batch_size
+        if B > bs:
+            raise _CannotMeasure(f"a micro-batch of {B} rows > per_device_train_batch_size {bs}")
+        dp, d, k = args.world_size, args.process_index, self._k
+        return (k * dp + d) * bs
+
+    def _grpo_microbatch(self, inputs: Any, found: Dict[str, Any]) -> MicroBatch:
+        X, mask = found["per_token_loss"], found["mask"]
+        comp = inputs["completion_ids"]
+        B, C = comp.shape
+        if not isinstance(X, torch.Tensor) or not isinstance(mask, torch.Tensor):
+            raise _CannotMeasure("GRPOTrainer._compute_loss has no per_token_loss / mask tensor (another loss path?)")
+        if tuple(mask.shape) != (B, C):
+            raise _CannotMeasure(f"mask {tuple(mask.shape)} does not match completion_ids {(B, C)}")
+        if not X.is_floating_point() or X.dim() != 2 or X.shape[0] != B or X.shape[1] not in (1, C):
+            raise _CannotMeasure(f"per_token_loss {tuple(X.shape)} {X.dtype} is neither [B, C] = {[B, C]} nor [B, 1]")
+        if not X.requires_grad:
+            raise _CannotMeasure("per_token_loss does not require grad (no autograd in compute_loss?)")
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"].bool()
+        m = mask.detach().to(torch.int64)
+        first = self._first_index(B)
+        tokens = [torch.cat([prompt_ids[i][prompt_mask[i]], comp[i]]) for i in range(B)]
+        P = prompt_mask.sum(-1).to(torch.int64)
+        num_tokens = m.sum() if self.loss_type == "bnpo" else None
+        assert self._step is not None
+        mb = self._step.microbatch(
+            sample_indices=torch.arange(first, first + B, dtype=torch.int64), tokens=tokens,
+            total_lengths=P + C, response_lengths=torch.full((B,), C, dtype=torch.int64),
+            loss_masks=m.reshape(-1), cp_size=1, num_tokens=num_tokens)
+        if X.shape[1] == C:
+            # the trainer's own [B, C] tensor, row-major = per sample, response index ascending
+            mb.hook(X, index=torch.arange(B * C, dtype=torch.int64))
+        else:
+            # one loss per sequence, broadcast by `per_token_loss * mask` over the tokens: each token's copy
+            # weighs a_i m_t, and dL/dl_i = a_i m_i
+            mf = mask.detach().to(X.dtype)
+            self._spreads.append(_Spread(mb, X, mf / mf.sum(-1, keepdim=True).clamp(min=1)))
+        if "num_items_in_batch" in inputs:
+            self._num_items.append(inputs["num_items_in_batch"])
+        self._k += 1
+        self._rows += B
+        return mb
+
+    def _sft_microbatch(self, inputs: Any, found: Dict[str, Any], num_items: Any) -> MicroBatch:
+        X, outputs = found["per_token_loss"], found["outputs"]
+        if X is None or outputs is None:
+            raise _CannotMeasure("SFTTrainer.compute_loss did not build per_token_loss from the fused LM head "
+                               "(compute_loss_func, label smoothing or sequence parallelism take another path)")
+        label_mask = getattr(outputs, "label_mask", None)
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if ids is None or ids.dim() != 2:
+            raise _CannotMeasure("the batch has no 2-D input_ids [batch, seq]")
+        B, L = ids.shape
+        if label_mask is None or tuple(label_mask.shape) != (B, L - 1) or tuple(X.shape) != (B, L - 1):
+            raise _CannotMeasure(f"per_token_loss {tuple(X.shape)} / label_mask "
+                               f"{None if label_mask is None else tuple(label_mask.shape)} are not [B, L-1] = "
+                               f"{[B, L - 1]} (shift_labels / padding-free batches are not supported)")
+        if not X.requires_grad:
+            raise _CannotMeasure("per_token_loss does not require grad (no autograd in compute_loss?)")
+        m = label_mask.detach().to(torch.int64)
+        first = self._first_index(B)
+        assert self._step is not None
+        mb = self._step.microbatch(
+            sample_indices=torch.arange(first, first + B, dtype=torch.int64), tokens=ids.reshape(-1),
+            total_lengths=torch.full((B,), L, dtype=torch.int64),
+            response_lengths=torch.full((B,), L - 1, dtype=torch.int64), loss_masks=m.reshape(-1), cp_size=1)
+        # positions with label -100 are constant zeros of the fused head: weight dL/dl_t * m_t
+        self._spreads.append(_Spread(mb, X, label_mask.detach()))
+        self._num_items_step = num_items
+        self._k += 1
+        self._rows += B
+        return mb
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        s = self._step
+        if s is None or s.step != state.global_step:
+            return
+        try:
+            self._finish(s)
+        except BaseException:
+            self._abort()
+            raise
+        for sp in self._spreads:
+            sp.remove()
+        self._spreads = []
+        self._step = None
+        if self.fail_fast and s.step == self.audit_step:
+            self._audit(s.step)
+
+    def _finish(self, s: StepRecorder) -> None:
+        trainer = self.trainer
+        args = trainer.args
+        if self._pending is not None:
+            raise RuntimeError(f"lossguard_capture.trl: step {s.step}: a micro-batch's loss never reached "
+                               f"accelerator.backward")
+        world = args.world_size
+        rows = torch.tensor(self._rows, dtype=torch.int64)
+        grad_scale = 1.0
+        if world > 1:
+            import torch.distributed as dist
+            ddp = trainer.model_wrapped
+            if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+                raise RuntimeError(f"lossguard_capture.trl: {world} processes but the model is wrapped in "
+                                   f"{type(ddp).__name__}, not DistributedDataParallel")
+            grad_scale = 1.0 / dist.get_world_size(ddp.process_group)
+            t = rows.to(args.device)
+            dist.all_reduce(t)
+            rows = t.cpu()
+        num_tokens_reduced = None
+        if self.kind == "grpo":
+            # one generation batch for the whole step (its micro-batches are slices of one buffered batch and
+            # share the very tensor): the count it divided by.  Not with steps_per_generation < GA: each
+            # micro-batch then has its own generation batch's count.
+            n0 = self._num_items[0] if self._num_items else None
+            if self.loss_type in ("dapo", "cispo", "vespo") and n0 is not None and \
+                    all(v is n0 for v in self._num_items):
+                num_tokens_reduced = n0
+        else:
+            num_tokens_reduced = self._num_items_step
+        scaler = getattr(trainer.accelerator, "scaler", None)
+        skipped = False if scaler is None else None
+        grad_norm = self._grad_norm
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+            grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
+        self.paths[s.step] = s.finish(grad_scale=grad_scale, num_tokens_reduced=num_tokens_reduced, skipped=skipped,
+                                      grad_norm=grad_norm, global_batch_size=rows)
+
+    def _audit(self, step: int) -> None:
+        step_dir = self._step_dir(step)
+        json_path = os.path.join(self.out_dir, f"audit-step{step:06d}.json")
+
+        def compute() -> Dict[str, Any]:
+            return run_audit([step_dir], binary=self.lossguard_bin, args=self.audit_args, timeout=self.timeout,
+                             json_path=json_path, step=step).to_json()
+
+        key = f"trl/{self._id}/{self._train_runs}/step{step}"
+        got = agree(key, compute, timeout=self.timeout)
+        if "error" in got:
+            raise AuditError(f"lossguard_capture.trl: step {step}: no audit verdict: {got['error']}")
+        result = AuditResult.from_json(got)
+        self.results[step] = result
+        if self.trainer.args.process_index == 0:
+            print(f"lossguard_capture.trl: lossguard audit {step_dir}: {result.verdict.upper()} "
+                  f"(exit {result.exit_code})", file=sys.stderr)
+        result.raise_for_verdict()
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._step is not None:           # a captured step that never reached the optimizer
+            self._abort()
+
+
+def attach(trainer: Any, out_dir: str, **kwargs: Any) -> AuditCallback:
+    """``AuditCallback(out_dir, **kwargs).attach(trainer)``: one line before ``trainer.train()``."""
+    return AuditCallback(out_dir, **kwargs).attach(trainer)

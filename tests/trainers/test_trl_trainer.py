@@ -1,0 +1,472 @@
+"""lossguard_capture.trl against TRL's real GRPOTrainer and SFTTrainer (CPU, Gloo, a tiny Llama built from a
+config, a tokenizer built in-process, generation by model.generate).
+
+For every GRPO loss_type of the pinned TRL (grpo, sapo, bnpo, dr_grpo, dapo, cispo, vespo, luspo; plus GSPO's
+sequence-level importance sampling, truncated completions masked, beta KL, bf16 autocast, and
+steps_per_generation 1 and 4 against gradient accumulation 2), DP 1 and (a subset) DP 2, and for SFTTrainer,
+tests/trainers/trl_driver.py runs ``train`` twice from the same seed, with the adapter and without; the tests
+prove
+
+(a) the adapter changes nothing: every micro-batch's loss and every gradient the optimizer receives are bit for
+    bit the same with and without it;
+(b) the measured weights are the truth: ``sum_t w_t grad(l_t)`` with ``w_t = token_weight_t * grad_scale`` from
+    the captures and ``l_t`` the trainer's own per-token loss recomputed in float64 on the step's parameters
+    equals the gradient the optimizer was about to apply (after backward and DDP);
+(c) the measured weights are exactly the formula each loss_type implements (:func:`formula_weights`, the
+    numbers lossguard's contract presets are to model);
+(d) ``lossguard audit`` (when built) says what :func:`expected` says, and fail-fast stops a failing run at
+    step 0 on every rank;
+
+and that ``lossguard_capture.hf`` refuses TRL's SFTTrainer (its loss never calls cross_entropy).
+
+    scripts/setup-trainers.sh
+    ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_trl_trainer.py
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl")
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+DRIVER = os.path.join(HERE, "trl_driver.py")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import trl_driver as drv  # noqa: E402
+
+import lossguard_capture as lc  # noqa: E402
+import lossguard_capture.hf as lhf  # noqa: E402
+import lossguard_capture.trl as ltrl  # noqa: E402
+
+try:                      # another trainer's venv may hold other versions (tests/trainers/conftest.py)
+    ltrl.check_version()
+    lhf.check_version()
+except RuntimeError as e:
+    pytest.skip(f"not the pinned TRL / transformers: {e}", allow_module_level=True)
+
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
+
+DP1 = list(drv.CONFIGS) + ["sft"]
+DP2 = ["grpo", "bnpo", "dr_grpo", "dapo", "dapo-spg4", "dapo-spg1", "sft"]
+CASES = [(1, c) for c in DP1] + [(2, c) for c in DP2]
+IDS = [f"dp{w}-{c}" for w, c in CASES]
+STEPS, GA = drv.STEPS, drv.GA
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def expected(world, config):
+    """(exit code, step-0 diagnosis kinds accepted, what must reproduce the weights) of lossguard audit."""
+    lt = drv.CONFIGS[config]["loss_type"] if config != "sft" else "sft"
+    if config == "dapo-spg4":           # a count over the generation batch (2 steps): a uniform scale per step,
+        return 1, {"uniform-scale"}, None             # and num_tokens_reduced != N fails the counts check
+    if config == "dapo-spg1":           # a count per micro-batch (all-reduced over DP): per-micro-batch weights
+        return 1, {"per-microbatch"}, ("hf-ga" if world == 1 else None)
+    if lt == "bnpo":                    # the local micro-batch's count: the hf-ga shape
+        return 1, {"per-microbatch"}, "hf-ga"
+    if lt == "dr_grpo":                 # m_t/(B L): docs/semantics.md §9's seq-mean-token-sum-norm, L_norm = the
+        return 0, {"exact"}, "truth"    # step's longest response (test_dr_grpo_l_norm_is_the_longest_response)
+    return 0, {"exact"}, "truth"
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Both driver runs, one after the other (1 process, then 2 under torchrun): {world: out_dir}."""
+    out = {}
+    for world, configs in ((1, DP1), (2, DP2)):
+        d = str(tmp_path_factory.mktemp(f"trl-dp{world}"))
+        args = [DRIVER, "--out", d, "--configs", ",".join(configs)]
+        if world == 1:
+            args.append("--hf-on-sft")
+        if HAVE_BIN:      # the passing configurations also audit step 0 inside the run (fail-fast passes)
+            args += ["--audit-in-run", ",".join(c for c in configs if expected(world, c)[0] == 0),
+                     "--lossguard-bin", LOSSGUARD]
+        if world == 1:
+            cmd = [sys.executable, *args]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+        out[world] = d
+    return out
+
+
+def run_dir(runs, world, config, which="adapter"):
+    return os.path.join(runs[world], config, which)
+
+
+def meta(runs, world, config):
+    with open(os.path.join(run_dir(runs, world, config), "meta-rank0.json")) as f:
+        return json.load(f)
+
+
+def captures(runs, world, config, step):
+    d = os.path.join(run_dir(runs, world, config), "captures", f"step{step:06d}")
+    caps = []
+    for r in range(world):
+        path = os.path.join(d, f"step{step:06d}-rank{r:05d}.safetensors")
+        with safe_open(path, framework="pt") as f:
+            m = f.metadata()
+        caps.append((load_file(path), m))
+    return caps
+
+
+def masks(t, k):
+    """Micro-batch k's loss masks as [n_k, R] (every sample of a micro-batch has the same response length)."""
+    R = t[f"mb.{k}.response_lengths"]
+    assert len(set(R.tolist())) == 1
+    return t[f"mb.{k}.loss_masks"].view(-1, int(R[0])).double()
+
+
+# ---- (a) the adapter changes nothing ---------------------------------------------------------------
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_loss_and_gradient_bit_for_bit(runs, world, config):
+    bits = lambda x: x.reshape(1).view(torch.int32)     # noqa: E731 - NaN == NaN, bit for bit
+    for r in range(world):
+        a = torch.load(os.path.join(run_dir(runs, world, config), f"losses-rank{r}.pt"))
+        p = torch.load(os.path.join(run_dir(runs, world, config, "plain"), f"losses-rank{r}.pt"))
+        assert len(a) == len(p) == GA * STEPS
+        for i, (x, y) in enumerate(zip(a, p)):
+            assert x.dtype == y.dtype == torch.float32 and torch.equal(bits(x), bits(y)), (r, i, x.item(), y.item())
+        for n in range(STEPS):
+            ga_ = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank{r}.pt"))
+            gp = torch.load(os.path.join(run_dir(runs, world, config, "plain"), f"grads-step{n}-rank{r}.pt"))
+            for name in gp:
+                assert torch.equal(ga_[name], gp[name]), (r, n, name, (ga_[name] - gp[name]).abs().max().item())
+
+
+# ---- what the captures hold ------------------------------------------------------------------------
+def _check_grpo_layout(t, k, config):
+    """Each completion is a sample: its prompt without padding, then the C completion positions."""
+    T, R = t[f"mb.{k}.total_lengths"], t[f"mb.{k}.response_lengths"]
+    toks = torch.split(t[f"mb.{k}.tokens"], T.tolist())
+    for row, P, m in zip(toks, (T - R).tolist(), masks(t, k).long().tolist()):
+        prompt, completion = row[:P].tolist(), row[P:].tolist()
+        assert " ".join(drv.WORDS[x] for x in prompt) in drv.PROMPTS, prompt         # no padding, a real prompt
+        ended = drv.EOS in completion
+        n = completion.index(drv.EOS) + 1 if ended else len(completion)             # generated tokens, EOS included
+        assert all(x == drv.PAD for x in completion[n:])                             # then right padding
+        if config == "grpo-trunc" and not ended:                                     # mask_truncated_completions
+            assert m == [0] * len(m)
+        else:
+            assert m == [1] * n + [0] * (len(m) - n)
+
+
+def _check_sft_layout(t, k):
+    """A row is a sample (prompt length 1): mask[j] = 1 iff token j+1 is a completion token or its EOS."""
+    L = int(t[f"mb.{k}.total_lengths"][0])
+    rows = {(r["prompt"], r["completion"]) for r in drv.sft_dataset()}
+    for row, m in zip(t[f"mb.{k}.tokens"].view(-1, L).tolist(), masks(t, k).long().tolist()):
+        n = row.index(drv.EOS) + 1
+        assert all(x == drv.PAD for x in row[n:])
+        words = [drv.WORDS[x] for x in row[:n - 1]]
+        cut = [i for i in range(1, len(words)) if (" ".join(words[:i]), "".join(" " + w for w in words[i:])) in rows]
+        assert len(cut) >= 1, words
+        P = cut[0]
+        assert m == [int(P <= j + 1 < n) for j in range(L - 1)], (words, m)
+
+
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_capture_records(runs, world, config):
+    md = meta(runs, world, config)
+    lt = md.get("loss_type", "sft")
+    bs = drv.CONFIGS.get(config, {}).get("per_device_train_batch_size", drv.BS)
+    want_reduce = ltrl.OBJECTIVES[lt] if lt != "sft" else "per-token"
+    assert md["reduce"] == want_reduce
+    for n in range(STEPS):
+        caps = captures(runs, world, config, n)
+        losses = [torch.load(os.path.join(run_dir(runs, world, config), f"losses-rank{r}.pt")) for r in range(world)]
+        grads = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank0.pt"))
+        seen, N = set(), 0
+        for r, (t, m) in enumerate(caps):
+            assert m == {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+                         "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
+                         "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": want_reduce,
+                         "num_microbatches": str(GA), "dtype": "float32"}
+            assert t["grad_scale"].item() == 1.0 / world          # DDP's mean
+            assert t["global_batch_size"].item() == bs * GA * world
+            assert t["skipped"].item() == 0
+            norm = math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values()))
+            assert math.isclose(t["grad_norm"].item(), norm, rel_tol=1e-5)
+            for k in range(GA):
+                idx = t[f"mb.{k}.sample_indices"].tolist()
+                assert idx == [(k * world + r) * bs + j for j in range(bs)]
+                assert not (set(idx) & seen)
+                seen |= set(idx)
+                if lt == "sft":
+                    _check_sft_layout(t, k)
+                else:
+                    _check_grpo_layout(t, k, config)
+                mk = masks(t, k)
+                N += int(mk.sum())
+                tw, tl = t[f"mb.{k}.token_weight"].double(), t[f"mb.{k}.token_loss"].double()
+                assert (tw[mk.view(-1) == 0] == 0).all()                           # masked tokens weigh 0
+                assert t[f"mb.{k}.loss"].item() == losses[r][n * GA + k].double().item()   # what was backpropagated
+                assert math.isclose(t[f"mb.{k}.loss"].item(), float((tw * tl).sum()), rel_tol=1e-4, abs_tol=1e-6)
+                if lt == "bnpo":                                                    # the count it divides by
+                    assert t[f"mb.{k}.num_tokens"].item() == int(mk.sum())
+                else:
+                    assert f"mb.{k}.num_tokens" not in t
+        for r, (t, _) in enumerate(caps):
+            if lt == "sft":
+                assert t["num_tokens_reduced"].item() == N                          # gathered over the ranks
+            elif lt in ("dapo", "cispo", "vespo") and md["steps_per_generation"] % GA == 0:
+                assert t["num_tokens_reduced"].item() == generation_count(runs, world, config, n, 0)
+            else:                 # no count (or one per micro-batch: spg < GA)
+                assert "num_tokens_reduced" not in t
+
+
+# ---- (b) the measured weights are the truth -----------------------------------------------------
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_gradient_is_sum_of_measured_weights(runs, world, config):
+    """grad (after backward and DDP) == sum_t w_t grad(l_t) over every rank's micro-batches (the driver's
+    want-step files: the trainer's own per-token losses, recomputed in float64, weighted by the captures)."""
+    for n in range(STEPS):
+        d = run_dir(runs, world, config)
+        got = [torch.load(os.path.join(d, f"grads-step{n}-rank{r}.pt")) for r in range(world)]
+        for r in range(1, world):                                   # DDP left every replica the same gradient
+            assert all(torch.equal(got[r][k], got[0][k]) for k in got[0])
+        parts = [torch.load(os.path.join(d, f"want-step{n}-rank{r}.pt")) for r in range(world)]
+        want = {k: sum(p[k].double() for p in parts) for k in parts[0]}
+        scale = max(v.abs().max().item() for v in want.values())
+        for k in want:
+            torch.testing.assert_close(got[0][k].double(), want[k], rtol=1e-4, atol=1e-6 * scale,
+                                       msg=lambda m: f"{config} dp{world} step {n} {k}: {m}")
+
+
+# ---- (c) the weights are each loss_type's formula ------------------------------------------------
+def generation_count(runs, world, config, step, k):
+    """N_G of micro-batch k of ``step``: TRL's num_items_in_batch (grpo_trainer.py:2498), the mask total of the
+    generation batch that holds it — the micro-batches j' (counted over the run, j = step*GA + k) with
+    j' // steps_per_generation == j // steps_per_generation, on every rank."""
+    S = meta(runs, world, config)["steps_per_generation"]
+    g = (step * GA + k) // S
+    total = 0
+    for j in range(g * S, (g + 1) * S):
+        for t, _ in captures(runs, world, config, j // GA):
+            total += int(masks(t, j % GA).sum())
+    return total
+
+
+def formula_weights(runs, world, config, step, t, k):
+    """The weight w_t of every token of micro-batch k (rank's capture t) as TRL 1.16 computes it.
+    m: [n_k, C] masks, m_i the sample's mask total, n_k the micro-batch's rows, M gradient accumulation,
+    P the DP world (DDP's mean), L max_completion_length, S steps_per_generation, N the step's token total."""
+    md = meta(runs, world, config)
+    lt = md.get("loss_type", "sft")
+    m = masks(t, k)
+    n_k, M, P = m.shape[0], GA, world
+    if lt in ("grpo", "sapo"):          # :3154 ((l*m).sum(-1) / m_i.clamp(1)).mean() / M; DDP / P
+        return m / (m.sum(-1, keepdim=True).clamp(min=1) * n_k * M * P)
+    if lt == "bnpo":                    # :3159 (l*m).sum() / (micro-batch's own count).clamp(1) / M; / P
+        return m / (m.sum().clamp(min=1) * M * P)
+    if lt == "dr_grpo":                 # :3164 (l*m).sum() / (n_k * max_completion_length) / M; / P
+        return m / (n_k * md["max_completion_length"] * M * P)
+    if lt in ("dapo", "cispo", "vespo"):  # :3170-3173 (l*m).sum() / (N_G/P * M/S); / P
+        S = md["steps_per_generation"]
+        return m * S / (max(generation_count(runs, world, config, step, k), 1) * M)
+    if lt == "luspo":                   # :3179 (l*m).sum(-1).mean() / M; / P
+        return m / (n_k * M * P)
+    if lt == "sft":                     # sft_trainer.py:1618-1624 l.sum() / num_items_in_batch * P; / P
+        N = sum(int(masks(tt, kk).sum()) for tt, _ in captures(runs, world, config, step) for kk in range(GA))
+        return m / N
+    raise AssertionError(lt)
+
+
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_weights_are_the_loss_types_formula(runs, world, config):
+    for n in range(STEPS):
+        for t, _ in captures(runs, world, config, n):
+            for k in range(GA):
+                w = (t[f"mb.{k}.token_weight"].double() * t["grad_scale"].double()).view(masks(t, k).shape)
+                torch.testing.assert_close(w, formula_weights(runs, world, config, n, t, k), rtol=1e-6, atol=0,
+                                           msg=lambda m: f"{config} dp{world} step {n} mb {k}: {m}")
+
+
+def test_dapo_spg4_weights_sum_to_the_steps_share_of_the_generation_batch(runs):
+    """steps_per_generation 4 = 2 optimizer steps of GA 2: the count is the generation batch's (both steps), so
+    step n's weights sum to S*N_n/(M*N_G) = 2*N_n/(N_0+N_1), not 1 (and their sum over both steps is 2)."""
+    for world in (1, 2):
+        N = [sum(int(masks(t, k).sum()) for t, _ in captures(runs, world, "dapo-spg4", n) for k in range(GA))
+             for n in range(STEPS)]
+        sums = [sum(float((t[f"mb.{k}.token_weight"].double() * t["grad_scale"].double()).sum())
+                    for t, _ in captures(runs, world, "dapo-spg4", n) for k in range(GA)) for n in range(STEPS)]
+        assert N[0] != N[1]                         # the data makes the two steps differ
+        for n in range(STEPS):
+            assert math.isclose(sums[n], 2 * N[n] / (N[0] + N[1]), rel_tol=1e-6), (world, N, sums)
+
+
+def test_dr_grpo_l_norm_is_the_longest_response(runs):
+    """audit takes L_norm = the step's longest response (it has no L_norm record): the runs must have a
+    completion of max_completion_length in each step for its verdict to be about TRL's constant."""
+    for world in (1, 2):
+        for n in range(STEPS):
+            R = max(int(t[f"mb.{k}.response_lengths"].max()) for t, _ in captures(runs, world, "dr_grpo", n)
+                    for k in range(GA))
+            assert R == drv.MAX_COMPLETION
+
+
+# ---- (d) lossguard audit's verdicts ----------------------------------------------------------------
+def audit(*paths):
+    r = subprocess.run([LOSSGUARD, "audit", *paths, "--json", "-"], capture_output=True, text=True, timeout=120)
+    text = subprocess.run([LOSSGUARD, "audit", *paths], capture_output=True, text=True, timeout=120).stdout
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+@pytest.mark.parametrize("world,config", CASES, ids=IDS)
+def test_audit_verdict(runs, world, config):
+    want_code, want_kinds, want_preset = expected(world, config)
+    caps = os.path.join(run_dir(runs, world, config), "captures")
+    code, doc, err, text = audit(*[os.path.join(caps, f"step{n:06d}") for n in range(STEPS)])
+    where = f"dp{world} {config}:\n{text}\n{err}"
+    assert doc is not None, where
+    assert code == want_code, where
+    s0 = doc["steps"][0]
+    assert s0["dtype"] == "float32", where
+    kind = s0["diagnosis"]["kind"]
+    assert kind in want_kinds, where
+    checks = {c["name"]: c["ok"] for c in s0["checks"]}
+    assert checks["coverage"] is True and checks["loss"] is True and checks["decision"] is True, where
+    if config == "dapo-spg4":
+        N = [s["global_tokens"] for s in doc["steps"]]
+        for n, s in enumerate(doc["steps"]):
+            assert s["diagnosis"]["kind"] == "uniform-scale", where
+            assert math.isclose(s["diagnosis"]["scale"], 2 * N[n] / (N[0] + N[1]), rel_tol=1e-6), where
+            assert {c["name"]: c["ok"] for c in s["checks"]}["counts"] is False, where
+        return
+    if want_code == 0:
+        assert all(c["ok"] is not False for s in doc["steps"] for c in s["checks"]), where
+        assert want_preset in s0["matches"], where
+        meta0 = meta(runs, world, config)             # the in-run fail-fast audit passed the same step
+        assert meta0["audit"]["0"]["exit_code"] == 0, meta0["audit"]
+    else:
+        assert checks["weights"] is False, where
+        if want_preset is None:
+            assert s0["matches"] == [], where        # no preset reproduces it yet
+        else:
+            assert want_preset in s0["matches"], where
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
+    """bnpo, GA 2, DP 2: rank 0's audit of step 0 FAILS (the hf-ga shape); every rank raises AuditFailed before
+    the optimizer step (parameters unchanged), and the job exits non-zero."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", DRIVER,
+           "--out", str(tmp_path), "--fail-fast", "bnpo", "--lossguard-bin", LOSSGUARD]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "AuditFailed" in r.stderr
+    for rank in range(2):
+        with open(tmp_path / "bnpo" / f"failfast-rank{rank}.json") as f:
+            got = json.load(f)
+        assert got["global_step"] == 0 and got["exit_code"] == 1, got
+        assert got["params_unchanged"] is True, got
+        assert "per-micro-batch normalisation" in got["text"] and "hf-ga" in got["text"], got["text"]
+        assert "lossguard audit FAILED step 0" in got["message"]
+    assert not (tmp_path / "bnpo" / "captures" / "step000001").exists()
+
+
+def test_hf_adapter_cannot_measure_sftTrainer(runs):
+    """TRL 1.16's SFTTrainer.compute_loss takes -log_probs from its fused LM head (sft_trainer.py:1611-1618) and
+    never calls torch.nn.functional.cross_entropy: lossguard_capture.hf says so instead of capturing."""
+    with open(os.path.join(runs[1], "hf-on-sft", "hf-on-sft.json")) as f:
+        err = json.load(f)["error"]
+    assert err is not None and "did not call torch.nn.functional.cross_entropy" in err, err
+
+
+# ---- the adapter's guards, in this process -----------------------------------------------------------
+def _grpo(tmp_path, **over):
+    args = drv.GRPOConfig(**{**drv.common_args(str(tmp_path), 1), "max_steps": 1, **over},
+                          num_generations=drv.GENS, max_completion_length=drv.MAX_COMPLETION)
+    return drv.GRPOTrainer(model=drv.make_model(), reward_funcs=drv.reward, args=args,
+                           train_dataset=drv.Dataset.from_dict({"prompt": drv.PROMPTS}),
+                           processing_class=drv.tokenizer())
+
+
+def test_unsupported_version_names_the_range():
+    with pytest.raises(RuntimeError, match=r"trl>=1\.16\.0,<1\.17\.0.*trl 1\.15\.0 is installed"):
+        ltrl.check_version("1.15.0")
+    for v in ("1.17.0", "1.17.0.dev0", "1.16.0rc1", "2.0.0"):
+        with pytest.raises(RuntimeError):
+            ltrl.check_version(v)
+    ltrl.check_version("1.16.0")
+    with pytest.warns(UserWarning, match="supports"):
+        ltrl.check_version("1.18.0", allow_unsupported=True)
+    ltrl.check_version()                                      # the installed pin is inside the range
+
+
+def test_every_loss_type_has_an_objective():
+    """The pinned TRL's loss types (GRPOConfig's help text) are exactly those OBJECTIVES knows, and the driver
+    runs each of them."""
+    import re
+    help_text = drv.GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    listed = set(re.findall(r"'(\w+)'", help_text.split("Supported values are", 1)[1].split(".", 1)[0]))
+    assert listed == set(ltrl.OBJECTIVES)
+    assert {c["loss_type"] for c in drv.CONFIGS.values()} == set(ltrl.OBJECTIVES)
+
+
+def test_untracked_terms_are_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="entropy bonus"):
+        ltrl.attach(_grpo(tmp_path, entropy_coef=0.01), str(tmp_path / "c"))
+    cb = ltrl.attach(_grpo(tmp_path, entropy_coef=0.01), str(tmp_path / "c"), allow_untracked_terms=True,
+                     fail_fast=False)
+    assert cb.kind == "grpo" and cb.reduce == "per-token"
+
+
+def test_other_trainers_are_refused(tmp_path):
+    from transformers import Trainer, TrainingArguments
+    tr = Trainer(model=drv.make_model(), args=TrainingArguments(output_dir=str(tmp_path / "o"), use_cpu=True,
+                                                                report_to=[]))
+    with pytest.raises(RuntimeError, match="supports GRPOTrainer and SFTTrainer"):
+        ltrl.attach(tr, str(tmp_path / "c"))
+    sft = drv.SFTTrainer(model=drv.make_model(), args=drv.SFTConfig(**drv.common_args(str(tmp_path), 1), max_length=32),
+                         train_dataset=drv.sft_dataset(), processing_class=drv.tokenizer(),
+                         compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum())
+    with pytest.raises(RuntimeError, match="compute_loss_func"):
+        ltrl.attach(sft, str(tmp_path / "c"))
+
+
+def test_add_callback_finds_its_trainer_and_an_active_profiler_is_an_error(tmp_path):
+    """trainer.add_callback(AuditCallback(...)) attaches itself when training begins; a profile function set by
+    someone else (sys.setprofile) makes the captured step an error — nothing is written, the profiler is kept."""
+    tr = _grpo(tmp_path)
+    cb = ltrl.AuditCallback(str(tmp_path / "caps"), fail_fast=False)
+    tr.add_callback(cb)
+
+    def other(frame, event, arg):
+        return None
+    sys.setprofile(other)
+    try:
+        with pytest.raises(RuntimeError, match="a profiler is active"):
+            tr.train()
+        assert sys.getprofile() is other
+    finally:
+        sys.setprofile(None)
+    assert cb.trainer is tr and cb.reduce == "per-token"         # dapo: TRL's default loss_type
+    assert not os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
+    tr2 = _grpo(tmp_path)
+    cb2 = ltrl.AuditCallback(str(tmp_path / "caps2"), fail_fast=False)
+    tr2.add_callback(cb2)
+    tr2.train()
+    t = load_file(cb2.paths[0])
+    assert t["num_tokens_reduced"].item() == sum(int(t[f"mb.{k}.loss_masks"].sum()) for k in range(GA))
+
+
+def test_fail_fast_without_a_binary_is_an_error_not_a_pass(tmp_path):
+    tr = _grpo(tmp_path)
+    ltrl.attach(tr, str(tmp_path / "caps"), lossguard_bin=str(tmp_path / "no-such-lossguard"))
+    with pytest.raises(lc.AuditError, match="no-such-lossguard.*is not an executable file"):
+        tr.train()
+    assert os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
