@@ -1,0 +1,537 @@
+"""Audit captures of a Megatron-core training loop's OWN loss path: its ``loss_func``, the schedule's
+scaling of what it returns, ``DistributedDataParallel``'s gradient reduction and ``finalize_model_grads``.
+
+    import lossguard_capture.megatron as lcm
+
+    audit = lcm.MegatronAudit("captures", steps=[0])           # after initialize_model_parallel, every rank
+    audit.attach(config, model=model, optimizer=optimizer)     # wraps config.finalize_model_grads_func, optimizer.step
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)                             # the FULL micro-batch rows, before the CP split
+        local = get_batch_on_this_cp_rank(dict(batch))
+        output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        return output, audit.loss_func(partial(loss_func, local["loss_mask"]), tokens=batch["tokens"],
+                                       loss_mask=batch["loss_mask"], sample_indices=batch["sample_indices"])
+
+    for it in range(iterations):
+        with audit.step(it):
+            forward_backward_func(forward_step_func=forward_step, ...)
+            update_successful, grad_norm, num_zeros = optimizer.step()
+
+On every rank of each step in ``steps`` it writes ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors``
+(docs/semantics.md §10) when the ``with`` block ends; ``lossguard audit captures/step{n:06d}`` judges it.
+
+What is measured, and where (megatron-core 0.16.1; line numbers of that release, identical in 0.16.0):
+
+* The per-token losses are the tensor Megatron hands the user's ``loss_func``
+  (``forward_step_calc_loss``, pipeline_parallel/schedules.py:256: ``outputs = loss_func(output_tensor)``;
+  a ``GPTModel`` called with labels returns them as ``[b, s/cp]``,
+  models/common/language_module/language_module.py:128-171).  The wrapper registers a backward hook on
+  that very tensor and calls the user's ``loss_func`` unchanged: the value is the real one bit for bit,
+  and ``dL/dl_t`` is measured after everything that follows — the user's own sums and divisions, and the
+  schedule's in-place scaling of the loss it returns: a 3-tuple ``(loss, num_tokens, report)`` without
+  ``calculate_per_token_loss`` is divided by ``clamp(num_tokens, min=1)`` and by the number of
+  micro-batches (schedules.py:257-263), a 2-tuple ``(loss, report)`` is multiplied by the CP size and
+  divided by the number of micro-batches (schedules.py:264-269), a 3-tuple with
+  ``calculate_per_token_loss`` is backpropagated as returned; ``backward_step`` multiplies it by
+  ``config.grad_scale_func`` (the loss scale, schedules.py:477-478).
+* ``mb.{k}.loss`` is that backpropagated scalar: the tensor the ``loss_func`` returned, read after the
+  schedule's in-place scaling (at ``finalize_model_grads``, when every backward is done), times the loss
+  scale (``config.grad_scale_func(1)``, as schedules.py:283-287 reads it).  ``mb.{k}.num_tokens`` is the
+  3-tuple's count as returned (a 2-tuple returns none: not written).
+* ``grad_scale`` is read from the model, not assumed: ``DistributedDataParallel`` multiplies every
+  bucket's gradients by its ``gradient_scaling_factor`` (1 with ``calculate_per_token_loss``, else
+  ``1/|DP x CP|``; distributed/distributed_data_parallel.py:254-288) before a SUM all-reduce over the
+  DP x CP group (distributed/param_and_grad_buffer.py:388-396; AVG with ``average_in_collective``: a
+  further ``1/|group|``), and ``finalize_model_grads`` all-reduces the schedule's ``total_num_tokens``
+  over DP x CP and calls ``scale_gradients(1/N)`` when ``N > 0`` (distributed/finalize_model_grads.py:484-497;
+  schedules.py:677-685 passes the count only under ``calculate_per_token_loss``).  The wrapper of
+  ``config.finalize_model_grads_func`` records each ``scale_gradients`` call of the model chunks, and
+  ``grad_scale = gradient_scaling_factor x (1/|group| if AVG) x (the scalings) / loss scale``; the
+  all-reduced count is ``num_tokens_reduced``.
+* ``optimizer.step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``
+  (optimizer/optimizer.py:1308-1338 for the ChainedOptimizer ``get_megatron_optimizer`` builds):
+  ``skipped = not update_successful``, ``grad_norm`` as returned (omitted when None).  A step whose
+  ``with`` block ends without ``optimizer.step()`` (a loop that skips a zero-token step itself) is
+  recorded as skipped.  Megatron-core itself skips only on an fp16 overflow.
+* TP, CP and DP sizes and this rank's coordinates come from ``megatron.core.parallel_state``; the
+  zig-zag positions each CP rank holds are Megatron's own: the wrapper applies
+  ``megatron.core.utils.get_batch_on_this_cp_rank`` (utils.py:1994-2038: chunk ``r`` then chunk
+  ``2cp-1-r`` of each row) to a tensor of positions, and checks that they are lossguard's zig-zag
+  (docs/semantics.md §2).
+
+Sample layout: a row of the micro-batch (``tokens`` ``[b, s]``, "bshd") is one sample of ``T = s`` tokens,
+prompt length 1 and response length ``s-1``: response index ``j`` is token ``j+1``, whose loss Megatron
+computes at position ``j`` (labels are pre-shifted: ``labels[j] = tokens[j+1]``), with mask
+``loss_mask[j]``.  The row's last position predicts a token outside the row, which lossguard's sample
+model cannot hold (docs/semantics.md §1-2: a sample's last position predicts nothing): its
+``loss_mask`` must be 0 (pad rows by one token) — checked.  ``sample_indices`` are the rows' global
+indices in the step's batch (the user's data layout: Megatron's sampler gives micro-batch ``k`` of DP rank
+``d`` the rows ``(k*dp + d)*b ... + b-1``).
+
+Refused, with the reason (a RuntimeError, nothing recorded): megatron-core outside :data:`SUPPORTED`;
+pipeline parallelism (PP > 1, virtual PP); hybrid context parallelism; a model chunk that is not
+``megatron.core.distributed.DistributedDataParallel`` (Megatron FSDP, torch DDP); several distributed-
+optimizer instances; buckets with different scaling factors (expert parameters scaled unlike dense
+ones); THD packed sequences (``packed_seq_params``: their CP split is Transformer Engine's
+``thd_get_partitioned_indices``, utils.py:2041-2083); a ``loss_func`` that does not return a 2- or
+3-tuple or does not receive the per-token losses ``[b, s/cp]``; a row whose last position carries loss.
+The MoE auxiliary and MTP losses are other terms (docs/semantics.md §11): not captured.
+"""
+
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .recorder import MicroBatch, StepRecorder, check_reduce
+from .zigzag import zigzag_owned_logit_positions
+
+try:
+    from megatron.core import package_info as _mc_info
+    from megatron.core import parallel_state as _ps
+    from megatron.core.distributed import DistributedDataParallel as _MegatronDDP
+    from megatron.core.utils import get_batch_on_this_cp_rank as _get_batch_on_this_cp_rank
+except ImportError as e:            # pragma: no cover - the adapter needs megatron-core
+    raise ImportError("lossguard_capture.megatron needs megatron-core (pip install megatron-core==0.16.1; "
+                      "scripts/setup-trainers.sh); supported: megatron-core>=0.16.0,<0.17.0") from e
+
+__all__ = ["MegatronAudit", "SUPPORTED", "check_version", "megatron_version"]
+
+#: megatron-core versions whose loss path this adapter was checked against: [low, high).
+SUPPORTED = ("0.16.0", "0.17.0")
+_SUPPORTED_TEXT = f"megatron-core>={SUPPORTED[0]},<{SUPPORTED[1]}"
+
+
+def megatron_version() -> str:
+    """The installed megatron-core's version (``megatron.core.package_info.__version__``)."""
+    return str(_mc_info.__version__)
+
+
+def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
+    """RuntimeError naming the supported range when ``version`` (default: the installed megatron-core)
+    is outside :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
+    from packaging.version import Version      # a dependency of megatron-core
+    v = version or megatron_version()
+    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
+    if lo <= vt and vt.release < hi.release:
+        return
+    msg = (f"lossguard_capture.megatron supports {_SUPPORTED_TEXT} (it relies on forward_step_calc_loss, "
+           f"DistributedDataParallel's gradient scaling and finalize_model_grads as these versions have them: "
+           f"0.15 added the clamp of num_tokens, 0.13 moved the count's all-reduce from DP to DP x CP and "
+           f"dropped the x CP of the 3-tuple); megatron-core {v} is installed.  Install a supported version "
+           f"(scripts/setup-trainers.sh pins one), or pass allow_unsupported=True: the adapter still measures "
+           f"the real weights, but an unverified loss path may be missed or mis-described.")
+    if not allow_unsupported:
+        raise RuntimeError(msg)
+    import warnings
+    warnings.warn(msg)
+
+
+def _is_float_01(t: torch.Tensor) -> bool:
+    return bool(((t == 0) | (t == 1)).all())
+
+
+class _MB:
+    """One captured micro-batch: the recorder's handle and what is read at finalize / finish."""
+
+    def __init__(self, handle: MicroBatch, loss_mask: torch.Tensor):
+        self.handle = handle
+        self.loss_mask = loss_mask          # [b, s], the full rows (any device; read in finish)
+        self.loss: Optional[torch.Tensor] = None      # the tensor loss_func returned (scaled in place later)
+        self.arity = 0
+
+
+class _StepState:
+    def __init__(self, rec: StepRecorder, global_batch_size: Any):
+        self.rec = rec
+        self.global_batch_size = global_batch_size
+        self.mbs: List[_MB] = []
+        self.finalized = False
+        self.grad_scale: Any = None
+        self.num_tokens_reduced: Any = None
+        self.optimizer_called = False
+        self.update_successful: Any = None
+        self.grad_norm: Any = None
+        self.skipped_override: Any = None
+        self.grad_norm_override: Any = None
+
+
+class MegatronStep:
+    """The context manager :meth:`MegatronAudit.step` returns; ``with`` it around one iteration (the
+    forward-backward call and ``optimizer.step()``).  ``active`` says whether this step is captured.
+    Leaving the block normally writes the capture (``path``); by an exception, nothing is written.
+    :meth:`set` overrides what the wrapped optimizer would record (``skipped``, ``grad_norm``) for a loop
+    that does not pass its optimizer to :meth:`MegatronAudit.attach`."""
+
+    def __init__(self, audit: "MegatronAudit", step: int, global_batch_size: Any):
+        self.audit = audit
+        self.step = int(step)
+        self.global_batch_size = global_batch_size
+        self.active = audit.should_capture(step)
+        self.path: Optional[str] = None
+        self._state: Optional[_StepState] = None
+
+    def __enter__(self) -> "MegatronStep":
+        if self.audit._state is not None:
+            raise RuntimeError(f"lossguard_capture.megatron: step {self.step} opened inside step "
+                               f"{self.audit._state.rec.step}")
+        if self.active:
+            rec = self.audit._recorder(self.step)
+            self._state = _StepState(rec, self.global_batch_size)
+            self.audit._state = self._state
+        return self
+
+    def set(self, *, skipped: Any = None, grad_norm: Any = None) -> None:
+        """Record the step's skip decision / gradient norm yourself (overrides the optimizer wrapper's)."""
+        if self._state is not None:
+            if skipped is not None:
+                self._state.skipped_override = skipped
+            if grad_norm is not None:
+                self._state.grad_norm_override = grad_norm
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        st = self._state
+        self._state = None
+        if st is None:
+            return False
+        self.audit._state = None
+        if exc_type is not None:
+            st.rec.abort()
+            return False
+        try:
+            self.path = self.audit._finish(st)
+        except BaseException:
+            st.rec.abort()
+            raise
+        self.audit.paths[self.step] = self.path
+        return False
+
+
+class MegatronAudit:
+    """Captures ``steps`` of a Megatron-core training loop for ``lossguard audit`` (module docstring).
+
+    Construct it on every rank after ``parallel_state.initialize_model_parallel``; TP, CP, DP and this
+    rank's coordinates are read from there.  ``reduce`` is the objective claimed (``per-token``: every
+    effective token weighs ``1/N`` — what ``calculate_per_token_loss`` computes; without it Megatron's
+    per-micro-batch mean is judged against it and fails with the ``megatron-mean`` shape).  ``steps=None``
+    captures every step.  ``paths`` maps each captured step to this rank's file."""
+
+    def __init__(self, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), reduce: str = "per-token",
+                 strict: bool = True, allow_unsupported: bool = False):
+        check_version(allow_unsupported=allow_unsupported)
+        self.reduce = check_reduce(reduce)
+        self.out_dir = out_dir
+        self.strict = strict
+        self.steps = None if steps is None else sorted({int(s) for s in steps})
+        if self.steps is not None and not self.steps:
+            raise ValueError("steps is empty (None captures every step)")
+        if not _ps.model_parallel_is_initialized():
+            raise RuntimeError("lossguard_capture.megatron: megatron.core.parallel_state is not initialised "
+                               "(call initialize_model_parallel first)")
+        pp = _ps.get_pipeline_model_parallel_world_size()
+        vpp = _ps.get_virtual_pipeline_model_parallel_world_size()
+        if pp != 1 or (vpp is not None and vpp > 1):
+            raise RuntimeError(f"lossguard_capture.megatron does not support pipeline parallelism (PP = {pp}, "
+                               f"virtual PP = {vpp}): only forward_backward_no_pipelining is handled")
+        import torch.distributed as dist
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.tp = _ps.get_tensor_model_parallel_world_size()
+        self.cp = _ps.get_context_parallel_world_size()
+        self.dp = _ps.get_data_parallel_world_size(with_context_parallel=False)
+        self.tp_rank = _ps.get_tensor_model_parallel_rank()
+        self.cp_rank = _ps.get_context_parallel_rank()
+        self.dp_rank = _ps.get_data_parallel_rank(with_context_parallel=False)
+        if self.tp * self.cp * self.dp != self.world_size:
+            raise RuntimeError(f"lossguard_capture.megatron: TP {self.tp} x CP {self.cp} x DP {self.dp} != world "
+                               f"{self.world_size} (expert or partial data parallelism are not supported)")
+        self.paths: Dict[int, str] = {}
+        self.config: Any = None
+        self._state: Optional[_StepState] = None
+        self._index_cache: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._optimizer_wrapped = False
+
+    # -- wiring ---------------------------------------------------------------------------------
+    def attach(self, config: Any, *, model: Any = None, optimizer: Any = None) -> "MegatronAudit":
+        """Wrap ``config.finalize_model_grads_func`` (required: it is where DP x CP reduce the gradients and
+        the count) and, when given, ``optimizer.step`` (instance attributes; the classes are untouched).
+        ``model``: the model chunks (or one), checked now rather than at the first captured step."""
+        if self.config is not None:
+            if config is not self.config:
+                raise RuntimeError("this MegatronAudit is already attached to another config")
+            return self
+        bad = []
+        if getattr(config, "finalize_model_grads_func", None) is None:
+            bad.append("config.finalize_model_grads_func is None (set it to megatron.core.distributed."
+                       "finalize_model_grads, as Megatron-LM's training loop does)")
+        if getattr(config, "hybrid_context_parallel", False):
+            bad.append("hybrid_context_parallel")
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):
+            bad.append("overlap_moe_expert_parallel_comm (the combined 1F1B schedule)")
+        if getattr(config, "pipeline_model_parallel_size", 1) not in (None, 1):
+            bad.append(f"pipeline_model_parallel_size = {config.pipeline_model_parallel_size}")
+        if model is not None:
+            for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+                why = self._check_chunk(chunk)
+                if why:
+                    bad.append(why)
+        if bad:
+            raise RuntimeError("lossguard_capture.megatron does not support: " + "; ".join(bad))
+        self.config = config
+        orig = config.finalize_model_grads_func
+        audit = self
+
+        def finalize_model_grads(model: Any, num_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return audit._finalize(orig, model, num_tokens, *args, **kwargs)
+        finalize_model_grads.__wrapped__ = orig           # type: ignore[attr-defined]
+        config.finalize_model_grads_func = finalize_model_grads
+        if optimizer is not None:
+            orig_step = optimizer.step
+
+            def step(*args: Any, **kwargs: Any) -> Any:
+                out = orig_step(*args, **kwargs)
+                st = audit._state
+                if st is not None:
+                    st.optimizer_called = True
+                    if isinstance(out, tuple) and len(out) >= 2:
+                        st.update_successful, st.grad_norm = out[0], out[1]
+                    elif isinstance(out, bool):
+                        st.update_successful = out
+                return out
+            optimizer.step = step
+            self._optimizer_wrapped = True
+        if self.rank == 0:
+            print(f"lossguard_capture.megatron: capturing steps {self.steps if self.steps is not None else 'all'} "
+                  f"into {self.out_dir} (reduce={self.reduce}; TP {self.tp} CP {self.cp} DP {self.dp}; "
+                  f"calculate_per_token_loss={getattr(config, 'calculate_per_token_loss', None)})", file=sys.stderr)
+        return self
+
+    @staticmethod
+    def _check_chunk(chunk: Any) -> Optional[str]:
+        if not isinstance(chunk, _MegatronDDP):
+            return (f"a model chunk of type {type(chunk).__name__}, not megatron.core.distributed."
+                    f"DistributedDataParallel (its gradient reduction is what grad_scale reads)")
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and getattr(ddp_config, "num_distributed_optimizer_instances", 1) > 1:
+            return "num_distributed_optimizer_instances > 1"
+        return None
+
+    def should_capture(self, step: int) -> bool:
+        return self.steps is None or int(step) in self.steps
+
+    def step(self, step: int, *, global_batch_size: Any = None) -> MegatronStep:
+        """The context manager of iteration ``step`` (captured when in ``steps``).  ``global_batch_size``:
+        the step's rows over all DP ranks, recorded when given."""
+        if self.config is None:
+            raise RuntimeError("lossguard_capture.megatron: call attach(config, ...) before step()")
+        return MegatronStep(self, step, global_batch_size)
+
+    def _recorder(self, step: int) -> StepRecorder:
+        return StepRecorder(os.path.join(self.out_dir, f"step{step:06d}"), step, self.rank, self.world_size,
+                            tp=self.tp, pp=1, cp=self.cp, dp=self.dp, tp_rank=self.tp_rank, pp_rank=0,
+                            cp_rank=self.cp_rank, dp_rank=self.dp_rank, cp_layout="zigzag", reduce=self.reduce,
+                            strict=self.strict)
+
+    # -- micro-batches --------------------------------------------------------------------------
+    def loss_func(self, loss_func: Callable[..., Any], *, tokens: torch.Tensor, loss_mask: torch.Tensor,
+                  sample_indices: Any, packed_seq_params: Any = None) -> Callable[..., Any]:
+        """``loss_func`` wrapped for the running step: the forward step returns it in place of its own.
+
+        ``tokens`` and ``loss_mask`` are the micro-batch's full rows ``[b, s]`` before the CP split
+        (``loss_mask[j]``: whether the loss Megatron computes at position ``j`` — of ``labels[j] =
+        tokens[j+1]`` — counts); ``sample_indices`` ``[b]`` the rows' global indices in the step's batch.
+        Outside a captured step (or for a forward-only pass) ``loss_func`` itself is returned / called."""
+        st = self._state
+        if st is None:
+            return loss_func
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
+            self._fail(st, "THD packed sequences (packed_seq_params) are not supported: their CP split is "
+                           "Transformer Engine's thd_get_partitioned_indices (megatron/core/utils.py:2066-2071)")
+
+        def shape(x: Any) -> Any:
+            return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            self._fail(st, f"tokens must be the micro-batch's [b, s] rows, got {shape(tokens)}")
+        b, s = tokens.shape
+        if not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape) != (b, s):
+            self._fail(st, f"loss_mask must be the full rows' [b, s] = {(b, s)} mask (before the CP split), got "
+                           f"{shape(loss_mask)}")
+        idx = torch.as_tensor(sample_indices).reshape(-1)
+        if idx.numel() != b:
+            self._fail(st, f"{idx.numel()} sample_indices for {b} rows")
+        index = self._local_index(st, b, s)
+        cp, s_local = self.cp, s // self.cp
+        audit = self
+
+        def wrapped(output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or audit._state is not st or not isinstance(output_tensor, torch.Tensor) \
+                    or not output_tensor.requires_grad:
+                return loss_func(output_tensor, *args, **kwargs)          # non-loss data, eval, another step
+            if tuple(output_tensor.shape) != (b, s_local) or not output_tensor.is_floating_point():
+                audit._fail(st, f"loss_func received {tuple(output_tensor.shape)} {output_tensor.dtype}, not the "
+                                f"per-token losses [b, s/cp] = {(b, s_local)} of this micro-batch (a GPTModel "
+                                f"called with labels returns them; logits cannot be hooked)")
+            # response index j of a row is position j (prompt length 1): the mask's first s-1 entries
+            mb = st.rec.microbatch(sample_indices=idx, tokens=tokens.reshape(-1),
+                                   total_lengths=torch.full((b,), s, dtype=torch.int64),
+                                   response_lengths=torch.full((b,), s - 1, dtype=torch.int64),
+                                   loss_masks=loss_mask[:, : s - 1].reshape(-1), cp_size=cp)
+            entry = _MB(mb, loss_mask)
+            st.mbs.append(entry)
+            mb.hook(output_tensor, index=index)
+            outputs = loss_func(output_tensor)
+            if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+                audit._fail(st, f"loss_func returned {type(outputs).__name__}"
+                                f"{'' if not isinstance(outputs, (tuple, list)) else ' of ' + str(len(outputs))}; "
+                                f"Megatron expects (loss, num_tokens, report) or (loss, report)")
+            entry.arity = len(outputs)
+            entry.loss = outputs[0]
+            if len(outputs) == 3:
+                mb.set(num_tokens=outputs[1])
+            return outputs
+        return wrapped
+
+    def _local_index(self, st: _StepState, b: int, s: int) -> torch.Tensor:
+        """Index of the owned tokens (local order) in the flattened [b, s/cp] per-token tensor, from
+        Megatron's own CP split applied to positions; checked against lossguard's zig-zag."""
+        key = (b, s)
+        if key in self._index_cache:
+            return self._index_cache[key]
+        cp, r = self.cp, self.cp_rank
+        if cp > 1 and s % (2 * cp):
+            self._fail(st, f"sequence length {s} is not a multiple of 2*cp = {2 * cp}")
+        pos = torch.arange(s, dtype=torch.int64).expand(b, s).contiguous()
+        local = _get_batch_on_this_cp_rank({"position_ids": pos})["position_ids"]    # [b, s/cp]
+        if tuple(local.shape) != (b, s // cp):
+            self._fail(st, f"megatron's CP split gave {tuple(local.shape)} for rows {(b, s)} at cp {cp}")
+        want = zigzag_owned_logit_positions(s, s - 1, cp, r)          # response j <-> logit j (prompt 1)
+        row = local[0].tolist()
+        if any(local[i].tolist() != row for i in range(1, b)):
+            self._fail(st, "megatron's CP split differs between rows")
+        got = sorted(p for p in row if p < s - 1)
+        if got != want:
+            self._fail(st, f"megatron's CP split holds positions {sorted(row)} on CP rank {r} of {cp}; "
+                           f"lossguard's zig-zag (docs/semantics.md §2) owns {want}")
+        slot = {p: i for i, p in enumerate(row)}
+        per_row = [slot[p] for p in want]
+        n_local = s // cp
+        index = (torch.arange(b, dtype=torch.int64)[:, None] * n_local
+                 + torch.tensor(per_row, dtype=torch.int64)[None, :]).reshape(-1)
+        self._index_cache[key] = index
+        return index
+
+    def _fail(self, st: _StepState, why: str) -> None:
+        """Abort the open step (nothing is recorded) and raise."""
+        st.rec.abort()
+        if self._state is st:
+            self._state = None
+        raise RuntimeError(f"lossguard_capture.megatron: step {st.rec.step}: {why}")
+
+    # -- finalize ---------------------------------------------------------------------------------
+    def _finalize(self, orig: Callable[..., Any], model: Any, num_tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        st = self._state
+        if st is None:
+            return orig(model, num_tokens, *args, **kwargs)
+        if st.finalized:
+            self._fail(st, "finalize_model_grads_func was called twice in one step")
+        chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        factors = set()
+        avg_sizes = set()
+        for chunk in chunks:
+            why = self._check_chunk(chunk)
+            if why:
+                self._fail(st, "unsupported " + why)
+            for group in list(chunk.bucket_groups) + list(chunk.expert_parallel_bucket_groups):
+                for bucket in group.buckets:
+                    factors.add(float(bucket.gradient_scaling_factor))
+                if group.ddp_config.average_in_collective:
+                    comm = (group.intra_distributed_optimizer_instance_group
+                            if group.ddp_config.use_distributed_optimizer else group.data_parallel_group)
+                    avg_sizes.add(comm.size())
+                else:
+                    avg_sizes.add(1)
+        if len(factors) > 1 or len(avg_sizes) > 1:
+            self._fail(st, f"gradient buckets are scaled differently ({sorted(factors)}, AVG over "
+                           f"{sorted(avg_sizes)}): one grad_scale cannot describe them")
+        pre = (factors.pop() if factors else 1.0) / (avg_sizes.pop() if avg_sizes else 1)
+        scalings: List[List[Any]] = [[] for _ in chunks]
+        originals = []
+        for i, chunk in enumerate(chunks):
+            orig_scale = chunk.scale_gradients
+
+            def scale_gradients(scaling_factor: Any, _orig: Any = orig_scale,
+                                _log: List[Any] = scalings[i]) -> Any:
+                _log.append(scaling_factor)
+                return _orig(scaling_factor)
+            originals.append((chunk, "scale_gradients" in vars(chunk), orig_scale))
+            chunk.scale_gradients = scale_gradients
+        try:
+            out = orig(model, num_tokens, *args, **kwargs)
+        finally:
+            for chunk, had, orig_scale in originals:
+                if had:
+                    chunk.scale_gradients = orig_scale
+                else:
+                    del chunk.scale_gradients
+        # kept on the device (no host sync here): a 0-dim CPU float64 times the recorded factors
+        scale: Any = torch.tensor(pre, dtype=torch.float64)
+        per_chunk = []
+        for log in scalings:
+            f: Any = torch.tensor(1.0, dtype=torch.float64)
+            for x in log:
+                f = f * (x.detach().to(torch.float64).reshape(()) if isinstance(x, torch.Tensor) else float(x))
+            per_chunk.append(f)
+        if len(per_chunk) > 1 and any(not torch.equal(f, per_chunk[0]) for f in per_chunk[1:]):
+            self._fail(st, f"finalize_model_grads scaled the model chunks differently "
+                           f"({[float(f) for f in per_chunk]})")
+        if per_chunk:
+            scale = scale * per_chunk[0]
+        loss_scale = self._loss_scale(st)
+        st.grad_scale = scale / loss_scale
+        st.num_tokens_reduced = None if num_tokens is None else num_tokens.detach().clone()
+        for e in st.mbs:
+            if e.loss is not None:
+                e.handle.loss(e.loss.detach().to(torch.float64) * loss_scale)
+        st.finalized = True
+        return out
+
+    def _loss_scale(self, st: _StepState) -> torch.Tensor:
+        """``config.grad_scale_func(1)``, as forward_step_calc_loss reads the loss scale (schedules.py:283-287)."""
+        f = getattr(self.config, "grad_scale_func", None)
+        if f is None:
+            return torch.tensor(1.0, dtype=torch.float64)
+        dev = next((e.loss.device for e in st.mbs if isinstance(e.loss, torch.Tensor)), torch.device("cpu"))
+        v = f(torch.ones(1, dtype=torch.float32, device=dev))
+        return v.detach().reshape(-1)[0].to(torch.float64)
+
+    # -- finish ---------------------------------------------------------------------------------
+    def _finish(self, st: _StepState) -> str:
+        step = st.rec.step
+        if not st.mbs:
+            self._fail(st, "no micro-batch reached a wrapped loss_func (return audit.loss_func(...) from the "
+                           "forward step)")
+        if not st.finalized:
+            self._fail(st, "finalize_model_grads_func was not called (forward_only?): grad_scale is unknown")
+        for k, e in enumerate(st.mbs):
+            m = e.loss_mask.detach().cpu()
+            if not _is_float_01(m):
+                self._fail(st, f"micro-batch {k}: loss_mask holds values other than 0 and 1")
+            if bool((m[:, -1] != 0).any()):
+                rows = [int(i) for i in torch.nonzero(m[:, -1] != 0).reshape(-1)]
+                self._fail(st, f"micro-batch {k}: the last position of row(s) {rows} carries loss: Megatron "
+                               f"computes a loss for a label outside the row, which lossguard's sample model "
+                               f"(docs/semantics.md §1-2: a sample's last position predicts nothing) cannot "
+                               f"hold; pad every row by one position whose loss_mask is 0")
+        if st.skipped_override is not None:
+            skipped: Any = bool(st.skipped_override)
+        elif st.optimizer_called:
+            skipped = None if st.update_successful is None else not bool(st.update_successful)
+        else:           # the loop did not step the wrapped optimizer: it skipped the step
+            skipped = True if self._optimizer_wrapped else None
+        grad_norm = st.grad_norm_override if st.grad_norm_override is not None else st.grad_norm
+        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
+            grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
+        path = st.rec.finish(grad_scale=st.grad_scale, num_tokens_reduced=st.num_tokens_reduced, skipped=skipped,
+                             grad_norm=grad_norm, global_batch_size=st.global_batch_size)
+        return path

@@ -1,0 +1,70 @@
+"""Runs megatron-core 0.16.1's real schedule, DDP, finalize_model_grads and optimizer on the CPU (tests only).
+
+Megatron-core allocates a few tensors on the GPU by name.  Without a GPU (torch built with CUDA, no
+driver: ``RuntimeError: Found no NVIDIA driver``) these are the places that fail, in the order a
+training step reaches them (megatron-core 0.16.1):
+
+* ``distributed/param_and_grad_buffer.py:803-808`` — DDP's gradient buffer,
+  ``torch.zeros(numel, device=torch.cuda.current_device())`` (the first failure: building the DDP
+  wrapper);
+* ``optimizer/optimizer.py:907`` — ``FP32Optimizer``'s loss scale ``torch.tensor([1.0], device='cuda')``;
+* ``pipeline_parallel/schedules.py:596`` — ``forward_backward_no_pipelining``'s
+  ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``;
+* ``optimizer/clip_grads.py:103`` and ``utils.py:1207`` — the gradient norm's
+  ``dummy_overflow_buf`` and ``local_multi_tensor_l2_norm``'s result (``optimizer.step()``).
+* ``optimizer/clip_grads.py:167`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` when
+  clipping: the tests use ``clip_grad=0`` (no clipping; the norm is still computed and returned).
+
+:func:`cuda_on_cpu` puts exactly those tensors on the CPU: ``torch.cuda.current_device()`` returns 0 and
+a ``TorchFunctionMode`` rewrites a ``device=`` argument naming CUDA (``"cuda"``, ``"cuda:N"``, an int,
+a CUDA ``torch.device``) to ``"cpu"``; every site it rewrote is logged in :data:`HITS` (file:line).
+Nothing else changes: the arithmetic, the process groups (Gloo), the all-reduces and every line of
+Megatron's code run as they are.  With a GPU none of this is needed.
+"""
+import contextlib
+import sys
+from typing import Iterator, Set
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+HITS: Set[str] = set()
+
+
+def _is_cuda(d) -> bool:
+    if isinstance(d, bool):
+        return False
+    if isinstance(d, int):
+        return True
+    if isinstance(d, str):
+        return d.startswith("cuda")
+    if isinstance(d, torch.device):
+        return d.type == "cuda"
+    return False
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            f = sys._getframe(1)
+            name = f.f_code.co_filename
+            name = name.split("site-packages/")[-1]
+            HITS.add(f"{name}:{f.f_lineno}")
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_on_cpu(enabled: bool = True) -> Iterator[None]:
+    """Within the block, tensors Megatron asks for on the GPU are made on the CPU (module docstring)."""
+    if not enabled or torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        with _CudaOnCpu():
+            yield
+    finally:
+        torch.cuda.current_device = saved

@@ -1,0 +1,465 @@
+"""lossguard_capture.megatron against megatron-core's real training step (CPU, Gloo, a tiny GPTModel).
+
+tests/trainers/megatron_driver.py runs, at DP x CP in {1, 2}^2 (1, 2, 2 and 4 processes under torchrun),
+Megatron's ``initialize_model_parallel``, ``get_batch_on_this_cp_rank`` (the zig-zag CP split),
+``forward_backward_no_pipelining`` with M = 2 micro-batches, its ``DistributedDataParallel``,
+``finalize_model_grads`` and ``get_megatron_optimizer``, for five loss paths, each twice from the same
+seed, with the adapter and without (megatron_cpu.py: the few tensors Megatron allocates on the GPU by name
+are put on the CPU; nothing else changes).  The paths (megatron-core 0.16.1, weights ``w_t`` of token
+``t`` in the gradient the optimizer applies; ``m_t`` its mask; ``n_c`` the CP-local count of its
+micro-batch on its CP rank, ``n`` the micro-batch's count over all CP ranks; ``N`` the step's count):
+
+  a     calculate_per_token_loss, 3-tuple (sum, CP-local count, report)   w_t = m_t / N
+  b     no per-token loss, the same 3-tuple                                w_t = m_t / (max(n_c, 1) M dp cp)
+  c     no per-token loss, 2-tuple sum / max(n, 1) (n all-reduced over CP) w_t = m_t / (max(n, 1) M dp)
+  cnan  as c without the clamp: an empty micro-batch's tokens get 0/0 = NaN, and so does the gradient
+  d     calculate_per_token_loss with c's 2-tuple (misconfiguration)      w_t = m_t cp / (max(n, 1) M)
+
+The tests prove
+
+(a) the adapter changes nothing: every backpropagated loss, every report, every ``main_grad`` after
+    finalize_model_grads and the parameters after ``optimizer.step()`` are bit for bit those of the run
+    without it;
+(b) the measured weights are the truth: ``sum_t w_t grad(l_t)`` with ``w_t = token_weight_t * grad_scale``
+    from the captures (``l_t`` recomputed in float64 on the full rows) equals the ``main_grad`` of every
+    rank, and the weights are the formulas above exactly;
+(c) the lossguard contract components reproduce them (``lossguard weights --contract``), and ``lossguard
+    audit`` passes path a and fails the others with the diagnosis docs/gallery.md lists;
+
+and that the adapter refuses what it does not handle (PP > 1, no finalize function, a model that is not
+Megatron's DDP, a loss_func that is not a 2/3-tuple or does not receive per-token losses, THD, a row whose
+last position carries loss) with a clear error and no capture, and records a skipped step.
+
+    scripts/setup-trainers.sh
+    ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q tests/trainers/test_megatron.py
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+import torch  # noqa: E402
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+DRIVER = os.path.join(HERE, "megatron_driver.py")
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "python"))
+import megatron_driver as drv  # noqa: E402
+
+import lossguard_capture as lc  # noqa: E402
+
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
+
+TOPOS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]            # (dp, cp, tp)
+PATHS = ["a", "b", "c", "cnan", "d"]
+TP_PATHS = ["a", "b"]                   # TP 2: Megatron's tensor-parallel layers and vocab-parallel loss
+CASES = [(dp, cp, tp, p) for dp, cp, tp in TOPOS for p in (PATHS if tp == 1 else TP_PATHS)]
+IDS = [f"dp{dp}-cp{cp}" + (f"-tp{tp}" if tp > 1 else "") + f"-{p}" for dp, cp, tp, p in CASES]
+
+#: lossguard contract components (docs/semantics.md §9) that reproduce each path's weights
+CONTRACTS = {
+    "a": "megatron-per-token",                                             # norm=global:dp-cp,grad=sum
+    "b": "megatron-mean",                                                  # norm=microbatch,scale=1/M,grad=mean:dp-cp
+    "c": "count=full-sample,norm=microbatch,scale=cp*1/M,grad=mean:dp-cp",
+    "cnan": "count=full-sample,norm=microbatch,scale=cp*1/M,grad=mean:dp-cp",   # where finite
+    "d": "count=full-sample,norm=microbatch,scale=cp*1/M,grad=sum",
+}
+
+#: step 0's diagnosis (audit's "kind") per path and (dp, cp, tp)
+KIND0 = {
+    "b": {(1, 1, 1): "per-microbatch", (2, 1, 1): "per-rank", (1, 2, 1): "per-cp-shard", (2, 2, 1): "per-cp-shard",
+          (1, 1, 2): "per-microbatch"},
+    "c": {(1, 1, 1): "per-microbatch", (2, 1, 1): "per-rank", (1, 2, 1): "per-microbatch", (2, 2, 1): "per-rank"},
+    "d": {(1, 1, 1): "per-microbatch", (2, 1, 1): "per-rank", (1, 2, 1): "per-microbatch", (2, 2, 1): "per-rank"},
+}
+KIND0["cnan"] = KIND0["c"]                 # its finite weights are c's
+KIND0["a"] = {t: "exact" for t in KIND0["b"]}
+
+#: the sites megatron_cpu.cuda_on_cpu rewrote (its docstring lists them)
+CPU_SITES = ["megatron/core/distributed/param_and_grad_buffer.py:803", "megatron/core/optimizer/clip_grads.py:103",
+             "megatron/core/optimizer/optimizer.py:907", "megatron/core/pipeline_parallel/schedules.py:596",
+             "megatron/core/utils.py:1207"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """The five driver runs, one after the other ({(dp, cp, tp): out_dir}); the DP 1 CP 1 run also runs the
+    guards, the DP 2 CP 1 run the PP = 2 guard.  ``LOSSGUARD_MEGATRON_RUNS=DIR`` keeps them in DIR and
+    reuses those found there (while changing the tests, not the driver)."""
+    out = {}
+    keep = os.environ.get("LOSSGUARD_MEGATRON_RUNS")      # reuse (or keep) the runs in this folder
+    for dp, cp, tp in TOPOS:
+        if keep:
+            d = os.path.join(keep, f"dp{dp}-cp{cp}-tp{tp}")
+            if os.path.exists(os.path.join(d, "meta.json")):
+                out[(dp, cp, tp)] = d
+                continue
+            os.makedirs(d, exist_ok=True)
+        else:
+            d = str(tmp_path_factory.mktemp(f"megatron-dp{dp}-cp{cp}-tp{tp}"))
+        args = [DRIVER, "--out", d, "--cp", str(cp), "--tp", str(tp),
+                "--paths", ",".join(PATHS if tp == 1 else TP_PATHS)]
+        if (dp, cp, tp) == (1, 1, 1):
+            args.append("--guards")
+        if (dp, cp, tp) == (2, 1, 1):
+            args.append("--pp-guard")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * cp * tp),
+               *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+        out[(dp, cp, tp)] = d
+    return out
+
+
+def run_dir(runs, dp, cp, tp, path, which="adapter"):
+    return os.path.join(runs[(dp, cp, tp)], path, which)
+
+
+def captures(runs, dp, cp, tp, path, step):
+    d = os.path.join(run_dir(runs, dp, cp, tp, path), "captures", f"step{step:06d}")
+    caps = []
+    for r in range(dp * cp * tp):
+        p = os.path.join(d, f"step{step:06d}-rank{r:05d}.safetensors")
+        with safe_open(p, framework="pt") as f:
+            meta = f.metadata()
+        caps.append((load_file(p), meta))
+    return caps
+
+
+# ---- the layout and the weight formulas, from the batch ------------------------------------------------
+def cp_owner(j, cp):
+    """The CP rank holding position j of a row (zig-zag: chunk r and chunk 2cp-1-r of S/(2cp) positions)."""
+    if cp == 1:
+        return 0
+    chunk = j // (drv.S // (2 * cp))
+    return chunk if chunk < cp else 2 * cp - 1 - chunk
+
+
+def rows_of(dp, d, k):
+    b = drv.ROWS // (drv.M * dp)
+    return [(k * dp + d) * b + i for i in range(b)]
+
+
+def expected_weights(path, step, dp, cp):
+    """{(row, response index j): w_t} by the formula of the path (module docstring)."""
+    m = drv.MASKS[step]
+    M = drv.M
+    N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
+    out = {}
+    for d in range(dp):
+        for k in range(M):
+            rows = rows_of(dp, d, k)
+            n_c = [sum(m[i][j] for i in rows for j in range(drv.S - 1) if cp_owner(j, cp) == c) for c in range(cp)]
+            n = sum(n_c)
+            for i in rows:
+                for j in range(drv.S - 1):
+                    mt = m[i][j]
+                    if path == "a":
+                        w = mt / N if N else 0.0
+                    elif path == "b":
+                        w = mt / (max(n_c[cp_owner(j, cp)], 1) * M * dp * cp)
+                    elif path == "c":
+                        w = mt / (max(n, 1) * M * dp)
+                    elif path == "cnan":
+                        w = mt / (n * M * dp) if n else math.nan
+                    else:
+                        w = mt * cp / (max(n, 1) * M)
+                    out[(i, j)] = w
+    return out
+
+
+def measured_weights(runs, dp, cp, tp, path, step):
+    """{(row, response index j): token_weight * grad_scale} from every rank's capture (TP rank 0's; the
+    other TP ranks' captures are identical)."""
+    W = {}
+    caps = captures(runs, dp, cp, tp, path, step)
+    for t, meta in caps:
+        if meta["tp_rank"] != "0":
+            base = caps[int(meta["rank"]) - int(meta["tp_rank"])][0]
+            assert same(t, base), meta
+            continue
+        gs = t["grad_scale"].double().item()
+        r = int(meta["cp_rank"])
+        for k in range(int(meta["num_microbatches"])):
+            w = (t[f"mb.{k}.token_weight"].double() * gs).tolist()
+            at = 0
+            for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
+                               t[f"mb.{k}.response_lengths"].tolist()):
+                for j in lc.zigzag_owned(T, R, cp, r):
+                    assert (i, j) not in W, (i, j)                       # held exactly once
+                    W[(i, j)] = w[at]
+                    at += 1
+            assert at == len(w)
+    return W
+
+
+def same(x, y):
+    """Bit for bit, NaN == NaN."""
+    if isinstance(x, dict):
+        return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+    if isinstance(x, (list, tuple)):
+        return len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        return x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+            x.reshape(-1).contiguous().view(torch.uint8), y.reshape(-1).contiguous().view(torch.uint8))
+    if isinstance(x, float) and isinstance(y, float):
+        return x == y or (math.isnan(x) and math.isnan(y))
+    return x == y
+
+
+# ---- (a) the adapter changes nothing ---------------------------------------------------------------
+@pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
+def test_losses_gradients_and_update_bit_for_bit(runs, dp, cp, tp, path):
+    for r in range(dp * cp * tp):
+        a, p = run_dir(runs, dp, cp, tp, path), run_dir(runs, dp, cp, tp, path, "plain")
+        for name in (f"losses-rank{r}.pt", f"reports-rank{r}.pt", f"final-rank{r}.pt",
+                     *[f"grads-step{n}-rank{r}.pt" for n in range(drv.STEPS)]):
+            x, y = torch.load(os.path.join(a, name)), torch.load(os.path.join(p, name))
+            assert same(x, y), (name, x, y)
+        assert len(torch.load(os.path.join(a, f"losses-rank{r}.pt"))[0]) == drv.M
+        with open(os.path.join(a, f"opt-rank{r}.json")) as f, open(os.path.join(p, f"opt-rank{r}.json")) as g:
+            assert same(json.load(f), json.load(g))
+
+
+# ---- what the captures hold ------------------------------------------------------------------------
+@pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
+def test_capture_records(runs, dp, cp, tp, path):
+    world = dp * cp * tp
+    for n in range(drv.STEPS):
+        full = drv.batch(n)
+        m = drv.MASKS[n]
+        N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
+        for r, (t, meta) in enumerate(captures(runs, dp, cp, tp, path, n)):
+            dp_rank, cp_rank, tp_rank = r // (tp * cp), (r // tp) % cp, r % tp   # Megatron's order tp-cp-ep-dp-pp
+            assert meta == {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+                            "tp": str(tp), "pp": "1", "cp": str(cp), "dp": str(dp), "tp_rank": str(tp_rank),
+                            "pp_rank": "0",
+                            "cp_rank": str(cp_rank), "dp_rank": str(dp_rank), "cp_layout": "zigzag",
+                            "reduce": "per-token", "num_microbatches": str(drv.M), "dtype": "float32"}
+            kept = torch.load(os.path.join(run_dir(runs, dp, cp, tp, path), f"losses-rank{r}.pt"))[n]
+            with open(os.path.join(run_dir(runs, dp, cp, tp, path), f"opt-rank{r}.json")) as f:
+                opt = json.load(f)[n]
+            for k in range(drv.M):
+                p = f"mb.{k}."
+                rows = rows_of(dp, dp_rank, k)
+                assert t[p + "sample_indices"].tolist() == rows
+                assert torch.equal(t[p + "tokens"], full["tokens"][rows].reshape(-1))
+                assert t[p + "total_lengths"].tolist() == [drv.S] * len(rows)
+                assert t[p + "response_lengths"].tolist() == [drv.S - 1] * len(rows)
+                assert t[p + "loss_masks"].tolist() == [int(x) for i in rows for x in m[i][:-1]]
+                assert t[p + "cp_size"].item() == cp and t[p + "dummy"].item() == 0
+                n_local = sum(m[i][j] for i in rows for j in range(drv.S - 1) if cp_owner(j, cp) == cp_rank)
+                if path in ("a", "b"):
+                    assert t[p + "num_tokens"].item() == n_local
+                else:
+                    assert p + "num_tokens" not in t                       # a 2-tuple returns no count
+                # the recorded loss is the scalar the schedule backpropagated (after its in-place scaling)
+                assert same(t[p + "loss"], kept[k].double().reshape(())), (t[p + "loss"], kept[k])
+                owned = sum(len(lc.zigzag_owned(drv.S, drv.S - 1, cp, cp_rank)) for _ in rows)
+                assert t[p + "token_weight"].shape == (owned,) and t[p + "token_loss"].shape == (owned,)
+            # a: finalize_model_grads' scaling = 1.0 / num_tokens, an int32 tensor: the float32 1/N
+            want_scale = {"a": (1.0 / torch.tensor(N, dtype=torch.int32)).double().item(), "b": 1.0 / (dp * cp),
+                          "c": 1.0 / (dp * cp), "cnan": 1.0 / (dp * cp), "d": 1.0}[path]
+            assert t["grad_scale"].item() == want_scale, (t["grad_scale"], want_scale)
+            if path == "a":
+                assert t["num_tokens_reduced"].item() == N
+            elif path == "d":
+                assert t["num_tokens_reduced"].item() == 0               # the 2-tuple's default count 0
+            else:
+                assert "num_tokens_reduced" not in t
+            assert t["skipped"].item() == 0 and opt["update_successful"] is True
+            assert same(t["grad_norm"].item(), opt["grad_norm"])
+            assert t["global_batch_size"].item() == drv.ROWS
+
+
+# ---- (b) the measured weights are the truth -----------------------------------------------------
+@pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
+def test_weights_are_the_formula(runs, dp, cp, tp, path):
+    for n in range(drv.STEPS):
+        got, want = measured_weights(runs, dp, cp, tp, path, n), expected_weights(path, n, dp, cp)
+        assert got.keys() == want.keys()
+        for key in want:
+            if math.isnan(want[key]):
+                assert math.isnan(got[key]), (n, key, got[key])
+            else:
+                assert math.isclose(got[key], want[key], rel_tol=1e-6, abs_tol=0.0), (n, key, got[key], want[key])
+    if path == "cnan":     # the empty micro-batch exists at every layout on step 1 (rows 0 and 1 empty)
+        assert any(math.isnan(w) for w in measured_weights(runs, dp, cp, tp, path, 1).values())
+
+
+@pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
+def test_gradient_is_sum_of_measured_weights(runs, dp, cp, tp, path):
+    """main_grad after finalize_model_grads (every rank) == sum_t w_t grad(l_t), float64 recomputation
+    (TP 1: the float64 model is rebuilt on one rank)."""
+    if tp > 1:
+        pytest.skip("the float64 recomputation builds the model on one rank (TP 1 only)")
+    for n in range(drv.STEPS):
+        ref = torch.load(os.path.join(run_dir(runs, dp, cp, tp, path), f"ref-grads-step{n}.pt"))
+        got = [torch.load(os.path.join(run_dir(runs, dp, cp, tp, path), f"grads-step{n}-rank{r}.pt"))
+               for r in range(dp * cp)]
+        for r in range(1, dp * cp):                       # every DP x CP replica holds the same gradient
+            assert same(got[r], got[0]), r
+        assert (ref["seen"][:, : drv.S - 1] == 1).all() and (ref["seen"][:, -1] == 0).all()
+        # the per-token losses the adapter recorded are Megatron's (float32) values of the same l_t
+        caps = captures(runs, dp, cp, tp, path, n)
+        for t, meta in caps:
+            r_cp = int(meta["cp_rank"])
+            for k in range(drv.M):
+                owned = lc.zigzag_owned(drv.S, drv.S - 1, cp, r_cp)
+                rows = t[f"mb.{k}.sample_indices"].tolist()
+                want = torch.stack([ref["token_loss"][i, owned] for i in rows]).reshape(-1)
+                torch.testing.assert_close(t[f"mb.{k}.token_loss"].double(), want, rtol=1e-5, atol=1e-6,
+                                           equal_nan=True)      # NaN parameters after a NaN step (cnan)
+        want = ref["grads"]
+        finite = [v[torch.isfinite(v)] for v in want.values()]
+        scale = max((x.abs().max().item() for x in finite if x.numel()), default=1.0)
+        nan_step = path == "cnan" and (n == 1 or dp == 2)      # an empty micro-batch: 0/0
+        for name, w in want.items():
+            g = got[0][name].double()
+            if nan_step:
+                # the NaN also flows from each row's last position (its dL/dl = 0/0 too), which no rank owns
+                # and the capture does not hold: compare where both are finite
+                both = torch.isfinite(g) & torch.isfinite(w)
+                g, w = g[both], w[both]
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6 * scale,
+                                       msg=lambda msg: f"dp{dp} cp{cp} {path} step {n} {name}: {msg}")
+        if nan_step:
+            assert any(torch.isnan(v).any() for v in got[0].values())
+            assert any(torch.isnan(v).any() for v in want.values())
+        else:
+            assert all(torch.isfinite(v).all() for v in got[0].values())
+
+
+def test_cpu_shim_sites(runs):
+    """megatron_cpu.cuda_on_cpu rewrote exactly the documented places, at every layout."""
+    for d in runs.values():
+        with open(os.path.join(d, "meta.json")) as f:
+            meta = json.load(f)
+        assert meta["megatron_core"] == "0.16.1"
+        assert meta["cuda_on_cpu_sites"] == CPU_SITES
+
+
+# ---- (c) contracts and audit -----------------------------------------------------------------------
+def _dump(tmp_path, step):
+    full = drv.batch(step)
+    samples = [{"tokens": full["tokens"][i].tolist(), "response_length": drv.S - 1,
+                "loss_mask": [int(x) for x in drv.MASKS[step][i][:-1]]} for i in range(drv.ROWS)]
+    p = tmp_path / f"step{step}.json"
+    p.write_text(json.dumps({"samples": samples}))
+    return str(p)
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+@pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
+def test_contract_reproduces_measured_weights(runs, tmp_path, dp, cp, tp, path):
+    """lossguard weights --contract CONTRACTS[path] on the same batch and layout (DP rank d holds rows d,
+    d+dp, ...: --split round-robin) predicts the measured weights (the finite ones for cnan)."""
+    for n in range(drv.STEPS):
+        r = subprocess.run([LOSSGUARD, "weights", _dump(tmp_path, n), "--contract", CONTRACTS[path], "--cp", str(cp),
+                            "--tp", str(tp), "--dp", str(dp), "--microbatches", str(drv.M), "--split", "round-robin",
+                            "--per-token", "--json", "-"], capture_output=True, text=True, timeout=120)
+        doc = json.loads(r.stdout)
+        pred = {(s["index"], j): w for s in doc["steps"][0]["samples"] for j, w in enumerate(s["weights"])}
+        got = measured_weights(runs, dp, cp, tp, path, n)
+        assert pred.keys() == got.keys()
+        for key, w in got.items():
+            if not math.isnan(w):
+                assert math.isclose(w, pred[key], rel_tol=1e-6, abs_tol=1e-12), (n, key, w, pred[key])
+
+
+def audit(*paths):
+    r = subprocess.run([LOSSGUARD, "audit", *paths, "--json", "-"], capture_output=True, text=True, timeout=120)
+    text = subprocess.run([LOSSGUARD, "audit", *paths], capture_output=True, text=True, timeout=120).stdout
+    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+@pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
+def test_audit_verdict(runs, dp, cp, tp, path):
+    caps = os.path.join(run_dir(runs, dp, cp, tp, path), "captures")
+    code, doc, err, text = audit(*[os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)])
+    where = f"dp{dp} cp{cp} tp{tp} {path}:\n{text}\n{err}"
+    assert doc is not None, where
+    assert code == (0 if path == "a" else 1), where
+    s0 = doc["steps"][0]
+    assert s0["dtype"] == "float32", where
+    assert s0["diagnosis"]["kind"] == KIND0[path][(dp, cp, tp)], where
+    checks = [{c["name"]: c["ok"] for c in s["checks"]} for s in doc["steps"]]
+    if path == "a":
+        assert all(c["ok"] is not False for s in doc["steps"] for c in s["checks"]), where
+        assert all("megatron-per-token" in s["matches"] for s in doc["steps"]), where
+    elif path == "b":
+        assert checks[0]["weights"] is False and checks[0]["counts"] is True, where
+        assert "megatron-mean" in s0["matches"], where
+    elif path == "c":
+        assert checks[0]["weights"] is False and checks[0]["counts"] is None, where
+    elif path == "d":       # the 2-tuple's count is the schedule's default 0: counts fail too
+        assert checks[0]["weights"] is False and checks[0]["counts"] is False, where
+        assert "num_tokens_reduced 0" in text, where
+    else:                   # cnan: the step with an empty micro-batch has NaN weights and a NaN grad_norm
+        bad = 0 if dp == 2 else 1
+        assert checks[bad]["weights"] is False and checks[bad]["decision"] is False, where
+        assert "not finite" in text and "grad_norm" in text, where
+
+
+# ---- guards -----------------------------------------------------------------------------------------
+def test_refusals_and_skip(runs):
+    d = runs[(1, 1, 1)]
+    with open(os.path.join(d, "guards.json")) as f:
+        g = json.load(f)
+    want = {
+        "no-finalize": r"config\.finalize_model_grads_func is None",
+        "not-ddp": r"a model chunk of type GPTModel, not megatron\.core\.distributed\.DistributedDataParallel",
+        "last-position-carries-loss": r"the last position of row\(s\) \[0\] carries loss",
+        "loss-not-a-tuple": r"loss_func returned Tensor; Megatron expects \(loss, num_tokens, report\) or "
+                            r"\(loss, report\)",
+        "logits-not-per-token": r"loss_func received \(2, 8, 32\) torch\.float32, not the per-token losses",
+        "thd": r"THD packed sequences .* not supported",
+    }
+    for name, pattern in want.items():
+        assert g[name]["error"] is not None and re.search(pattern, g[name]["error"]), (name, g[name])
+        assert g[name]["error"].startswith("RuntimeError: lossguard_capture.megatron"), g[name]
+        assert g[name]["files"] == [], (name, g[name])                 # nothing recorded
+    assert g["not-captured"] == {"error": None, "files": [], "extra": {"identity": True}}
+    for name, skipped in (("zero-tokens-skipped", 1), ("zero-tokens-stepped", 0)):
+        assert g[name]["error"] is None and g[name]["files"] == ["captures/step000000/step000000-rank00000.safetensors"]
+        t = load_file(os.path.join(d, "guards", name, g[name]["files"][0]))
+        assert t["skipped"].item() == skipped and t["num_tokens_reduced"].item() == 0
+        assert t["grad_scale"].item() == 1.0                      # finalize does not scale when N == 0
+        if skipped:
+            assert "grad_norm" not in t
+        if HAVE_BIN:    # megatron-core itself steps on a zero-token step: the decision check fails (bug 2)
+            code, doc, err, text = audit(os.path.join(d, "guards", name, "captures"))
+            assert code == skipped ^ 1, text
+            decision = {c["name"]: c["ok"] for c in doc["steps"][0]["checks"]}["decision"]
+            assert decision is bool(skipped), text
+    with open(os.path.join(runs[(2, 1, 1)], "pp-guard.json")) as f:
+        pp = json.load(f)
+    assert pp["files"] is False and re.search(r"does not support pipeline parallelism \(PP = 2", pp["error"]), pp
+
+
+def test_unsupported_version_names_the_range():
+    import lossguard_capture.megatron as lcm
+    with pytest.raises(RuntimeError, match=r"megatron-core>=0\.16\.0,<0\.17\.0.*megatron-core 0\.15\.3 is installed"):
+        lcm.check_version("0.15.3")
+    for v in ("0.12.3", "0.17.0", "0.17.0rc1", "1.0.0"):
+        with pytest.raises(RuntimeError):
+            lcm.check_version(v)
+    lcm.check_version("0.16.0")
+    with pytest.warns(UserWarning, match="supports"):
+        lcm.check_version("0.14.0", allow_unsupported=True)
+    lcm.check_version()                                      # the installed pin is inside the range
+    assert lcm.megatron_version() == "0.16.1"
