@@ -1,0 +1,605 @@
+"""Audit captures of verl's OWN actor loss: ``ppo_loss`` (the loss function verl's engine calls), its policy
+loss and ``agg_loss``, for every ``loss_agg_mode``.
+
+    import lossguard_capture.verl
+    lossguard_capture.verl.attach(engine, "captures", steps=[0])     # the actor's engine, every rank
+    ... worker.update_actor(...)                                      # verl trains as usual
+
+``attach`` wraps, on this instance only, ``engine.train_batch`` (one call = one optimizer step: forward and
+backward of every micro-batch, then ``optimizer_step``) and, for the duration of a captured call, the loss
+function it is handed and ``engine.optimizer_step``.  Each rank writes, for each captured step ``n``,
+``captures/pg/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` (the policy-gradient term) and, with
+``use_kl_loss``, ``captures/kl/step{n:06d}/...`` (the KL term); ``lossguard audit captures/pg/step000000``
+judges them (docs/semantics.md §10).  Without ``attach``: :meth:`VerlCapture.wrap` the loss function and
+call :meth:`VerlCapture.begin_step` / :meth:`VerlCapture.finish_step` around one optimizer step.
+
+What is measured, and where (verl 0.9.1; line numbers of that release):
+
+* The engine (``verl/workers/engine/fsdp/transformer_impl.py``) ``forward_backward_batch`` (:724) counts
+  ``batch_num_tokens = data["loss_mask"].sum()`` all-reduced over the DP group (:730-734), stores
+  ``dp_size`` (:735), splits the mini-batch into micro-batches (:737) and, for each, calls
+  ``loss_function(model_output=..., data=micro_batch, dp_group=...)`` (``forward_step``, :1576) and
+  ``loss.backward()`` (:767).  The trainer sets ``global_batch_size = ppo_mini_batch_size * rollout.n``
+  (``trainer/ppo/v1/trainer_base.py``:1829-1851, ``trainer/ppo/ray_trainer.py``:1352-1362): every sample
+  of the mini-batch, with or without a token that carries loss.
+* The loss function is ``verl/workers/utils/losses.py`` ``ppo_loss`` (:57): it copies ``dp_size``,
+  ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor`` into ``config.global_batch_info``
+  (:65-68), pads the response fields of the micro-batch (``to_padded_tensor``, :91: nested fields to the
+  micro-batch's longest response), calls the policy loss ``get_policy_loss_fn(loss_mode)`` (:103-112),
+  which aggregates its per-token losses with ``core_algos.agg_loss(..., loss_agg_mode,
+  **config.global_batch_info)`` (``trainer/ppo/core_algos.py``:1140), and with ``use_kl_loss`` adds
+  ``kl_loss_coef * agg_loss(kl_penalty(...), ..., config.loss_agg_mode, **global_batch_info)`` (:132-140).
+* For the duration of the wrapped call ``core_algos.agg_loss``, ``losses.agg_loss``,
+  ``losses.get_policy_loss_fn`` and ``losses.kl_penalty`` are wrappers: each calls the real function
+  with the same arguments and returns its result unchanged; the per-token loss matrix the policy loss
+  hands ``agg_loss`` (and the KL matrix) gets a backward hook.  Nothing in verl's computation changes,
+  so the loss and the gradients are bit for bit verl's, and the hook sees ``dL/dl_t`` after everything
+  verl does: ``/ batch_num_tokens * dp_size`` (token-mean), ``* dp_size`` (token-sum),
+  ``/ global_batch_size * dp_size`` (the seq-mean modes), ``/ loss_scale_factor`` or ``/ loss_mask.shape[-1]``
+  (seq-mean-token-sum-norm), and modes a policy loss forces (``sapo``: seq-mean-token-mean,
+  core_algos.py:1688-1689).
+* ``geo_mean`` (GMPO, core_algos.py:1928) calls no ``agg_loss``: it takes ``torch.mean`` over the
+  micro-batch's per-sample losses ``L_i = -A_i * exp(sum_t m_t k_t / (m_i + 1e-8))`` (:2000).  The
+  per-sample gradient ``dL/dL_i`` is measured (a hook on the tensor ``torch.mean`` receives) and written
+  per token as ``dL/dL_i * m_t / (m_i + 1e-8)``, the weight of the token's term ``-A_i sg(rho_i) k_t`` in
+  GMPO's gradient; ``token_loss`` is not written (its loss is not a weighted sum of per-token losses),
+  so ``audit``'s loss check is not run for it.
+* FSDP averages gradients over the DP group (the reason for verl's ``* dp_size``): ``grad_scale = 1/dp``.
+  The KL capture's ``grad_scale`` is ``1/(dp * kl_loss_coef)``: its weights are judged relative to the
+  term's coefficient (docs/semantics.md §11), and its ``loss`` is the term's ``kl_loss_coef * kl_loss``.
+* ``num_tokens_reduced`` is ``batch_num_tokens``, ``global_batch_size`` the trainer's; no per-micro-batch
+  count is written (verl computes none).
+
+The objective claimed (``reduce``) is the one the configured ``loss_agg_mode`` names (:data:`CLAIMS`;
+``token-sum``, which lossguard has no objective for, claims ``per-token``: its weights are the per-token
+ones times ``N``).  A policy loss that aggregates with another mode than the configured one (``sapo``),
+or none (``geo_mean``), is measured as it is and a :class:`lossguard_capture.CaptureWarning` says so.
+
+Sample layout: sample ``i`` of a micro-batch is its prompt (``P_i`` tokens) and response (``R_i``): the
+no-padding layout verl's engine trains on (``input_ids`` nested ``[P_i + R_i]``; ``prompts``/``responses``
+nested, or padded with an ``attention_mask``, as ``workers/utils/padding.py`` ``no_padding_2_padding``
+reads them, :97-141); response index ``j`` is the loss matrix's column ``j``; its mask is
+``response_mask[i, j]``.  Sample indices: ``attach`` numbers each DP rank's mini-batch
+``dp_rank * n_local + position`` (the key :data:`SAMPLE_INDEX_KEY`, carried through verl's micro-batching).
+
+Refused, with the reason: verl outside :data:`SUPPORTED` (``allow_unsupported=True`` only warns), a loss
+function other than ``losses.ppo_loss``, an engine other than the FSDP one, Ulysses sequence parallelism,
+a world that is not the DP group, a grad scaler (fp16), an unknown ``loss_agg_mode`` (before anything is
+recorded), a policy loss that calls ``agg_loss`` more than once or aggregates neither through ``agg_loss``
+nor a per-sample ``torch.mean``.
+"""
+
+import functools
+import inspect
+import os
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from .recorder import CaptureWarning, MicroBatch, StepRecorder, check_reduce
+
+try:
+    import verl
+    from verl.trainer.ppo import core_algos
+    from verl.workers.utils import losses as verl_losses
+except ImportError as e:            # pragma: no cover - the adapter needs verl
+    raise ImportError("lossguard_capture.verl needs verl (scripts/setup-trainers.sh pins verl==0.9.1 in "
+                      "~/.cache/lossguard/venv-verl); supported: verl>=0.9.1,<0.9.2") from e
+
+__all__ = ["attach", "VerlCapture", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS", "SAMPLE_INDEX_KEY", "TERMS",
+           "check_version", "check_loss_agg_mode"]
+
+#: verl versions whose loss path this adapter was checked against: [low, high).
+SUPPORTED = ("0.9.1", "0.9.2")
+_SUPPORTED_TEXT = f"verl>={SUPPORTED[0]},<{SUPPORTED[1]}"
+
+#: the modes ``core_algos.agg_loss`` knows in verl 0.9.1 (core_algos.py:1170-1204; also
+#: ``ActorConfig.__post_init__``, workers/config/actor.py).
+LOSS_AGG_MODES: Tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                                   "seq-mean-token-sum-norm")
+
+#: the lossguard objective each mode's name and docstring claim (``reduce`` of the captures).
+CLAIMS: Dict[str, str] = {
+    "token-mean": "token-mean",
+    "token-sum": "per-token",                 # "the sum over all valid tokens": no lossguard objective; per-token x N
+    "seq-mean-token-sum": "seq-mean-token-sum",
+    "seq-mean-token-mean": "seq-mean-token-mean",
+    "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
+}
+
+#: the captured terms: the policy-gradient loss, and the KL loss with ``use_kl_loss``.
+TERMS: Tuple[str, ...] = ("pg", "kl")
+
+#: the per-sample key :func:`attach` adds to the mini-batch (global sample indices for the captures).
+SAMPLE_INDEX_KEY = "lossguard_sample_index"
+
+
+def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
+    """RuntimeError naming the supported range when ``version`` (default: the installed verl) is outside
+    :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
+    from packaging.version import Version
+    v = version or verl.__version__
+    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
+    if lo <= vt and vt.release < hi.release:
+        return
+    msg = (f"lossguard_capture.verl supports {_SUPPORTED_TEXT} (it hooks losses.ppo_loss, core_algos.agg_loss "
+           f"and the FSDP engine's train_batch as that release has them); verl {v} is installed.  Install a "
+           f"supported version (scripts/setup-trainers.sh pins one), or pass allow_unsupported=True to try "
+           f"anyway: the adapter then still measures the real weights, but an unverified loss path may be "
+           f"missed or mis-described.")
+    if not allow_unsupported:
+        raise RuntimeError(msg)
+    warnings.warn(msg)
+
+
+def check_loss_agg_mode(mode: Any) -> str:
+    """``mode`` if ``core_algos.agg_loss`` knows it, else ValueError naming the modes."""
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"lossguard_capture.verl: unknown loss_agg_mode {mode!r}: verl {verl.__version__}'s "
+                         f"agg_loss (verl/trainer/ppo/core_algos.py:1140) knows {', '.join(LOSS_AGG_MODES)}; "
+                         f"nothing was recorded")
+    return mode
+
+
+def _underlying(fn: Any) -> Any:
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
+
+
+def _nt(data: Any, key: str, default: Any = None) -> Any:
+    """A non-tensor entry of a verl TensorDict (``tensordict_utils.get_non_tensor_data``)."""
+    from verl.utils import tensordict_utils as tu
+    return tu.get_non_tensor_data(data=data, key=key, default=default)
+
+
+class _Layout:
+    """The samples of one micro-batch as the captures need them (see the module docstring)."""
+
+    def __init__(self, data: Any, first_index: int):
+        ids = data["input_ids"]
+        if not getattr(ids, "is_nested", False):
+            raise RuntimeError("lossguard_capture.verl: the micro-batch's input_ids are not nested: only verl's "
+                               "no-padding layout (pad_mode no_padding, as the PPO trainers hand the engine) is "
+                               "supported")
+        prompts, responses = data["prompts"], data["responses"]
+        if prompts.is_nested:               # as no_padding_2_padding (workers/utils/padding.py:115-119)
+            P = prompts.offsets().diff()
+            R = responses.offsets().diff()
+        else:                               # padded prompts/responses with an attention mask (:121-125)
+            am = data["attention_mask"]
+            P = am[:, : prompts.shape[1]].sum(dim=1)
+            R = am[:, prompts.shape[1]:].sum(dim=1)
+        T = ids.offsets().diff()
+        P, R, T = P.to(torch.int64).cpu(), R.to(torch.int64).cpu(), T.to(torch.int64).cpu()
+        if not torch.equal(P + R, T):
+            raise RuntimeError(f"lossguard_capture.verl: prompt + response lengths {(P + R).tolist()} != the "
+                               f"input_ids lengths {T.tolist()}")
+        self.n = int(T.numel())
+        self.P, self.R, self.T = P, R, T
+        self.tokens = ids.values()
+        rm = data["response_mask"]
+        if rm.is_nested:
+            lens = rm.offsets().diff().to(torch.int64).cpu()
+            if not torch.equal(lens, R):
+                raise RuntimeError(f"lossguard_capture.verl: response_mask lengths {lens.tolist()} != the response "
+                                   f"lengths {R.tolist()}")
+            masks = rm.values()
+        else:
+            width = rm.shape[1]
+            if self.n and int(R.max()) > width:
+                raise RuntimeError(f"lossguard_capture.verl: a response of {int(R.max())} tokens in a response_mask "
+                                   f"of width {width}")
+            inside = torch.arange(width)[None, :] < R[:, None]
+            if bool((rm.cpu()[~inside] != 0).any()):
+                raise RuntimeError("lossguard_capture.verl: response_mask is set beyond a response's end")
+            masks = rm[inside.to(rm.device)]
+        self.masks = (masks != 0).to(torch.int64)
+        idx = data.get(SAMPLE_INDEX_KEY, None) if hasattr(data, "get") else None
+        if idx is not None:
+            self.sample_indices = idx.detach().to(torch.int64).reshape(-1).cpu()
+            if self.sample_indices.numel() != self.n:
+                raise RuntimeError(f"lossguard_capture.verl: {SAMPLE_INDEX_KEY} holds {self.sample_indices.numel()} "
+                                   f"indices for {self.n} samples")
+        else:
+            self.sample_indices = torch.arange(first_index, first_index + self.n, dtype=torch.int64)
+        self._index: Dict[int, torch.Tensor] = {}
+
+    def owned_index(self, loss_mat: torch.Tensor) -> torch.Tensor:
+        """The owned tokens of a ``[n, W]`` loss matrix in local order (per sample, response indices ascending)."""
+        if loss_mat.dim() != 2 or loss_mat.shape[0] != self.n:
+            raise RuntimeError(f"lossguard_capture.verl: a per-token loss matrix of shape {tuple(loss_mat.shape)} for "
+                               f"{self.n} samples")
+        W = int(loss_mat.shape[1])
+        if self.n and int(self.R.max()) > W:
+            raise RuntimeError(f"lossguard_capture.verl: a loss matrix of width {W} for a response of "
+                               f"{int(self.R.max())} tokens")
+        if W not in self._index:
+            cols = torch.arange(W, dtype=torch.int64)
+            flat = torch.arange(self.n, dtype=torch.int64)[:, None] * W + cols[None, :]
+            self._index[W] = flat[cols[None, :] < self.R[:, None]]
+        return self._index[W].to(loss_mat.device)
+
+    def fields(self) -> Dict[str, Any]:
+        return dict(sample_indices=self.sample_indices, tokens=self.tokens, total_lengths=self.T,
+                    response_lengths=self.R, loss_masks=self.masks, cp_size=1)
+
+
+class _GeoProbe:
+    """geo_mean: the measured per-sample gradient dL/dL_i, written per token through a probe tensor."""
+
+    def __init__(self, mb: MicroBatch, per_sample: torch.Tensor, layout: _Layout):
+        self.grads: List[torch.Tensor] = []
+        self.handle = per_sample.register_hook(self._keep)
+        self.layout = layout
+        owned = int(layout.R.sum())
+        self.probe = torch.zeros(owned, dtype=per_sample.dtype, device=per_sample.device, requires_grad=True)
+        self.dtype, self.device = per_sample.dtype, per_sample.device
+        mb.hook(self.probe, record_token_loss=False)
+
+    def _keep(self, grad: torch.Tensor) -> None:
+        self.grads.append(grad.detach())
+
+    def fire(self) -> None:
+        """Hand the probe its weights: g_i * m_t / (m_i + 1e-8), computed as geo_mean computes the
+        denominator (core_algos.py:1983-1984: an integer mask sum + 1e-8 in the default float dtype)."""
+        self.handle.remove()
+        lay = self.layout
+        g = torch.zeros(lay.n, dtype=self.dtype, device=self.device)
+        for x in self.grads:
+            g = g + x
+        row = torch.repeat_interleave(torch.arange(lay.n), lay.R).to(self.device)
+        m = lay.masks.to(self.device)
+        m_sum = torch.zeros(lay.n, dtype=torch.int64, device=self.device).index_add_(0, row, m)
+        den = (m_sum + 1e-8).to(self.dtype)
+        coeff = g[row] * m.to(self.dtype) / den[row]
+        with torch.enable_grad():
+            self.probe.backward(coeff)
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+class _Call:
+    """The state of one wrapped loss-function call (one micro-batch)."""
+
+    def __init__(self, layout: _Layout, handles: Dict[str, MicroBatch], loss_mode: str, mode: str):
+        self.layout = layout
+        self.handles = handles
+        self.loss_mode = loss_mode
+        self.mode = mode
+        self.in_pg = 0
+        self.pg_modes: List[str] = []
+        self.values: Dict[str, torch.Tensor] = {}
+        self.kld: Optional[torch.Tensor] = None
+        self.means: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.pg_return: Optional[torch.Tensor] = None
+
+
+class _OpenStep:
+    def __init__(self, step: int, dp: int, dp_rank: int, rank: int, world: int,
+                 global_batch_size: Optional[int]):
+        self.step, self.dp, self.dp_rank, self.rank, self.world = step, dp, dp_rank, rank, world
+        self.global_batch_size = global_batch_size
+        self.recs: Dict[str, StepRecorder] = {}
+        self.coef: Dict[str, float] = {}
+        self.reduce: Optional[str] = None
+        self.batch_num_tokens: Any = None
+        self.geo: List[Tuple[str, _GeoProbe]] = []
+        self.next_index = 0
+        self.warned: set = set()
+
+
+class VerlCapture:
+    """Captures ``steps`` of verl's actor loss (``losses.ppo_loss``) for ``lossguard audit``.
+
+    ``out_dir``: the captures go to ``out_dir/{pg,kl}/step{n:06d}/``.  ``steps``: the optimizer steps to
+    capture, counted per engine from 0 (one ``train_batch`` call = one step; ``None``: every step).
+    ``reduce``: the objective claimed, instead of :data:`CLAIMS` of the configured ``loss_agg_mode``.
+    ``kl``: capture the KL term when ``use_kl_loss``.  ``paths`` maps each finished step to ``{term: file}``."""
+
+    def __init__(self, out_dir: str, *, steps: Optional[Sequence[int]] = None, reduce: Optional[str] = None,
+                 kl: bool = True, strict: bool = True, allow_unsupported: bool = False):
+        check_version(allow_unsupported=allow_unsupported)
+        self.out_dir = out_dir
+        self.steps = None if steps is None else frozenset(int(s) for s in steps)
+        self.reduce = None if reduce is None else check_reduce(reduce)
+        self.kl = bool(kl)
+        self.strict = strict
+        self.allow_unsupported = allow_unsupported
+        self.paths: Dict[int, Dict[str, str]] = {}
+        self._open: Optional[_OpenStep] = None
+        self._calls = 0
+
+    # -- steps ----------------------------------------------------------------------------------
+    def should_capture(self, step: int) -> bool:
+        return self.steps is None or int(step) in self.steps
+
+    def step_dir(self, term: str, step: int) -> str:
+        return os.path.join(self.out_dir, term, f"step{int(step):06d}")
+
+    def begin_step(self, step: int, *, dp: int, dp_rank: int, global_batch_size: Optional[int] = None,
+                   rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+        """Open optimizer step ``step`` on this rank: the wrapped loss function records into it until
+        :meth:`finish_step` or :meth:`abort_step`."""
+        if self._open is not None:
+            raise RuntimeError(f"lossguard_capture.verl: step {self._open.step} is still open")
+        if rank is None or world_size is None:
+            import torch.distributed as dist
+            if dist.is_available() and dist.is_initialized():
+                rank, world_size = dist.get_rank(), dist.get_world_size()
+            else:
+                rank, world_size = 0, 1
+        if int(world_size) != int(dp):
+            raise RuntimeError(f"lossguard_capture.verl: world size {world_size} != DP size {dp}: only data "
+                               f"parallelism (FSDP without Ulysses sequence parallelism) is supported")
+        if not 0 <= int(dp_rank) < int(dp):
+            raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
+        self._open = _OpenStep(int(step), int(dp), int(dp_rank), int(rank), int(world_size),
+                               None if global_batch_size is None else int(global_batch_size))
+
+    def abort_step(self) -> None:
+        """Drop the open step: every hook removed, nothing written."""
+        st, self._open = self._open, None
+        if st is None:
+            return
+        for _, g in st.geo:
+            g.remove()
+        for rec in st.recs.values():
+            rec.abort()
+
+    def finish_step(self, *, grad_scale: float, skipped: Any = None, grad_norm: Any = None) -> Dict[str, str]:
+        """Write the open step's captures (after every micro-batch's backward, before the optimizer applies
+        the step); ``grad_scale``: what the rank multiplies its gradients by (``1/dp`` under FSDP)."""
+        st = self._open
+        if st is None:
+            raise RuntimeError("lossguard_capture.verl: no step is open")
+        try:
+            if not st.recs:
+                raise RuntimeError(f"lossguard_capture.verl: step {st.step}: the wrapped loss function was never "
+                                   f"called")
+            for _, g in st.geo:
+                g.fire()
+            out = {}
+            for term, rec in st.recs.items():
+                out[term] = rec.finish(grad_scale=float(grad_scale) / st.coef[term],
+                                       num_tokens_reduced=st.batch_num_tokens, skipped=skipped, grad_norm=grad_norm,
+                                       global_batch_size=st.global_batch_size)
+        except BaseException:
+            self.abort_step()
+            raise
+        self._open = None
+        self.paths[st.step] = out
+        return out
+
+    # -- the loss function ----------------------------------------------------------------------
+    def wrap(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn`` (``losses.ppo_loss`` or a ``functools.partial`` of it, as the actor worker sets it)
+        measured while a step is open; passed through unchanged otherwise."""
+        if _underlying(loss_fn) is not verl_losses.ppo_loss:
+            msg = (f"lossguard_capture.verl measures verl.workers.utils.losses.ppo_loss (the actor's loss); got "
+                   f"{getattr(_underlying(loss_fn), '__qualname__', loss_fn)!r}")
+            if not self.allow_unsupported:
+                raise RuntimeError(msg)
+            warnings.warn(msg, CaptureWarning)
+        sig = inspect.signature(loss_fn)
+        cap = self
+
+        @functools.wraps(_underlying(loss_fn))
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if cap._open is None:
+                return loss_fn(*args, **kwargs)
+            try:
+                return cap._measure(loss_fn, sig, args, kwargs)
+            except BaseException:
+                cap.abort_step()
+                raise
+        wrapped.__lossguard_wrapped__ = loss_fn     # type: ignore[attr-defined]
+        return wrapped
+
+    def _recorders(self, st: _OpenStep, cfg: Any, mode: str) -> None:
+        if st.recs:
+            return
+        st.reduce = self.reduce or CLAIMS[mode]
+        terms = ["pg"]
+        st.coef["pg"] = 1.0
+        if self.kl and bool(getattr(cfg, "use_kl_loss", False)):
+            coef = float(cfg.kl_loss_coef)
+            if coef == 0.0:
+                warnings.warn("lossguard_capture.verl: use_kl_loss with kl_loss_coef = 0: the KL term is not "
+                              "captured", CaptureWarning)
+            else:
+                terms.append("kl")
+                st.coef["kl"] = coef
+        for term in terms:
+            st.recs[term] = StepRecorder(self.step_dir(term, st.step), st.step, st.rank, st.world, dp=st.dp,
+                                         dp_rank=st.dp_rank, reduce=st.reduce, strict=self.strict)
+
+    def _warn_once(self, st: _OpenStep, key: str, msg: str) -> None:
+        if key not in st.warned:
+            st.warned.add(key)
+            warnings.warn(msg, CaptureWarning, stacklevel=3)
+
+    def _measure(self, loss_fn: Callable[..., Any], sig: inspect.Signature, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> Any:
+        st = self._open
+        assert st is not None
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        cfg, data = bound.arguments.get("config"), bound.arguments.get("data")
+        if cfg is None or data is None:
+            raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data")
+        mode = check_loss_agg_mode(getattr(cfg, "loss_agg_mode", None))
+        pl = cfg.policy_loss
+        loss_mode = pl.get("loss_mode", "vanilla") if hasattr(pl, "get") else getattr(pl, "loss_mode", "vanilla")
+        st.batch_num_tokens = _nt(data, "batch_num_tokens", None)
+        if st.global_batch_size is None:
+            st.global_batch_size = _nt(data, "global_batch_size", None)
+        # without SAMPLE_INDEX_KEY (no attach): the rank's samples in call order, after the lower ranks'
+        per_rank = st.global_batch_size // st.dp if st.global_batch_size else 1 << 20
+        layout = _Layout(data, st.dp_rank * per_rank + st.next_index)
+        st.next_index += layout.n
+        self._recorders(st, cfg, mode)
+        handles = {term: rec.microbatch(**layout.fields()) for term, rec in st.recs.items()}
+        call = _Call(layout, handles, loss_mode, mode)
+
+        real_agg, real_core_agg = verl_losses.agg_loss, core_algos.agg_loss
+        real_get, real_kl, real_mean = verl_losses.get_policy_loss_fn, verl_losses.kl_penalty, torch.mean
+        if real_core_agg is not real_agg:
+            raise RuntimeError("lossguard_capture.verl: core_algos.agg_loss and losses.agg_loss differ (patched by "
+                               "someone else?)")
+        agg_sig = inspect.signature(real_agg)
+
+        def agg_loss(*a: Any, **k: Any) -> Any:
+            b = agg_sig.bind(*a, **k)
+            b.apply_defaults()
+            m = b.arguments["loss_agg_mode"]
+            check_loss_agg_mode(m)
+            out = real_agg(*a, **k)
+            loss_mat = b.arguments["loss_mat"]
+            if call.in_pg:
+                call.pg_modes.append(m)
+                if len(call.pg_modes) == 1:
+                    handles["pg"].hook(loss_mat, index=layout.owned_index(loss_mat))
+                    call.values["pg"] = out.detach().clone()     # ppo_loss adds the KL term in place (losses.py:140)
+            elif call.kld is not None and loss_mat is call.kld:
+                if "kl" in handles:
+                    handles["kl"].hook(loss_mat, index=layout.owned_index(loss_mat))
+                    call.values["kl"] = out.detach().clone()
+            return out
+
+        def kl_penalty(*a: Any, **k: Any) -> Any:
+            out = real_kl(*a, **k)
+            call.kld = out
+            return out
+
+        def mean(*a: Any, **k: Any) -> Any:
+            out = real_mean(*a, **k)
+            if a and isinstance(a[0], torch.Tensor) and not k and len(a) == 1:
+                call.means.append((a[0], out))
+            return out
+
+        def get_policy_loss_fn(name: Any) -> Any:
+            fn = real_get(name)
+
+            @functools.wraps(fn)
+            def policy_loss(*a: Any, **k: Any) -> Any:
+                call.in_pg += 1
+                torch.mean = mean
+                try:
+                    res = fn(*a, **k)
+                    call.pg_return = res[0]
+                    return res
+                finally:
+                    torch.mean = real_mean
+                    call.in_pg -= 1
+            return policy_loss
+
+        patched = [(verl_losses, "agg_loss", agg_loss), (core_algos, "agg_loss", agg_loss),
+                   (verl_losses, "get_policy_loss_fn", get_policy_loss_fn), (verl_losses, "kl_penalty", kl_penalty)]
+        for mod, name, fn in patched:
+            setattr(mod, name, fn)
+        try:
+            out = loss_fn(*args, **kwargs)
+        finally:
+            replaced = [f"{mod.__name__}.{name}" for mod, name, fn in patched if getattr(mod, name) is not fn]
+            verl_losses.agg_loss, core_algos.agg_loss = real_agg, real_core_agg
+            verl_losses.get_policy_loss_fn, verl_losses.kl_penalty = real_get, real_kl
+            torch.mean = real_mean
+        if replaced:
+            raise RuntimeError(f"lossguard_capture.verl: {', '.join(replaced)} replaced by someone else during the "
+                               f"loss function")
+        loss, _metrics = out
+        problems = []
+        if len(call.pg_modes) > 1:
+            problems.append(f"the policy loss {loss_mode!r} called agg_loss {len(call.pg_modes)} times")
+        elif not call.pg_modes:
+            geo = [(a, o) for a, o in call.means if o is call.pg_return and a.dim() == 1 and a.shape[0] == layout.n
+                   and a.requires_grad]
+            if len(geo) == 1:
+                st.geo.append(("pg", _GeoProbe(handles["pg"], geo[0][0], layout)))
+                call.values["pg"] = geo[0][1].detach().clone()
+                self._warn_once(st, "geo", f"lossguard_capture.verl: the policy loss {loss_mode!r} aggregates no "
+                                f"per-token losses (a torch.mean over the micro-batch's per-sample losses, "
+                                f"core_algos.py:2000); its loss_agg_mode {mode!r} is not used: measured per sample "
+                                f"and written per token as dL/dL_i * m_t / m_i")
+            else:
+                problems.append(f"the policy loss {loss_mode!r} aggregated its per-token losses neither through "
+                                f"core_algos.agg_loss nor a per-sample torch.mean")
+        elif call.pg_modes[0] != mode:
+            self._warn_once(st, "mode", f"lossguard_capture.verl: the policy loss {loss_mode!r} aggregates with "
+                            f"{call.pg_modes[0]!r} although loss_agg_mode = {mode!r}: the captures claim "
+                            f"{st.reduce!r} and measure what verl does")
+        if "kl" in handles and "kl" not in call.values:
+            problems.append("use_kl_loss is set but no KL matrix reached agg_loss")
+        if problems:
+            raise RuntimeError("lossguard_capture.verl: cannot measure verl's loss: " + "; ".join(problems))
+        handles["pg"].loss(call.values["pg"])
+        if "kl" in handles:
+            handles["kl"].loss(call.values["kl"] * st.coef["kl"])
+        return out
+
+
+def attach(engine: Any, out_dir: str, **kwargs: Any) -> VerlCapture:
+    """Capture the actor's loss on ``engine`` (a verl FSDP engine; every rank): ``VerlCapture(out_dir,
+    **kwargs)`` with ``engine.train_batch`` wrapped (instance attribute; the class is untouched)."""
+    cap = VerlCapture(out_dir, **kwargs)
+    _check_engine(engine)
+    orig_train_batch = engine.train_batch
+
+    def train_batch(data: Any, loss_function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        n = cap._calls
+        cap._calls += 1
+        if not cap.should_capture(n):
+            return orig_train_batch(data, loss_function, *args, **kw)
+        dp, dp_rank = int(engine.get_data_parallel_size()), int(engine.get_data_parallel_rank())
+        local = len(data)
+        if SAMPLE_INDEX_KEY in data.keys():
+            raise RuntimeError(f"lossguard_capture.verl: the mini-batch already holds {SAMPLE_INDEX_KEY!r}")
+        dev = data["input_ids"].device if "input_ids" in data.keys() else torch.device("cpu")
+        first = dp_rank * local
+        data[SAMPLE_INDEX_KEY] = torch.arange(first, first + local, dtype=torch.int64, device=dev)
+        cap.begin_step(n, dp=dp, dp_rank=dp_rank, global_batch_size=_nt(data, "global_batch_size", None))
+        orig_step = engine.optimizer_step
+
+        def optimizer_step(*a: Any, **k: Any) -> Any:
+            if cap._open is not None:
+                cap.finish_step(grad_scale=1.0 / dp)      # FSDP's mean over the DP group
+            return orig_step(*a, **k)
+        engine.optimizer_step = optimizer_step
+        try:
+            return orig_train_batch(data, cap.wrap(loss_function), *args, **kw)
+        except BaseException:
+            cap.abort_step()
+            raise
+        finally:
+            if engine.__dict__.get("optimizer_step") is optimizer_step:
+                del engine.optimizer_step
+            if SAMPLE_INDEX_KEY in data.keys():
+                del data[SAMPLE_INDEX_KEY]
+            if cap._open is not None:          # optimizer_step never came: nothing is written
+                cap.abort_step()
+
+    engine.train_batch = train_batch
+    engine.lossguard_capture = cap
+    return cap
+
+
+def _check_engine(engine: Any) -> None:
+    bad = []
+    mod = type(engine).__module__
+    if not mod.startswith("verl.workers.engine.fsdp") and not any(
+            c.__module__.startswith("verl.workers.engine.fsdp") for c in type(engine).__mro__):
+        bad.append(f"engine {type(engine).__qualname__} ({mod}): only verl's FSDP engine "
+                   f"(verl/workers/engine/fsdp/transformer_impl.py) is verified")
+    if int(getattr(engine, "ulysses_sequence_parallel_size", 1) or 1) > 1:
+        bad.append(f"Ulysses sequence parallelism (size {engine.ulysses_sequence_parallel_size})")
+    if getattr(engine, "scaler", None) is not None:
+        bad.append("a grad scaler (fp16): the hooks would see the scaled loss")
+    for name in ("train_batch", "forward_backward_batch", "optimizer_step", "get_data_parallel_size",
+                 "get_data_parallel_rank"):
+        if not hasattr(engine, name):
+            bad.append(f"no engine.{name}")
+    if bad:
+        raise RuntimeError("lossguard_capture.verl does not support: " + "; ".join(bad))
