@@ -197,9 +197,7 @@ void weights_step(const WeightsOptions& o, const StepView& v, Reduction reduce,
   res["reduce"] = mode_name(reduce);
   res["contract"] = {{"count", mode_name(contract.count)},
                      {"clamp", mode_name(contract.clamp)},
-                     {"norm", contract.norm == NormRule::kGlobal
-                                  ? fmt::format("global:{}", mode_name(contract.norm_group))
-                                  : std::string(mode_name(contract.norm))},
+                     {"norm", norm_text(contract)},
                      {"sample", mode_name(contract.sample)},
                      {"scale", scale_text(contract.scale)},
                      {"grad", contract.grad == GradRule::kMean

@@ -56,6 +56,65 @@ const std::vector<ContractPreset>& contract_presets() {
       {"verl-token-mean",
        "verl with the global token count: all-reduced over DP, loss × dp, DDP mean",
        "volcengine/verl verl/trainer/ppo/core_algos.py agg_loss (global_batch_info)"},
+      {"megatron-2tuple",
+       "Megatron-core 0.16 with a 2-tuple loss_func dividing by its count all-reduced over CP: "
+       "× cp ÷ M, DDP mean over DP×CP (a mean per micro-batch, CP-independent)",
+       "megatron-core 0.16.1 pipeline_parallel/schedules.py:268-269; "
+       "distributed/distributed_data_parallel.py:284-287"},
+      {"megatron-2tuple-per-token-flag",
+       "the misconfiguration: a 2-tuple loss_func under calculate_per_token_loss=True (no count "
+       "reaches finalize, DDP factor 1): megatron-2tuple × dp·cp",
+       "megatron-core 0.16.1 schedules.py:251, 268-269; finalize_model_grads.py:493-497; "
+       "distributed_data_parallel.py:254-259"},
+      {"megatron-mean-0.12",
+       "Megatron-core 0.12: the 3-tuple without per-token loss divided by the CP shard's count, × cp "
+       "÷ M, DDP mean over DP×CP (0.13 dropped the × cp; 0.15 clamped the count)",
+       "megatron-core 0.12.3 pipeline_parallel/schedules.py:290-292"},
+      {"megatron-per-token-0.12",
+       "Megatron-core 0.12 with calculate_per_token_loss: the count all-reduced over DP only while "
+       "gradients are summed over DP×CP",
+       "megatron-core 0.12.3 distributed/finalize_model_grads.py:327"},
+      {"verl-seq-mean-token-sum",
+       "verl 0.9 loss_agg_mode seq-mean-token-sum: token sums ÷ global_batch_size, × dp, FSDP mean",
+       "verl 0.9.1 trainer/ppo/core_algos.py:1181-1188 agg_loss"},
+      {"verl-seq-mean-token-mean",
+       "verl 0.9 seq-mean-token-mean (and the sapo policy loss, which forces it): each sample's "
+       "token mean ÷ global_batch_size counting every sample, fully masked ones too (lossguard's "
+       "sample-mean), × dp, FSDP mean",
+       "verl 0.9.1 trainer/ppo/core_algos.py:1194-1202, 1688-1689 (sapo)"},
+      {"verl-seq-mean-token-sum-norm",
+       "verl 0.9 seq-mean-token-sum-norm with loss_scale_factor (--l-norm): token sums ÷ "
+       "(global_batch_size · loss_scale_factor), × dp, FSDP mean",
+       "verl 0.9.1 trainer/ppo/core_algos.py:1189-1193"},
+      {"verl-seq-mean-token-sum-norm-v1",
+       "verl 0.9's default v1 trainer, seq-mean-token-sum-norm without loss_scale_factor: the norm "
+       "is each micro-batch's padded width (its longest response), not split-invariant",
+       "verl 0.9.1 workers/utils/losses.py:91; trainer/ppo/core_algos.py:1189-1193"},
+      {"verl-geo-mean",
+       "verl 0.9 geo_mean (GMPO) policy loss: a mean over the micro-batch's samples of their token "
+       "means, no ÷ M, no × dp: FSDP mean only",
+       "verl 0.9.1 trainer/ppo/core_algos.py:1983-1984, 2000"},
+      {"trl-grpo",
+       "TRL GRPOTrainer loss_type grpo and sapo: each completion's token mean, averaged over the "
+       "micro-batch's completions, ÷ M, DDP mean (exact sample-mean when micro-batches are equal)",
+       "trl 1.16.0 trainer/grpo_trainer.py:3153-3157"},
+      {"trl-bnpo",
+       "TRL GRPOTrainer loss_type bnpo: a token mean per micro-batch on each rank, ÷ M, DDP mean "
+       "(the hf-ga shape)",
+       "trl 1.16.0 trainer/grpo_trainer.py:3158-3162"},
+      {"trl-dr-grpo",
+       "TRL GRPOTrainer loss_type dr_grpo: token sums ÷ (completions · max_completion_length) per "
+       "micro-batch, ÷ M, DDP mean (--l-norm = max_completion_length)",
+       "trl 1.16.0 trainer/grpo_trainer.py:3163-3167"},
+      {"trl-dapo",
+       "TRL GRPOTrainer loss_type dapo, cispo, vespo with steps_per_generation = M: token sums ÷ the "
+       "count gathered over every rank, × dp, DDP mean; with steps_per_generation S != M the count "
+       "is the generation batch's: trl-dapo,norm=generation:S,scale=dp*S*1/M",
+       "trl 1.16.0 trainer/grpo_trainer.py:2497-2498, 3168-3174"},
+      {"trl-luspo",
+       "TRL GRPOTrainer loss_type luspo: each completion's token sum, averaged over the "
+       "micro-batch's completions, ÷ M, DDP mean",
+       "trl 1.16.0 trainer/grpo_trainer.py:3175-3182"},
   };
   return kPresets;
 }
@@ -90,6 +149,8 @@ ScaleFactor parse_scale(const std::string& text) {
       s.b += sign;
     else if (term == "Bnz")
       s.bnz += sign;
+    else if (term == "Lmb")
+      s.lmb += sign;
     else if (term == "L")
       s.l += sign;
     else {
@@ -97,7 +158,7 @@ ScaleFactor parse_scale(const std::string& text) {
       const double v = std::strtod(term.c_str(), &end);
       if (term.empty() || end != term.c_str() + term.size() || !(v > 0) || !std::isfinite(v)) {
         throw_input_error(
-            "--contract: scale term '{}' is not cp, dp, tp, M, B, Bnz, L, a positive number, or "
+            "--contract: scale term '{}' is not cp, dp, tp, M, B, Bnz, L, Lmb, a positive number, or "
             "1/ one of them",
             term);
       }
@@ -112,6 +173,7 @@ ScaleFactor parse_scale(const std::string& text) {
 ScaleFactor times(ScaleFactor a, const ScaleFactor& b) {
   a.number *= b.number;
   a.cp += b.cp, a.dp += b.dp, a.tp += b.tp, a.m += b.m, a.b += b.b, a.bnz += b.bnz, a.l += b.l;
+  a.lmb += b.lmb;
   return a;
 }
 
@@ -136,6 +198,20 @@ void apply(Contract& c, const std::string& key, const std::string& value) {
     c.count = parse_component<CountRule>(key, value);
   } else if (key == "clamp") {
     c.clamp = parse_component<ClampRule>(key, value);
+  } else if (key == "norm" && value.rfind("generation", 0) == 0) {
+    const std::size_t colon = value.find(':');
+    char* end = nullptr;
+    const std::string s = colon == std::string::npos ? "" : value.substr(colon + 1);
+    const long long n = s.empty() ? 0 : std::strtoll(s.c_str(), &end, 10);
+    if (value.substr(0, colon) != "generation" || s.empty() || *end != '\0' || n < 1 ||
+        n > (1 << 20)) {
+      throw_input_error(
+          "--contract: norm={} must be generation:S with S the micro-batches of a generation "
+          "batch (1 to 1048576)",
+          value);
+    }
+    c.norm = NormRule::kGeneration;
+    c.generation = n;
   } else if (key == "norm") {
     auto [rule, group] = split_group(key, value);
     c.norm = parse_component<NormRule>(key, rule);
@@ -213,8 +289,35 @@ Contract preset_contract(const std::string& name, Reduction reduce) {
     spec = "norm=microbatch,scale=1/M,grad=mean:dp";
   } else if (name == "hf-num-items") {
     spec = "norm=rank,grad=mean:dp";
-  } else if (name == "hf-num-items-across-devices" || name == "verl-token-mean") {
+  } else if (name == "hf-num-items-across-devices" || name == "verl-token-mean" ||
+             name == "trl-dapo") {
     spec = "norm=global:dp,scale=dp,grad=mean:dp";
+  } else if (name == "megatron-2tuple") {
+    spec = "count=full-sample,norm=microbatch,scale=cp*1/M,grad=mean:dp-cp";
+  } else if (name == "megatron-2tuple-per-token-flag") {
+    spec = "count=full-sample,norm=microbatch,scale=cp*1/M,grad=sum";
+  } else if (name == "megatron-mean-0.12") {
+    spec = "norm=microbatch,scale=cp*1/M,grad=mean:dp-cp";
+  } else if (name == "megatron-per-token-0.12") {
+    spec = "norm=global:dp,grad=sum";
+  } else if (name == "verl-seq-mean-token-sum") {
+    spec = "scale=dp*1/B,grad=mean:dp";
+  } else if (name == "verl-seq-mean-token-mean") {
+    spec = "sample=mean,scale=dp*1/B,grad=mean:dp";
+  } else if (name == "verl-seq-mean-token-sum-norm") {
+    spec = "scale=dp*1/B*1/L,grad=mean:dp";
+  } else if (name == "verl-seq-mean-token-sum-norm-v1") {
+    spec = "scale=dp*1/B*1/Lmb,grad=mean:dp";
+  } else if (name == "verl-geo-mean") {
+    spec = "count=samples,norm=microbatch,sample=mean,grad=mean:dp";
+  } else if (name == "trl-grpo") {
+    spec = "count=samples,norm=microbatch,sample=mean,scale=1/M,grad=mean:dp";
+  } else if (name == "trl-bnpo") {
+    spec = "norm=microbatch,scale=1/M,grad=mean:dp";
+  } else if (name == "trl-dr-grpo") {
+    spec = "count=samples,norm=microbatch,scale=1/L*1/M,grad=mean:dp";
+  } else if (name == "trl-luspo") {
+    spec = "count=samples,norm=microbatch,scale=1/M,grad=mean:dp";
   } else {
     std::string names;
     for (const auto& p : contract_presets())
@@ -277,14 +380,19 @@ std::string scale_text(const ScaleFactor& s) {
   add(s.m, "M");
   add(s.b, "B");
   add(s.bnz, "Bnz");
+  add(s.lmb, "Lmb");
   add(s.l, "L");
   return out.empty() ? "1" : out;
 }
 
+std::string norm_text(const Contract& c) {
+  if (c.norm == NormRule::kGlobal) return fmt::format("global:{}", mode_name(c.norm_group));
+  if (c.norm == NormRule::kGeneration) return fmt::format("generation:{}", c.generation);
+  return std::string(mode_name(c.norm));
+}
+
 std::string contract_components(const Contract& c) {
-  const std::string norm = c.norm == NormRule::kGlobal
-                               ? fmt::format("global:{}", mode_name(c.norm_group))
-                               : std::string(mode_name(c.norm));
+  const std::string norm = norm_text(c);
   const std::string grad = c.grad == GradRule::kMean
                                ? fmt::format("mean:{}", mode_name(c.grad_group))
                                : std::string(mode_name(c.grad));
@@ -297,7 +405,8 @@ double scale_value(const ScaleFactor& s, const ScaleSizes& z) {
   return s.number * p(static_cast<double>(z.cp), s.cp) * p(static_cast<double>(z.dp), s.dp) *
          p(static_cast<double>(z.tp), s.tp) * p(static_cast<double>(z.microbatches), s.m) *
          p(static_cast<double>(z.batch), s.b) * p(static_cast<double>(z.batch_nonzero), s.bnz) *
-         p(z.l_norm, s.l);
+         p(z.l_norm, s.l) *
+         p(static_cast<double>(std::max<int64_t>(z.microbatch_max_response, 1)), s.lmb);
 }
 
 }  // namespace lossguard

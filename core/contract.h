@@ -31,15 +31,20 @@ struct ModeNames<ClampRule> {
       {ClampRule::kAtCp1, "at-cp1"}};
 };
 
-// The denominator D a rank divides its micro-batch's summed loss by.
-enum class NormRule { kNone, kMicrobatch, kRank, kGlobal };
+// The denominator D a rank divides its micro-batch's summed loss by. `generation:S`: the count of the
+// generation batch the micro-batch belongs to — S consecutive micro-batches of every rank (micro-batch
+// k is in batch k / S), summed over all DP×CP ranks (TRL's GRPOTrainer counts num_items_in_batch over
+// its generation batch of steps_per_generation micro-batches: grpo_trainer.py:2497, 1.16.0). Within
+// one step: S >= M gives the step's count (a generation batch spanning steps is not visible in one).
+enum class NormRule { kNone, kMicrobatch, kRank, kGlobal, kGeneration };
 template <>
 struct ModeNames<NormRule> {
   static constexpr std::pair<NormRule, const char*> kTable[] = {
       {NormRule::kNone, "none"},
       {NormRule::kMicrobatch, "microbatch"},
       {NormRule::kRank, "rank"},
-      {NormRule::kGlobal, "global"}};
+      {NormRule::kGlobal, "global"},
+      {NormRule::kGeneration, "generation"}};
 };
 
 // The process group a count is all-reduced over, or a gradient averaged over. `world` includes the
@@ -70,10 +75,12 @@ struct ModeNames<GradRule> {
 };
 
 // A compensation factor: a number times powers of the layout's sizes. `Bnz` is the number of
-// samples with effective tokens (B' of seq-mean-token-mean), `L` the reduction's L_norm.
+// samples with effective tokens (B' of seq-mean-token-mean), `L` the reduction's L_norm, `Lmb` the
+// micro-batch's longest response (the padded width verl's v1 trainer divides by when no
+// loss_scale_factor is set: workers/utils/losses.py:91, core_algos.py:1189-1193, verl 0.9.1).
 struct ScaleFactor {
   double number = 1.0;
-  int cp = 0, dp = 0, tp = 0, m = 0, b = 0, bnz = 0, l = 0;  // exponents
+  int cp = 0, dp = 0, tp = 0, m = 0, b = 0, bnz = 0, l = 0, lmb = 0;  // exponents
   bool operator==(const ScaleFactor&) const = default;
 };
 
@@ -82,6 +89,7 @@ struct Contract {
   ClampRule clamp = ClampRule::kNone;
   NormRule norm = NormRule::kNone;
   ReduceGroup norm_group = ReduceGroup::kDpCp;  // norm = global:G
+  int64_t generation = 0;                       // norm = generation:S, S >= 1
   SampleRule sample = SampleRule::kNone;
   ScaleFactor scale;
   GradRule grad = GradRule::kSum;
@@ -89,7 +97,8 @@ struct Contract {
   std::string preset;                           // the preset it came from; empty for key=value
   bool operator==(const Contract& o) const {
     return count == o.count && clamp == o.clamp && norm == o.norm &&
-           (norm != NormRule::kGlobal || norm_group == o.norm_group) && sample == o.sample &&
+           (norm != NormRule::kGlobal || norm_group == o.norm_group) &&
+           (norm != NormRule::kGeneration || generation == o.generation) && sample == o.sample &&
            scale == o.scale && grad == o.grad &&
            (grad != GradRule::kMean || grad_group == o.grad_group);
   }
@@ -116,11 +125,13 @@ Contract parse_contract(const std::string& text, Reduction reduce);
 // The components as key=value text (every component, defaults included).
 std::string contract_components(const Contract& c);
 std::string scale_text(const ScaleFactor& s);  // "dp*cp*1/B", "1"
+std::string norm_text(const Contract& c);      // "global:dp-cp", "generation:4", "microbatch"
 
 // The batch sizes that scale factors refer to.
 struct ScaleSizes {
   int64_t cp = 1, dp = 1, tp = 1, microbatches = 1, batch = 1, batch_nonzero = 1;
   double l_norm = 1.0;
+  int64_t microbatch_max_response = 1;  // Lmb: of the micro-batch being weighed (at least 1)
 };
 double scale_value(const ScaleFactor& s, const ScaleSizes& sizes);
 

@@ -255,9 +255,21 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
       all += rank_total[d * cp + c];
     }
   }
+  // norm=generation:S: micro-batch index / S names its generation batch; counted over every rank.
+  std::vector<int64_t> generation_total;
+  if (contract.norm == NormRule::kGeneration) {
+    for (int64_t k = 0; k < num_mb; ++k) {
+      const auto g = static_cast<std::size_t>(layout.microbatches[k].index / contract.generation);
+      if (generation_total.size() <= g) generation_total.resize(g + 1, 0);
+      for (int64_t c = 0; c < cp; ++c) generation_total[g] += out.count[k * cp + c];
+    }
+  }
   auto denominator = [&](int64_t k, int64_t c) -> int64_t {
     const int64_t d = layout.microbatches[k].dp_rank;
     switch (contract.norm) {
+      case NormRule::kGeneration:
+        return generation_total[static_cast<std::size_t>(layout.microbatches[k].index /
+                                                         contract.generation)];
       case NormRule::kNone:
         return 1;
       case NormRule::kMicrobatch:
@@ -297,6 +309,13 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     sz.batch = z.global_batch_size;
     sz.batch_nonzero = std::max<int64_t>(nonzero, 1);
     sz.l_norm = z.l_norm;
+    for (const auto& group : mb.groups) {
+      for (int64_t i : group) {
+        if (i >= 0 && i < s) {
+          sz.microbatch_max_response = std::max(sz.microbatch_max_response, b.response_lengths[i]);
+        }
+      }
+    }
     const double scale = scale_value(contract.scale, sz);
     for (int64_t c = 0; c < cp; ++c) {
       factor[c] = scale / static_cast<double>(std::max<int64_t>(denominator(k, c), 1)) / grad_div;

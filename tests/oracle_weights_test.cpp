@@ -379,5 +379,51 @@ TEST(Weights, ASampleInTwoSubGroupsIsNamedAndCountedOnce) {
   EXPECT_EQ(w.global_count, 8);  // every effective token once
 }
 
+// The presets of the real trainers' paths (TRL 1.16 GRPO loss types, verl 0.9 modes, Megatron-core
+// 0.16's 2-tuple) and the generation-batch count, by hand on the hand batch (m = 3, 1, 4; R = 3, 2,
+// 4; N = 8, B = 3) with one sample per micro-batch (DP 1, M = 3).
+TEST(Weights, RealTrainerPresetsByHandOneSamplePerMicrobatch) {
+  const Batch b = hand_batch();
+  const StepLayout l = layout(b, 1, 3, 1);
+  // mask 1 1 1 | 1 0 | 1 1 1 1
+  auto per_sample = [](double a, double c, double d) {
+    return std::vector<double>{a, a, a, c, 0, d, d, d, d};
+  };
+  // A sample's token mean ÷ M (one sample per micro-batch): m_t / (3 m_i).
+  const auto sample_mean = per_sample(1. / 9, 1. / 3, 1. / 12);
+  expect_weights(weights_of(b, l, "trl-grpo", Reduction::kSampleMean), sample_mean);
+  expect_weights(weights_of(b, l, "verl-seq-mean-token-mean", Reduction::kSampleMean), sample_mean);
+  expect_weights(weights_of(b, l, "megatron-2tuple"), sample_mean);
+  // The same misconfigured under the per-token flag: × dp·cp = 1 here.
+  expect_weights(weights_of(b, l, "megatron-2tuple-per-token-flag"), sample_mean);
+  // geo_mean: no ÷ M: m_t / m_i.
+  expect_weights(weights_of(b, l, "verl-geo-mean", Reduction::kSampleMean),
+                 per_sample(1. / 3, 1, 1. / 4));
+  // dr_grpo: token sums ÷ (1 completion · L = 4) ÷ M = 3: 1/12 every token.
+  expect_weights(weights_of(b, l, "trl-dr-grpo", Reduction::kSeqMeanTokenSumNorm),
+                 per_sample(1. / 12, 1. / 12, 1. / 12));
+  // verl v1 without loss_scale_factor: ÷ (B = 3 · the micro-batch's longest response 3, 2, 4).
+  expect_weights(weights_of(b, l, "verl-seq-mean-token-sum-norm-v1", Reduction::kSeqMeanTokenSumNorm),
+                 per_sample(1. / 9, 1. / 6, 1. / 12));
+  // dapo: the count over every rank's micro-batches of the step (S = M): m_t / N.
+  expect_weights(weights_of(b, l, "trl-dapo"), per_sample(1. / 8, 1. / 8, 1. / 8));
+  // dapo with steps_per_generation S = 1 at M = 3: each micro-batch its own generation batch,
+  // w = m_t · S / (N_G · M) = m_t / (3 n_k).
+  expect_weights(weights_of(b, l, "trl-dapo,norm=generation:1,scale=dp*1/M"),
+                 per_sample(1. / 9, 1. / 3, 1. / 12));
+  // S = 3 = M: the step's count again, the truth.
+  expect_weights(weights_of(b, l, "trl-dapo,norm=generation:3,scale=dp*3*1/M"),
+                 per_sample(1. / 8, 1. / 8, 1. / 8));
+  // generation batches of 2 micro-batches: micro-batch k of every rank is in batch k / 2.
+  const StepLayout l2 = layout(b, 1, 3, 1);
+  const Contract g2 = parse_contract("norm=generation:2", Reduction::kPerToken);
+  EXPECT_EQ(contract_components(g2),
+            "count=cp-local,clamp=none,norm=generation:2,sample=none,scale=1,grad=sum");
+  // micro-batches 0, 1 (m = 3 + 1) form batch 0; micro-batch 2 (m = 4) batch 1.
+  expect_weights(contract_weights(b, l2, g2, {}).weight, per_sample(1. / 4, 1. / 4, 1. / 4));
+  EXPECT_THROW(parse_contract("norm=generation:0", Reduction::kPerToken), InputError);
+  EXPECT_THROW(parse_contract("norm=generation", Reduction::kPerToken), InputError);
+}
+
 }  // namespace
 }  // namespace lossguard::oracle

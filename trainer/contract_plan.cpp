@@ -68,6 +68,14 @@ ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan
   for (int64_t x : per_rank) out.global_count += x;
   auto denominator = [&](int64_t d, int64_t k, int64_t r) -> int64_t {
     switch (c.norm) {
+      case NormRule::kGeneration: {  // the generation batch of micro-batch k: k / S, every rank
+        int64_t sum = 0;
+        for (const auto& [key, counts] : local) {
+          if (key.second / c.generation != k / c.generation) continue;
+          for (int64_t x : counts) sum += x;
+        }
+        return sum;
+      }
       case NormRule::kNone:
         return 1;
       case NormRule::kMicrobatch:
@@ -124,6 +132,10 @@ ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan
   std::map<std::pair<int64_t, int64_t>, std::vector<double>> factor;
   for (const auto& [key, counts] : local) {
     sizes.microbatches = static_cast<int64_t>(placement[key.first].size());
+    sizes.microbatch_max_response = 1;
+    for (int64_t i : placement[key.first][key.second]) {
+      sizes.microbatch_max_response = std::max(sizes.microbatch_max_response, b.response_lengths[i]);
+    }
     const double scale = scale_value(c.scale, sizes);
     std::vector<double>& f = factor[key];
     f.resize(static_cast<std::size_t>(cp));
