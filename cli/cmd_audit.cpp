@@ -139,25 +139,34 @@ void register_audit(CLI::App& root, Commands& commands) {
       "contract that reproduces it named), the loss, the skip decision on every rank, the metrics");
   cmd->app = app;
   app->footer(
-      "Record (pip install ./python; see python/README.md), three lines in the loss function:\n"
-      "  rec = lossguard_capture.Recorder(out_dir, step, rank, world_size, cp=..., dp=..., "
-      "cp_rank=..., dp_rank=...)\n"
-      "  h = rec.microbatch(sample_indices, tokens, total_lengths, response_lengths, loss_masks, "
-      "cp_size)\n"
-      "  h.hook(per_token_loss); ...; rec.finish(grad_scale, num_tokens_reduced=N, skipped=skip, "
-      "grad_norm=norm)\n"
-      "then:  torchrun ... train.py && lossguard audit captures/\n"
-      "Exit 1 when a check fails (a uniform weight scale only with --strict-scale), 2 when the "
-      "captures do not\n"
-      "fit together (a missing rank, a sample that differs between ranks, token_weight lengths "
-      "that do not\n"
-      "match the layout). Checks whose records are absent are shown as not run, never as passed.");
+      "Record (pip install ./python; python/README.md). A Hugging Face Trainer, three lines:\n"
+      "  import lossguard_capture.hf\n"
+      "  lossguard_capture.hf.attach(trainer, \"captures\")   # step 0; fails fast on every rank\n"
+      "  trainer.train()\n"
+      "then:  lossguard audit captures/step000000\n"
+      "Any other trainer, in its loss path on every loss-computing rank:\n"
+      "  cap = lossguard_capture.Capture(\"captures\", reduce=\"per-token\", cp=...)\n"
+      "  with cap.step(n) as s:\n"
+      "      mb = s.microbatch(sample_indices=..., tokens=..., total_lengths=..., "
+      "response_lengths=..., loss_masks=..., cp_size=...)\n"
+      "      mb.hook(per_token_loss); ...; s.finish(grad_scale=..., num_tokens_reduced=N)\n"
+      "Exit 1 when a check fails (a uniform weight scale only with --strict-scale; a non-finite "
+      "record always),\n"
+      "2 when the captures do not fit together (a missing rank, ranks that disagree on the "
+      "objective, a sample that\n"
+      "differs between ranks, token_weight lengths that do not match the layout), 4 when they hold "
+      "no sample.\n"
+      "Tolerances follow the trainer's recorded dtype (fp32 1e-5; bf16 4u weights, 8u loss; "
+      "docs/semantics.md §10).\n"
+      "Checks whose records are absent are shown as not run, never as passed.");
   app->add_option("captures", opts->paths, "Capture files or directories of them")->required();
   app->add_option(
       "--reduce", opts->reduce,
       "The objective, instead of the one the captures claim: " + mode_choices<Reduction>());
   app->add_option("--rtol", opts->rtol,
-                  "Relative tolerance of measured weights (default: float32 1e-5, float64 1e-9)");
+                  "Relative tolerance of measured weights (default: from the trainer's dtype: "
+                  "float32 1e-5, float64 1e-9, bf16 7.8e-3, fp16 2e-3)")
+      ->check(CLI::PositiveNumber);
   app->add_flag("--strict-scale", opts->strict_scale, "A uniform weight scale fails too");
   app->add_option("--svg", opts->svg_path,
                   "Draw the measured ratio per micro-batch and CP rank (first step)");

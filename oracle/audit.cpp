@@ -380,7 +380,12 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
     m.loss_seen |= mb.loss.has_value();
     m.token_loss_seen |= mb.token_loss.has_value();
     if (!mb.loss) continue;
-    if (std::isnan(*mb.loss) && owned_effective == 0) {
+    // A mean over zero tokens: NaN in the trainer's loss value while its gradient is exactly 0.
+    // With a NaN gradient too (an unclamped count: every weight NaN), it is no such finding: the
+    // non-finite weights fail the weights check.
+    const bool zero_gradient = std::all_of(mb.token_weight.begin(), mb.token_weight.end(),
+                                           [](double w) { return w == 0.0; });
+    if (std::isnan(*mb.loss) && owned_effective == 0 && zero_gradient) {
       if (m.nan_losses++ == 0) m.first_nan = fmt::format("{} {}", where(c), mbname);
       continue;
     }
@@ -461,7 +466,9 @@ AuditCheck counts_check(const AuditStep& out, const Measurement& m, bool recorde
   }
   if (!m.counts.empty()) return {"counts", false, m.counts.text()};
   return {"counts", true,
-          fmt::format("every num_tokens is the rank's owned count; N = {}", out.global_tokens)};
+          fmt::format("{}{}N = {}",
+                      m.num_tokens_seen > 0 ? "every num_tokens is the rank's owned count; " : "",
+                      recorded_reduced ? "num_tokens_reduced is " : "", out.global_tokens)};
 }
 
 AuditCheck loss_check(const Measurement& m) {
