@@ -14,8 +14,9 @@ export LOSSGUARD_VENV := $(VENV)
 
 all: build
 
+# The base venv (torch), then one venv per real trainer the adapters are tested against.
 setup:
-	@scripts/setup.sh
+	@scripts/setup.sh && scripts/setup-trainers.sh
 
 configure: setup
 	@if [ ! -f $(BUILD)/build.ninja ]; then \

@@ -15,7 +15,7 @@
 set -euo pipefail
 
 BASE="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}"
-HF_VENV="${LOSSGUARD_HF_VENV:-$HOME/.cache/lossguard/venv-hf}"
+HF_VENV="${LOSSGUARD_HF_VENV:-$BASE-hf}"  # beside the base venv (tests/CMakeLists.txt looks there)
 # The newest releases pip could install when this was written (pip index versions transformers /
 # accelerate): 5.25.0 is listed but requires kernels>=0.19.1,<0.20, which the index does not have, so
 # 5.24.0 is the newest that resolves.  Keep in step with SUPPORTED in python/lossguard_capture/hf.py.
@@ -23,12 +23,12 @@ HF_VENV="${LOSSGUARD_HF_VENV:-$HOME/.cache/lossguard/venv-hf}"
 # (pip index versions trl) and requires transformers>=4.56.2, so it resolves over the 5.24.0 pin (it adds
 # datasets, pandas, pyarrow; nothing already installed changes).
 HF_PINS=(transformers==5.24.0 accelerate==1.16.0 trl==1.16.0)
-MEGATRON_VENV="${LOSSGUARD_MEGATRON_VENV:-$HOME/.cache/lossguard/venv-megatron}"
+MEGATRON_VENV="${LOSSGUARD_MEGATRON_VENV:-$BASE-megatron}"
 # The newest megatron-core pip lists (pip index versions megatron-core); its own requirements are torch,
 # numpy and packaging only (no Transformer Engine, no apex: the tests run its CPU paths).  Keep in step
 # with SUPPORTED in python/lossguard_capture/megatron.py.
 MEGATRON_PINS=(megatron-core==0.16.1)
-VERL_VENV="${LOSSGUARD_VERL_VENV:-$HOME/.cache/lossguard/venv-verl}"
+VERL_VENV="${LOSSGUARD_VERL_VENV:-$BASE-verl}"
 # verl 0.9.1 is the newest release on the index (pip index versions verl).  Its own requirements add
 # wandb, tensorboard, torchdata, pybind11, pylatexenc ..., which the actor's loss path never imports (and
 # torchdata could bring another torch), so verl is installed --no-deps, together with what importing
