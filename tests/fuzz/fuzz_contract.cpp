@@ -21,19 +21,19 @@ namespace {
 using namespace lossguard;
 
 std::string random_contract(FuzzedDataProvider& in) {
-  static const char* presets[] = {"truth",      "megatron-per-token", "megatron-mean", "relax",
-                                  "relax-legacy", "slime",            "hf-ga",         "hf-num-items",
-                                  "hf-num-items-across-devices"};
   static const char* components[] = {
       "count=cp-local", "count=full-sample", "count=samples",  "clamp=per-sample", "clamp=at-cp1",
       "norm=none",      "norm=microbatch",   "norm=rank",      "norm=global:dp",   "norm=global:cp",
       "norm=global:world", "sample=mean",    "grad=sum",       "grad=mean:dp",     "grad=mean:dp-cp",
-      "grad=mean:world"};
-  static const char* terms[] = {"cp", "dp", "tp", "M", "B", "Bnz", "L", "1/cp", "1/M", "1/B", "1/L"};
-  std::string c = in.ConsumeBool() ? presets[in.ConsumeIntegralInRange<std::size_t>(0, 8)] : "";
+      "grad=mean:world", "norm=generation:1", "norm=generation:2", "norm=generation:3"};
+  static const char* terms[] = {"cp", "dp", "tp", "M", "B", "Bnz", "L", "1/cp", "1/M", "1/B", "1/L",
+                                "Lmb", "1/Lmb"};
+  const std::vector<ContractPreset>& all = contract_presets();
+  std::string c =
+      in.ConsumeBool() ? all[in.ConsumeIntegralInRange<std::size_t>(0, all.size() - 1)].name : "";
   const int n = in.ConsumeIntegralInRange(0, 3);
   for (int k = 0; k < n; ++k) {
-    c += (c.empty() ? "" : ",") + std::string(components[in.ConsumeIntegralInRange<std::size_t>(0, 15)]);
+    c += (c.empty() ? "" : ",") + std::string(components[in.ConsumeIntegralInRange<std::size_t>(0, 18)]);
   }
   if (in.ConsumeBool()) {
     std::string scale;
@@ -41,7 +41,7 @@ std::string random_contract(FuzzedDataProvider& in) {
     for (int k = 0; k < parts; ++k) {
       std::string term;
       if (in.ConsumeBool()) {
-        term = terms[in.ConsumeIntegralInRange<std::size_t>(0, 10)];
+        term = terms[in.ConsumeIntegralInRange<std::size_t>(0, 12)];
       } else {
         const double e = in.ConsumeFloatingPointInRange(-300.0, 300.0);
         term = std::to_string(std::pow(10.0, std::round(e)));
