@@ -78,5 +78,21 @@ run audit "$CAP/none"
 step "The same trainer with a mean per micro-batch: audit measures it, names the shape and the contract that reproduces it"
 run audit "$CAP/microbatch-mean" --svg /tmp/lossguard-demo-audit.svg
 
+step "The real Hugging Face Trainer, audited from its own loss path: lossguard_capture.hf.attach(trainer, \"captures\")"
+HF_PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}-hf/bin/python"
+if [ -x "$HF_PY" ]; then
+  HFCAP=$(mktemp -d /tmp/lossguard-demo-hf.XXXX)
+  printf '$ python examples/hf_trainer_audit.py --out captures   # transformers 5.24, GA 2, CPU\n'
+  OMP_NUM_THREADS=1 "$HF_PY" examples/hf_trainer_audit.py --out "$HFCAP/kwargs" --lossguard-bin "$LG" 2>&1 \
+    | grep -E "^lossguard_capture|^training" || true
+  run audit "$HFCAP/kwargs/step000000"
+  step "A model the Trainer gives no num_items_in_batch (accepts_loss_kwargs = False): fail fast stops step 0 before its update"
+  printf '$ python examples/hf_trainer_audit.py --out captures --no-loss-kwargs\n'
+  OMP_NUM_THREADS=1 "$HF_PY" examples/hf_trainer_audit.py --out "$HFCAP/nokwargs" --no-loss-kwargs --lossguard-bin "$LG" 2>&1 \
+    | grep -E "^lossguard_capture|^training|weights |reproduced by" || true
+else
+  echo "(skipped: $HF_PY is missing; scripts/setup-trainers.sh creates it)"
+fi
+
 step "And a hostile pickle is refused by name; nothing is executed"
 run inspect "$EX/hostile_os_system.pt"
