@@ -52,6 +52,15 @@ test-fuzz: build
 test-cpu: build
 	@cd $(BUILD) && ctest --output-on-failure -j2 -L cpu
 
+# docs/gallery.md from the real trainers' tests (scripts/gallery.py, ~7 min on 2 cores): each trainer's
+# test file in its venv, one after another, every `lossguard audit` they run recorded as a row
+# (tests/trainers/gallery.py), the page rendered from docs/gallery.template.md and the rows.
+# GALLERY_DEPS= uses the binary already built instead of building it first.
+GALLERY_DEPS ?= build-tool
+gallery: $(GALLERY_DEPS)
+	@scripts/setup-trainers.sh
+	@$(PYTHON) scripts/gallery.py --binary $(BUILD)/cli/lossguard
+
 regen-fixtures: build
 	@scripts/regen-fixtures.sh $(BUILD)/cli/lossguard $(PYTHON)
 

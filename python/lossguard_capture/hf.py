@@ -1,4 +1,5 @@
-"""Audit captures of the Hugging Face ``transformers.Trainer``'s OWN loss path (and so TRL's SFTTrainer).
+"""Audit captures of the Hugging Face ``transformers.Trainer``'s OWN loss path (not TRL's SFTTrainer, whose
+compute_loss never calls cross_entropy: sft_trainer.py:1612 in trl 1.16.0 — use lossguard_capture.trl).
 
     import lossguard_capture.hf
     lossguard_capture.hf.attach(trainer, "captures")      # capture step 0, audit it, stop on FAIL

@@ -38,6 +38,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 DRIVER = os.path.join(HERE, "hf_driver.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DIR is set)
 import hf_driver as drv  # noqa: E402
 
 import lossguard_capture as lc  # noqa: E402
@@ -90,6 +91,7 @@ def runs(tmp_path_factory):
             cmd = [sys.executable, *args]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+        gallery.remember_run(d, cmd)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[world] = d
@@ -236,7 +238,12 @@ def audit(*paths):
 def test_audit_verdict(runs, world, config):
     want_code, want_kind, want_preset = expected(world, config)
     caps = os.path.join(run_dir(runs, world, config), "captures")
-    code, doc, err, text = audit(*[os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)])
+    steps = [os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)]
+    code, doc, err, text = audit(*steps)
+    ga, kw, avg, empty = drv.parse(config)
+    fields = dict(dp=world, ga=ga, model_accepts_loss_kwargs=kw, average_tokens_across_devices=avg,
+                  first_microbatch_empty=empty, compute_loss_drops_num_items="dropnum" in config, config=config)
+    gallery.record("hf", f"dp{world}-{config}", fields, [LOSSGUARD, "audit", *steps], code, doc, text, err)
     where = f"dp{world} {config}:\n{text}\n{err}"
     assert doc is not None, where
     assert code == want_code, where
@@ -254,7 +261,10 @@ def test_audit_verdict(runs, world, config):
         assert want_preset in s0["matches"], where
         assert any(f["kind"] == "mean_over_zero_tokens" and f["step"] == 0 for f in doc["findings"]), where
         assert doc["steps"][1]["diagnosis"]["kind"] == "per-microbatch", where
-        code1, _, _, text1 = audit(os.path.join(caps, "step000000"), "--strict-scale")
+        strict = [os.path.join(caps, "step000000"), "--strict-scale"]
+        code1, doc1, err1, text1 = audit(*strict)
+        gallery.record("hf", f"dp{world}-{config}-strict-scale", dict(fields, strict_scale=True),
+                       [LOSSGUARD, "audit", *strict], code1, doc1, text1, err1)
         assert code1 == 1, text1
     else:
         assert checks["weights"] is False, where
@@ -280,6 +290,9 @@ def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
         assert got["params_unchanged"] is True, got
         assert "per-micro-batch normalisation" in got["text"] and "hf-ga" in got["text"], got["text"]
         assert "lossguard audit FAILED step 0" in got["message"]
+        if rank == 0:
+            gallery.record_failfast("hf", "dp2-ga2-nokw", dict(dp=2, ga=2, model_accepts_loss_kwargs=False,
+                                                               config="ga2-nokw"), cmd, tmp_path, got)
     assert not (tmp_path / "ga2-nokw" / "adapter").exists()
     assert not (tmp_path / "ga2-nokw" / "captures" / "step000001").exists()
 

@@ -52,6 +52,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 DRIVER = os.path.join(HERE, "megatron_driver.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DIR is set)
 import megatron_driver as drv  # noqa: E402
 
 import lossguard_capture as lc  # noqa: E402
@@ -118,6 +119,7 @@ def runs(tmp_path_factory):
             args.append("--pp-guard")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * cp * tp),
                *args]
+        gallery.remember_run(d, cmd)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[(dp, cp, tp)] = d
@@ -390,7 +392,13 @@ def audit(*paths):
 @pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
 def test_audit_verdict(runs, dp, cp, tp, path):
     caps = os.path.join(run_dir(runs, dp, cp, tp, path), "captures")
-    code, doc, err, text = audit(*[os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)])
+    steps = [os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)]
+    code, doc, err, text = audit(*steps)
+    fields = dict(dp=dp, cp=cp, tp=tp, path=path, calculate_per_token_loss=path in ("a", "d"),
+                  loss_func="3-tuple" if path in ("a", "b") else "2-tuple", microbatches=drv.M,
+                  contract=CONTRACTS[path])
+    gallery.record("megatron", f"dp{dp}-cp{cp}" + (f"-tp{tp}" if tp > 1 else "") + f"-{path}", fields,
+                   [LOSSGUARD, "audit", *steps], code, doc, text, err)
     where = f"dp{dp} cp{cp} tp{tp} {path}:\n{text}\n{err}"
     assert doc is not None, where
     assert code == (0 if path == "a" else 1), where

@@ -40,6 +40,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 DRIVER = os.path.join(HERE, "trl_driver.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DIR is set)
 import trl_driver as drv  # noqa: E402
 
 import lossguard_capture as lc  # noqa: E402
@@ -96,6 +97,7 @@ def runs(tmp_path_factory):
             cmd = [sys.executable, *args]
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+        gallery.remember_run(d, cmd)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[world] = d
@@ -329,7 +331,14 @@ def audit(*paths):
 def test_audit_verdict(runs, world, config):
     want_code, want_kinds, want_preset = expected(world, config)
     caps = os.path.join(run_dir(runs, world, config), "captures")
-    code, doc, err, text = audit(*[os.path.join(caps, f"step{n:06d}") for n in range(STEPS)])
+    steps = [os.path.join(caps, f"step{n:06d}") for n in range(STEPS)]
+    code, doc, err, text = audit(*steps)
+    md = meta(runs, world, config)
+    fields = dict(dp=world, config=config, trainer="SFTTrainer" if config == "sft" else "GRPOTrainer",
+                  overrides=drv.CONFIGS.get(config, {}), gradient_accumulation_steps=GA,
+                  **{k: md[k] for k in ("loss_type", "steps_per_generation", "max_completion_length",
+                                        "num_generations", "reduce") if k in md})
+    gallery.record("trl", f"dp{world}-{config}", fields, [LOSSGUARD, "audit", *steps], code, doc, text, err)
     where = f"dp{world} {config}:\n{text}\n{err}"
     assert doc is not None, where
     assert code == want_code, where
@@ -375,6 +384,10 @@ def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
         assert got["params_unchanged"] is True, got
         assert "per-micro-batch normalisation" in got["text"] and "hf-ga" in got["text"], got["text"]
         assert "lossguard audit FAILED step 0" in got["message"]
+        if rank == 0:
+            gallery.record_failfast("trl", "dp2-bnpo", dict(dp=2, config="bnpo", trainer="GRPOTrainer",
+                                                            overrides=drv.CONFIGS["bnpo"],
+                                                            gradient_accumulation_steps=GA), cmd, tmp_path, got)
     assert not (tmp_path / "bnpo" / "captures" / "step000001").exists()
 
 

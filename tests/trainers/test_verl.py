@@ -39,6 +39,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 DRIVER = os.path.join(HERE, "verl_driver.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DIR is set)
 import verl_driver as drv  # noqa: E402  (also installs the CPU platform)
 
 import lossguard_capture as lc  # noqa: E402
@@ -60,6 +61,7 @@ def runs(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("verl"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(drv.DP), DRIVER,
            "--out", d]
+    gallery.remember_run(d, cmd)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=400,
                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
@@ -309,6 +311,16 @@ def audit(*args):
     return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
 
 
+def _fields(config, term, **extra):
+    """The configuration's fields for docs/gallery.md's row (tests/trainers/gallery.py)."""
+    c = drv.CONFIGS[config]
+    return dict(config=config, term=term, **c, dp=drv.DP, global_batch_size=drv.GLOBAL_BATCH,
+                microbatches_per_rank=drv.GLOBAL_BATCH // drv.DP // c["micro"], response_pad=drv.R_PAD,
+                longest_response=drv.R_MAX, kl_loss_coef=drv.KL_COEF if c["kl"] else None,
+                kl_loss_type=drv.actor_config(config).kl_loss_type if c["kl"] else None,
+                claim=lverl.CLAIMS[c["mode"]], **extra)
+
+
 def _step_dirs(runs, config, term):
     return [os.path.join(run_dir(runs, config), "captures", term, f"step{n:06d}") for n in range(drv.STEPS)]
 
@@ -318,6 +330,8 @@ def _step_dirs(runs, config, term):
 def test_audit_verdict(runs, config, term):
     want_code, want_kind, want_match = AUDIT[config]
     code, doc, err, text = audit(*_step_dirs(runs, config, term))
+    gallery.record("verl", f"{config}-{term}", _fields(config, term),
+                   [LOSSGUARD, "audit", *_step_dirs(runs, config, term)], code, doc, text, err)
     where = f"{config} {term}:\n{text}\n{err}"
     assert doc is not None and code == want_code, where
     c = drv.CONFIGS[config]
@@ -354,6 +368,9 @@ def test_audit_as_sample_mean(runs, config, scale):
     """verl's seq-mean-token-mean (and sapo's forced one) is lossguard's sample-mean exactly; geo_mean is
     sample-mean x B / (dp b_k): x M for micro-batches of equal size (no / M), per micro-batch otherwise."""
     code, doc, err, text = audit(*_step_dirs(runs, config, "pg"), "--reduce", "sample-mean")
+    gallery.record("verl", f"{config}-pg-as-sample-mean", _fields(config, "pg", reduce="sample-mean"),
+                   [LOSSGUARD, "audit", *_step_dirs(runs, config, "pg"), "--reduce", "sample-mean"],
+                   code, doc, text, err)
     assert code == (1 if scale is None else 0), text + err
     for s in doc["steps"]:
         d = s["diagnosis"]
