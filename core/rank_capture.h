@@ -39,6 +39,7 @@ struct RankCapture {
   std::vector<CapturedMicroBatch> microbatches;
   double grad_scale = 1.0;
   std::optional<int64_t> num_tokens_reduced, global_batch_size;
+  std::optional<double> l_norm;  // seq-mean-token-sum-norm's L_norm as the trainer used it
   std::optional<bool> skipped;
   std::optional<double> grad_norm;
   std::optional<std::vector<double>> metrics_values;

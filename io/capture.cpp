@@ -218,6 +218,10 @@ RankCapture read_capture(const std::string& path) {
   c.grad_scale = scale.get_f64(0);
   c.num_tokens_reduced = r.opt_int("num_tokens_reduced");
   c.global_batch_size = r.opt_int("global_batch_size");
+  c.l_norm = r.opt_float("l_norm");
+  if (c.l_norm && !(*c.l_norm >= 1.0 && *c.l_norm <= 1e12)) {
+    throw_input_error("{}: l_norm = {} is not a length in tokens (1 to 1e12)", path, *c.l_norm);
+  }
   if (auto s = r.opt_int("skipped")) c.skipped = *s != 0;
   c.grad_norm = r.opt_float("grad_norm");
   if (r.find("metrics.values")) c.metrics_values = r.floats("metrics.values");

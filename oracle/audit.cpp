@@ -95,6 +95,11 @@ void check_metadata(int64_t step, const std::vector<const RankCapture*>& all) {
       differs("global_batch_size", std::to_string(*first.global_batch_size),
               std::to_string(*c->global_batch_size));
     }
+    if (first.l_norm.has_value() != c->l_norm.has_value() ||
+        (first.l_norm && *first.l_norm != *c->l_norm)) {
+      differs("l_norm", first.l_norm ? fmt::format("{}", *first.l_norm) : "(none)",
+              c->l_norm ? fmt::format("{}", *c->l_norm) : "(none)");
+    }
   }
 }
 
@@ -563,6 +568,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   }
   ObjectiveSizes sizes;
   if (recorded_batch) sizes.global_batch_size = *recorded_batch;
+  if (first.l_norm) sizes.l_norm = *first.l_norm;
   sizes = resolve_sizes(b, sizes);
   out.truth = true_weights(b, out.reduce, sizes);
   // The ownership each rank's weights are mapped through (a sample placed twice is owned where

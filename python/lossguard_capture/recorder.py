@@ -362,7 +362,8 @@ class _Step:
 
     def _tensors(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                  global_batch_size: Any, metrics_values: Any,
-                 metrics_keys: Optional[Sequence[str]]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                 metrics_keys: Optional[Sequence[str]],
+                 l_norm: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         out: Dict[str, torch.Tensor] = {}
         for mb in self.microbatches:
             out.update(mb._tensors(self.cp_rank, self.cp_layout, self.strict))
@@ -378,6 +379,10 @@ class _Step:
             out["grad_norm"] = _as_tensor(grad_norm).cpu().reshape(()).to(torch.float64)
         if global_batch_size is not None:
             out["global_batch_size"] = _as_tensor(global_batch_size).cpu().reshape(()).to(torch.int64)
+        if l_norm is not None:
+            # seq-mean-token-sum-norm's L_norm as the trainer used it (TRL dr_grpo's max_completion_length,
+            # verl's loss_scale_factor); without it audit takes the step's longest response
+            out["l_norm"] = _as_tensor(l_norm).cpu().reshape(()).to(torch.float64)
         meta: Dict[str, Any] = {
             "lossguard.schema": SCHEMA, "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
@@ -399,12 +404,13 @@ class _Step:
         return {n: t.contiguous().clone() for n, t in out.items()}, {k: str(v) for k, v in meta.items()}
 
     def _finish(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
-                global_batch_size: Any, metrics_values: Any, metrics_keys: Optional[Sequence[str]]) -> str:
+                global_batch_size: Any, metrics_values: Any, metrics_keys: Optional[Sequence[str]],
+                l_norm: Any = None) -> str:
         from safetensors.torch import save_file
 
         self._check_open()
         tensors, meta = self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                                      metrics_values, metrics_keys)
+                                      metrics_values, metrics_keys, l_norm)
         os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, capture_filename(self.step, self.rank))
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=self.out_dir)
@@ -451,18 +457,20 @@ class StepRecorder(_Step):
 
     def tensors(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                 grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-                metrics_keys: Optional[Sequence[str]] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                metrics_keys: Optional[Sequence[str]] = None,
+                l_norm: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         """The (tensors, metadata) that :meth:`finish` writes, for inspection."""
         return self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                             metrics_values, metrics_keys)
+                             metrics_values, metrics_keys, l_norm)
 
     def finish(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-               metrics_keys: Optional[Sequence[str]] = None) -> str:
+               metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None) -> str:
         """Write the step's capture file (atomically) and return its path.  ``grad_scale`` is the factor
-        this rank applied to its gradients after backward; the rest are optional step records (§10)."""
+        this rank applied to its gradients after backward; the rest are optional step records (§10);
+        ``l_norm``: seq-mean-token-sum-norm's L_norm as the trainer used it."""
         return self._finish(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                            metrics_values, metrics_keys)
+                            metrics_values, metrics_keys, l_norm)
 
     def __enter__(self) -> "StepRecorder":
         return self
@@ -501,14 +509,15 @@ class Recorder(_Step):
 
     def tensors(self, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                 grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-                metrics_keys: Optional[Sequence[str]] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                metrics_keys: Optional[Sequence[str]] = None,
+                l_norm: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         """The (tensors, metadata) that :meth:`finish` writes, for inspection."""
         return self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                             metrics_values, metrics_keys)
+                             metrics_values, metrics_keys, l_norm)
 
     def finish(self, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-               metrics_keys: Optional[Sequence[str]] = None) -> str:
+               metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None) -> str:
         """As :meth:`StepRecorder.finish`, positional."""
         return self._finish(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                            metrics_values, metrics_keys)
+                            metrics_values, metrics_keys, l_norm)

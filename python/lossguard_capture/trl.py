@@ -570,8 +570,11 @@ class AuditCallback(TrainerCallback):
         grad_norm = self._grad_norm
         if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
             grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
+        # dr_grpo divides by max_completion_length (grpo_trainer.py:3163-3167): recorded, so audit's L_norm is
+        # the trainer's, not the step's longest completion
+        l_norm = args.max_completion_length if self.kind == "grpo" and self.loss_type == "dr_grpo" else None
         self.paths[s.step] = s.finish(grad_scale=grad_scale, num_tokens_reduced=num_tokens_reduced, skipped=skipped,
-                                      grad_norm=grad_norm, global_batch_size=rows)
+                                      grad_norm=grad_norm, global_batch_size=rows, l_norm=l_norm)
 
     def _audit(self, step: int) -> None:
         step_dir = self._step_dir(step)

@@ -37,13 +37,17 @@ def tokens_of(i):
     return [(7 * i + k) % 50 + 1 for k in range(T)]
 
 
-def write_step(out, dp, cp, layout, dtype=torch.float32, global_batch_size=None):
+def write_step(out, dp, cp, layout, dtype=torch.float32, global_batch_size=None, l_norm=None,
+               record_l_norm=True):
     """Records one step as every rank (d, c) would. layout[d] = list of micro-batches (cp_size, groups),
-    groups[g] = the global sample indices CP sub-group g trains (cp / cp_size sub-groups)."""
+    groups[g] = the global sample indices CP sub-group g trains (cp / cp_size sub-groups). With ``l_norm``
+    the trainer's objective is Dr.GRPO's seq-mean-token-sum-norm, (l * m).sum() / (B * l_norm)."""
+    reduce = "per-token" if l_norm is None else "seq-mean-token-sum-norm"
+    denominator = N if l_norm is None else len(SAMPLES) * l_norm
     gen = torch.Generator().manual_seed(0)
     for d in range(dp):
         for c in range(cp):
-            rec = lc.Recorder(out, 0, d * cp + c, dp * cp, cp=cp, dp=dp, cp_rank=c, dp_rank=d)
+            rec = lc.Recorder(out, 0, d * cp + c, dp * cp, cp=cp, dp=dp, cp_rank=c, dp_rank=d, reduce=reduce)
             for cp_size, groups in layout[d]:
                 idx = groups[c // cp_size]
                 owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
@@ -52,11 +56,11 @@ def write_step(out, dp, cp, layout, dtype=torch.float32, global_batch_size=None)
                                    [SAMPLES[i][1] for i in idx], [SAMPLES[i][2] for i in idx], cp_size)
                 per_token = (torch.rand(mask.numel(), generator=gen) * 3).to(dtype).requires_grad_()
                 h.hook(per_token)
-                loss = (per_token * mask).sum() / N
+                loss = (per_token * mask).sum() / denominator
                 h.loss(loss)
                 loss.backward()
             rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0,
-                       global_batch_size=global_batch_size)
+                       global_batch_size=global_batch_size, l_norm=l_norm if record_l_norm else None)
 
 
 STATIC = [[(2, [[0, 1]]), (2, [[2]])], [(2, [[3, 4]])]]                # DP 2 x CP 2, M = 2 / 1
@@ -249,3 +253,28 @@ def test_loss_not_recorded_names_what_is_missing(good, tmp_path):
     code, doc, _ = audit(d)
     loss = next(c for c in doc["steps"][0]["checks"] if c["name"] == "loss")
     assert loss["ok"] is None and loss["detail"] == "not recorded (loss)", loss
+
+
+def test_a_recorded_l_norm_is_the_objectives(tmp_path):
+    """Dr.GRPO divides by B · L_norm with L_norm the trainer's constant (TRL's max_completion_length, here 10,
+    longer than any response): recorded as l_norm, audit judges by it; not recorded, audit can only take the
+    longest response (6) and sees a uniform scale 6/10."""
+    write_step(str(tmp_path / "rec"), 2, 2, STATIC, l_norm=10)
+    code, doc, err = audit(tmp_path / "rec", "--strict-scale")
+    assert code == 0, (failed_checks(doc) if doc else None, err)
+    write_step(str(tmp_path / "norec"), 2, 2, STATIC, l_norm=10, record_l_norm=False)
+    code, doc, err = audit(tmp_path / "norec", "--strict-scale")
+    assert code == 1 and doc["steps"][0]["diagnosis"]["kind"] == "uniform-scale", err
+    assert abs(doc["steps"][0]["diagnosis"]["scale"] - 6 / 10) < 1e-6  # float32 weights
+
+
+def test_ranks_that_disagree_on_l_norm_are_an_input_error(tmp_path):
+    write_step(str(tmp_path), 2, 2, STATIC, l_norm=10)
+    p = tmp_path / "step000000-rank00002.safetensors"
+    with safe_open(str(p), "pt") as f:
+        meta = dict(f.metadata())
+    t = load_file(str(p))
+    t["l_norm"] = torch.tensor(12.0, dtype=torch.float64)
+    save_file(t, str(p), metadata=meta)
+    code, _, err = audit(tmp_path)
+    assert code == 2 and "l_norm" in err and "rank00002" in err, err
