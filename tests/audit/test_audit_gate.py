@@ -85,9 +85,8 @@ def good(tmp_path_factory):
     return out
 
 
-def edited(good, tmp_path, rank, change, meta_change=None):
-    d = tmp_path / "edited"
-    shutil.copytree(good, d)
+def rewrite(d, rank, change, meta_change=None):
+    """Edits rank's capture file in directory d in place: its tensors, then its metadata."""
     path = d / f"step000000-rank{rank:05d}.safetensors"
     with safe_open(str(path), "pt") as f:
         meta = dict(f.metadata())
@@ -96,6 +95,12 @@ def edited(good, tmp_path, rank, change, meta_change=None):
     if meta_change:
         meta_change(meta)
     save_file({k: v.contiguous() for k, v in t.items()}, str(path), metadata=meta)
+
+
+def edited(good, tmp_path, rank, change, meta_change=None):
+    d = tmp_path / "edited"
+    shutil.copytree(good, d)
+    rewrite(d, rank, change, meta_change)
     return d
 
 
@@ -119,15 +124,12 @@ def test_correct_bf16_trainer_passes(tmp_path):
 def test_bf16_tolerance_still_sees_a_wrong_weight(tmp_path):
     """The wider bf16 tolerance (4 bf16 roundings) must not hide a 5% weight error on one token."""
     write_step(str(tmp_path), 2, 2, STATIC, dtype=torch.bfloat16)
-    path = tmp_path / "step000000-rank00001.safetensors"
-    with safe_open(str(path), "pt") as f:
-        meta = dict(f.metadata())
-    t = load_file(str(path))
-    w = t["mb.0.token_weight"].clone()
-    k = int(torch.nonzero(w)[0])
-    w[k] *= 1.05
-    t["mb.0.token_weight"] = w
-    save_file(t, str(path), metadata=meta)
+
+    def bump(t):
+        w = t["mb.0.token_weight"].clone()
+        w[int(torch.nonzero(w)[0])] *= 1.05
+        t["mb.0.token_weight"] = w
+    rewrite(tmp_path, 1, bump)
     code, doc, _ = audit(tmp_path)
     assert code == 1 and "weights" in failed_checks(doc)
 
@@ -192,13 +194,7 @@ def test_a_real_microbatch_marked_dummy_is_a_coverage_failure(good, tmp_path):
     def change(t):
         t["mb.0.dummy"] = torch.tensor(1, dtype=torch.int64)
     d = edited(good, tmp_path, 0, change)
-    for r in (1,):  # the CP peer says the same, so the layout itself is consistent
-        p = d / f"step000000-rank{r:05d}.safetensors"
-        with safe_open(str(p), "pt") as f:
-            meta = dict(f.metadata())
-        t = load_file(str(p))
-        t["mb.0.dummy"] = torch.tensor(1, dtype=torch.int64)
-        save_file(t, str(p), metadata=meta)
+    rewrite(d, 1, change)  # the CP peer says the same, so the layout itself is consistent
     code, doc, err = audit(d)
     assert code == 1, err
     assert "map::at" not in err
@@ -244,12 +240,7 @@ def test_loss_not_recorded_names_what_is_missing(good, tmp_path):
     d = tmp_path / "noloss"
     shutil.copytree(good, d)
     for r in range(4):
-        p = d / f"step000000-rank{r:05d}.safetensors"
-        with safe_open(str(p), "pt") as f:
-            meta = dict(f.metadata())
-        t = load_file(str(p))
-        change(t)
-        save_file(t, str(p), metadata=meta)
+        rewrite(d, r, change)
     code, doc, _ = audit(d)
     loss = next(c for c in doc["steps"][0]["checks"] if c["name"] == "loss")
     assert loss["ok"] is None and loss["detail"] == "not recorded (loss)", loss
@@ -270,11 +261,6 @@ def test_a_recorded_l_norm_is_the_objectives(tmp_path):
 
 def test_ranks_that_disagree_on_l_norm_are_an_input_error(tmp_path):
     write_step(str(tmp_path), 2, 2, STATIC, l_norm=10)
-    p = tmp_path / "step000000-rank00002.safetensors"
-    with safe_open(str(p), "pt") as f:
-        meta = dict(f.metadata())
-    t = load_file(str(p))
-    t["l_norm"] = torch.tensor(12.0, dtype=torch.float64)
-    save_file(t, str(p), metadata=meta)
+    rewrite(tmp_path, 2, lambda t: t.__setitem__("l_norm", torch.tensor(12.0, dtype=torch.float64)))
     code, _, err = audit(tmp_path)
     assert code == 2 and "l_norm" in err and "rank00002" in err, err
