@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <fstream>
 
 #include "cli/command.h"
@@ -61,9 +62,11 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
         "\nstep {}: {} samples, N = {} effective tokens, {} micro-batch(es) on {} loss rank(s); "
         "objective {}\n",
         s.step, s.batch.num_samples(), s.global_tokens, mbs, s.ranks.size(), mode_name(s.reduce));
+    std::size_t name_width = 9;  // "coverage", "decision"; wider for terms ("mtp.coverage")
+    for (const auto& c : s.checks) name_width = std::max(name_width, c.name.size());
     for (const auto& c : s.checks) {
       const char* mark = !c.ok ? "not run" : *c.ok ? "ok" : "FAIL";
-      out << fmt::format("  {:<9} {:<8} {}\n", c.name, mark, c.detail);
+      out << fmt::format("  {:<{}} {:<8} {}\n", c.name, name_width, mark, c.detail);
     }
     if (!s.diagnosis.exact()) {
       out << fmt::format("  reproduced by: {}\n",
@@ -71,6 +74,12 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
                                            : fmt::format("{}", fmt::join(s.matches, ", ")));
     } else if (!s.matches.empty()) {
       out << fmt::format("  matches: {}\n", fmt::join(s.matches, ", "));
+    }
+    for (const auto& t : s.terms) {
+      if (t.diagnosis.kind == "not-run" || t.diagnosis.exact()) continue;
+      out << fmt::format("  {} reproduced by: {}\n", t.term.name,
+                         t.matches.empty() ? "no preset and no single component change of the truth"
+                                           : fmt::format("{}", fmt::join(t.matches, ", ")));
     }
     for (const auto& f : s.findings) out << "  [" << f.kind << "] " << f.message << "\n";
     out << fmt::format("  verdict: {}\n", failed ? "FAIL" : "pass");
@@ -107,6 +116,27 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
                           {"matches", s.matches},
                           {"weight_rel_tol", s.weight_rel_tol},
                           {"dtype", std::string(dtype_name(s.dtype))}});
+    if (!s.terms.empty()) {
+      nlohmann::ordered_json terms = nlohmann::ordered_json::array();
+      for (const auto& t : s.terms) {
+        terms.push_back({{"name", t.term.name},
+                         {"declared", t.declared},
+                         {"hooked", t.hooked},
+                         {"reduce", t.declared ? nlohmann::ordered_json(mode_name(t.term.reduce))
+                                               : nlohmann::ordered_json(nullptr)},
+                         {"coef", t.declared ? nlohmann::ordered_json(t.term.coef)
+                                             : nlohmann::ordered_json(nullptr)},
+                         {"mask", t.declared ? nlohmann::ordered_json(t.term.mask.text())
+                                             : nlohmann::ordered_json(nullptr)},
+                         {"tokens", t.tokens},
+                         {"relative_to_main", t.relative_to},
+                         {"diagnosis", t.diagnosis.kind == "not-run"
+                                           ? nlohmann::ordered_json(nullptr)
+                                           : diagnosis_json(t.diagnosis)},
+                         {"matches", t.matches}});
+      }
+      steps_json.back()["terms"] = std::move(terms);
+    }
   }
   if (!o.svg_path.empty()) {
     const auto& s = steps.front();

@@ -115,6 +115,38 @@ const std::vector<ContractPreset>& contract_presets() {
        "TRL GRPOTrainer loss_type luspo: each completion's token sum, averaged over the "
        "micro-batch's completions, ÷ M, DDP mean",
        "trl 1.16.0 trainer/grpo_trainer.py:3175-3182"},
+      // Loss terms besides the main one (SPEC §11: --term NAME:REDUCE:COEF:MASK --contract NAME=C).
+      {"megatron-mtp",
+       "Megatron-core 0.16 MTP loss without per-token loss (term roll:J, coef "
+       "mtp_loss_scaling_factor/mtp_num_layers): each CP shard's sum ÷ its own rolled-mask count, "
+       "÷ M, DDP mean over DP×CP (Megatron does not clamp: a shard with no MTP token is NaN)",
+       "megatron-core 0.16.1 models/gpt/gpt_model.py:611-661; "
+       "transformer/multi_token_prediction.py:158-161, 243-252",
+       true},
+      {"megatron-mtp-per-token",
+       "Megatron-core 0.16 MTP loss with calculate_per_token_loss: local sums, grads summed over "
+       "DP×CP, divided by the MAIN loss's global count (the shifted mask holds fewer tokens)",
+       "megatron-core 0.16.1 models/gpt/gpt_model.py:655-657; "
+       "distributed/finalize_model_grads.py:484-497",
+       true},
+      {"megatron-aux",
+       "Megatron-core 0.16 MoE load-balancing aux loss without per-token loss (term over every "
+       "token: SFT / pre-training dumps, mask all): full micro-batch count, × cp ÷ M, DDP mean",
+       "megatron-core 0.16.1 transformer/moe/moe_utils.py:129-132; router.py:287-293; "
+       "pipeline_parallel/schedules.py:289-292",
+       true},
+      {"megatron-aux-per-token",
+       "Megatron-core 0.16 MoE aux / z-loss with calculate_per_token_loss: divided by the main "
+       "loss's global count and 1/(tp·cp) too small (Megatron-LM #1652, fixed after 0.16 by "
+       "#5047)",
+       "megatron-core 0.16.1 pipeline_parallel/schedules.py:289-292; "
+       "distributed/finalize_model_grads.py:484-497",
+       true},
+      {"trl-grpo-entropy",
+       "TRL GRPOTrainer's entropy bonus (entropy_coef): a token mean per micro-batch, ÷ M, DDP "
+       "mean, for every loss_type (dapo's policy term uses the global count)",
+       "trl 1.16.0 trainer/grpo_trainer.py:3192-3211",
+       true},
   };
   return kPresets;
 }
@@ -234,6 +266,10 @@ void apply(Contract& c, const std::string& key, const std::string& value) {
           "mean:world");
     }
     c.grad_group = group;
+  } else if (key == "count-of") {
+    if (value != "term" && value != "main")
+      throw_input_error("--contract: count-of={} is not term or main", value);
+    c.count_of_main = value == "main";
   } else if (key == "policy") {  // SPEC §3's counting policies, as count components
     const auto p = parse_component<Policy>(key, value);
     if (p == Policy::kLegacy) c.clamp = ClampRule::kAtCp1;
@@ -244,7 +280,8 @@ void apply(Contract& c, const std::string& key, const std::string& value) {
     }
   } else {
     throw_input_error(
-        "--contract: unknown component '{}' (count, clamp, norm, sample, scale, grad or policy)",
+        "--contract: unknown component '{}' (count, clamp, norm, sample, scale, grad, count-of or "
+        "policy)",
         key);
   }
 }
@@ -318,6 +355,16 @@ Contract preset_contract(const std::string& name, Reduction reduce) {
     spec = "count=samples,norm=microbatch,scale=1/L*1/M,grad=mean:dp";
   } else if (name == "trl-luspo") {
     spec = "count=samples,norm=microbatch,scale=1/M,grad=mean:dp";
+  } else if (name == "megatron-mtp") {
+    spec = "norm=microbatch,scale=1/M,grad=mean:dp-cp";
+  } else if (name == "megatron-mtp-per-token") {
+    spec = "count-of=main,norm=global:dp-cp,grad=sum";
+  } else if (name == "megatron-aux") {
+    spec = "count=full-sample,norm=microbatch,scale=cp*1/M,grad=mean:dp-cp";
+  } else if (name == "megatron-aux-per-token") {
+    spec = "count-of=main,norm=global:dp-cp,scale=1/tp*1/cp,grad=sum";
+  } else if (name == "trl-grpo-entropy") {
+    spec = "norm=microbatch,scale=1/M,grad=mean:dp";
   } else {
     std::string names;
     for (const auto& p : contract_presets())
@@ -396,8 +443,9 @@ std::string contract_components(const Contract& c) {
   const std::string grad = c.grad == GradRule::kMean
                                ? fmt::format("mean:{}", mode_name(c.grad_group))
                                : std::string(mode_name(c.grad));
-  return fmt::format("count={},clamp={},norm={},sample={},scale={},grad={}", mode_name(c.count),
-                     mode_name(c.clamp), norm, mode_name(c.sample), scale_text(c.scale), grad);
+  return fmt::format("count={},clamp={},norm={},sample={},scale={},grad={}{}", mode_name(c.count),
+                     mode_name(c.clamp), norm, mode_name(c.sample), scale_text(c.scale), grad,
+                     c.count_of_main ? ",count-of=main" : "");
 }
 
 double scale_value(const ScaleFactor& s, const ScaleSizes& z) {

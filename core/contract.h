@@ -94,13 +94,17 @@ struct Contract {
   ScaleFactor scale;
   GradRule grad = GradRule::kSum;
   ReduceGroup grad_group = ReduceGroup::kDpCp;  // grad = mean:G
+  // count-of=main: a loss term (SPEC §11) counted under the main term's mask, not its own (Megatron
+  // divides every term by the main loss's token count: finalize_model_grads.py:484-497, 0.16.1).
+  bool count_of_main = false;
   std::string preset;                           // the preset it came from; empty for key=value
   bool operator==(const Contract& o) const {
     return count == o.count && clamp == o.clamp && norm == o.norm &&
            (norm != NormRule::kGlobal || norm_group == o.norm_group) &&
            (norm != NormRule::kGeneration || generation == o.generation) && sample == o.sample &&
            scale == o.scale && grad == o.grad &&
-           (grad != GradRule::kMean || grad_group == o.grad_group);
+           (grad != GradRule::kMean || grad_group == o.grad_group) &&
+           count_of_main == o.count_of_main;
   }
 };
 
@@ -109,6 +113,7 @@ struct ContractPreset {
   const char* name;
   const char* models;
   const char* source;
+  bool term_only = false;  // a loss term's contract (SPEC §11): not offered for the main term
 };
 const std::vector<ContractPreset>& contract_presets();
 

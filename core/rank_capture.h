@@ -3,14 +3,25 @@
 // and metrics. io/capture.cpp reads it; oracle/audit.cpp judges it. Optional records are optional.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "core/array.h"
 #include "core/modes.h"
+#include "core/term.h"
 
 namespace lossguard {
+
+// One loss term's records of one micro-batch (SPEC §11: mb.{k}.term.NAME.*), over the same owned
+// tokens in the same local order as the main term's token_weight.
+struct CapturedTerm {
+  std::vector<double> token_weight;               // [owned]
+  std::optional<std::vector<double>> token_loss;  // [owned]
+  std::optional<std::vector<uint8_t>> mask;       // [sum R]: a field-mask term's mask
+  std::optional<int64_t> num_tokens;
+};
 
 struct CapturedMicroBatch {
   int64_t index = 0;                                                     // k, within the rank
@@ -24,6 +35,7 @@ struct CapturedMicroBatch {
   std::vector<double> token_weight;               // [owned], the rank's local order
   std::optional<std::vector<double>> token_loss;  // [owned]
   std::optional<std::vector<double>> sample_denoms;
+  std::map<std::string, CapturedTerm> terms;  // by name, every term hooked here but main
 };
 
 struct RankCapture {
@@ -36,6 +48,7 @@ struct RankCapture {
   // The dtype the trainer computed its per-token loss in (metadata `dtype`; else token_weight's
   // own dtype): sets the loss and weight tolerances. A bf16 loss is written as float32.
   DType dtype = DType::kFloat32;
+  std::vector<Term> terms;  // declared in metadata `terms` (main is implicit, never listed)
   std::vector<CapturedMicroBatch> microbatches;
   double grad_scale = 1.0;
   std::optional<int64_t> num_tokens_reduced, global_batch_size;

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <map>
 
+#include <fmt/format.h>
+
 #include "core/errors.h"
 #include "io/safetensors.h"
 
@@ -96,6 +98,116 @@ struct Reader {
   }
 };
 
+// The terms metadata declares (SPEC §11): `terms` = "kl,mtp", each with term.NAME.reduce (default:
+// the capture's reduce), term.NAME.coef (default 1) and term.NAME.mask (default loss).
+std::vector<Term> declared_terms(const std::string& path,
+                                 const std::map<std::string, std::string>& metadata,
+                                 const std::string& reduce) {
+  std::vector<Term> out;
+  auto get = [&](const std::string& key) -> const std::string* {
+    auto it = metadata.find(key);
+    return it == metadata.end() ? nullptr : &it->second;
+  };
+  if (const std::string* names = get("terms"); names != nullptr && !names->empty()) {
+    std::size_t pos = 0;
+    while (pos <= names->size()) {
+      const std::size_t comma = names->find(',', pos);
+      Term t;
+      t.name = names->substr(pos, comma == std::string::npos ? std::string::npos : comma - pos);
+      const std::string what = fmt::format("{}: metadata terms: term '{}'", path, t.name);
+      if (!valid_term_name(t.name) || t.name == kMainTerm) {
+        throw_input_error(
+            "{} is not a term name ([a-z][a-z0-9_-]*, not main or a contract component)", what);
+      }
+      for (const auto& have : out) {
+        if (have.name == t.name) throw_input_error("{} is declared twice", what);
+      }
+      const std::string key = "term." + t.name + ".";
+      const std::string* r = get(key + "reduce");
+      const std::string& rtext = r != nullptr ? *r : reduce;
+      if (!rtext.empty() && !parse_reduction(rtext, &t.reduce)) {
+        throw_input_error("{}: metadata {}reduce = '{}' is not {}", path, key, rtext,
+                          mode_choices<Reduction>());
+      }
+      if (const std::string* coef = get(key + "coef"))
+        t.coef = parse_term_coef(*coef, fmt::format("{}: metadata {}coef", path, key));
+      if (const std::string* mask = get(key + "mask"))
+        t.mask = parse_term_mask(*mask, fmt::format("{}: metadata {}mask", path, key));
+      out.push_back(std::move(t));
+      if (comma == std::string::npos) break;
+      pos = comma + 1;
+    }
+  }
+  // A term.NAME.* key of an undeclared term is a typo or a lost declaration: say so.
+  for (const auto& [key, value] : metadata) {
+    if (key.rfind("term.", 0) != 0) continue;
+    const std::size_t dot = key.find('.', 5);
+    const std::string name = key.substr(5, dot == std::string::npos ? dot : dot - 5);
+    const std::string field = dot == std::string::npos ? "" : key.substr(dot + 1);
+    const bool declared =
+        std::any_of(out.begin(), out.end(), [&](const Term& t) { return t.name == name; });
+    if (!declared) {
+      throw_input_error("{}: metadata '{}' names term '{}', which metadata terms does not declare",
+                        path, key, name);
+    }
+    if (field != "reduce" && field != "coef" && field != "mask") {
+      throw_input_error("{}: metadata '{}': a term has reduce, coef and mask", path, key);
+    }
+  }
+  return out;
+}
+
+// mb.{k}.term.NAME.* of one micro-batch: token_weight (required once any record of the term is
+// there), token_loss, num_tokens, mask. `owned`: the main token_weight's length (the same tokens).
+void read_terms(const Reader& r, const std::string& prefix, int64_t k, int64_t owned,
+                int64_t sum_r, CapturedMicroBatch& mb) {
+  const std::string head = prefix + "term.";
+  for (auto it = r.by_name.lower_bound(head);
+       it != r.by_name.end() && it->first.rfind(head, 0) == 0; ++it) {
+    const std::string rest = it->first.substr(head.size());
+    const std::size_t dot = rest.find('.');
+    const std::string name = rest.substr(0, dot);
+    const std::string field = dot == std::string::npos ? "" : rest.substr(dot + 1);
+    if (!valid_term_name(name) || name == kMainTerm) {
+      throw_input_error("{}: tensor '{}': '{}' is not a term name", r.path, it->first, name);
+    }
+    if (field != "token_weight" && field != "token_loss" && field != "num_tokens" &&
+        field != "mask") {
+      throw_input_error(
+          "{}: tensor '{}': a term records token_weight, token_loss, num_tokens and mask", r.path,
+          it->first);
+    }
+    if (mb.terms.count(name)) continue;  // read with its first record
+    const std::string p = head + name + ".";
+    if (!r.find(p + "token_weight")) {
+      throw_input_error("{}: micro-batch {} has '{}' but no '{}token_weight'", r.path, k,
+                        it->first, p);
+    }
+    CapturedTerm t;
+    t.token_weight = r.floats(p + "token_weight");
+    if (static_cast<int64_t>(t.token_weight.size()) != owned) {
+      throw_input_error(
+          "{}: term {}: '{}token_weight' has {} entries but the micro-batch's token_weight has {} "
+          "(a term is hooked over the same owned tokens)",
+          r.path, name, p, t.token_weight.size(), owned);
+    }
+    if (r.find(p + "token_loss")) t.token_loss = r.floats(p + "token_loss", owned);
+    t.num_tokens = r.opt_int(p + "num_tokens");
+    if (r.find(p + "mask")) {
+      const std::vector<int64_t> m = r.ints(p + "mask", sum_r);
+      t.mask.emplace(m.size());
+      for (std::size_t j = 0; j < m.size(); ++j) {
+        if (m[j] != 0 && m[j] != 1) {
+          throw_input_error("{}: term {}: '{}mask'[{}] = {} is not 0 or 1", r.path, name, p, j,
+                            m[j]);
+        }
+        (*t.mask)[j] = static_cast<uint8_t>(m[j]);
+      }
+    }
+    mb.terms.emplace(name, std::move(t));
+  }
+}
+
 }  // namespace
 
 RankCapture read_capture(const std::string& path) {
@@ -133,6 +245,7 @@ RankCapture read_capture(const std::string& path) {
                       mode_choices<CpLayout>());
   }
   if (auto it = file.metadata.find("reduce"); it != file.metadata.end()) c.reduce = it->second;
+  c.terms = declared_terms(path, file.metadata, c.reduce);
   if (auto it = file.metadata.find("metrics.keys");
       it != file.metadata.end() && !it->second.empty()) {
     std::size_t pos = 0;
@@ -186,6 +299,7 @@ RankCapture read_capture(const std::string& path) {
       mb.token_loss = r.floats(p + "token_loss", static_cast<int64_t>(mb.token_weight.size()));
     }
     if (r.find(p + "sample_denoms")) mb.sample_denoms = r.floats(p + "sample_denoms", n);
+    read_terms(r, p, k, static_cast<int64_t>(mb.token_weight.size()), sum_r, mb);
     c.microbatches.push_back(std::move(mb));
   }
   if (auto it = file.metadata.find("dtype"); it != file.metadata.end()) {

@@ -14,6 +14,7 @@
 
 #include "core/contract.h"
 #include "core/errors.h"
+#include "core/term.h"
 #include "oracle/metrics.h"
 
 namespace lossguard::oracle {
@@ -95,6 +96,12 @@ void check_metadata(int64_t step, const std::vector<const RankCapture*>& all) {
       differs("global_batch_size", std::to_string(*first.global_batch_size),
               std::to_string(*c->global_batch_size));
     }
+    auto decls = [](const RankCapture& r) {
+      std::string text;
+      for (const Term& t : r.terms) text += (text.empty() ? "" : "; ") + term_text(t);
+      return text.empty() ? std::string("(none)") : text;
+    };
+    differs("terms", decls(first), decls(*c));
     if (first.l_norm.has_value() != c->l_norm.has_value() ||
         (first.l_norm && *first.l_norm != *c->l_norm)) {
       differs("l_norm", first.l_norm ? fmt::format("{}", *first.l_norm) : "(none)",
@@ -317,7 +324,27 @@ struct Measurement {
   std::string first_nan;
   int64_t num_tokens_seen = 0;
   bool loss_seen = false, token_loss_seen = false;
+  std::string term_without_loss;  // a term hooked without its token_loss: the loss sum is unknown
 };
+
+// Calls fn(t, j, p) for every response token t the rank owns in micro-batch mb, in the rank's local
+// order (per sample, owned response indices ascending; j = 0, 1, ...; p the sample's position in
+// the micro-batch). Returns how many it owns.
+template <typename Fn>
+int64_t for_owned(const RankCapture& c, const CapturedMicroBatch& mb, const AuditStep& out,
+                  const std::map<int64_t, int64_t>& position, Fn&& fn) {
+  const Batch& b = out.batch;
+  int64_t j = 0;
+  for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
+    const int64_t i = position.at(mb.sample_indices[p]);
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+      if (out.place.owner[t] != c.cp_rank) continue;
+      fn(t, j, p);
+      ++j;
+    }
+  }
+  return j;
+}
 
 void measure_rank(const RankCapture& c, const AuditStep& out,
                   const std::map<int64_t, int64_t>& position, bool per_token_objective,
@@ -341,30 +368,37 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
                      (*mb.sample_denoms)[p]);
       }
     }
-    std::size_t j = 0;
-    int64_t owned_effective = 0, owns = 0;
+    int64_t owned_effective = 0;
     double weighted_loss = 0.0, magnitude = 0.0;
-    for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
-      const int64_t i = position.at(mb.sample_indices[p]);
-      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-        if (out.place.owner[t] != c.cp_rank) continue;
-        ++owns;
-        if (j >= mb.token_weight.size()) continue;  // reported below, with the count
-        const double w = mb.token_weight[j] * c.grad_scale;
-        if (b.loss_mask[t]) {
-          ++owned_effective;
-          m.measured[t] += w;
-        } else if (w != 0.0 && m.masked_weighted.empty()) {
-          m.masked_weighted = fmt::format(
-              "{} {}: sample {} response index {} has mask 0 but weight {:.6g}", where(c), mbname,
-              mb.sample_indices[p], t - b.response_offsets[i], w);
-        }
-        ++m.held[t];
-        if (mb.token_loss) {
-          weighted_loss += mb.token_weight[j] * (*mb.token_loss)[j];
-          magnitude += std::fabs(mb.token_weight[j] * (*mb.token_loss)[j]);
-        }
-        ++j;
+    const auto held = static_cast<int64_t>(mb.token_weight.size());
+    const int64_t owns = for_owned(c, mb, out, position, [&](int64_t t, int64_t j, std::size_t p) {
+      if (j >= held) return;  // reported below, with the count
+      const double w = mb.token_weight[j] * c.grad_scale;
+      if (b.loss_mask[t]) {
+        ++owned_effective;
+        m.measured[t] += w;
+      } else if (w != 0.0 && m.masked_weighted.empty()) {
+        m.masked_weighted =
+            fmt::format("{} {}: sample {} response index {} has mask 0 but weight {:.6g}", where(c),
+                        mbname, mb.sample_indices[p],
+                        t - b.response_offsets[position.at(mb.sample_indices[p])], w);
+      }
+      ++m.held[t];
+      if (mb.token_loss) {
+        weighted_loss += mb.token_weight[j] * (*mb.token_loss)[j];
+        magnitude += std::fabs(mb.token_weight[j] * (*mb.token_loss)[j]);
+      }
+    });
+    // The backpropagated loss is the sum of every term's: each term's sum of weight × loss.
+    std::string term_without_loss;
+    for (const auto& [name, term] : mb.terms) {
+      if (!term.token_loss) {
+        if (term_without_loss.empty()) term_without_loss = name;
+        continue;
+      }
+      for (std::size_t j = 0; j < term.token_weight.size(); ++j) {
+        weighted_loss += term.token_weight[j] * (*term.token_loss)[j];
+        magnitude += std::fabs(term.token_weight[j] * (*term.token_loss)[j]);
       }
     }
     if (static_cast<int64_t>(mb.token_weight.size()) != owns) {
@@ -395,6 +429,11 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
       continue;
     }
     check_finite(m.nonfinite_loss, c, mbname + " loss", *mb.loss);
+    if (!term_without_loss.empty()) {
+      if (m.term_without_loss.empty())
+        m.term_without_loss = fmt::format("{} {}: term {}", where(c), mbname, term_without_loss);
+      continue;
+    }
     if (!mb.token_loss || !std::isfinite(*mb.loss) || !std::isfinite(weighted_loss)) continue;
     if (!(std::fabs(*mb.loss - weighted_loss) <=
           loss_tol * magnitude + 0.1 * loss_tol * std::fabs(*mb.loss) + 1e-12)) {
@@ -485,6 +524,12 @@ AuditCheck loss_check(const Measurement& m) {
                                                                                 : "token_loss")};
   }
   if (!m.loss.empty()) return {"loss", false, m.loss.text()};
+  if (!m.term_without_loss.empty()) {
+    return {"loss", std::nullopt,
+            fmt::format("not checked: {} recorded no token_loss (the loss is the sum over every "
+                        "term)",
+                        m.term_without_loss)};
+  }
   return {"loss", true, "every loss is the sum of token_weight x token_loss"};
 }
 
@@ -533,6 +578,229 @@ AuditCheck metrics_check(const std::vector<const RankCapture*>& all) {
   if (!problems.empty()) return {"metrics", false, problems.text()};
   if (!metric_ranks) return {"metrics", std::nullopt, "not recorded"};
   return {"metrics", true, fmt::format("{} rank(s) normalise", metric_ranks)};
+}
+
+// 5. The terms besides main (SPEC §11): each weighed over its own mask from its own records,
+// relative to main's scale `relative_to`; an undeclared term that carries weight is a finding, a
+// declared term never hooked is not run.
+void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>& declared,
+                 const std::map<int64_t, int64_t>& position, const ObjectiveSizes& main_sizes,
+                 const AuditOptions& opt, double relative_to) {
+  const Batch& b = out.batch;
+  ObjectiveSizes sizes = main_sizes;
+  sizes.main_mask = &b.loss_mask;  // a term's contract may count under main's mask
+  // Every term some loss rank hooked, with the first place it carries non-zero weight.
+  std::map<std::string, std::string> hooked;  // name -> "" or where it first weighs
+  for (const auto& [coord, c] : ranks.by_coord) {
+    for (const CapturedMicroBatch& mb : c->microbatches) {
+      if (mb.dummy) continue;
+      for (const auto& [name, term] : mb.terms) {
+        std::string& first = hooked[name];
+        if (!first.empty()) continue;
+        for (std::size_t j = 0; j < term.token_weight.size(); ++j) {
+          if (term.token_weight[j] != 0.0) {
+            first = fmt::format("{} micro-batch {} token {} (weight {:.6g})", where(*c), mb.index,
+                                j, term.token_weight[j] * c->grad_scale);
+            break;
+          }
+        }
+      }
+    }
+  }
+  for (const auto& [name, first_weight] : hooked) {
+    const bool is_declared =
+        std::any_of(declared.begin(), declared.end(), [&](const Term& t) { return t.name == name; });
+    if (is_declared) continue;
+    AuditTerm t;
+    t.term.name = name;
+    t.declared = false;
+    t.hooked = true;
+    t.diagnosis.kind = "not-run";
+    if (!first_weight.empty()) {
+      out.checks.push_back(
+          {name + ".declared", false,
+           fmt::format("term {} carries weight but the captures do not declare it (metadata "
+                       "terms): a loss the objective does not name is active; first at {}",
+                       name, first_weight)});
+      out.findings.push_back({"undeclared_term",
+                              fmt::format("step {}: term {} is hooked with non-zero weight but not "
+                                          "declared (first at {})",
+                                          out.step, name, first_weight),
+                              {{"term", name}}});
+    } else {
+      out.checks.push_back({name + ".declared", std::nullopt,
+                            fmt::format("term {} is hooked but not declared; its weight is 0 "
+                                        "everywhere",
+                                        name)});
+    }
+    out.terms.push_back(std::move(t));
+  }
+
+  for (const Term& decl : declared) {
+    AuditTerm at;
+    at.term = decl;
+    at.hooked = hooked.count(decl.name) > 0;
+    at.relative_to = relative_to;
+    at.diagnosis.kind = "not-run";
+    const std::string& name = decl.name;
+    if (!at.hooked) {
+      out.checks.push_back({name + ".weights", std::nullopt,
+                            fmt::format("not run: term {} is declared ({}) but no rank hooked it",
+                                        name, term_text(decl))});
+      out.terms.push_back(std::move(at));
+      continue;
+    }
+    // The term's mask: derived from the loss mask, or as the trainer recorded it.
+    std::vector<uint8_t> mask;
+    if (decl.mask.kind == TermMaskKind::kField) {
+      mask.assign(b.loss_mask.size(), 2);  // 2: not recorded
+      for (const auto& [coord, c] : ranks.by_coord) {
+        for (const CapturedMicroBatch& mb : c->microbatches) {
+          if (mb.dummy) continue;
+          auto it = mb.terms.find(name);
+          if (it == mb.terms.end()) continue;
+          if (!it->second.mask) {
+            throw_input_error(
+                "{}: micro-batch {}: term {} is declared with a field mask but records no "
+                "mb.{}.term.{}.mask",
+                c->file, mb.index, name, mb.index, name);
+          }
+          int64_t off = 0;
+          for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
+            const int64_t i = position.at(mb.sample_indices[p]);
+            for (int64_t r = 0; r < b.response_lengths[i]; ++r) {
+              const uint8_t v = (*it->second.mask)[off + r];
+              uint8_t& dst = mask[b.response_offsets[i] + r];
+              if (dst != 2 && dst != v) {
+                throw_input_error(
+                    "step {}: term {}: sample {} response index {} has mask {} in {} but {} "
+                    "elsewhere",
+                    out.step, name, mb.sample_indices[p], r, v, c->file, dst);
+              }
+              dst = v;
+            }
+            off += b.response_lengths[i];
+          }
+        }
+      }
+      for (int64_t i = 0; i < b.num_samples(); ++i) {
+        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+          if (mask[t] == 2) {
+            throw_input_error(
+                "step {}: term {} has a field mask, but no rank that hooked it recorded the mask "
+                "of sample {}",
+                out.step, name, b.origins[i].index_in_file);
+          }
+        }
+      }
+    } else {
+      mask = term_mask(b, decl.mask);
+    }
+    const Batch tb = with_mask(b, std::move(mask));
+    for (uint8_t v : tb.loss_mask) at.tokens += v;
+    at.truth = true_weights(tb, decl.reduce, sizes);
+    for (double& w : at.truth) w *= decl.coef * relative_to;
+    at.measured.assign(at.truth.size(), 0.0);
+    Problems coverage, counts, nonfinite;
+    int64_t num_tokens_seen = 0;
+    const bool per_token =
+        decl.reduce == Reduction::kPerToken || decl.reduce == Reduction::kTokenMean;
+    for (const auto& [coord, c] : ranks.by_coord) {
+      for (const CapturedMicroBatch& mb : c->microbatches) {
+        if (mb.dummy) continue;
+        auto it = mb.terms.find(name);
+        const CapturedTerm* ct = it == mb.terms.end() ? nullptr : &it->second;
+        int64_t owned_in_mask = 0;
+        for_owned(*c, mb, out, position, [&](int64_t t, int64_t j, std::size_t p) {
+          owned_in_mask += tb.loss_mask[t];
+          if (ct == nullptr) return;
+          const double w = ct->token_weight[j] * c->grad_scale;
+          check_finite(nonfinite, *c,
+                       fmt::format("micro-batch {} term.{}.token_weight[{}]", mb.index, name, j),
+                       ct->token_weight[j]);
+          if (tb.loss_mask[t]) {
+            at.measured[t] += w;
+          } else if (w != 0.0) {
+            coverage.add(fmt::format(
+                "{} micro-batch {}: sample {} response index {} is outside term {}'s mask ({}) "
+                "but weighs {:.6g}",
+                where(*c), mb.index, mb.sample_indices[p],
+                t - b.response_offsets[position.at(mb.sample_indices[p])], name,
+                decl.mask.text(), w));
+          }
+        });
+        if (ct == nullptr) {
+          if (owned_in_mask > 0) {
+            coverage.add(fmt::format(
+                "{} micro-batch {} owns {} token(s) of term {} but hooked no {} loss: their "
+                "gradient is dropped",
+                where(*c), mb.index, owned_in_mask, name, name));
+          }
+          continue;
+        }
+        if (ct->num_tokens) {
+          ++num_tokens_seen;
+          if (per_token && *ct->num_tokens != owned_in_mask) {
+            counts.add(fmt::format("{} micro-batch {}: term.{}.num_tokens {} but the rank owns {} "
+                                   "token(s) under the term's mask ({})",
+                                   where(*c), mb.index, name, *ct->num_tokens, owned_in_mask,
+                                   decl.mask.text()));
+          }
+        }
+      }
+    }
+    out.checks.push_back(
+        coverage.empty()
+            ? AuditCheck{name + ".coverage", true,
+                         fmt::format("every rank that owns its {} token(s) hooked it; tokens "
+                                     "outside its mask ({}) weigh 0",
+                                     at.tokens, decl.mask.text())}
+            : AuditCheck{name + ".coverage", false, coverage.text()});
+    if (num_tokens_seen == 0) {
+      out.checks.push_back({name + ".counts", std::nullopt, "not recorded"});
+    } else if (!per_token) {
+      out.checks.push_back({name + ".counts", std::nullopt,
+                            fmt::format("shown, not judged under {} (N = {})",
+                                        mode_name(decl.reduce), at.tokens)});
+    } else {
+      out.checks.push_back(counts.empty()
+                               ? AuditCheck{name + ".counts", true,
+                                            fmt::format("every term.{}.num_tokens is the rank's "
+                                                        "owned count; N = {}",
+                                                        name, at.tokens)}
+                               : AuditCheck{name + ".counts", false, counts.text()});
+    }
+    at.diagnosis = diagnose_weights(tb, at.measured, at.truth, out.place, out.layout, at.tokens, 0,
+                                    out.weight_rel_tol);
+    if (!nonfinite.empty()) {
+      out.checks.push_back({name + ".weights", false, "not finite: " + nonfinite.text()});
+    } else {
+      // A term's scale is part of the objective (its coefficient relative to main): any
+      // difference fails, a uniform one too.
+      const bool ok = !at.diagnosis.fails(true);
+      out.checks.push_back({name + ".weights", ok,
+                            ok ? at.diagnosis.summary()
+                               : fmt::format("{} (relative to main, coefficient {})",
+                                             at.diagnosis.summary(), decl.coef)});
+      if (!ok) {
+        out.findings.push_back(
+            {"term_normalisation",
+             fmt::format("step {}: term {}: {} relative to main", out.step, name,
+                         at.diagnosis.summary()),
+             {{"term", name},
+              {"diagnosis", at.diagnosis.kind},
+              {"scale", at.diagnosis.kind == "uniform-scale" ? at.diagnosis.scale : 1.0},
+              {"named", at.diagnosis.named}}});
+      }
+    }
+    if (opt.match_presets && at.tokens > 0 && !at.diagnosis.exact() &&
+        at.diagnosis.kind != "non-finite" && decl.coef != 0.0) {
+      std::vector<double> plain = at.measured;
+      for (double& w : plain) w /= decl.coef * relative_to;
+      at.matches = matching_presets(tb, out.layout, plain, decl.reduce, sizes, out.weight_rel_tol);
+    }
+    out.terms.push_back(std::move(at));
+  }
 }
 
 AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
@@ -619,6 +887,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
     const std::string why = "not run: the layout holds a sample twice (see coverage)";
     for (const char* name : {"counts", "weights", "loss"})
       out.checks.push_back({name, std::nullopt, why});
+    for (const Term& t : first.terms) out.checks.push_back({t.name + ".weights", std::nullopt, why});
     out.diagnosis.kind = "not-run";  // not diagnosed; coverage fails the step
   } else {
     bool recorded_reduced = false;
@@ -641,6 +910,8 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
                                      out.weight_rel_tol);
     }
     out.checks.push_back(loss_check(m));
+    audit_terms(out, ranks, first.terms, rebuilt.position, sizes, opt,
+                out.diagnosis.kind == "uniform-scale" ? out.diagnosis.scale : 1.0);
   }
   out.checks.push_back(decision_check(out, all));
   out.checks.push_back(metrics_check(all));

@@ -31,6 +31,19 @@ struct AuditRank {
   std::string file;
 };
 
+// One loss term besides main (SPEC §11), measured from its own records (mb.{k}.term.NAME.*) and
+// judged over its own mask, relative to the main term's scale.
+struct AuditTerm {
+  Term term;                   // as declared (an undeclared term: its name only)
+  bool declared = true;        // in metadata `terms`
+  bool hooked = false;         // some loss rank recorded it
+  int64_t tokens = 0;          // N_k: tokens under the term's mask
+  double relative_to = 1.0;    // main's uniform scale, which the term's truth carries
+  WeightDiagnosis diagnosis;   // kind "not-run" when it was not weighed
+  std::vector<std::string> matches;  // contracts reproducing its weights (when not exact)
+  std::vector<double> measured, truth;  // [sum R]
+};
+
 struct AuditStep {
   int64_t step = 0;
   Reduction reduce = Reduction::kPerToken;
@@ -48,6 +61,7 @@ struct AuditStep {
   double weight_rel_tol = 1e-5;
   DType dtype = DType::kFloat32;  // the trainer's per-token loss dtype the tolerances come from
   std::vector<Finding> findings;
+  std::vector<AuditTerm> terms;  // declared or hooked terms besides main; empty: single-term
   bool failed(bool strict_scale) const;
 };
 

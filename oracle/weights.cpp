@@ -197,6 +197,19 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     m[i] = b.mask_sum(i);
     nonzero += m[i] > 0;
   }
+  // What the contract counts: the batch's own mask, or (count-of=main) the main term's.
+  const std::vector<uint8_t>& counted =
+      contract.count_of_main && sizes_in.main_mask != nullptr ? *sizes_in.main_mask : b.loss_mask;
+  LG_CHECK(counted.size() == b.loss_mask.size(), "main mask of {} tokens for {}", counted.size(),
+           b.loss_mask.size());
+  std::vector<int64_t> counted_sum = m;
+  if (&counted != &b.loss_mask) {
+    for (int64_t i = 0; i < s; ++i) {
+      counted_sum[i] = 0;
+      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+        counted_sum[i] += counted[t];
+    }
+  }
 
   // 1. Each rank's count per micro-batch as the contract counts it.
   out.count.assign(static_cast<std::size_t>(num_mb * cp), 0);
@@ -220,13 +233,13 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
             owned.assign(static_cast<std::size_t>(cs), 0);
             for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
               const int16_t o = out.place.owner[t];
-              if (o >= 0 && b.loss_mask[t]) ++owned[o - base];
+              if (o >= 0 && counted[t]) ++owned[o - base];
             }
             for (int64_t r = 0; r < cs; ++r) row[r] += clamped(owned[r]);
             break;
           }
           case CountRule::kFullSample:
-            for (int64_t r = 0; r < cs; ++r) row[r] += clamped(m[i]);
+            for (int64_t r = 0; r < cs; ++r) row[r] += clamped(counted_sum[i]);
             break;
           case CountRule::kSamples:
             for (int64_t r = 0; r < cs; ++r) row[r] += 1;
@@ -721,7 +734,9 @@ std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layo
                                           const std::vector<double>& got, Reduction reduce,
                                           const ObjectiveSizes& sizes, double tol) {
   std::vector<std::string> out;
+  const bool term = sizes.main_mask != nullptr;  // a loss term's weights: its presets too
   for (const auto& p : contract_presets()) {
+    if (p.term_only && !term) continue;
     const ContractWeights w = contract_weights(b, layout, preset_contract(p.name, reduce), sizes);
     if (same_weights(got, w.weight, tol)) out.push_back(p.name);
   }
@@ -739,6 +754,7 @@ std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layo
   const bool all_presets = b.num_response_tokens() <= (1 << 20);
   for (const auto& p : contract_presets()) {
     if (std::string(p.name) != "truth" && !all_presets) break;
+    if (p.term_only && !term) continue;
     const Contract base = preset_contract(p.name, reduce);
     for (const char* change : changes) {
       const Contract c = parse_contract(contract_components(base) + "," + change, reduce);

@@ -25,6 +25,9 @@ inline constexpr double kWeightRelTol = 1e-12;
 struct ObjectiveSizes {
   int64_t global_batch_size = 0;  // B; 0: the number of samples of the step
   double l_norm = 0.0;            // seq-mean-token-sum-norm; 0: the largest response length
+  // A loss term's batch (SPEC §11) carries the term's mask; a contract with count-of=main counts
+  // under the main term's mask instead: this one, [sum R] (null: the batch's own mask).
+  const std::vector<uint8_t>* main_mask = nullptr;
 };
 // B and L_norm with their defaults resolved.
 ObjectiveSizes resolve_sizes(const Batch& batch, ObjectiveSizes sizes);

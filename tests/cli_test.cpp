@@ -977,5 +977,110 @@ TEST(CliReport, ReplayFailuresNameTheRanks) {
   const std::string y = testing::read_file(fault);
   EXPECT_NE(y.find("4 rank(s) (0-3) errored, blocked or mismatched"), std::string::npos) << y;
 }
+
+// Multi-term weights (SPEC §11) on the 3-sample batch of the hand derivations (m = 111 | 10 | 1111):
+// a KL term averaged per micro-batch is named per term, relative to main; the correct three-term
+// contract passes; bad declarations exit 2 naming the term.
+std::string terms_dump() {
+  const auto dir = testing::temp_dir("cli-terms");
+  const auto path = dir / "three.json";
+  testing::write_file(path, R"({"lossguard.schema": "1", "samples": [
+    {"tokens": [1, 2, 3, 4, 5], "response_length": 3, "loss_mask": [1, 1, 1]},
+    {"tokens": [1, 2, 3, 4], "response_length": 2, "loss_mask": [1, 0]},
+    {"tokens": [1, 2, 3, 4, 5, 6], "response_length": 4, "loss_mask": [1, 1, 1, 1]}]})");
+  return path.string();
+}
+
+TEST(CliWeightsTerms, ThreeTermsCorrectPassAndJsonHasATermsLevel) {
+  const std::string dump = terms_dump();
+  Result r = run_cli({"weights", dump, "--contract", "megatron-per-token", "--term",
+                      "kl:per-token:0.1", "--term", "mtp:per-token:0.3:shift:1", "--term",
+                      "aux:per-token:0.01:all", "--microbatches", "3", "--cp", "2", "--json", "-"});
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  const auto& terms = doc["steps"][0]["terms"];
+  ASSERT_EQ(terms.size(), 4u);
+  EXPECT_EQ(terms[0]["name"], "main");
+  EXPECT_EQ(terms[1]["name"], "kl");
+  EXPECT_EQ(terms[1]["coef"], 0.1);
+  EXPECT_EQ(terms[2]["mask"], "shift:1");
+  EXPECT_EQ(terms[2]["effective_tokens"], 5);  // 2 + 0 + 3
+  EXPECT_EQ(terms[3]["effective_tokens"], 9);  // every response token
+  for (const auto& t : terms) EXPECT_EQ(t["diagnosis"]["kind"], "exact") << t["name"];
+  // One term: the JSON is as before, no terms level.
+  Result one = run_cli({"weights", dump, "--contract", "megatron-per-token", "--json", "-"});
+  ASSERT_EQ(one.code, 0);
+  EXPECT_FALSE(nlohmann::json::parse(one.out)["steps"][0].contains("terms"));
+}
+
+TEST(CliWeightsTerms, KlPerMicrobatchIsNamedRelativeToMain) {
+  const std::string dump = terms_dump();
+  Result r = run_cli({"weights", dump, "--contract", "megatron-per-token", "--term",
+                      "kl:per-token:0.1", "--contract", "kl=norm=microbatch", "--term",
+                      "mtp:per-token:0.3:shift:1", "--microbatches", "3", "--json", "-"});
+  ASSERT_EQ(r.code, 1) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  const auto& terms = doc["steps"][0]["terms"];
+  EXPECT_EQ(terms[0]["diagnosis"]["kind"], "exact");
+  EXPECT_EQ(terms[1]["contract"]["norm"], "microbatch");
+  EXPECT_EQ(terms[1]["diagnosis"]["kind"], "per-microbatch");
+  // w / w* = N / n_mb = 8/3, 8, 2 (one sample per micro-batch).
+  EXPECT_NEAR(terms[1]["diagnosis"]["max_ratio"].get<double>(), 8.0, 1e-12);
+  EXPECT_NEAR(terms[1]["diagnosis"]["min_ratio"].get<double>(), 2.0, 1e-12);
+  EXPECT_EQ(terms[2]["diagnosis"]["kind"], "exact");
+  bool named = false;
+  for (const auto& f : doc["findings"]) named |= f["kind"] == "term_normalisation";
+  EXPECT_TRUE(named) << doc["findings"];
+  // Equal micro-batches (M = 2 over samples 0+1 and 2: 4 and 4 tokens): the KL is ×M uniformly,
+  // and a uniform scale of a term relative to main fails (it changes the terms' balance).
+  Result eq = run_cli({"weights", dump, "--contract", "megatron-per-token", "--term",
+                       "kl:per-token:0.1", "--contract", "kl=norm=microbatch", "--microbatches",
+                       "2", "--vary", "none"});
+  EXPECT_EQ(eq.code, 1) << eq.out;
+  EXPECT_NE(eq.out.find("uniform scale ×2 = M"), std::string::npos) << eq.out;
+  // Main ×2 and KL ×2: the balance holds (an optimizer like Adam sees no difference): exit 0.
+  Result both = run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=2", "--term",
+                         "kl:per-token:0.1", "--vary", "none"});
+  EXPECT_EQ(both.code, 0) << both.out;
+}
+
+// Megatron-core 0.16.1 under calculate_per_token_loss divides its MTP loss by the main count
+// (N = 8), while the MTP mask holds N_mtp = 5 tokens: a uniform 5/8 relative to the objective.
+TEST(CliWeightsTerms, MegatronMtpPerTokenDividesByTheMainCount) {
+  const std::string dump = terms_dump();
+  Result r = run_cli({"weights", dump, "--contract", "megatron-per-token", "--term",
+                      "mtp:per-token:0.3:roll:1", "--contract", "mtp=megatron-mtp-per-token",
+                      "--cp", "2", "--json", "-"});
+  ASSERT_EQ(r.code, 1) << r.out << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  const auto& mtp = doc["steps"][0]["terms"][1];
+  EXPECT_EQ(mtp["contract"]["preset"], "megatron-mtp-per-token");
+  EXPECT_EQ(mtp["effective_tokens"], 5);
+  EXPECT_EQ(mtp["diagnosis"]["kind"], "uniform-scale");
+  EXPECT_NEAR(mtp["diagnosis"]["scale"].get<double>(), 5.0 / 8, 1e-12);
+  // Counted under its own mask, the same term is exact.
+  Result own = run_cli({"weights", dump, "--contract", "megatron-per-token", "--term",
+                        "mtp:per-token:0.3:roll:1", "--cp", "2"});
+  EXPECT_EQ(own.code, 0) << own.out;
+}
+
+TEST(CliWeightsTerms, BadDeclarationsExitTwoNamingTheTerm) {
+  const std::string dump = terms_dump();
+  auto expect2 = [&](std::vector<std::string> extra, const std::string& needle) {
+    std::vector<std::string> args = {"weights", dump, "--contract", "megatron-per-token"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    Result r = run_cli(args);
+    EXPECT_EQ(r.code, 2) << r.out;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << r.err;
+  };
+  expect2({"--term", "kl:per-token:0.1:rolled"}, "--term kl: unknown mask 'rolled'");
+  expect2({"--term", "kl:per-token:nan"}, "--term kl: coefficient 'nan'");
+  expect2({"--term", "kl:per-token", "--term", "kl:sample-mean"}, "--term kl is given twice");
+  expect2({"--term", "main:per-token"}, "'main' is the term of --reduce");
+  expect2({"--contract", "kl=norm=microbatch"}, "no term 'kl'");
+  expect2({"--term", "kl:per-token", "--contract", "kl=hf-ga", "--contract", "kl=truth"},
+          "two contracts for term kl");
+  expect2({"--term", "kl:per-token:field"}, "a field mask is recorded by a trainer");
+}
 }  // namespace
 }  // namespace lossguard::cli
