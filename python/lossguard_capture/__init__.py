@@ -9,15 +9,15 @@
 from ._version import __version__
 from .audit import AuditError, AuditFailed, AuditResult, find_lossguard, run_audit
 from .capture import Capture, InactiveStep, coordinates
-from .recorder import (CP_LAYOUTS, REDUCE_CHOICES, SCHEMA, CaptureWarning, MicroBatch, Recorder, StepRecorder,
-                       capture_filename)
+from .recorder import (CP_LAYOUTS, REDUCE_CHOICES, SCHEMA, TERM_MASKS, CaptureWarning, MicroBatch, Recorder,
+                       StepRecorder, capture_filename, check_terms)
 from .zigzag import (owned_count, zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned,
                      zigzag_owned_logit_positions, zigzag_slices)
 
 __all__ = [
     "__version__",
     "Capture", "StepRecorder", "InactiveStep", "MicroBatch", "Recorder", "coordinates",
-    "SCHEMA", "REDUCE_CHOICES", "CP_LAYOUTS", "CaptureWarning", "capture_filename",
+    "SCHEMA", "REDUCE_CHOICES", "CP_LAYOUTS", "TERM_MASKS", "CaptureWarning", "capture_filename", "check_terms",
     "AuditFailed", "AuditError", "AuditResult", "run_audit", "find_lossguard",
     "zigzag_owned", "zigzag_slices", "zigzag_chunk_size", "zigzag_owned_logit_positions", "zigzag_local_logit_index",
     "owned_count",

@@ -24,9 +24,9 @@ unless given.
 
 import os
 from types import TracebackType
-from typing import Any, Dict, Iterable, Literal, Optional, Type
+from typing import Any, Dict, Iterable, Literal, Mapping, Optional, Type
 
-from .recorder import CP_LAYOUTS, StepRecorder, check_reduce
+from .recorder import CP_LAYOUTS, StepRecorder, check_reduce, check_terms
 
 __all__ = ["Capture", "coordinates"]
 
@@ -62,14 +62,21 @@ class Capture:
     coordinates ``tp_rank``... are found (module docstring) unless given.  ``steps``: the optimizer steps
     to record (``None``: every step); :meth:`step` of any other step gives an inactive recorder that
     records nothing and costs nothing.  ``strict``: inconsistent fields raise ``ValueError`` in finish()
-    (``False``: a warning)."""
+    (``False``: a warning).
+
+    ``terms``: the objective's terms besides the main per-token loss, ``{NAME: dict(reduce=, coef=,
+    mask=)}`` (every key optional: the capture's ``reduce``, 1.0, ``"loss"``; mask ``"loss"``, ``"all"``,
+    ``"shift:J"`` or ``"field"``), e.g. ``{"kl": dict(coef=0.1), "aux": dict(coef=0.01, mask="all")}``.
+    Each is hooked separately: ``h.hook(l_kl, term="kl")``, its count ``h.set(num_tokens=n, term="kl")``."""
 
     def __init__(self, out_dir: str, *, reduce: str = "per-token", cp_layout: str = "zigzag", tp: int = 1,
                  pp: int = 1, cp: int = 1, dp: Optional[int] = None, strict: bool = True,
                  steps: Optional[Iterable[int]] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, tp_rank: Optional[int] = None, pp_rank: Optional[int] = None,
-                 cp_rank: Optional[int] = None, dp_rank: Optional[int] = None):
+                 cp_rank: Optional[int] = None, dp_rank: Optional[int] = None,
+                 terms: Optional[Mapping[str, Any]] = None):
         check_reduce(reduce)
+        self.terms = check_terms(terms, reduce)
         if cp_layout not in CP_LAYOUTS:
             raise ValueError(f"cp_layout must be one of {', '.join(CP_LAYOUTS)}; got {cp_layout!r}")
         for name, v in (("tp", tp), ("pp", pp), ("cp", cp)):
@@ -110,7 +117,9 @@ class Capture:
         return StepRecorder(self.out_dir, int(step), self.rank, self.world_size, tp=self.tp, pp=self.pp,
                             cp=self.cp, dp=self.dp, tp_rank=self.tp_rank, pp_rank=self.pp_rank,
                             cp_rank=self.cp_rank, dp_rank=self.dp_rank, cp_layout=self.cp_layout,
-                            reduce=self.reduce, strict=self.strict)
+                            reduce=self.reduce, strict=self.strict,
+                            terms={name: dict(reduce=d["reduce"], coef=float(d["coef"]), mask=d["mask"])
+                                   for name, d in self.terms.items()})
 
     def __repr__(self) -> str:
         return (f"Capture({self.out_dir!r}, reduce={self.reduce!r}, rank={self.rank}/{self.world_size}, "
@@ -124,13 +133,14 @@ class _InactiveMicroBatch:
     index = -1
     dummy = False
 
-    def hook(self, token_loss: Any, record_token_loss: bool = True, index: Any = None) -> Any:
+    def hook(self, token_loss: Any, record_token_loss: bool = True, index: Any = None, *, term: Optional[str] = None,
+             mask: Any = None) -> Any:
         return token_loss
 
     def loss(self, scalar_loss: Any) -> Any:
         return scalar_loss
 
-    def set(self, num_tokens: Any = None, sample_denoms: Any = None) -> None:
+    def set(self, num_tokens: Any = None, sample_denoms: Any = None, *, term: Optional[str] = None) -> None:
         return None
 
 

@@ -16,22 +16,34 @@ older positional :class:`Recorder` write the same file; both are thin fronts ove
             loss.backward()
         s.finish(grad_scale=1.0 / n_global, num_tokens_reduced=n_global, skipped=False, grad_norm=gn)
 
+An objective of several terms (a KL penalty, an MTP head, an auxiliary z-loss) declares the terms other
+than the main per-token loss and hooks each separately, over the same owned tokens in the same order::
+
+    cap = Capture(out_dir, cp=2, terms={"kl": dict(coef=0.1), "aux": dict(coef=0.01, mask="all")})
+    ...
+            h.hook(per_token)                        # the main term: mb.{k}.token_weight
+            h.hook(kl_per_token, term="kl")          # mb.{k}.term.kl.token_weight
+            h.set(num_tokens=n_kl, term="kl")        # mb.{k}.term.kl.num_tokens
+
 Nothing here synchronises with the device before ``finish()``: device tensors are kept (detached) as
 they are and moved to the CPU only when the file is written.
 """
 
+import math
+import numbers
 import os
+import re
 import tempfile
 import warnings
 from types import TracebackType
-from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Type
 
 import torch
 
 from .zigzag import owned_count
 
 __all__ = ["Recorder", "StepRecorder", "MicroBatch", "SCHEMA", "REDUCE_CHOICES", "CP_LAYOUTS",
-           "CaptureWarning", "capture_filename"]
+           "TERM_MASKS", "CaptureWarning", "capture_filename", "check_terms"]
 
 SCHEMA = "audit/1"
 
@@ -60,6 +72,66 @@ def check_reduce(reduce: str) -> str:
     if reduce not in REDUCE_CHOICES:
         raise ValueError(f"reduce must be one of {', '.join(REDUCE_CHOICES)}; got {reduce!r}")
     return reduce
+
+
+#: The token masks a declared loss term may use (besides ``shift:J``, J >= 1): the loss mask ``m_t``;
+#: every response token; ``shift:J`` = ``m_t * m_{t+J}`` within the sample (0 where ``t+J >= R``); a mask
+#: the trainer gives per micro-batch (``hook(..., mask=)``, written as ``mb.{k}.term.NAME.mask``).
+TERM_MASKS: Tuple[str, ...] = ("loss", "all", "shift:J", "field")
+
+_TERM_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_SHIFT_MASK = re.compile(r"shift:([1-9][0-9]*)")
+_TERM_KEYS = ("reduce", "coef", "mask")
+
+
+def check_term_name(name: Any) -> str:
+    """``name`` if it names a loss term (``[a-z][a-z0-9_-]*``, not ``main``), else ValueError."""
+    if not isinstance(name, str) or not _TERM_NAME.fullmatch(name):
+        raise ValueError(f"loss term name {name!r}: must match [a-z][a-z0-9_-]*")
+    if name == "main":
+        raise ValueError("loss term name 'main' is the unnamed main term (hook it with term=None; do not declare it)")
+    return name
+
+
+def check_terms(terms: Optional[Mapping[str, Any]], reduce: str) -> Dict[str, Dict[str, str]]:
+    """Validate loss-term declarations ``{NAME: {"reduce": R, "coef": C, "mask": M}}`` (every key optional;
+    ``None`` for a term = all defaults) and return them normalised to their metadata text, in the given
+    order: ``reduce`` (default: the capture's ``reduce``), ``coef`` (``repr(float)``, default ``"1.0"``),
+    ``mask`` (``loss`` default, ``all``, ``shift:J`` with J >= 1, ``field``).  ValueError naming the term
+    and the field."""
+    if terms is None:
+        return {}
+    if not isinstance(terms, Mapping):
+        raise ValueError(f"terms must be a dict NAME -> dict(reduce=, coef=, mask=); got {type(terms).__name__}")
+    out: Dict[str, Dict[str, str]] = {}
+    for name, decl in terms.items():
+        check_term_name(name)
+        if decl is None:
+            decl = {}
+        if not isinstance(decl, Mapping):
+            raise ValueError(f"loss term {name!r}: its declaration must be a dict(reduce=, coef=, mask=); "
+                             f"got {type(decl).__name__}")
+        unknown = [k for k in decl if k not in _TERM_KEYS]
+        if unknown:
+            raise ValueError(f"loss term {name!r}: unknown field(s) {', '.join(map(repr, unknown))} "
+                             f"(fields: {', '.join(_TERM_KEYS)})")
+        r = decl.get("reduce", None)
+        r = reduce if r is None else r
+        if r not in REDUCE_CHOICES:
+            raise ValueError(f"loss term {name!r}: reduce must be one of {', '.join(REDUCE_CHOICES)}; got {r!r}")
+        c = decl.get("coef", None)
+        c = 1.0 if c is None else c
+        if isinstance(c, torch.Tensor) and c.numel() == 1 and c.is_floating_point():
+            c = float(c)
+        if isinstance(c, bool) or not isinstance(c, numbers.Real) or not math.isfinite(float(c)):
+            raise ValueError(f"loss term {name!r}: coef must be a finite number; got {c!r}")
+        mk = decl.get("mask", None)
+        mk = "loss" if mk is None else mk
+        if not isinstance(mk, str) or not (mk in ("loss", "all", "field") or _SHIFT_MASK.fullmatch(mk)):
+            raise ValueError(f"loss term {name!r}: mask must be 'loss', 'all', 'shift:J' (integer J >= 1) or "
+                             f"'field'; got {mk!r}")
+        out[name] = {"reduce": r, "coef": repr(float(c)), "mask": mk}
+    return out
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,6 +188,55 @@ def _int_or_float64(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.to(torch.float64)
 
 
+class _Hook:
+    """One loss term's hook state in one micro-batch: the hooked tensor, the gradients the hook saw, the
+    per-token values, the owned-token index, and (named terms) the field mask and the trainer's count."""
+
+    def __init__(self) -> None:
+        self.hooked: Optional[torch.Tensor] = None     # the hooked tensor (for its shape/dtype)
+        self.grads: List[torch.Tensor] = []           # grads seen by the hook (detached, device)
+        self.token_loss: Optional[torch.Tensor] = None
+        self.handle: Any = None
+        self.index: Optional[torch.Tensor] = None
+        self.mask: Optional[torch.Tensor] = None       # a field-mask term's [sum R] mask
+        self.num_tokens: Any = None                    # a named term's count (set(term=))
+
+    def attach(self, token_loss: torch.Tensor, record_token_loss: bool, index: Any) -> None:
+        self.hooked = token_loss
+        self.index = None if index is None else _as_tensor(index)
+        if record_token_loss:
+            self.token_loss = token_loss.detach()
+        if token_loss.requires_grad:
+            def _keep(grad: torch.Tensor) -> None:
+                self.grads.append(grad.detach())
+                return None
+            self.handle = token_loss.register_hook(_keep)
+
+    def weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(token_weight, token_loss) on the host, owned tokens in local order, in the written dtypes."""
+        assert self.hooked is not None
+        if self.grads:
+            g = self.grads[0]
+            for extra in self.grads[1:]:
+                g = g + extra
+            w = g.cpu().reshape(-1)
+        else:
+            w = torch.zeros(self.hooked.numel(), dtype=self.hooked.dtype)
+        tl = None if self.token_loss is None else self.token_loss.cpu().reshape(-1)
+        if self.index is not None:
+            ix = self.index.cpu().reshape(-1)
+            if ix.dtype != torch.bool:
+                ix = ix.to(torch.int64)
+            w = w[ix]
+            tl = None if tl is None else tl[ix]
+        return _float_out(w).contiguous(), None if tl is None else _float_out(tl).contiguous()
+
+    def remove(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
 class MicroBatch:
     """One micro-batch's records; returned by ``microbatch()`` of a step recorder."""
 
@@ -124,20 +245,44 @@ class MicroBatch:
         self.index = index
         self.dummy = bool(dummy)
         self._fields = fields                # name -> tensor (any device) or python value
-        self._hooked: Optional[torch.Tensor] = None    # the hooked tensor (for its shape/dtype)
-        self._grads: List[torch.Tensor] = []          # grads seen by the hook (detached, device)
-        self._token_loss: Optional[torch.Tensor] = None
+        self._main = _Hook()                 # the unnamed `main` term
+        self._terms: Dict[str, _Hook] = {}   # named terms, in the order first hooked or set
         self._loss: Optional[torch.Tensor] = None
-        self._handle: Any = None
-        self._index: Optional[torch.Tensor] = None
+
+    # the main term's state, under the names it always had
+    @property
+    def _hooked(self) -> Optional[torch.Tensor]:
+        return self._main.hooked
+
+    @property
+    def _grads(self) -> List[torch.Tensor]:
+        return self._main.grads
+
+    @property
+    def _token_loss(self) -> Optional[torch.Tensor]:
+        return self._main.token_loss
 
     @property
     def dtype(self) -> Optional[torch.dtype]:
-        """The hooked per-token loss tensor's own dtype (``None`` before hook())."""
-        return None if self._hooked is None else self._hooked.dtype
+        """The hooked (main) per-token loss tensor's own dtype (``None`` before hook())."""
+        return None if self._main.hooked is None else self._main.hooked.dtype
+
+    @property
+    def dtypes(self) -> List[torch.dtype]:
+        """The own dtypes of every hooked tensor: the main term's and each named term's."""
+        return [h.hooked.dtype for h in [self._main, *self._terms.values()] if h.hooked is not None]
+
+    def _term(self, term: Optional[str]) -> "_Hook":
+        if term is None:
+            return self._main
+        check_term_name(term)
+        if term not in self._terms:
+            self._terms[term] = _Hook()
+        return self._terms[term]
 
     # -- per-token loss -------------------------------------------------------------------------
-    def hook(self, token_loss: torch.Tensor, record_token_loss: bool = True, index: Any = None) -> torch.Tensor:
+    def hook(self, token_loss: torch.Tensor, record_token_loss: bool = True, index: Any = None, *,
+             term: Optional[str] = None, mask: Any = None) -> torch.Tensor:
         """Register a backward hook on the per-token loss tensor (the rank's owned tokens, local order:
         per sample, owned response indices ascending).  The gradient ``dL/dl_t`` that reaches it is kept
         (detached, on its device) as ``token_weight``; if the hook fires several times (several backward
@@ -152,10 +297,19 @@ class MicroBatch:
 
         The loss must be computed *from this tensor* (for masked tokens too: ``(l * mask).sum()``), so
         that ``dL/dl_t`` is the weight with which ``grad(l_t)`` enters the gradient.  The tensor's dtype
-        is written as the metadata ``dtype`` (bf16/fp16 values themselves are written as float32)."""
+        is written as the metadata ``dtype`` (bf16/fp16 values themselves are written as float32).
+
+        ``term`` (optional): the name of another term of the objective (a KL penalty, an MTP head, an
+        auxiliary loss), hooked separately over the same owned tokens in the same order; written as
+        ``mb.{k}.term.NAME.token_weight`` / ``.token_loss``.  One hook per term per micro-batch.  A term
+        not declared in ``Capture(terms=...)`` is still written (audit reports it as undeclared).
+        ``mask``: the ``[sum R]`` per-response-token mask of the micro-batch's samples, required for (and
+        only for) a term declared with ``mask="field"``."""
         self._step._check_open()
-        if self._hooked is not None:
-            raise RuntimeError(f"micro-batch {self.index}: a per-token loss tensor is already hooked")
+        what = "a per-token loss tensor" if term is None else f"term {term!r}: a per-token loss tensor"
+        h = self._term(term)
+        if h.hooked is not None:
+            raise RuntimeError(f"micro-batch {self.index}: {what} is already hooked")
         if not isinstance(token_loss, torch.Tensor):
             raise TypeError("hook() takes the per-token loss tensor")
         if not token_loss.is_floating_point():
@@ -163,19 +317,24 @@ class MicroBatch:
         if index is None and token_loss.dim() != 1:
             raise ValueError(f"micro-batch {self.index}: per-token loss must be 1-D [owned] (or give index=), "
                              f"got {tuple(token_loss.shape)}")
-        self._hooked = token_loss
-        self._index = None if index is None else _as_tensor(index)
-        if record_token_loss:
-            self._token_loss = token_loss.detach()
-        if token_loss.requires_grad:
-            def _keep(grad: torch.Tensor) -> None:
-                self._grads.append(grad.detach())
-                return None
-            self._handle = token_loss.register_hook(_keep)
+        field = term is not None and self._step.terms.get(term, {}).get("mask") == "field"
+        if mask is not None and not field:
+            if term is None:
+                raise ValueError(f"micro-batch {self.index}: mask= is for a term declared with mask='field'; "
+                                 f"the main term's mask is the micro-batch's loss_masks")
+            raise ValueError(f"micro-batch {self.index}: term {term!r} is not declared with mask='field' "
+                             f"(declared: {self._step.terms.get(term, {}).get('mask', 'nothing')}); mask= is not taken")
+        if field and mask is None:
+            raise ValueError(f"micro-batch {self.index}: term {term!r} is declared with mask='field': "
+                             f"hook(..., term={term!r}, mask=[sum R] mask of the micro-batch's samples)")
+        if mask is not None:
+            h.mask = _as_tensor(mask)
+        h.attach(token_loss, record_token_loss, index)
         return token_loss
 
     def loss(self, scalar_loss: Any) -> Any:
-        """Record the scalar this micro-batch backpropagates (detached).  Returns it."""
+        """Record the scalar this micro-batch backpropagates (detached): the whole loss, every term.
+        Returns it."""
         self._step._check_open()
         if isinstance(scalar_loss, torch.Tensor):
             if scalar_loss.numel() != 1:
@@ -185,9 +344,17 @@ class MicroBatch:
             self._loss = torch.tensor(float(scalar_loss), dtype=torch.float64)
         return scalar_loss
 
-    def set(self, num_tokens: Any = None, sample_denoms: Any = None) -> None:
-        """Set ``num_tokens`` / ``sample_denoms`` once the loss function has computed them."""
+    def set(self, num_tokens: Any = None, sample_denoms: Any = None, *, term: Optional[str] = None) -> None:
+        """Set ``num_tokens`` / ``sample_denoms`` once the loss function has computed them; with ``term``,
+        that term's ``num_tokens`` (``mb.{k}.term.NAME.num_tokens``)."""
         self._step._check_open()
+        if term is not None:
+            if sample_denoms is not None:
+                raise ValueError(f"micro-batch {self.index}: term {term!r}: sample_denoms is recorded for the "
+                                 f"main term only")
+            if num_tokens is not None:
+                self._term(term).num_tokens = num_tokens
+            return
         if num_tokens is not None:
             self._fields["num_tokens"] = num_tokens
         if sample_denoms is not None:
@@ -233,38 +400,57 @@ class MicroBatch:
                 problems.append(f"loss_masks has {out[k + 'loss_masks'].numel()} entries, sum(response_lengths) = {int(R.sum())}")
 
         # expected owned count (zig-zag only; for the shape checks below)
+        packed_ok = not problems
         expected_owned = None
-        if not problems and layout == "zigzag" and not self.dummy:
+        if packed_ok and layout == "zigzag" and not self.dummy:
             r = cp_rank % cp_size
             expected_owned = sum(owned_count(int(t), int(rr), cp_size, r) for t, rr in zip(T.tolist(), R.tolist()))
 
-        if self._hooked is not None:
-            dt = self._hooked.dtype
-            if self._grads:
-                g = self._grads[0]
-                for extra in self._grads[1:]:
-                    g = g + extra
-                w = g.cpu().reshape(-1)
-            else:
-                w = torch.zeros(self._hooked.numel(), dtype=dt)
-            tl = None if self._token_loss is None else self._token_loss.cpu().reshape(-1)
-            if self._index is not None:
-                ix = self._index.cpu().reshape(-1)
-                if ix.dtype != torch.bool:
-                    ix = ix.to(torch.int64)
-                w = w[ix]
-                tl = None if tl is None else tl[ix]
-            shape_n = w.numel()
-            out[k + "token_weight"] = _float_out(w).contiguous()
-            if tl is not None:
-                out[k + "token_loss"] = _float_out(tl).contiguous()
-            if expected_owned is not None and shape_n != expected_owned:
-                problems.append(f"the hooked per-token loss has {shape_n} entries but the rank owns "
+        def shape_check(n_hooked: int, what: str) -> None:
+            if expected_owned is not None and n_hooked != expected_owned:
+                problems.append(f"{what} has {n_hooked} entries but the rank owns "
                                 f"{expected_owned} response tokens of these samples (docs/semantics.md §2, cp rank {cp_rank % cp_size} of {cp_size})")
+
+        if self._main.hooked is not None:
+            w, tl = self._main.weights()
+            out[k + "token_weight"] = w
+            if tl is not None:
+                out[k + "token_loss"] = tl
+            shape_check(w.numel(), "the hooked per-token loss")
         elif self.dummy or expected_owned == 0:
             out[k + "token_weight"] = torch.zeros(0, dtype=torch.float32)
         else:
             problems.append("no per-token loss tensor was hooked (call handle.hook(per_token_loss))")
+
+        for name, h in self._terms.items():
+            p = f"{k}term.{name}."
+            if h.hooked is not None:
+                w, tl = h.weights()
+                out[p + "token_weight"] = w
+                if tl is not None:
+                    out[p + "token_loss"] = tl
+                shape_check(w.numel(), f"term {name!r}: the hooked per-token loss")
+            elif h.num_tokens is not None:
+                if self.dummy or expected_owned == 0:
+                    out[p + "token_weight"] = torch.zeros(0, dtype=torch.float32)
+                else:
+                    problems.append(f"term {name!r}: num_tokens was set but no per-token loss tensor was hooked "
+                                    f"(call handle.hook(per_token_loss, term={name!r}))")
+            if h.num_tokens is not None:
+                out[p + "num_tokens"] = _int_or_float64(_as_tensor(h.num_tokens).cpu().reshape(()), p + "num_tokens")
+            if h.mask is not None:
+                fm = h.mask.cpu().reshape(-1)
+                if fm.dtype == torch.bool or not fm.is_floating_point():
+                    fm = fm.to(torch.int64)
+                elif torch.equal(fm, torch.round(fm)):
+                    fm = fm.to(torch.int64)
+                if fm.is_floating_point() or bool(((fm != 0) & (fm != 1)).any()):
+                    problems.append(f"term {name!r}: the field mask holds values other than 0 and 1")
+                    fm = fm.to(torch.float64)
+                if packed_ok and fm.numel() != int(R.sum()):
+                    problems.append(f"term {name!r}: the field mask has {fm.numel()} entries, "
+                                    f"sum(response_lengths) = {int(R.sum())}")
+                out[p + "mask"] = fm.contiguous()
         if problems:
             msg = f"lossguard_capture: micro-batch {self.index}: " + "; ".join(problems)
             if strict:
@@ -273,9 +459,9 @@ class MicroBatch:
         return out
 
     def _remove_hook(self) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._main.remove()
+        for h in self._terms.values():
+            h.remove()
 
 
 class _Step:
@@ -286,7 +472,8 @@ class _Step:
 
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
-                 cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True):
+                 cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
+                 terms: Optional[Mapping[str, Any]] = None):
         if tp * pp * cp * dp != world_size:
             raise ValueError(f"tp*pp*cp*dp = {tp * pp * cp * dp} != world_size {world_size}")
         for name, c, size in (("tp", tp_rank, tp), ("pp", pp_rank, pp), ("cp", cp_rank, cp), ("dp", dp_rank, dp)):
@@ -297,6 +484,8 @@ class _Step:
         if cp_layout not in CP_LAYOUTS:
             raise ValueError(f"cp_layout must be 'zigzag' or 'allgather', got {cp_layout!r}")
         check_reduce(reduce)
+        #: declared loss terms other than `main`: NAME -> {"reduce", "coef", "mask"} as metadata text
+        self.terms: Dict[str, Dict[str, str]] = check_terms(terms, reduce)
         self.out_dir = out_dir
         self.step, self.rank, self.world_size = int(step), int(rank), int(world_size)
         self.tp, self.pp, self.cp, self.dp = int(tp), int(pp), int(cp), int(dp)
@@ -346,19 +535,20 @@ class _Step:
         return mb
 
     def _loss_dtype(self) -> Optional[str]:
-        """The metadata ``dtype``: the hooked per-token loss tensors' own dtype.  If micro-batches hooked
-        different dtypes, the least precise one (the widest tolerance) with a warning; ``None`` when
-        nothing was hooked (audit then assumes float32)."""
-        dts = {mb.dtype for mb in self.microbatches if mb.dtype is not None}
+        """The metadata ``dtype``: the hooked per-token loss tensors' own dtype, the least precise one (the
+        widest tolerance) over every hooked tensor, the main term's and every named term's.  If the main
+        term's tensors of different micro-batches differ, with a warning (named terms in another dtype than
+        the main one are common: no warning); ``None`` when nothing was hooked (audit then assumes float32)."""
+        main = {mb.dtype for mb in self.microbatches if mb.dtype is not None}
+        dts = {d for mb in self.microbatches for d in mb.dtypes}
         if not dts:
             return None
-        if len(dts) > 1:
-            worst = max(dts, key=lambda d: torch.finfo(d).eps)
+        worst = max(dts, key=lambda d: torch.finfo(d).eps)
+        if len(main) > 1:
             warnings.warn(f"lossguard_capture: step {self.step}: the hooked per-token losses have different dtypes "
-                          f"({', '.join(sorted(dtype_name(d) for d in dts))}); metadata dtype = {dtype_name(worst)}",
+                          f"({', '.join(sorted(dtype_name(d) for d in main))}); metadata dtype = {dtype_name(worst)}",
                           CaptureWarning)
-            return dtype_name(worst)
-        return dtype_name(next(iter(dts)))
+        return dtype_name(worst)
 
     def _tensors(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                  global_batch_size: Any, metrics_values: Any,
@@ -392,6 +582,11 @@ class _Step:
         dtype = self._loss_dtype()
         if dtype is not None:
             meta["dtype"] = dtype
+        if self.terms:
+            meta["terms"] = ",".join(self.terms)
+            for name, decl in self.terms.items():
+                for field in ("reduce", "coef", "mask"):
+                    meta[f"term.{name}.{field}"] = decl[field]
         if metrics_values is not None:
             v = _as_tensor(metrics_values).cpu().reshape(-1)
             out["metrics.values"] = v if v.dtype in (torch.float32, torch.float64) else v.to(torch.float64)
@@ -495,10 +690,11 @@ class Recorder(_Step):
 
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
-                 cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True):
+                 cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
+                 terms: Optional[Mapping[str, Any]] = None):
         super().__init__(out_dir, step, rank, world_size, tp=tp, pp=pp, cp=cp, dp=dp, tp_rank=tp_rank,
                          pp_rank=pp_rank, cp_rank=cp_rank, dp_rank=dp_rank, cp_layout=cp_layout, reduce=reduce,
-                         strict=strict)
+                         strict=strict, terms=terms)
 
     def microbatch(self, sample_indices: Any, tokens: Any, total_lengths: Any, response_lengths: Any,
                    loss_masks: Any, cp_size: Any, num_tokens: Any = None, sample_denoms: Any = None,

@@ -4,7 +4,7 @@ loss normalisation, correct or with one of several known bugs.
 
     torchrun --standalone --nproc-per-node $((DP*CP)) tests/audit/mini_trainer.py \
         --out DIR --dp DP --cp CP --microbatches M --bug none --seed 0 --steps K \
-        [--empty-step [K]] [--sparse-step K] [--check-grad] [--no-capture]
+        [--empty-step [K]] [--sparse-step K] [--check-grad] [--no-capture] [--terms [--equal-lengths]]
 
 Ranks are ordered CP fastest (rank = dp_rank*cp + cp_rank: Megatron's tp-cp-ep-dp-pp with TP = PP = 1).
 Each step draws a new deterministic batch; DP rank d takes the d-th contiguous block of samples and cuts
@@ -35,6 +35,35 @@ rank d; N = global fixed count; m_i = sample mask sums):
                      ranks disagree when some own no effective token.
 All but local-skip skip iff the trainer's own count all-reduced over DP x CP is 0.
 
+--terms: a multi-term objective (docs/semantics.md §10 terms).  The model gets a second head (MTP); besides
+the main per-token NLL l_t, three terms are computed over the rank's owned response tokens, in the same
+local order, each hooked separately (h.hook(l, term=NAME)) and declared in Capture(terms=...):
+  kl   per-token, coef 0.1,  mask loss:    l_kl_t  = 0.5 (lp_t - ref_lp_t)^2, lp_t = -l_t, ref_lp_t the
+       target's log-prob under a frozen copy of the initial model (detached);
+  mtp  per-token, coef 0.3,  mask shift:1: l_mtp_t = NLL of the MTP head at the same logit position against
+       the target of response index t+1 (0 for the last index: finite, its mask is 0);
+       m^mtp_t = m_t m_{t+1} for t+1 < R, else 0;
+  aux  per-token, coef 0.01, mask all:     l_aux_t = logsumexp(z_t)^2 (z the main logits) for every owned
+       response token, masked or not.
+Counts are all-reduced (SUM over DP x CP) BEFORE backward: N = sum of m, N_mtp = sum of m^mtp, A = the
+owned response tokens, every rank's summed; the loss is divided inside and grad_scale = 1:
+  L_k = sum m l / max(N,1) + 0.1 sum m l_kl / max(N,1) + 0.3 sum m^mtp l_mtp / max(N_mtp,1)
+        + 0.01 sum l_aux / max(A,1)
+so w^main = m/N, w^kl = 0.1 m/N, w^mtp = 0.3 m^mtp/N_mtp, w^aux = 0.01/A.  Every sample is an RL sample
+(sample 3 gets a prompt: an SFT sample's last index is owned by no CP rank, see §2).  --equal-lengths: every
+sample has P = 3, R = 6 and an all-ones mask.  --bug (the main term is always correct):
+  none                correct.
+  kl-microbatch-mean  the KL term divided by the micro-batch's own owned count n_{d,c,k} (max 1):
+                      w^kl = 0.1 m / max(n_{d,c,k}, 1).
+  mtp-main-count      the MTP term divided by N: w^mtp = 0.3 m^mtp / max(N, 1) (its recorded num_tokens is
+                      the loss-mask count it used).
+  aux-no-cp           every CP rank counts the full response lengths of its micro-batch's samples (recorded
+                      as its aux num_tokens), summed over DP x CP = cp*A, without the x cp:
+                      w^aux = 0.01 / (cp*A).
+  aux-undeclared      correct weights, but aux is not declared to the recorder while it is hooked.
+Recorded per term and micro-batch: token_weight, token_loss, num_tokens (the count the trainer computed:
+its owned count under the term's mask, except as noted above).
+
 With several bugs (--bug a,b or --bug all) each runs from the same initial model into DIR/<bug>/.
 Captures: DIR/step{k:06d}-rank{r:05d}.safetensors.  With --check-grad also
 DIR/grad-step{k}-rank{r}.pt (the final all-reduced, scaled gradient, by parameter name) and
@@ -42,6 +71,7 @@ DIR/params-step{k}-rank{r}.pt (the parameters the step's forward used).  --no-ca
 without a recorder (no capture file; for bench/capture_overhead.py).
 """
 import argparse
+import copy
 import math
 import os
 import sys
@@ -60,20 +90,30 @@ VOCAB = 32
 DIM = 16
 BUGS = ["none", "microbatch-mean", "count-dp-only", "full-sample-count", "clamp-cp1", "missing-cp-scale",
         "local-skip"]
+TERM_BUGS = ["none", "kl-microbatch-mean", "mtp-main-count", "aux-no-cp", "aux-undeclared"]
+#: --terms: the declared terms (reduce, coef, mask), as Capture(terms=...) takes them
+TERMS = {"kl": dict(reduce="per-token", coef=0.1, mask="loss"),
+         "mtp": dict(reduce="per-token", coef=0.3, mask="shift:1"),
+         "aux": dict(reduce="per-token", coef=0.01, mask="all")}
 
 
 class TinyLM(torch.nn.Module):
     """Embedding + causal prefix mean + tanh + linear head: logits[p] depends on tokens[0..p]."""
 
-    def __init__(self):
+    def __init__(self, mtp: bool = False):
         super().__init__()
         self.emb = torch.nn.Embedding(VOCAB, DIM)
         self.head = torch.nn.Linear(DIM, VOCAB)
+        if mtp:          # --terms: a second head predicting one token further (created last: same init above)
+            self.mtp_head = torch.nn.Linear(DIM, VOCAB)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:      # [T] -> [T, VOCAB]
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:       # [T] -> [T, DIM]
         e = self.emb(tokens)
         n = torch.arange(1, tokens.numel() + 1, dtype=e.dtype)[:, None]
-        return self.head(torch.tanh(e + e.cumsum(0) / n))
+        return torch.tanh(e + e.cumsum(0) / n)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:      # [T] -> [T, VOCAB]
+        return self.head(self.hidden(tokens))
 
 
 class SGD:
@@ -93,17 +133,22 @@ class SGD:
             p.add_(p.grad, alpha=-self.lr)
 
 
-def make_model(seed: int, dtype=torch.float32) -> TinyLM:
+def make_model(seed: int, dtype=torch.float32, mtp: bool = False) -> TinyLM:
     torch.manual_seed(1000 + seed)
-    return TinyLM().to(dtype)
+    return TinyLM(mtp=mtp).to(dtype)
 
 
-def make_batch(seed: int, step: int, n_samples: int, empty: bool = False, sparse: bool = False):
+def make_batch(seed: int, step: int, n_samples: int, empty: bool = False, sparse: bool = False,
+               sft: bool = True, equal: bool = False):
     """A deterministic batch: list of dicts {tokens [T] int64, T, R, mask [R] int64}.  Sample 1 has an
     empty response, sample 2 a fully masked one, sample 3 is SFT (R == T, mask pre-shifted: last entry 0),
     sample 6 has T = 0.  `empty`: every mask is 0.  `sparse`: every mask is 0 except sample 0's last
-    response token (owned by exactly one CP rank)."""
+    response token (owned by exactly one CP rank).  `sft=False`: sample 3 is an RL sample (P >= 1) like the
+    others.  `equal`: every sample has P = 3, R = 6 and an all-ones mask (no edge cases)."""
     g = torch.Generator().manual_seed(7919 * seed + 104729 * step + 1)
+    if equal:
+        return [{"tokens": torch.randint(0, VOCAB, (9,), generator=g, dtype=torch.int64), "T": 9, "R": 6,
+                 "mask": torch.ones(6, dtype=torch.int64)} for _ in range(n_samples)]
 
     def ri(lo, hi):          # inclusive
         return int(torch.randint(lo, hi + 1, (1,), generator=g))
@@ -114,7 +159,7 @@ def make_batch(seed: int, step: int, n_samples: int, empty: bool = False, sparse
         if i == 1:
             R = 0
         if i == 3:
-            P, R = 0, ri(3, 10)
+            P, R = (0 if sft else 1), ri(3, 10)
         if i == 6:
             P, R = 0, 0
         T = P + R
@@ -122,7 +167,7 @@ def make_batch(seed: int, step: int, n_samples: int, empty: bool = False, sparse
         mask = (torch.rand(R, generator=g) < 0.75).to(torch.int64)
         if i == 2:
             mask.zero_()
-        if i == 3 and R > 0:
+        if i == 3 and R > 0 and sft:
             mask[-1] = 0
         if empty or sparse:
             mask.zero_()
@@ -280,13 +325,128 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
                metrics_keys=["nll"])
 
 
+def term_targets(tokens, T, R, owned):
+    """Logit positions, main targets and MTP targets of owned response indices: the MTP head at the
+    logit predicting index t predicts index t+1's target (one token further; 0 for the last index, whose
+    m^mtp is 0)."""
+    pos, tgt = owned_positions_targets(tokens, T, R, owned)
+    nxt = [owned_positions_targets(tokens, T, R, [j + 1])[1][0] if j + 1 < R else 0 for j in owned]
+    return pos, tgt, nxt
+
+
+def owned_term_masks(s, owned):
+    """The owned tokens' loss mask m_t and MTP mask m_t * m_{t+1} (0 where t+1 >= R), local order."""
+    m, R = s["mask"].tolist(), s["R"]
+    return [m[j] for j in owned], [m[j] * m[j + 1] if j + 1 < R else 0 for j in owned]
+
+
+def per_token_terms(model, ref, tokens, T, R, owned):
+    """(l, l_kl, l_mtp, l_aux) for the owned response indices, in order (--terms)."""
+    pos, tgt, nxt = term_targets(tokens, T, R, owned)
+    pos = torch.tensor(pos, dtype=torch.int64)
+    tgt = torch.tensor(tgt, dtype=torch.int64)[:, None]
+    h = model.hidden(tokens)[pos]
+    z = model.head(h)
+    lp = torch.log_softmax(z, dim=-1).gather(1, tgt)[:, 0]
+    with torch.no_grad():
+        ref_lp = torch.log_softmax(ref(tokens)[pos], dim=-1).gather(1, tgt)[:, 0]
+    l_kl = 0.5 * (lp - ref_lp) ** 2
+    l_mtp = -torch.log_softmax(model.mtp_head(h), dim=-1).gather(1, torch.tensor(nxt, dtype=torch.int64)[:, None])[:, 0]
+    l_aux = torch.logsumexp(z, dim=-1) ** 2
+    return -lp, l_kl, l_mtp, l_aux
+
+
+def run_terms_step(args, bug, model, ref, opt, step, cap, out_dir, rank):
+    """One step of the multi-term objective (--terms; module docstring)."""
+    dp, cp, M = args.dp, args.cp, args.microbatches
+    dp_rank, cp_rank = divmod(rank, cp)
+    batch = make_batch(args.seed, step, args.samples, sft=False, equal=args.equal_lengths)
+    mbs = placement(len(batch), dp, M)[dp_rank]
+    if args.check_grad:
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
+                   os.path.join(out_dir, f"params-step{step}-rank{rank}.pt"))
+    # every count the loss divides by, all-reduced over DP x CP before any backward
+    plan = []
+    for idx in mbs:
+        samples = [batch[i] for i in idx]
+        owned = [lc.zigzag_owned(s["T"], s["R"], cp, cp_rank) for s in samples]
+        m, m_mtp = [], []
+        for s, o in zip(samples, owned):
+            a, b = owned_term_masks(s, o)
+            m += a
+            m_mtp += b
+        plan.append({"samples": samples, "owned": owned, "m": m, "m_mtp": m_mtp, "n": sum(m),
+                     "n_mtp": sum(m_mtp), "n_all": len(m), "full": sum(s["R"] for s in samples)})
+    n_aux = [p["full"] if bug == "aux-no-cp" else p["n_all"] for p in plan]        # the aux count it computes
+    n_mtp = [p["n"] if bug == "mtp-main-count" else p["n_mtp"] for p in plan]       # the MTP count it uses
+    counts = torch.tensor([sum(p["n"] for p in plan), sum(n_mtp), sum(n_aux)], dtype=torch.int64)
+    dist.all_reduce(counts)
+    N, N_mtp, A = (int(x) for x in counts)
+
+    opt.zero_grad()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    coef = {name: d["coef"] for name, d in TERMS.items()}
+    with cap.step(step) as rec:
+        for k, (idx, p) in enumerate(zip(mbs, plan)):
+            if not idx:      # uneven split: a dummy micro-batch that carries no loss
+                rec.microbatch(sample_indices=[], tokens=[], total_lengths=[], response_lengths=[],
+                               loss_masks=[], cp_size=cp, num_tokens=0, dummy=True)
+                continue
+            pieces = [per_token_terms(model, ref, s["tokens"], s["T"], s["R"], o)
+                      for s, o in zip(p["samples"], p["owned"]) if o]
+            if pieces:
+                l, l_kl, l_mtp, l_aux = (torch.cat(parts) for parts in zip(*pieces))
+            else:            # owns nothing here: empty per-token losses still on the graph
+                l, l_kl, l_mtp, l_aux = (model.head.bias[:0] * 1.0 for _ in range(4))
+            m = torch.tensor(p["m"], dtype=l.dtype)
+            m_mtp = torch.tensor(p["m_mtp"], dtype=l.dtype)
+            h = rec.microbatch(sample_indices=idx, tokens=[s["tokens"] for s in p["samples"]],
+                               total_lengths=[s["T"] for s in p["samples"]],
+                               response_lengths=[s["R"] for s in p["samples"]],
+                               loss_masks=[s["mask"] for s in p["samples"]], cp_size=cp,
+                               num_tokens=torch.tensor(p["n"], dtype=torch.int64))
+            h.hook(l)
+            for name, x, n in (("kl", l_kl, p["n"]), ("mtp", l_mtp, n_mtp[k]), ("aux", l_aux, n_aux[k])):
+                h.hook(x, term=name)
+                h.set(num_tokens=torch.tensor(n, dtype=torch.int64), term=name)
+            d_kl = max(p["n"], 1) if bug == "kl-microbatch-mean" else max(N, 1)
+            summed = (l * m).sum()
+            L = (summed / max(N, 1) + coef["kl"] * (l_kl * m).sum() / d_kl
+                 + coef["mtp"] * (l_mtp * m_mtp).sum() / max(N_mtp, 1) + coef["aux"] * l_aux.sum() / max(A, 1))
+            h.loss(L)
+            L.backward()
+            loss_sum += summed.detach().to(torch.float64)
+        dist.all_reduce(loss_sum)
+        params = list(model.parameters())
+        flat = torch.cat([q.grad.reshape(-1) for q in params])
+        dist.all_reduce(flat)            # SUM over DP x CP; the counts were divided inside: grad_scale = 1
+        at = 0
+        for q in params:
+            q.grad.copy_(flat[at:at + q.numel()].view_as(q))
+            at += q.numel()
+        skipped = N == 0
+        if skipped:
+            grad_norm = 0.0
+        else:
+            grad_norm = float(flat.to(torch.float64).norm())
+            opt.step()
+        if args.check_grad:
+            torch.save({n: q.grad.detach().clone() for n, q in model.named_parameters()},
+                       os.path.join(out_dir, f"grad-step{step}-rank{rank}.pt"))
+        rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=skipped, grad_norm=grad_norm,
+                   global_batch_size=len(batch),
+                   metrics_values=torch.stack([torch.tensor(float(N), dtype=torch.float64), loss_sum]),
+                   metrics_keys=["nll"])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--microbatches", type=int, default=2)
-    ap.add_argument("--bug", default="none", help="one of %s, a comma list, or 'all'" % ", ".join(BUGS))
+    ap.add_argument("--bug", default="none", help="one of %s (with --terms: %s), a comma list, or 'all'"
+                    % (", ".join(BUGS), ", ".join(TERM_BUGS)))
     ap.add_argument("--reduce", default="per-token", choices=["per-token"])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1)
@@ -298,11 +458,17 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     ap.add_argument("--check-grad", action="store_true")
     ap.add_argument("--no-capture", action="store_true", help="train without recording (no capture files)")
+    ap.add_argument("--terms", action="store_true", help="the multi-term objective: main + kl, mtp, aux")
+    ap.add_argument("--equal-lengths", action="store_true",
+                    help="with --terms: every sample P = 3, R = 6, all-ones mask")
     args = ap.parse_args(argv)
-    bugs = BUGS if args.bug == "all" else args.bug.split(",")
+    known = TERM_BUGS if args.terms else BUGS
+    bugs = known if args.bug == "all" else args.bug.split(",")
     for b in bugs:
-        if b not in BUGS:
-            ap.error(f"unknown --bug {b!r}; choose from {', '.join(BUGS)}")
+        if b not in known:
+            ap.error(f"unknown --bug {b!r}{' with --terms' if args.terms else ''}; choose from {', '.join(known)}")
+    if args.equal_lengths and not args.terms:
+        ap.error("--equal-lengths needs --terms")
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -320,10 +486,18 @@ def main(argv=None):
         for bug in bugs:
             out_dir = os.path.join(args.out, bug) if len(bugs) > 1 else args.out
             os.makedirs(out_dir, exist_ok=True)
-            model = make_model(args.seed, dtype)
+            model = make_model(args.seed, dtype, mtp=args.terms)
             opt = SGD(model.parameters(), lr=0.1)
+            if args.terms:
+                ref = copy.deepcopy(model).requires_grad_(False)       # frozen: the initial model
+                terms = {n: d for n, d in TERMS.items() if not (bug == "aux-undeclared" and n == "aux")}
+                cap = lc.Capture(out_dir, reduce="per-token", cp=args.cp, terms=terms,
+                                 steps=() if args.no_capture else None)
             for step in range(args.steps):
-                run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank, dp_group)
+                if args.terms:
+                    run_terms_step(args, bug, model, ref, opt, step, cap, out_dir, rank)
+                else:
+                    run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank, dp_group)
         dist.barrier()
     finally:
         dist.destroy_process_group()
