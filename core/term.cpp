@@ -132,8 +132,12 @@ std::vector<uint8_t> term_mask(const Batch& b, const TermMask& mask) {
     case TermMaskKind::kAll: {
       std::vector<uint8_t> out(b.loss_mask.size(), 1);
       for (int64_t i = 0; i < b.num_samples(); ++i) {
-        if (!b.is_removed(i)) continue;
-        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) out[t] = 0;
+        const int64_t begin = b.response_offsets[i], end = b.response_offsets[i + 1];
+        if (b.is_removed(i)) {
+          for (int64_t t = begin; t < end; ++t) out[t] = 0;
+        } else if (end > begin && b.response_lengths[i] == b.total_lengths[i]) {
+          out[end - 1] = 0;  // an SFT sample's last position predicts nothing (SPEC §1)
+        }
       }
       return out;
     }

@@ -15,7 +15,8 @@ namespace lossguard {
 
 // Which response tokens carry a term's loss.
 //   loss     the response's loss mask m_t (the default; the main term's)
-//   all      every response token, masked or not (an aux or z-loss over every position)
+//   all      every response token, masked or not (an aux or z-loss over every position), but the
+//            last of an SFT sample (R = T), which predicts nothing (SPEC §1)
 //   shift:j  multi-token prediction at depth j: m_t · m_{t+j} within the sample; the last j
 //            response tokens carry none
 //   roll:j   Megatron-core's MTP mask at depth j: m_{t+j} within the sample (the loss mask rolled

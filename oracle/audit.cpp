@@ -389,6 +389,28 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
         magnitude += std::fabs(mb.token_weight[j] * (*mb.token_loss)[j]);
       }
     });
+    if (static_cast<int64_t>(mb.token_weight.size()) != owns) {
+      throw_input_error(
+          "{}: {}: token_weight has {} entries but the rank owns {} response tokens of its "
+          "samples at CP size {} ({} layout)",
+          c.file, mbname, mb.token_weight.size(), owns, mb.cp_size,
+          mode_name(out.layout.cp_layout));
+    }
+    for (const auto& [name, term] : mb.terms) {
+      if (static_cast<int64_t>(term.token_weight.size()) != owns ||
+          (term.token_loss && term.token_loss->size() != term.token_weight.size())) {
+        throw_input_error(
+            "{}: {}: term {}: token_weight has {} entries{} but the rank owns {} response tokens "
+            "of its samples (a term is hooked over the same owned tokens)",
+            c.file, mbname, name, term.token_weight.size(),
+            term.token_loss ? fmt::format(" and token_loss {}", term.token_loss->size()) : "",
+            owns);
+      }
+      if (term.mask && static_cast<int64_t>(term.mask->size()) != static_cast<int64_t>(mb.loss_masks.size())) {
+        throw_input_error("{}: {}: term {}: mask has {} entries, the micro-batch's loss_masks {}",
+                          c.file, mbname, name, term.mask->size(), mb.loss_masks.size());
+      }
+    }
     // The backpropagated loss is the sum of every term's: each term's sum of weight × loss.
     std::string term_without_loss;
     for (const auto& [name, term] : mb.terms) {
@@ -397,16 +419,12 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
         continue;
       }
       for (std::size_t j = 0; j < term.token_weight.size(); ++j) {
+        check_finite(m.nonfinite_loss, c,
+                     fmt::format("{} term.{}.token_loss[{}]", mbname, name, j),
+                     (*term.token_loss)[j]);
         weighted_loss += term.token_weight[j] * (*term.token_loss)[j];
         magnitude += std::fabs(term.token_weight[j] * (*term.token_loss)[j]);
       }
-    }
-    if (static_cast<int64_t>(mb.token_weight.size()) != owns) {
-      throw_input_error(
-          "{}: {}: token_weight has {} entries but the rank owns {} response tokens of its "
-          "samples at CP size {} ({} layout)",
-          c.file, mbname, mb.token_weight.size(), owns, mb.cp_size,
-          mode_name(out.layout.cp_layout));
     }
     ar.owned_tokens += owns;
     if (mb.num_tokens) {
@@ -455,8 +473,14 @@ std::string tp_disagreement(const LossRanks& ranks) {
     bool same = peer->microbatches.size() == lead.microbatches.size() &&
                 peer->grad_scale == lead.grad_scale;
     for (std::size_t k = 0; same && k < lead.microbatches.size(); ++k) {
-      same = peer->microbatches[k].token_weight == lead.microbatches[k].token_weight &&
-             peer->microbatches[k].sample_indices == lead.microbatches[k].sample_indices;
+      const auto& a = peer->microbatches[k];
+      const auto& b = lead.microbatches[k];
+      same = a.token_weight == b.token_weight && a.sample_indices == b.sample_indices &&
+             a.terms.size() == b.terms.size();
+      for (auto it = a.terms.begin(), jt = b.terms.begin(); same && it != a.terms.end();
+           ++it, ++jt) {
+        same = it->first == jt->first && it->second.token_weight == jt->second.token_weight;
+      }
     }
     if (!same) return fmt::format("{} disagrees with its TP rank 0 ({})", where(*peer), lead.file);
   }
@@ -607,7 +631,9 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
       }
     }
   }
-  for (const auto& [name, first_weight] : hooked) {
+  for (const auto& entry : hooked) {
+    const std::string& name = entry.first;  // (a structured binding clang cannot capture)
+    const std::string& first_weight = entry.second;
     const bool is_declared =
         std::any_of(declared.begin(), declared.end(), [&](const Term& t) { return t.name == name; });
     if (is_declared) continue;
@@ -705,7 +731,8 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
     int64_t num_tokens_seen = 0;
     const bool per_token =
         decl.reduce == Reduction::kPerToken || decl.reduce == Reduction::kTokenMean;
-    for (const auto& [coord, c] : ranks.by_coord) {
+    for (const auto& entry : ranks.by_coord) {
+      const RankCapture* c = entry.second;
       for (const CapturedMicroBatch& mb : c->microbatches) {
         if (mb.dummy) continue;
         auto it = mb.terms.find(name);

@@ -3,10 +3,15 @@
 // per loss rank whose token_weight is what a correct trainer records — then applies one mutation:
 // a value (a weight scaled, inf, NaN, a grad_scale, a loss), a shape (a weight dropped or added),
 // metadata (rank, world, reduce, global_batch_size), the layout (a sample held by two CP
-// sub-groups, a micro-batch marked dummy). Besides ASan and UBSan, it traps when audit passes a
-// step with something planted wrong, or fails the unmutated correct step.
+// sub-groups, a micro-batch marked dummy). Half the steps also carry a declared loss term (SPEC
+// §11: a KL-like term over the loss mask, shift:1, roll:1 or all, with a coefficient), recorded
+// as a correct trainer records it; mutations of the term: a term weight off or not finite, the
+// declaration lost, a term hook missing on a rank, a term record of the wrong length. Besides
+// ASan and UBSan, it traps when audit passes a step with something planted wrong, or fails the
+// unmutated correct step.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstddef>
@@ -18,6 +23,7 @@
 #include "core/contract.h"
 #include "core/errors.h"
 #include "core/rank_capture.h"
+#include "core/term.h"
 #include "oracle/audit.h"
 #include "oracle/placement.h"
 #include "oracle/weights.h"
@@ -30,6 +36,7 @@ struct Step {
   Batch batch;
   StepLayout layout;
   std::vector<RankCapture> captures;
+  bool with_term = false;
 };
 
 Step build_step(FuzzedDataProvider& in, Reduction reduce) {
@@ -72,6 +79,20 @@ Step build_step(FuzzedDataProvider& in, Reduction reduce) {
   // What a correct trainer records: each loss rank's owned tokens in local order, weighted w*.
   const std::vector<double> truth = oracle::true_weights(s.batch, reduce, {});
   const oracle::PlacedTokens placed = oracle::place_tokens(s.batch, s.layout);
+  // A declared term, weighed as a correct trainer weighs it: coef x its own objective's w*.
+  Term term;
+  term.name = "kl";
+  term.reduce = reduce;
+  s.with_term = in.ConsumeBool();
+  std::vector<double> term_truth;
+  if (s.with_term) {
+    const double coefs[] = {0.1, 1.0, 2.5, -0.01};
+    term.coef = coefs[in.ConsumeIntegralInRange(0, 3)];
+    const char* masks[] = {"loss", "shift:1", "roll:1", "all"};
+    term.mask = parse_term_mask(masks[in.ConsumeIntegralInRange(0, 3)], "fuzz");
+    term_truth = oracle::true_weights(with_mask(s.batch, term_mask(s.batch, term.mask)), reduce, {});
+    for (double& w : term_truth) w *= term.coef;
+  }
   for (int64_t d = 0; d < dp; ++d) {
     for (int64_t c = 0; c < cp; ++c) {
       RankCapture rc;
@@ -84,6 +105,7 @@ Step build_step(FuzzedDataProvider& in, Reduction reduce) {
       rc.dp_rank = d;
       rc.cp_layout = s.layout.cp_layout;
       rc.reduce = std::string(mode_name(reduce));
+      if (s.with_term) rc.terms.push_back(term);
       for (const MicroBatch& mb : s.layout.microbatches) {
         if (mb.dp_rank != d) continue;
         CapturedMicroBatch cm;
@@ -99,10 +121,14 @@ Step build_step(FuzzedDataProvider& in, Reduction reduce) {
             for (int64_t t = s.batch.response_offsets[i]; t < s.batch.response_offsets[i + 1];
                  ++t) {
               cm.loss_masks.push_back(s.batch.loss_mask[t]);
-              if (placed.place.owner[t] == c) cm.token_weight.push_back(truth[t]);
+              if (placed.place.owner[t] != c) continue;
+              cm.token_weight.push_back(truth[t]);
+              if (s.with_term) cm.terms["kl"].token_weight.push_back(term_truth[t]);
             }
           }
         }
+        // a rank that owns nothing still hooks the term (an empty record), as the recorder writes
+        if (s.with_term) cm.terms["kl"];
         rc.microbatches.push_back(std::move(cm));
       }
       s.captures.push_back(std::move(rc));
@@ -138,12 +164,15 @@ bool audit_passes(const std::vector<RankCapture>& captures, bool strict, bool ma
   }
 }
 
-// The first (rank, micro-batch, position) with an effective token's weight, if any.
-double* first_weight(std::vector<RankCapture>& captures, FuzzedDataProvider& in) {
+// A (rank, micro-batch, position) with an effective token's weight, if any: of the main term, or
+// of the term `kl`.
+double* first_weight(std::vector<RankCapture>& captures, FuzzedDataProvider& in,
+                     bool of_term = false) {
   std::vector<double*> all;
   for (auto& c : captures) {
     for (auto& mb : c.microbatches) {
-      for (double& w : mb.token_weight) {
+      if (of_term && !mb.terms.count("kl")) continue;
+      for (double& w : of_term ? mb.terms["kl"].token_weight : mb.token_weight) {
         if (w != 0.0) all.push_back(&w);
       }
     }
@@ -166,7 +195,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The correct step passes (strictly: its weights are exact).
   if (!audit_passes(s.captures, true)) __builtin_trap();
 
-  const int mutation = in.ConsumeIntegralInRange(0, 11);
+  const int mutation = in.ConsumeIntegralInRange(0, 16);
   std::vector<RankCapture> c = s.captures;
   bool planted_wrong = true;  // the mutation makes the step wrong: audit must not pass it
   bool strict = false;        // judged as with --strict-scale (a lone token's error is a "scale")
@@ -295,6 +324,53 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       r.microbatches.front().cp_size = in.ConsumeIntegralInRange<int64_t>(-2, 9);
       planted_wrong = r.microbatches.front().cp_size != s.layout.microbatches.front().cp_size;
       if (!planted_wrong) return 0;
+      break;
+    }
+    case 12: {  // one term weight off: the term's balance against main changed
+      double* w = first_weight(c, in, true);
+      if (w == nullptr) return 0;
+      *w *= 1.0 + in.ConsumeFloatingPointInRange(1e-3, 10.0) * (in.ConsumeBool() ? 1 : -0.09);
+      break;
+    }
+    case 13: {  // a non-finite term weight
+      double* w = first_weight(c, in, true);
+      if (w == nullptr) return 0;
+      *w = in.ConsumeBool() ? INFINITY : NAN;
+      break;
+    }
+    case 14: {  // the term's declaration lost while it still weighs something
+      if (!s.with_term || first_weight(c, in, true) == nullptr) return 0;
+      for (auto& r : c) r.terms.clear();
+      break;
+    }
+    case 15: {  // a rank that owns term tokens did not hook the term: their gradient is dropped
+      if (!s.with_term) return 0;
+      bool dropped = false;
+      for (auto& r : c) {
+        for (auto& mb : r.microbatches) {
+          auto it = mb.terms.find("kl");
+          if (dropped || it == mb.terms.end()) continue;
+          const bool weighs = std::any_of(it->second.token_weight.begin(),
+                                          it->second.token_weight.end(),
+                                          [](double x) { return x != 0.0; });
+          if (!weighs) continue;
+          mb.terms.erase(it);
+          dropped = true;
+        }
+      }
+      if (!dropped) return 0;
+      break;
+    }
+    case 16: {  // a term record of the wrong length
+      if (!s.with_term) return 0;
+      auto& r = c[in.ConsumeIntegralInRange<std::size_t>(0, c.size() - 1)];
+      if (r.microbatches.empty()) return 0;
+      auto& w = r.microbatches.front().terms["kl"].token_weight;
+      if (in.ConsumeBool() && !w.empty()) {
+        w.pop_back();
+      } else {
+        w.push_back(0.0);
+      }
       break;
     }
     default: {  // a harmless change: a grad_norm and a decision that agree with the step
