@@ -136,8 +136,9 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
 // (a policy term off by ×2 under Adam is harmless; a KL term that is not off with it is not).
 struct TermRun {
   TermContract tc;
-  std::optional<Batch> own;  // the term's batch when its mask is not the loss mask
-  const Batch* batch = nullptr;
+  std::optional<Batch> own;          // the term's batch when its mask is not the loss mask
+  const Batch* step_batch = nullptr;  // else the step's
+  const Batch& batch() const { return own ? *own : *step_batch; }
   std::vector<double> truth;
   oracle::ContractWeights got;
   int64_t effective = 0;
@@ -145,34 +146,47 @@ struct TermRun {
   std::vector<oracle::InvarianceResult> invariance;
   std::vector<oracle::ShardRatio> shards;
   oracle::WeightsVerdict verdict;
+  oracle::ObjectiveSizes sizes;
+  bool strict_scale = false;
   bool is_main() const { return tc.term.name == kMainTerm; }
 };
 
 TermRun weigh_term(const TermContract& tc, const Batch& step_batch, const StepLayout& layout,
-                   const oracle::ObjectiveSizes& sizes, Split split, oracle::Variations vary,
-                   double relative_to, bool strict_scale) {
+                   const oracle::ObjectiveSizes& sizes, double relative_to, bool strict_scale,
+                   const oracle::PlacedTokens* placed = nullptr) {
   TermRun run;
   run.tc = tc;
   if (tc.term.mask.kind != TermMaskKind::kLoss) {
     run.own = with_mask(step_batch, term_mask(step_batch, tc.term.mask));
-    run.batch = &*run.own;
-  } else {
-    run.batch = &step_batch;
   }
-  const Batch& b = *run.batch;
+  run.step_batch = &step_batch;
+  const Batch& b = run.batch();
   run.truth = oracle::true_weights(b, tc.term.reduce, sizes);
   if (relative_to != 1.0) {
     for (double& w : run.truth) w *= relative_to;
   }
-  run.got = oracle::contract_weights(b, layout, tc.contract, sizes);
+  run.got = oracle::contract_weights(b, layout, tc.contract, sizes, placed);
   for (uint8_t m : b.loss_mask) run.effective += m;
   run.dg = oracle::diagnose_weights(b, run.got.weight, run.truth, run.got.place, layout,
                                     run.effective, run.got.global_count);
-  run.invariance = oracle::check_split_invariance(b, layout, tc.contract, sizes, split, run.truth,
-                                                  vary, &run.got);
   run.shards = oracle::shard_ratios(b, run.got.weight, run.truth, run.got.place, layout);
-  run.verdict = oracle::weights_verdict(run.dg, run.got, run.invariance, strict_scale);
-  return run;
+  run.sizes = sizes;
+  run.strict_scale = strict_scale;
+  return run;  // I5 and the verdict: weigh_invariance, for every term at once
+}
+
+// I5 of every term at once (each variation placed once), then each term's verdict.
+void weigh_invariance(std::vector<TermRun>& runs, const StepLayout& layout, Split split,
+                      oracle::Variations vary) {
+  std::vector<oracle::TermInvariance> inputs;
+  for (const TermRun& r : runs)
+    inputs.push_back({&r.batch(), &r.tc.contract, r.sizes, &r.truth, &r.got});
+  auto invariance = oracle::check_split_invariance_terms(inputs, layout, split, vary);
+  for (std::size_t k = 0; k < runs.size(); ++k) {
+    runs[k].invariance = std::move(invariance[k]);
+    runs[k].verdict =
+        oracle::weights_verdict(runs[k].dg, runs[k].got, runs[k].invariance, runs[k].strict_scale);
+  }
 }
 
 nlohmann::ordered_json contract_json(const Contract& contract) {
@@ -191,7 +205,7 @@ nlohmann::ordered_json contract_json(const Contract& contract) {
 // The weights line, the ratio table, I5 and (with --per-token) every token, of one term.
 void print_term(std::ostream& out, const TermRun& run, const StepLayout& layout,
                 const WeightsOptions& o) {
-  const Batch& b = *run.batch;
+  const Batch& b = run.batch();
   const auto& dg = run.dg;
   out << fmt::format("weights: {}\n", dg.summary());
   if (!dg.exact() && run.shards.size() <= 64 * 8) {
@@ -305,13 +319,16 @@ void weights_step(const WeightsOptions& o, const StepView& v,
 
   // Main first: the other terms are judged relative to its scale.
   std::vector<TermRun> runs;
-  runs.push_back(weigh_term(terms[0], b, layout, sizes, split, vary, 1.0, o.strict_scale));
+  runs.push_back(weigh_term(terms[0], b, layout, sizes, 1.0, o.strict_scale));
   const double main_scale = runs[0].dg.kind == "uniform-scale" ? runs[0].dg.scale : 1.0;
   oracle::ObjectiveSizes term_sizes = sizes;
   term_sizes.main_mask = &b.loss_mask;  // count-of=main
+  // Every term's samples sit where main's do: one placement for all.
+  const oracle::PlacedTokens placed{runs[0].got.place, runs[0].got.problems};
   for (std::size_t k = 1; k < terms.size(); ++k) {
-    runs.push_back(weigh_term(terms[k], b, layout, term_sizes, split, vary, main_scale, true));
+    runs.push_back(weigh_term(terms[k], b, layout, term_sizes, main_scale, true, &placed));
   }
+  weigh_invariance(runs, layout, split, vary);
   const bool multi = runs.size() > 1;
   bool fails = false;
   for (const auto& r : runs) fails |= r.verdict.fails;
@@ -444,7 +461,7 @@ void weights_step(const WeightsOptions& o, const StepView& v,
                                   {"diagnosis", diagnosis_json(r.dg)},
                                   {"invariance", invariance_json(r.invariance)}};
       if (o.per_token && ctx.want_json) {
-        t["samples"] = report.raw_value(per_token_json(*r.batch, r.got.weight, r.truth));
+        t["samples"] = report.raw_value(per_token_json(r.batch(), r.got.weight, r.truth));
       }
       terms_json.push_back(std::move(t));
     }

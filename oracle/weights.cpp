@@ -182,13 +182,18 @@ PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
 }
 
 ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const Contract& contract,
-                                 const ObjectiveSizes& sizes_in) {
+                                 const ObjectiveSizes& sizes_in, const PlacedTokens* given) {
   const ObjectiveSizes z = resolve_sizes(b, sizes_in);
   const int64_t s = b.num_samples(), cp = layout.cp;
   ContractWeights out;
-  PlacedTokens placed = place_tokens(b, layout);
-  out.place = std::move(placed.place);
-  out.problems = std::move(placed.problems);
+  if (given != nullptr) {
+    out.place = given->place;
+    out.problems = given->problems;
+  } else {
+    PlacedTokens placed = place_tokens(b, layout);
+    out.place = std::move(placed.place);
+    out.problems = std::move(placed.problems);
+  }
   const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
 
   std::vector<int64_t> m(static_cast<std::size_t>(s));
@@ -635,9 +640,35 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
                                                      const std::vector<double>& truth,
                                                      Variations vary,
                                                      const ContractWeights* base_weights) {
-  const ContractWeights computed =
-      base_weights != nullptr ? ContractWeights{} : contract_weights(b, base, contract, sizes);
-  const ContractWeights& ref = base_weights != nullptr ? *base_weights : computed;
+  TermInvariance term{&b, &contract, sizes, &truth, base_weights};
+  return std::move(check_split_invariance_terms({term}, base, split, vary).front());
+}
+
+std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
+    const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
+    Variations vary) {
+  if (terms.empty()) return {};
+  const Batch& b0 = *terms.front().batch;
+  struct Reference {
+    ContractWeights computed;
+    const ContractWeights* weights = nullptr;
+    int64_t true_count = 0;
+    WeightDiagnosis diagnosis;
+  };
+  std::vector<Reference> refs(terms.size());
+  for (std::size_t k = 0; k < terms.size(); ++k) {
+    const TermInvariance& t = terms[k];
+    if (t.base_weights == nullptr) {
+      refs[k].computed = contract_weights(*t.batch, base, *t.contract, t.sizes);
+      refs[k].weights = &refs[k].computed;
+    } else {
+      refs[k].weights = t.base_weights;
+    }
+    for (uint8_t m : t.batch->loss_mask) refs[k].true_count += m;
+    refs[k].diagnosis = diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth,
+                                         refs[k].weights->place, base, refs[k].true_count,
+                                         refs[k].weights->global_count);
+  }
   const int64_t base_m = base.dp > 0 ? base.num_microbatches(0) : 1;
   struct Variant {
     int64_t dp, m, cp;
@@ -654,64 +685,74 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
   for (int64_t x : {1, 2, 4, 8}) {
     if (vary.cp && x != base.cp) variants.push_back({base.dp, base_m, x, fmt::format("CP {}", x)});
   }
-  int64_t true_count = 0;
-  for (uint8_t m : b.loss_mask) true_count += m;
-  const WeightDiagnosis base_diagnosis =
-      diagnose_weights(b, ref.weight, truth, ref.place, base, true_count, ref.global_count);
-  // One variation: its weights against the base layout's, and (when they differ) against the truth.
-  auto evaluate = [&](const Variant& v) -> std::optional<InvarianceResult> {
-    StepLayout l =
-        static_layout(place_samples(b.num_samples(), v.dp, v.m, split), v.cp, base.tp, base.shard);
+  // One variation: its placement once; per term, its weights against the base layout's and
+  // (when they differ) against the truth. Empty: a layout that cannot hold the batch.
+  auto evaluate = [&](const Variant& v) -> std::vector<InvarianceResult> {
+    StepLayout l = static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp,
+                                 base.tp, base.shard);
     l.cp_layout = base.cp_layout;
     l.allgather_pad = base.allgather_pad;
-    InvarianceResult res;
-    res.layout = {{"dp", v.dp}, {"cp", v.cp}, {"microbatches", v.m}};
-    res.label = v.label;
-    ContractWeights w;
+    PlacedTokens placed;
     try {
-      w = contract_weights(b, l, contract, sizes);
+      placed = place_tokens(b0, l);
     } catch (const InputError&) {
-      return std::nullopt;  // a layout that cannot hold the batch (bshd, a short max length)
+      return {};  // a layout that cannot hold the batch (bshd, a short max length)
     }
-    double worst = -1.0;
-    for (int64_t i = 0; i < b.num_samples(); ++i) {
-      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-        const double a = ref.weight[t], c = w.weight[t];
-        if (a == c && std::isfinite(a)) continue;
-        const double rel = std::isfinite(a) && std::isfinite(c)
-                               ? std::fabs(a - c) / std::max(std::fabs(a), std::fabs(c))
-                               : INFINITY;  // an infinite or NaN weight differs from anything
-        if (rel > worst) {
-          worst = rel;
-          res.worst = coord_of(b, i, t, w.place, l, c, a);
+    std::vector<InvarianceResult> out;
+    for (std::size_t k = 0; k < terms.size(); ++k) {
+      const Batch& b = *terms[k].batch;
+      const ContractWeights& ref = *refs[k].weights;
+      InvarianceResult res;
+      res.layout = {{"dp", v.dp}, {"cp", v.cp}, {"microbatches", v.m}};
+      res.label = v.label;
+      ContractWeights w;
+      try {
+        w = contract_weights(b, l, *terms[k].contract, terms[k].sizes, &placed);
+      } catch (const InputError&) {
+        return {};
+      }
+      double worst = -1.0;
+      for (int64_t i = 0; i < b.num_samples(); ++i) {
+        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+          const double a = ref.weight[t], c = w.weight[t];
+          if (a == c && std::isfinite(a)) continue;
+          const double rel = std::isfinite(a) && std::isfinite(c)
+                                 ? std::fabs(a - c) / std::max(std::fabs(a), std::fabs(c))
+                                 : INFINITY;  // an infinite or NaN weight differs from anything
+          if (rel > worst) {
+            worst = rel;
+            res.worst = coord_of(b, i, t, w.place, l, c, a);
+          }
         }
       }
+      res.max_rel_diff = std::max(worst, 0.0);
+      res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
+      res.against_truth = res.ok ? refs[k].diagnosis
+                                 : diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
+                                                    refs[k].true_count, w.global_count);
+      out.push_back(std::move(res));
     }
-    res.max_rel_diff = std::max(worst, 0.0);
-    res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
-    res.against_truth =
-        res.ok ? base_diagnosis
-               : diagnose_weights(b, w.weight, truth, w.place, l, true_count, w.global_count);
-    return res;
+    return out;
   };
   // Variations are independent: a few at a time on their own threads (each holds a weight vector
-  // the size of the batch's response tokens).
+  // the size of the batch's response tokens per term).
   const std::size_t threads =
-      b.num_response_tokens() < (1 << 16)
+      b0.num_response_tokens() < (1 << 16)
           ? 1  // small batches: a thread costs more than the work
           : std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 4);
-  std::vector<std::optional<InvarianceResult>> results(variants.size());
+  std::vector<std::vector<InvarianceResult>> results(variants.size());
   for (std::size_t start = 0; start < variants.size(); start += threads) {
-    std::vector<std::future<std::optional<InvarianceResult>>> running;
+    std::vector<std::future<std::vector<InvarianceResult>>> running;
     for (std::size_t k = start; k < std::min(variants.size(), start + threads); ++k) {
       running.push_back(std::async(threads > 1 ? std::launch::async : std::launch::deferred,
                                    evaluate, std::cref(variants[k])));
     }
     for (std::size_t k = 0; k < running.size(); ++k) results[start + k] = running[k].get();
   }
-  std::vector<InvarianceResult> out;
-  for (auto& r : results) {
-    if (r) out.push_back(std::move(*r));
+  std::vector<std::vector<InvarianceResult>> out(terms.size());
+  for (auto& per_variant : results) {
+    if (per_variant.size() != terms.size()) continue;
+    for (std::size_t k = 0; k < terms.size(); ++k) out[k].push_back(std::move(per_variant[k]));
   }
   return out;
 }

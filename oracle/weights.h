@@ -61,9 +61,11 @@ struct ContractWeights {
   std::vector<std::string> problems;  // a sample placed twice or not at all (coverage)
 };
 
-// Throws InputError when the layout cannot hold the batch (a sample index out of range).
+// Throws InputError when the layout cannot hold the batch (a sample index out of range). `placed`:
+// place_tokens(batch, layout) when the caller has it (loss terms of one step share it).
 ContractWeights contract_weights(const Batch& batch, const StepLayout& layout,
-                                 const Contract& contract, const ObjectiveSizes& sizes);
+                                 const Contract& contract, const ObjectiveSizes& sizes,
+                                 const PlacedTokens* placed = nullptr);
 
 // Where a token sits, for reports.
 struct TokenCoord {
@@ -133,6 +135,20 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& batch, const S
                                                      const std::vector<double>& truth,
                                                      Variations vary = {},
                                                      const ContractWeights* base_weights = nullptr);
+
+// I5 of several loss terms of one step (SPEC §11) at once: their batches differ only in the mask,
+// so each variation's placement is computed once and shared. Result [term][variation], as
+// check_split_invariance gives for each term alone.
+struct TermInvariance {
+  const Batch* batch = nullptr;  // the term's batch (its mask); every term's has the same samples
+  const Contract* contract = nullptr;
+  ObjectiveSizes sizes;
+  const std::vector<double>* truth = nullptr;
+  const ContractWeights* base_weights = nullptr;  // on `base`
+};
+std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
+    const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
+    Variations vary = {});
 
 // The verdict of `weights`: the contract on the given layout, and on every variation of it. A
 // contract whose weights change with the layout fails even where it happens to be right or only
