@@ -78,6 +78,18 @@ run audit "$CAP/none"
 step "The same trainer with a mean per micro-batch: audit measures it, names the shape and the contract that reproduces it"
 run audit "$CAP/microbatch-mean" --svg /tmp/lossguard-demo-audit.svg
 
+step "Multi-term losses: a KL term averaged per micro-batch while the policy term uses the global count (NeMo-RL #3791, verl #7200): named per term, relative to the policy"
+run weights "$EX/gen_random.safetensors" --contract megatron-per-token --term kl:per-token:0.1 --contract kl=norm=microbatch --term mtp:per-token:0.3:roll:1 --dp 2 --microbatches 2 --vary none
+step "Megatron-core 0.16's MTP loss under calculate_per_token_loss is divided by the main loss's count, not its own shifted one"
+run weights "$EX/gen_random.safetensors" --contract megatron-per-token --term mtp:per-token:0.3:roll:1 --contract mtp=megatron-mtp-per-token --dp 2 --vary none
+step "The mini trainer with a KL, an MTP and an aux term, the KL averaged per micro-batch: audit measures each term's weights from its own hook"
+printf '$ torchrun --nproc-per-node 4 tests/audit/mini_trainer.py --dp 2 --cp 2 --microbatches 2 --terms --bug none,kl-microbatch-mean ...\n'
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 tests/audit/mini_trainer.py \
+  --out "$CAP/terms" --dp 2 --cp 2 --microbatches 2 --terms --bug none,kl-microbatch-mean --steps 1 >/dev/null 2>&1 \
+  || echo "(the mini trainer did not run: $PY needs torch)"
+run audit "$CAP/terms/none" | tail -4
+run audit "$CAP/terms/kl-microbatch-mean"
+
 step "The real Hugging Face Trainer, audited from its own loss path: lossguard_capture.hf.attach(trainer, \"captures\")"
 HF_PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}-hf/bin/python"
 if [ -x "$HF_PY" ]; then
