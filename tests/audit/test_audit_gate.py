@@ -264,3 +264,111 @@ def test_ranks_that_disagree_on_l_norm_are_an_input_error(tmp_path):
     rewrite(tmp_path, 2, lambda t: t.__setitem__("l_norm", torch.tensor(12.0, dtype=torch.float64)))
     code, _, err = audit(tmp_path)
     assert code == 2 and "l_norm" in err and "rank00002" in err, err
+
+
+# Loss terms (docs/semantics.md §11): a KL term hooked besides the main one, then edited as above.
+KL_COEF = 0.1
+
+
+def write_terms_step(out):
+    gen = torch.Generator().manual_seed(1)
+    terms = {"kl": dict(reduce="per-token", coef=KL_COEF, mask="loss")}
+    for d in range(2):
+        for c in range(2):
+            rec = lc.Recorder(out, 0, d * 2 + c, 4, cp=2, dp=2, cp_rank=c, dp_rank=d, terms=terms)
+            for cp_size, groups in STATIC[d]:
+                idx = groups[c // cp_size]
+                owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
+                mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js],
+                                    dtype=torch.float32)
+                h = rec.microbatch(idx, [tokens_of(i) for i in idx], [SAMPLES[i][0] for i in idx],
+                                   [SAMPLES[i][1] for i in idx], [SAMPLES[i][2] for i in idx], cp_size)
+                main = (torch.rand(mask.numel(), generator=gen) * 3).requires_grad_()
+                kl = torch.rand(mask.numel(), generator=gen).requires_grad_()
+                h.hook(main)
+                h.hook(kl, term="kl")
+                loss = (main * mask).sum() / N + KL_COEF * (kl * mask).sum() / N
+                h.loss(loss)
+                loss.backward()
+            rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0)
+
+
+@pytest.fixture(scope="module")
+def good_terms(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gate-terms")
+    write_terms_step(str(out))
+    return out
+
+
+def test_terms_correct_captures_pass(good_terms):
+    code, doc, err = audit(good_terms, "--strict-scale")
+    assert code == 0, (failed_checks(doc) if doc else None, err)
+    term = doc["steps"][0]["terms"][0]
+    assert (term["name"], term["coef"], term["mask"], term["tokens"]) == ("kl", KL_COEF, "loss", N)
+    assert term["diagnosis"]["kind"] == "exact"
+    names = {c["name"]: c["ok"] for c in doc["steps"][0]["checks"]}
+    assert names["kl.weights"] is True and names["kl.coverage"] is True and names["loss"] is True
+
+
+@pytest.mark.parametrize("key,value,needle", [
+    ("term.kl.coef", "nan", "term.kl.coef: coefficient 'nan' is not a finite number"),
+    ("term.kl.coef", "1e999", "coefficient '1e999'"),
+    ("term.kl.mask", "rolled", "unknown mask 'rolled'"),
+    ("term.kl.reduce", "mean", "term.kl.reduce = 'mean'"),
+    ("term.ent.reduce", "per-token", "names term 'ent', which metadata terms does not declare"),
+    ("terms", "kl,Main", "term 'Main'"),
+])
+def test_terms_bad_declarations_exit_2_naming_term_file_and_field(good_terms, tmp_path, key, value, needle):
+    d = edited(good_terms, tmp_path, 2, lambda t: None, lambda m: m.__setitem__(key, value))
+    code, _, err = audit(d)
+    assert code == 2, err
+    assert needle in err and "rank00002" in err, err
+
+
+def test_terms_record_of_the_wrong_length_exits_2(good_terms, tmp_path):
+    def drop(t):
+        t["mb.0.term.kl.token_weight"] = t["mb.0.term.kl.token_weight"][:-1].clone()
+    d = edited(good_terms, tmp_path, 1, drop)
+    code, _, err = audit(d)
+    assert code == 2 and "term kl" in err and "token_weight" in err and "rank00001" in err, err
+
+
+def test_terms_nonfinite_term_weight_fails(good_terms, tmp_path):
+    def inf(t):
+        w = t["mb.0.term.kl.token_weight"].clone()
+        w[first_nonzero(t, "mb.0.term.kl.token_weight")] = float("inf")
+        t["mb.0.term.kl.token_weight"] = w
+    code, doc, _ = audit(edited(good_terms, tmp_path, 1, inf))  # rank 1 owns weighted KL tokens
+    assert code == 1 and "not finite" in failed_checks(doc)["kl.weights"]
+
+
+def test_terms_kl_off_by_a_factor_fails_relative_to_main(good_terms, tmp_path):
+    d = tmp_path / "scaled"
+    shutil.copytree(good_terms, d)
+    for rank in range(4):
+        def double(t):
+            for k in [k for k in t if k.endswith("term.kl.token_weight")]:
+                t[k] = t[k] * 2
+        rewrite(d, rank, double)
+    code, doc, _ = audit(d)  # a uniform scale of a term fails even without --strict-scale
+    assert code == 1 and "kl.weights" in failed_checks(doc)
+    diag = doc["steps"][0]["terms"][0]["diagnosis"]
+    assert diag["kind"] == "uniform-scale" and abs(diag["scale"] - 2.0) < 1e-6
+
+
+def test_terms_undeclared_weighted_term_fails_and_a_declared_unhooked_term_is_not_run(good_terms, tmp_path):
+    d = tmp_path / "undeclared"
+    shutil.copytree(good_terms, d)
+    for rank in range(4):
+        rewrite(d, rank, lambda t: None,
+                lambda m: [m.pop(k) for k in [k for k in m if k == "terms" or k.startswith("term.")]])
+    code, doc, _ = audit(d)
+    assert code == 1 and "kl.declared" in failed_checks(doc), doc
+    d2 = tmp_path / "unhooked"
+    shutil.copytree(good_terms, d2)
+    for rank in range(4):
+        rewrite(d2, rank, lambda t: None, lambda m: m.update({"terms": "kl,ent"}))
+    code, doc, _ = audit(d2)
+    checks = {c["name"]: c for c in doc["steps"][0]["checks"]}
+    assert code == 0 and checks["ent.weights"]["ok"] is None, checks
+    assert "no rank hooked it" in checks["ent.weights"]["detail"]
