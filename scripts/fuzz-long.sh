@@ -15,7 +15,10 @@ for t in "${targets[@]}"; do
   dir=$(mktemp -d)
   bash tests/fuzz/make_corpus.sh "$t" fixtures/data "$dir"
   start=$(date +%s)
+  # a crashing input goes to ${FUZZ_ARTIFACTS:-/tmp}/lossguard-fuzz-TARGET-crash-* (not into the tree);
+  # keep it as tests/fuzz/regressions/TARGET-NAME once fixed: every later run starts from it
   "$build/tests/fuzz/fuzz_$t" -runs="$runs" -print_funcs=0 -print_final_stats=1 -max_len=65536 -timeout=10 \
+    -artifact_prefix="${FUZZ_ARTIFACTS:-/tmp}/lossguard-fuzz-$t-" \
     -rss_limit_mb=2048 "$dir" 2>&1 | grep -E "stat::number_of_executed_units|ERROR|SUMMARY" | sed "s/^/$t: /"
   echo "$t: $(( $(date +%s) - start )) s"
   rm -rf "$dir"

@@ -147,6 +147,10 @@ bool audit_passes(const std::vector<RankCapture>& captures, bool strict, bool ma
   opt.match_presets = match;  // the preset search is most of the time; exercised 1 input in 64
   try {
     for (const auto& step : oracle::audit_captures(captures, opt)) {
+      if (verbose && !step.failed(strict)) {
+        for (const auto& c : step.checks)
+          std::fprintf(stderr, "  (pass) %s: %s\n", c.name.c_str(), c.detail.c_str());
+      }
       if (!step.failed(strict)) continue;
       if (verbose) {
         for (const auto& c : step.checks) std::fprintf(stderr, "  %s: %s\n", c.name.c_str(), c.detail.c_str());
@@ -359,6 +363,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         }
       }
       if (!dropped) return 0;
+      // Dropped from the only micro-batch that hooked it: a declared term no rank hooked is
+      // "not run" (SPEC §11), never passed.
+      bool still_hooked = false;
+      for (auto& r : c) {
+        for (auto& mb : r.microbatches) still_hooked |= mb.terms.count("kl") > 0;
+      }
+      if (!still_hooked) {
+        try {
+          for (const auto& step : oracle::audit_captures(c, {})) {
+            for (const auto& check : step.checks) {
+              if (check.name == "kl.weights" && check.ok.has_value()) __builtin_trap();
+            }
+          }
+        } catch (const InputError&) {
+        }
+        planted_wrong = false;
+      }
       break;
     }
     case 16: {  // a term record of the wrong length
@@ -385,7 +406,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
   }
   const bool passes = audit_passes(c, strict, in.ConsumeIntegralInRange(0, 63) == 0);
+  if (std::getenv("LOSSGUARD_FUZZ_VERBOSE") != nullptr) {
+    std::fprintf(stderr, "mutation %d (term: %d): planted wrong %d, audit passes %d\n", mutation,
+                 s.with_term ? 1 : 0, planted_wrong ? 1 : 0, passes ? 1 : 0);
+  }
   if (planted_wrong && passes) __builtin_trap();
-  if (!planted_wrong && !passes && mutation == 11) __builtin_trap();
+  if (!planted_wrong && !passes && (mutation == 11 || mutation == 15)) __builtin_trap();
   return 0;
 }

@@ -21,3 +21,9 @@ PY
     ;;
   batch|capture|contract) ;;
 esac
+# Inputs that once found a bug (tests/fuzz/regressions/TARGET-*): every run starts from them.
+here="$(dirname "$0")"
+for f in "$here"/regressions/"$target"-*; do
+  [ -e "$f" ] && cp "$f" "$out"/
+done
+true
