@@ -119,21 +119,21 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
     if (!s.terms.empty()) {
       nlohmann::ordered_json terms = nlohmann::ordered_json::array();
       for (const auto& t : s.terms) {
-        terms.push_back({{"name", t.term.name},
-                         {"declared", t.declared},
-                         {"hooked", t.hooked},
-                         {"reduce", t.declared ? nlohmann::ordered_json(mode_name(t.term.reduce))
-                                               : nlohmann::ordered_json(nullptr)},
-                         {"coef", t.declared ? nlohmann::ordered_json(t.term.coef)
-                                             : nlohmann::ordered_json(nullptr)},
-                         {"mask", t.declared ? nlohmann::ordered_json(t.term.mask.text())
-                                             : nlohmann::ordered_json(nullptr)},
-                         {"tokens", t.tokens},
-                         {"relative_to_main", t.relative_to},
-                         {"diagnosis", t.diagnosis.kind == "not-run"
-                                           ? nlohmann::ordered_json(nullptr)
-                                           : diagnosis_json(t.diagnosis)},
-                         {"matches", t.matches}});
+        terms.push_back(
+            {{"name", t.term.name},
+             {"declared", t.declared},
+             {"hooked", t.hooked},
+             {"reduce", t.declared ? nlohmann::ordered_json(mode_name(t.term.reduce))
+                                   : nlohmann::ordered_json(nullptr)},
+             {"coef",
+              t.declared ? nlohmann::ordered_json(t.term.coef) : nlohmann::ordered_json(nullptr)},
+             {"mask", t.declared ? nlohmann::ordered_json(t.term.mask.text())
+                                 : nlohmann::ordered_json(nullptr)},
+             {"tokens", t.tokens},
+             {"relative_to_main", t.relative_to},
+             {"diagnosis", t.diagnosis.kind == "not-run" ? nlohmann::ordered_json(nullptr)
+                                                         : diagnosis_json(t.diagnosis)},
+             {"matches", t.matches}});
       }
       steps_json.back()["terms"] = std::move(terms);
     }

@@ -73,12 +73,14 @@ class CheckProgress {
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
     if (elapsed < 1.0) return;
-    const double done = static_cast<double>(case_) + static_cast<double>(rows_done) /
-                                                         static_cast<double>(std::max<int64_t>(rows_, 1));
+    const double done =
+        static_cast<double>(case_) +
+        static_cast<double>(rows_done) / static_cast<double>(std::max<int64_t>(rows_, 1));
     const double total = static_cast<double>(std::max<int64_t>(cases_, 1));
     const double eta = done > 0 ? elapsed * (total - done) / done : 0.0;
-    ctx_.err << fmt::format("\r\x1b[Kcheck: case {}/{}, {}/{} rows ({:.0f}%), {:.1f} s, ~{:.0f} s left",
-                            case_ + 1, cases_, rows_done, rows_, 100.0 * done / total, elapsed, eta)
+    ctx_.err << fmt::format(
+                    "\r\x1b[Kcheck: case {}/{}, {}/{} rows ({:.0f}%), {:.1f} s, ~{:.0f} s left",
+                    case_ + 1, cases_, rows_done, rows_, 100.0 * done / total, elapsed, eta)
              << std::flush;
     shown_ = true;
   }
@@ -176,9 +178,10 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
     bool all_ok = true;
     // The oracle's one pass over the logits, shared by every (loss, reduction) case.
     const std::vector<oracle::RowStats> logits_stats = oracle::oracle_logits_stats(b);
-    CheckProgress progress(ctx, static_cast<int64_t>(losses.size() * reduces.size() *
-                                                     o.cp_sizes.size() * impls.size()),
-                           b.num_response_tokens());
+    CheckProgress progress(
+        ctx,
+        static_cast<int64_t>(losses.size() * reduces.size() * o.cp_sizes.size() * impls.size()),
+        b.num_response_tokens());
     for (LossKind loss : losses) {
       for (Reduction reduce : reduces) {
         LossSpec spec;
@@ -306,8 +309,8 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                    {"atol", grad_tol.atol},
                    // From logits with the default tolerances, each element's absolute slack is
                    // |c| u + half the smallest subnormal (c its token's weight), not atol.
-                   {"atol_scaled_by_weight", want.input == LossInput::kLogits && o.atol < 0 &&
-                                                 o.rtol < 0},
+                   {"atol_scaled_by_weight",
+                    want.input == LossInput::kLogits && o.atol < 0 && o.rtol < 0},
                    {"bounds", bounds_json(c.grad_bounds)},
                    {"ok", g.ok()}}},
                  {"no_signal", want.no_signal},
@@ -333,17 +336,17 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
       } else if (o.token_loss_is == "ppo-clip") {
         tl_settings.token_loss_is = LossKind::kPpoClip;
       }
-      const oracle::TokenLossCheck t =
-          oracle::check_token_loss(
-              b, tl_spec, tl_settings,
-              trainer::arithmetic_of(trainer::Impl::kTorch, b.logits ? b.vocab_size() : 1,
-                                     kernels::Device::kCpu),
-              &logits_stats);
+      const oracle::TokenLossCheck t = oracle::check_token_loss(
+          b, tl_spec, tl_settings,
+          trainer::arithmetic_of(trainer::Impl::kTorch, b.logits ? b.vocab_size() : 1,
+                                 kernels::Device::kCpu),
+          &logits_stats);
       if (t.ran) {
         const std::string where =
-            t.ok() ? "" : fmt::format("; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",
-                                      t.worst.sample, t.worst.response_index, t.worst.got,
-                                      t.worst.want);
+            t.ok() ? ""
+                   : fmt::format(
+                         "; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",
+                         t.worst.sample, t.worst.response_index, t.worst.got, t.worst.want);
         const std::string what =
             !t.matches.empty()
                 ? fmt::format("the per-token {} loss", t.matches)
@@ -374,19 +377,17 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
                                             where),
                                 {{"worst", location_json(t.worst)}}}});
         }
-        token_loss_json = {{"matches", t.matches.empty() ? nlohmann::ordered_json(nullptr)
-                                                         : nlohmann::ordered_json(t.matches)},
-                           {"checked", t.checked},
-                           {"mismatched_nll", t.mismatched_nll},
-                           {"mismatched_ppo_clip", t.mismatched_ppo >= 0
-                                                       ? nlohmann::ordered_json(t.mismatched_ppo)
-                                                       : nlohmann::ordered_json(nullptr)},
-                           {"worst", t.matches.empty() ? location_json(t.worst)
-                                                       : nlohmann::ordered_json(nullptr)},
-                           {"stated", t.judged() ? nlohmann::ordered_json(o.token_loss_is)
-                                                 : nlohmann::ordered_json(nullptr)},
-                           {"ok", t.judged() ? nlohmann::ordered_json(t.ok())
-                                             : nlohmann::ordered_json(nullptr)}};
+        token_loss_json = {
+            {"matches", t.matches.empty() ? nlohmann::ordered_json(nullptr)
+                                          : nlohmann::ordered_json(t.matches)},
+            {"checked", t.checked},
+            {"mismatched_nll", t.mismatched_nll},
+            {"mismatched_ppo_clip", t.mismatched_ppo >= 0 ? nlohmann::ordered_json(t.mismatched_ppo)
+                                                          : nlohmann::ordered_json(nullptr)},
+            {"worst", t.matches.empty() ? location_json(t.worst) : nlohmann::ordered_json(nullptr)},
+            {"stated", t.judged() ? nlohmann::ordered_json(o.token_loss_is)
+                                  : nlohmann::ordered_json(nullptr)},
+            {"ok", t.judged() ? nlohmann::ordered_json(t.ok()) : nlohmann::ordered_json(nullptr)}};
         all_ok &= t.ok();
       }
     }
@@ -419,7 +420,8 @@ void register_check(CLI::App& root, Commands& commands) {
   cmd->app = app;
   app->footer(
       "Losses: nll (from logits, else log_probs), ppo-clip (log_probs, old_log_probs, advantages), "
-      "given (the dump's token_loss, whatever it holds; whether it is the per-token nll or ppo-clip "
+      "given (the dump's token_loss, whatever it holds; whether it is the per-token nll or "
+      "ppo-clip "
       "loss of\nits inputs is a finding, and a check with --token-loss-is nll|ppo-clip).\n"
       "Reductions: per-token, sample-mean, token-mean, seq-mean-token-sum, seq-mean-token-mean, "
       "seq-mean-token-sum-norm,\n"
@@ -472,9 +474,9 @@ void register_check(CLI::App& root, Commands& commands) {
   app->add_option("--tp", opts->tp,
                   "Tensor-parallel size (for contracts that count over the world group)")
       ->capture_default_str();
-  app->add_option(
-      "--global-batch-size", opts->global_batch_size,
-      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)")
+  app->add_option("--global-batch-size", opts->global_batch_size,
+                  "B of the sample-mean objectives (default: the dump's global_batch_size, else "
+                  "its samples)")
       ->check(CLI::Range(int64_t{1}, kMaxCount));
   app->add_option("--token-loss-is", opts->token_loss_is,
                   "State what the dump's token_loss is (nll or ppo-clip of its inputs): a check "

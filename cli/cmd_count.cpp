@@ -150,8 +150,8 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v, P
       }
       straddles |= ranks_with_tokens > 1;
       if (ctx.want_json && (cps[c] != 1 || cp1_requested)) {
-        fmt::format_to(fmt::appender(samples_json), "{}\"{}\": [{}]", first_cp ? "" : ", ",
-                       cps[c], fmt::join(ranks, ", "));
+        fmt::format_to(fmt::appender(samples_json), "{}\"{}\": [{}]", first_cp ? "" : ", ", cps[c],
+                       fmt::join(ranks, ", "));
         first_cp = false;
       }
       if (print_row)

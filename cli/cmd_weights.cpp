@@ -6,9 +6,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
-#include <iterator>
 #include <fstream>
+#include <iterator>
+#include <optional>
 
 #include "cli/command.h"
 #include "cli/inputs.h"
@@ -109,8 +109,9 @@ std::vector<TermContract> parse_terms(const WeightsOptions& o) {
     given[k] = body;
   }
   if (!given[0]) {
-    throw_input_error("--contract: no contract for the main term (give a preset or key=value "
-                      "without a NAME= prefix)");
+    throw_input_error(
+        "--contract: no contract for the main term (give a preset or key=value "
+        "without a NAME= prefix)");
   }
   for (std::size_t k = 0; k < out.size(); ++k) {
     out[k].contract = parse_contract(given[k] ? *given[k] : *given[0], out[k].term.reduce);
@@ -136,7 +137,7 @@ void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
 // (a policy term off by ×2 under Adam is harmless; a KL term that is not off with it is not).
 struct TermRun {
   TermContract tc;
-  std::optional<Batch> own;          // the term's batch when its mask is not the loss mask
+  std::optional<Batch> own;           // the term's batch when its mask is not the loss mask
   const Batch* step_batch = nullptr;  // else the step's
   const Batch& batch() const { return own ? *own : *step_batch; }
   std::vector<double> truth;
@@ -275,8 +276,8 @@ fmt::memory_buffer per_token_json(const Batch& b, const std::vector<double>& got
   };
   text.push_back('[');
   for (int64_t i = 0; i < b.num_samples(); ++i) {
-    fmt::format_to(std::back_inserter(text), "{}\n    {{\"index\": {}, \"weights\": ",
-                   i > 0 ? "," : "", i);
+    fmt::format_to(std::back_inserter(text),
+                   "{}\n    {{\"index\": {}, \"weights\": ", i > 0 ? "," : "", i);
     list(got, b.response_offsets[i], b.response_offsets[i + 1]);
     text.append(std::string_view(", \"truth\": "));
     list(truth, b.response_offsets[i], b.response_offsets[i + 1]);
@@ -359,24 +360,26 @@ void weights_step(const WeightsOptions& o, const StepView& v,
     print_term(out, r, layout, o);
     if (multi) out << "\n";
     if (multi && !r.is_main() && r.verdict.here_fails && r.dg.kind != "exact") {
-      findings.push_back({"term_normalisation",
-                          fmt::format("term {}: {} relative to main", r.tc.term.name, r.dg.summary()),
-                          {{"term", r.tc.term.name},
-                           {"diagnosis", r.dg.kind},
-                           {"scale", r.dg.kind == "uniform-scale" ? r.dg.scale : 1.0},
-                           {"named", r.dg.named}}});
+      findings.push_back(
+          {"term_normalisation",
+           fmt::format("term {}: {} relative to main", r.tc.term.name, r.dg.summary()),
+           {{"term", r.tc.term.name},
+            {"diagnosis", r.dg.kind},
+            {"scale", r.dg.kind == "uniform-scale" ? r.dg.scale : 1.0},
+            {"named", r.dg.named}}});
     }
   }
   if (multi) {
     out << "terms relative to main:\n";
     for (std::size_t k = 1; k < runs.size(); ++k) {
       const TermRun& r = runs[k];
-      out << fmt::format("  {:<12} {}\n", r.tc.term.name,
-                         r.verdict.fails ? (r.verdict.here_fails
-                                                ? r.dg.summary()
-                                                : fmt::format("changes with the layout (first on {})",
-                                                              r.verdict.first_break->label))
-                                         : "as declared");
+      out << fmt::format(
+          "  {:<12} {}\n", r.tc.term.name,
+          r.verdict.fails
+              ? (r.verdict.here_fails ? r.dg.summary()
+                                      : fmt::format("changes with the layout (first on {})",
+                                                    r.verdict.first_break->label))
+              : "as declared");
     }
   }
   std::string verdict;
@@ -389,14 +392,15 @@ void weights_step(const WeightsOptions& o, const StepView& v,
     for (const auto& r : runs) {
       if (r.verdict.fails) failing.push_back(r.tc.term.name);
     }
-    const TermRun& first = *std::find_if(runs.begin(), runs.end(),
-                                         [](const TermRun& r) { return r.verdict.fails; });
+    const TermRun& first =
+        *std::find_if(runs.begin(), runs.end(), [](const TermRun& r) { return r.verdict.fails; });
     verdict = first.verdict.here_fails
                   ? "FAIL: the contract does not weight tokens as the objective says"
                   : fmt::format("FAIL: the weights change with the layout (first on {})",
                                 first.verdict.first_break->label);
-    if (multi) verdict += fmt::format(" (term{} {})", failing.size() > 1 ? "s" : "",
-                                      fmt::join(failing, ", "));
+    if (multi)
+      verdict +=
+          fmt::format(" (term{} {})", failing.size() > 1 ? "s" : "", fmt::join(failing, ", "));
   }
   out << fmt::format("\nverdict: {}\n", verdict);
   report.add_findings(findings);
@@ -437,10 +441,11 @@ void weights_step(const WeightsOptions& o, const StepView& v,
                    {"tp", layout.tp},           {"microbatches", max_m},
                    {"split", mode_name(split)}, {"cp_layout", mode_name(layout.cp_layout)},
                    {"source", layout.source}};
-  const int64_t step_number = !v.layout_source.empty() ? v.step
-                             : b.metadata.contains("step") && b.metadata["step"].is_number_integer()
-                                  ? b.metadata["step"].get<int64_t>()
-                                  : 0;
+  const int64_t step_number =
+      !v.layout_source.empty() ? v.step
+      : b.metadata.contains("step") && b.metadata["step"].is_number_integer()
+          ? b.metadata["step"].get<int64_t>()
+          : 0;
   nlohmann::ordered_json step = {{"step", step_number}, {"diagnosis", diagnosis_json(main.dg)}};
   step["invariance"] = invariance_json(main.invariance);
   step["layout_problems"] = main.got.problems;
@@ -538,7 +543,8 @@ void register_weights(CLI::App& root, Commands& commands) {
       ->allow_extra_args(false);
   app->add_option("--term", opts->terms,
                   "A loss term besides the main one (repeatable): NAME:REDUCE[:COEF][:MASK], MASK "
-                  "= loss (default), all (every response token), shift:J (m_t·m_t+J: depth J of a multi-token "
+                  "= loss (default), all (every response token), shift:J (m_t·m_t+J: depth J of a "
+                  "multi-token "
                   "prediction loss) or roll:J (m_t+J: Megatron-core's MTP mask)")
       ->allow_extra_args(false);
   app->add_option("--cp", opts->cp, "Context-parallel size")
@@ -551,9 +557,9 @@ void register_weights(CLI::App& root, Commands& commands) {
   add_cp_layout_options(*app, opts->cp_layout);
   add_layout_options(*app, opts->layout);
   add_placement_options(*app, opts->placement, false);
-  app->add_option(
-      "--global-batch-size", opts->global_batch_size,
-      "B of the sample-mean objectives (default: the dump's global_batch_size, else its samples)")
+  app->add_option("--global-batch-size", opts->global_batch_size,
+                  "B of the sample-mean objectives (default: the dump's global_batch_size, else "
+                  "its samples)")
       ->check(CLI::Range(int64_t{1}, kMaxCount));
   app->add_option("--l-norm", opts->l_norm,
                   "L_norm of seq-mean-token-sum-norm, in tokens (default: the longest response)")

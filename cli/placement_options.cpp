@@ -1,10 +1,9 @@
 // CP layout and placement options.
 #include "cli/placement_options.h"
 
-#include "cli/command.h"
-
 #include <fmt/format.h>
 
+#include "cli/command.h"
 #include "core/errors.h"
 
 namespace lossguard::cli {

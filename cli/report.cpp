@@ -205,8 +205,7 @@ void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostre
       const std::size_t pos = head.find(quoted);
       if (pos != std::string::npos) at.emplace_back(pos, &rv);
     }
-    std::sort(at.begin(), at.end(),
-              [](const auto& a, const auto& b) { return a.first < b.first; });
+    std::sort(at.begin(), at.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
     const bool splice = !raw_results_.empty() && !head.empty() && head.back() == '}';
     if (splice) {
       head.pop_back();

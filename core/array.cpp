@@ -1,11 +1,10 @@
 // HostArray element access and the half/bfloat16 conversions (bit-exact, no LibTorch).
 #include "core/array.h"
 
-#include <sys/mman.h>
-#include <unistd.h>
-
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>

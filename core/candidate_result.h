@@ -18,7 +18,9 @@ struct GradSink {
   void* context = nullptr;
   void (*rows)(void* context, const int64_t* rows, int64_t n, const void* data) = nullptr;
   explicit operator bool() const { return rows != nullptr; }
-  void operator()(const int64_t* r, int64_t n, const void* data) const { rows(context, r, n, data); }
+  void operator()(const int64_t* r, int64_t n, const void* data) const {
+    rows(context, r, n, data);
+  }
 };
 
 // Hands a whole gradient (`rows` rows of row_bytes each, row-major) to `sink` in blocks of `block`

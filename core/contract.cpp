@@ -67,7 +67,8 @@ const std::vector<ContractPreset>& contract_presets() {
        "megatron-core 0.16.1 schedules.py:251, 268-269; finalize_model_grads.py:493-497; "
        "distributed_data_parallel.py:254-259"},
       {"megatron-mean-0.12",
-       "Megatron-core 0.12: the 3-tuple without per-token loss divided by the CP shard's count, × cp "
+       "Megatron-core 0.12: the 3-tuple without per-token loss divided by the CP shard's count, × "
+       "cp "
        "÷ M, DDP mean over DP×CP (0.13 dropped the × cp; 0.15 clamped the count)",
        "megatron-core 0.12.3 pipeline_parallel/schedules.py:290-292"},
       {"megatron-per-token-0.12",
@@ -107,7 +108,8 @@ const std::vector<ContractPreset>& contract_presets() {
        "micro-batch, ÷ M, DDP mean (--l-norm = max_completion_length)",
        "trl 1.16.0 trainer/grpo_trainer.py:3163-3167"},
       {"trl-dapo",
-       "TRL GRPOTrainer loss_type dapo, cispo, vespo with steps_per_generation = M: token sums ÷ the "
+       "TRL GRPOTrainer loss_type dapo, cispo, vespo with steps_per_generation = M: token sums ÷ "
+       "the "
        "count gathered over every rank, × dp, DDP mean; with steps_per_generation S != M the count "
        "is the generation batch's: trl-dapo,norm=generation:S,scale=dp*S*1/M",
        "trl 1.16.0 trainer/grpo_trainer.py:2497-2498, 3168-3174"},
@@ -145,8 +147,7 @@ const std::vector<ContractPreset>& contract_presets() {
       {"trl-grpo-entropy",
        "TRL GRPOTrainer's entropy bonus (entropy_coef): a token mean per micro-batch, ÷ M, DDP "
        "mean, for every loss_type (dapo's policy term uses the global count)",
-       "trl 1.16.0 trainer/grpo_trainer.py:3192-3211",
-       true},
+       "trl 1.16.0 trainer/grpo_trainer.py:3192-3211", true},
   };
   return kPresets;
 }
@@ -190,7 +191,8 @@ ScaleFactor parse_scale(const std::string& text) {
       const double v = std::strtod(term.c_str(), &end);
       if (term.empty() || end != term.c_str() + term.size() || !(v > 0) || !std::isfinite(v)) {
         throw_input_error(
-            "--contract: scale term '{}' is not cp, dp, tp, M, B, Bnz, L, Lmb, a positive number, or "
+            "--contract: scale term '{}' is not cp, dp, tp, M, B, Bnz, L, Lmb, a positive number, "
+            "or "
             "1/ one of them",
             term);
       }

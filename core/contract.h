@@ -31,11 +31,12 @@ struct ModeNames<ClampRule> {
       {ClampRule::kAtCp1, "at-cp1"}};
 };
 
-// The denominator D a rank divides its micro-batch's summed loss by. `generation:S`: the count of the
-// generation batch the micro-batch belongs to — S consecutive micro-batches of every rank (micro-batch
-// k is in batch k / S), summed over all DP×CP ranks (TRL's GRPOTrainer counts num_items_in_batch over
-// its generation batch of steps_per_generation micro-batches: grpo_trainer.py:2497, 1.16.0). Within
-// one step: S >= M gives the step's count (a generation batch spanning steps is not visible in one).
+// The denominator D a rank divides its micro-batch's summed loss by. `generation:S`: the count of
+// the generation batch the micro-batch belongs to — S consecutive micro-batches of every rank
+// (micro-batch k is in batch k / S), summed over all DP×CP ranks (TRL's GRPOTrainer counts
+// num_items_in_batch over its generation batch of steps_per_generation micro-batches:
+// grpo_trainer.py:2497, 1.16.0). Within one step: S >= M gives the step's count (a generation batch
+// spanning steps is not visible in one).
 enum class NormRule { kNone, kMicrobatch, kRank, kGlobal, kGeneration };
 template <>
 struct ModeNames<NormRule> {
@@ -97,7 +98,7 @@ struct Contract {
   // count-of=main: a loss term (SPEC §11) counted under the main term's mask, not its own (Megatron
   // divides every term by the main loss's token count: finalize_model_grads.py:484-497, 0.16.1).
   bool count_of_main = false;
-  std::string preset;                           // the preset it came from; empty for key=value
+  std::string preset;  // the preset it came from; empty for key=value
   bool operator==(const Contract& o) const {
     return count == o.count && clamp == o.clamp && norm == o.norm &&
            (norm != NormRule::kGlobal || norm_group == o.norm_group) &&

@@ -83,8 +83,8 @@ Term parse_term(const std::string& text) {
   std::size_t start = 0;
   while (true) {
     const std::size_t colon = text.find(':', start);
-    parts.push_back(text.substr(start, colon == std::string::npos ? std::string::npos
-                                                                   : colon - start));
+    parts.push_back(
+        text.substr(start, colon == std::string::npos ? std::string::npos : colon - start));
     if (colon == std::string::npos) break;
     start = colon + 1;
   }
@@ -97,7 +97,8 @@ Term parse_term(const std::string& text) {
         text, t.name);
   }
   const std::string what = fmt::format("--term {}", t.name);
-  if (parts.size() < 2) throw_input_error("{}: give NAME:REDUCE[:COEF][:MASK], got '{}'", what, text);
+  if (parts.size() < 2)
+    throw_input_error("{}: give NAME:REDUCE[:COEF][:MASK], got '{}'", what, text);
   if (!parse_reduction(parts[1], &t.reduce)) {
     throw_input_error("{}: reduce '{}' is not {}", what, parts[1], mode_choices<Reduction>());
   }

@@ -25,7 +25,7 @@ namespace lossguard {
 enum class TermMaskKind { kLoss, kAll, kShift, kRoll, kField };
 struct TermMask {
   TermMaskKind kind = TermMaskKind::kLoss;
-  int64_t shift = 0;  // shift:j, roll:j
+  int64_t shift = 0;         // shift:j, roll:j
   std::string text() const;  // "loss", "all", "shift:1", "field"
   bool operator==(const TermMask&) const = default;
 };
@@ -44,8 +44,8 @@ inline constexpr int64_t kMaxTermShift = 1 << 20;
 // (count, clamp, norm, sample, scale, grad: `--contract NAME=C` must stay unambiguous).
 bool valid_term_name(const std::string& name);
 
-// "loss", "all", "shift:J", "roll:J" (1 <= J <= 2^20) or "field". Throws InputError naming `what` (the term and
-// where it was given) and the accepted masks.
+// "loss", "all", "shift:J", "roll:J" (1 <= J <= 2^20) or "field". Throws InputError naming `what`
+// (the term and where it was given) and the accepted masks.
 TermMask parse_term_mask(const std::string& text, const std::string& what);
 
 // A finite coefficient from text; throws InputError naming `what`.
@@ -58,9 +58,9 @@ Term parse_term(const std::string& text);
 // "kl: per-token, coef 0.1, mask loss".
 std::string term_text(const Term& t);
 
-// A term's mask over the batch's response tokens, [sum R]: loss, all or shift:j from the batch's own
-// loss mask (a sample the trainer removed carries no term's loss). A field mask cannot be derived:
-// InputError (the caller gives it).
+// A term's mask over the batch's response tokens, [sum R]: loss, all or shift:j from the batch's
+// own loss mask (a sample the trainer removed carries no term's loss). A field mask cannot be
+// derived: InputError (the caller gives it).
 std::vector<uint8_t> term_mask(const Batch& batch, const TermMask& mask);
 
 // The batch a term sees: the same samples and layout with `mask` ([sum R], 0/1) as the loss mask.

@@ -85,9 +85,8 @@ void exit_3_on_sigterm(int64_t rank) {
 void record_start(int64_t rank, double timeout_s) {
   const char* path = std::getenv("LOSSGUARD_TIMING_FILE");
   if (path == nullptr || *path == '\0') return;
-  const double now = std::chrono::duration<double>(
-                         std::chrono::system_clock::now().time_since_epoch())
-                         .count();
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   const std::string line =
       fmt::format("{{\"rank\": {}, \"start\": {:.6f}, \"timeout\": {}}}\n", rank, now, timeout_s);
   const int fd = ::open(path, O_WRONLY | O_CREAT | O_APPEND, 0644);

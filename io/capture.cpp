@@ -1,12 +1,12 @@
 // Audit capture reader: every field checked against the layout SPEC §10 gives it.
 #include "io/capture.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <map>
-
-#include <fmt/format.h>
 
 #include "core/errors.h"
 #include "io/safetensors.h"
@@ -159,8 +159,8 @@ std::vector<Term> declared_terms(const std::string& path,
 
 // mb.{k}.term.NAME.* of one micro-batch: token_weight (required once any record of the term is
 // there), token_loss, num_tokens, mask. `owned`: the main token_weight's length (the same tokens).
-void read_terms(const Reader& r, const std::string& prefix, int64_t k, int64_t owned,
-                int64_t sum_r, CapturedMicroBatch& mb) {
+void read_terms(const Reader& r, const std::string& prefix, int64_t k, int64_t owned, int64_t sum_r,
+                CapturedMicroBatch& mb) {
   const std::string head = prefix + "term.";
   for (auto it = r.by_name.lower_bound(head);
        it != r.by_name.end() && it->first.rfind(head, 0) == 0; ++it) {
@@ -180,8 +180,8 @@ void read_terms(const Reader& r, const std::string& prefix, int64_t k, int64_t o
     if (mb.terms.count(name)) continue;  // read with its first record
     const std::string p = head + name + ".";
     if (!r.find(p + "token_weight")) {
-      throw_input_error("{}: micro-batch {} has '{}' but no '{}token_weight'", r.path, k,
-                        it->first, p);
+      throw_input_error("{}: micro-batch {} has '{}' but no '{}token_weight'", r.path, k, it->first,
+                        p);
     }
     CapturedTerm t;
     t.token_weight = r.floats(p + "token_weight");
@@ -304,9 +304,10 @@ RankCapture read_capture(const std::string& path) {
   }
   if (auto it = file.metadata.find("dtype"); it != file.metadata.end()) {
     if (!parse_dtype(it->second, &c.dtype) || !dtype_is_float(c.dtype)) {
-      throw_input_error("{}: metadata dtype = '{}' is not a float dtype (bfloat16, float16, "
-                        "float32, float64)",
-                        path, it->second);
+      throw_input_error(
+          "{}: metadata dtype = '{}' is not a float dtype (bfloat16, float16, "
+          "float32, float64)",
+          path, it->second);
     }
   }
   // Every tensor is a record this format names: a micro-batch beyond num_microbatches (or a typo)
@@ -315,13 +316,13 @@ RankCapture read_capture(const std::string& path) {
     if (name.rfind("mb.", 0) == 0) {
       const std::size_t dot = name.find('.', 3);
       const std::string index = name.substr(3, dot == std::string::npos ? dot : dot - 3);
-      const bool digits = !index.empty() && index.size() < 10 &&
-                          std::all_of(index.begin(), index.end(), [](char ch) {
-                            return ch >= '0' && ch <= '9';
-                          });
+      const bool digits =
+          !index.empty() && index.size() < 10 &&
+          std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
       if (!digits || std::stoll(index) >= num_mb) {
         throw_input_error(
-            "{}: tensor '{}' names micro-batch '{}' but metadata num_microbatches = {} (micro-batches "
+            "{}: tensor '{}' names micro-batch '{}' but metadata num_microbatches = {} "
+            "(micro-batches "
             "0..{})",
             path, name, index, num_mb, num_mb - 1);
       }

@@ -525,7 +525,8 @@ void add_tree(BatchBuilder& builder, const Value& root, const std::string& path,
   }
   // slime's per-rank train dump: {"rollout_id", "rank", "rollout_data": {packed fields}}.
   if (const Value* data = root.get("rollout_data");
-      data != nullptr && data->is_dict() && find_field(root, "tokens", map, &key, path + ":") == nullptr) {
+      data != nullptr && data->is_dict() &&
+      find_field(root, "tokens", map, &key, path + ":") == nullptr) {
     add_tree(builder, *data, path, map);
     return;
   }
@@ -794,9 +795,10 @@ ValuePtr json_to_value(const std::string& text, const std::string& what) {
     throw_input_error("{}: invalid JSON: {}", what, e.what());
   }
   if (!duplicate.empty()) {
-    throw_input_error("{}: JSON key {} appears twice in one object (the second would replace the "
-                      "first)",
-                      what, duplicate);
+    throw_input_error(
+        "{}: JSON key {} appears twice in one object (the second would replace the "
+        "first)",
+        what, duplicate);
   }
   return from_json(j, what, 0);
 }

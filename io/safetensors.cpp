@@ -85,8 +85,8 @@ SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std
   // dump is over a quarter of the machine's memory: a smaller one stays mapped (clean pages the
   // kernel may reclaim at will), and the next pass over it faults nothing in: check's three passes
   // over a 1.3 GB dump spent 0.4 s of system time re-reading it, and the unmapping's TLB flushes.
-  static const uint64_t quarter_of_memory =
-      static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) * static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 4;
+  static const uint64_t quarter_of_memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                                            static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 4;
   const bool gives_back_pages = file_size > quarter_of_memory;
   if (file_size < 8) {
     throw_input_error("{}: safetensors file of {} bytes is shorter than its 8-byte header size",

@@ -271,8 +271,8 @@ StepLayout rebuild_layout(int64_t step, const RankCapture& first, const LossRank
           throw_input_error(
               "step {}: DP rank {} micro-batch {}: CP rank 0 says CP size {}{} but CP rank {} ({}) "
               "says {}{}",
-              step, d, k, mb.cp_size, mb.dummy ? " (dummy)" : "", c, rank_at(d, c).file,
-              m.cp_size, m.dummy ? " (dummy)" : "");
+              step, d, k, mb.cp_size, mb.dummy ? " (dummy)" : "", c, rank_at(d, c).file, m.cp_size,
+              m.dummy ? " (dummy)" : "");
         }
         if (mb.dummy) continue;  // its samples are not in the batch (rebuild_batch)
         const int64_t g = c / mb.cp_size;
@@ -284,8 +284,7 @@ StepLayout rebuild_layout(int64_t step, const RankCapture& first, const LossRank
           throw_input_error(
               "step {}: DP rank {} micro-batch {}: CP ranks {} and {} of one CP group hold "
               "different samples ({} and {})",
-              step, d, k, g * mb.cp_size, c, rank_at(d, g * mb.cp_size).file,
-              rank_at(d, c).file);
+              step, d, k, g * mb.cp_size, c, rank_at(d, g * mb.cp_size).file, rank_at(d, c).file);
         }
       }
       layout.microbatches.push_back(std::move(mb));
@@ -378,10 +377,9 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
         ++owned_effective;
         m.measured[t] += w;
       } else if (w != 0.0 && m.masked_weighted.empty()) {
-        m.masked_weighted =
-            fmt::format("{} {}: sample {} response index {} has mask 0 but weight {:.6g}", where(c),
-                        mbname, mb.sample_indices[p],
-                        t - b.response_offsets[position.at(mb.sample_indices[p])], w);
+        m.masked_weighted = fmt::format(
+            "{} {}: sample {} response index {} has mask 0 but weight {:.6g}", where(c), mbname,
+            mb.sample_indices[p], t - b.response_offsets[position.at(mb.sample_indices[p])], w);
       }
       ++m.held[t];
       if (mb.token_loss) {
@@ -406,7 +404,8 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
             term.token_loss ? fmt::format(" and token_loss {}", term.token_loss->size()) : "",
             owns);
       }
-      if (term.mask && static_cast<int64_t>(term.mask->size()) != static_cast<int64_t>(mb.loss_masks.size())) {
+      if (term.mask &&
+          static_cast<int64_t>(term.mask->size()) != static_cast<int64_t>(mb.loss_masks.size())) {
         throw_input_error("{}: {}: term {}: mask has {} entries, the micro-batch's loss_masks {}",
                           c.file, mbname, name, term.mask->size(), mb.loss_masks.size());
       }
@@ -419,8 +418,7 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
         continue;
       }
       for (std::size_t j = 0; j < term.token_weight.size(); ++j) {
-        check_finite(m.nonfinite_loss, c,
-                     fmt::format("{} term.{}.token_loss[{}]", mbname, name, j),
+        check_finite(m.nonfinite_loss, c, fmt::format("{} term.{}.token_loss[{}]", mbname, name, j),
                      (*term.token_loss)[j]);
         weighted_loss += term.token_weight[j] * (*term.token_loss)[j];
         magnitude += std::fabs(term.token_weight[j] * (*term.token_loss)[j]);
@@ -459,8 +457,7 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
                              where(c), mbname, *mb.loss, weighted_loss));
     }
   }
-  if (per_token_objective && c.num_tokens_reduced &&
-      *c.num_tokens_reduced != out.global_tokens) {
+  if (per_token_objective && c.num_tokens_reduced && *c.num_tokens_reduced != out.global_tokens) {
     m.counts.add(fmt::format("{}: num_tokens_reduced {} but the step has N = {} effective tokens",
                              where(c), *c.num_tokens_reduced, out.global_tokens));
   }
@@ -542,10 +539,11 @@ AuditCheck counts_check(const AuditStep& out, const Measurement& m, bool recorde
 AuditCheck loss_check(const Measurement& m) {
   if (!m.nonfinite_loss.empty()) return {"loss", false, "not finite: " + m.nonfinite_loss.text()};
   if (!m.loss_seen || !m.token_loss_seen) {
-    return {"loss", std::nullopt,
-            fmt::format("not recorded ({})", !m.loss_seen && !m.token_loss_seen ? "loss and token_loss"
-                                             : !m.loss_seen                     ? "loss"
-                                                                                : "token_loss")};
+    return {
+        "loss", std::nullopt,
+        fmt::format("not recorded ({})", !m.loss_seen && !m.token_loss_seen ? "loss and token_loss"
+                                         : !m.loss_seen                     ? "loss"
+                                                                            : "token_loss")};
   }
   if (!m.loss.empty()) return {"loss", false, m.loss.text()};
   if (!m.term_without_loss.empty()) {
@@ -634,8 +632,8 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
   for (const auto& entry : hooked) {
     const std::string& name = entry.first;  // (a structured binding clang cannot capture)
     const std::string& first_weight = entry.second;
-    const bool is_declared =
-        std::any_of(declared.begin(), declared.end(), [&](const Term& t) { return t.name == name; });
+    const bool is_declared = std::any_of(declared.begin(), declared.end(),
+                                         [&](const Term& t) { return t.name == name; });
     if (is_declared) continue;
     AuditTerm t;
     t.term.name = name;
@@ -752,8 +750,8 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
                 "{} micro-batch {}: sample {} response index {} is outside term {}'s mask ({}) "
                 "but weighs {:.6g}",
                 where(*c), mb.index, mb.sample_indices[p],
-                t - b.response_offsets[position.at(mb.sample_indices[p])], name,
-                decl.mask.text(), w));
+                t - b.response_offsets[position.at(mb.sample_indices[p])], name, decl.mask.text(),
+                w));
           }
         });
         if (ct == nullptr) {
@@ -768,10 +766,10 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
         if (ct->num_tokens) {
           ++num_tokens_seen;
           if (per_token && *ct->num_tokens != owned_in_mask) {
-            counts.add(fmt::format("{} micro-batch {}: term.{}.num_tokens {} but the rank owns {} "
-                                   "token(s) under the term's mask ({})",
-                                   where(*c), mb.index, name, *ct->num_tokens, owned_in_mask,
-                                   decl.mask.text()));
+            counts.add(fmt::format(
+                "{} micro-batch {}: term.{}.num_tokens {} but the rank owns {} "
+                "token(s) under the term's mask ({})",
+                where(*c), mb.index, name, *ct->num_tokens, owned_in_mask, decl.mask.text()));
           }
         }
       }
@@ -786,9 +784,9 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
     if (num_tokens_seen == 0) {
       out.checks.push_back({name + ".counts", std::nullopt, "not recorded"});
     } else if (!per_token) {
-      out.checks.push_back({name + ".counts", std::nullopt,
-                            fmt::format("shown, not judged under {} (N = {})",
-                                        mode_name(decl.reduce), at.tokens)});
+      out.checks.push_back(
+          {name + ".counts", std::nullopt,
+           fmt::format("shown, not judged under {} (N = {})", mode_name(decl.reduce), at.tokens)});
     } else {
       out.checks.push_back(counts.empty()
                                ? AuditCheck{name + ".counts", true,
@@ -914,7 +912,8 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
     const std::string why = "not run: the layout holds a sample twice (see coverage)";
     for (const char* name : {"counts", "weights", "loss"})
       out.checks.push_back({name, std::nullopt, why});
-    for (const Term& t : first.terms) out.checks.push_back({t.name + ".weights", std::nullopt, why});
+    for (const Term& t : first.terms)
+      out.checks.push_back({t.name + ".weights", std::nullopt, why});
     out.diagnosis.kind = "not-run";  // not diagnosed; coverage fails the step
   } else {
     bool recorded_reduced = false;
@@ -933,8 +932,8 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
           {"weights", !out.diagnosis.fails(opt.strict_scale), out.diagnosis.summary()});
     }
     if (opt.match_presets && out.global_tokens > 0 && out.diagnosis.kind != "non-finite") {
-      out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
-                                     out.weight_rel_tol);
+      out.matches =
+          matching_presets(b, out.layout, out.measured, out.reduce, sizes, out.weight_rel_tol);
     }
     out.checks.push_back(loss_check(m));
     audit_terms(out, ranks, first.terms, rebuilt.position, sizes, opt,

@@ -34,13 +34,13 @@ struct AuditRank {
 // One loss term besides main (SPEC §11), measured from its own records (mb.{k}.term.NAME.*) and
 // judged over its own mask, relative to the main term's scale.
 struct AuditTerm {
-  Term term;                   // as declared (an undeclared term: its name only)
-  bool declared = true;        // in metadata `terms`
-  bool hooked = false;         // some loss rank recorded it
-  int64_t tokens = 0;          // N_k: tokens under the term's mask
-  double relative_to = 1.0;    // main's uniform scale, which the term's truth carries
-  WeightDiagnosis diagnosis;   // kind "not-run" when it was not weighed
-  std::vector<std::string> matches;  // contracts reproducing its weights (when not exact)
+  Term term;                            // as declared (an undeclared term: its name only)
+  bool declared = true;                 // in metadata `terms`
+  bool hooked = false;                  // some loss rank recorded it
+  int64_t tokens = 0;                   // N_k: tokens under the term's mask
+  double relative_to = 1.0;             // main's uniform scale, which the term's truth carries
+  WeightDiagnosis diagnosis;            // kind "not-run" when it was not weighed
+  std::vector<std::string> matches;     // contracts reproducing its weights (when not exact)
   std::vector<double> measured, truth;  // [sum R]
 };
 
@@ -74,7 +74,7 @@ AuditTolerance audit_tolerance(DType dtype);
 
 struct AuditOptions {
   std::optional<Reduction> reduce;  // overrides the objective the captures claim
-  double weight_rel_tol = 0.0;  // 0: from the trainer's recorded dtype (audit_tolerance)
+  double weight_rel_tol = 0.0;      // 0: from the trainer's recorded dtype (audit_tolerance)
   bool strict_scale = false;
   // Name the presets (or single component changes) that reproduce the measured weights: a pass
   // over the tokens per candidate contract, the bulk of a small audit's time.

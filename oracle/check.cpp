@@ -80,15 +80,16 @@ Derived derive_bounds(const Batch& b, const OracleLoss& want, DType input, const
     if (c == 0.0 || !b.loss_mask[row]) continue;
     ++n;
     const double l = std::fabs(want.token_loss[row]), s_err = uw * (k + 3.0 + want.spread[row]);
-    const double e = fused ? s_err + uw * std::fabs(want.lse[row]) + uw * l
-                           : s_err + (uw + ud) * std::fabs(want.log_sum[row]) + 2.0 * uw * l + ud * l;
+    const double e = fused
+                         ? s_err + uw * std::fabs(want.lse[row]) + uw * l
+                         : s_err + (uw + ud) * std::fabs(want.log_sum[row]) + 2.0 * uw * l + ud * l;
     per_token.add(std::fabs(c) * e);
     magnitude.add(std::fabs(c) * l);
   }
   const double nn = static_cast<double>(n);
   const double margin = fused ? 1.0 : 2.0;
-  d.loss = margin * (per_token.value() +
-                     magnitude.value() * (fused ? 2.0 * nn * u64 : 3.0 * ud + nn * uw));
+  d.loss = margin *
+           (per_token.value() + magnitude.value() * (fused ? 2.0 * nn * u64 : 3.0 * ud + nn * uw));
   ElementBound& g = d.grad;
   g.atol = subnormal_floor(input);
   g.atol_per_weight = 1e-37;  // float exp flushes below e^-86 = 4.5e-38
@@ -146,8 +147,8 @@ TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const Chec
       const double g = given.get_f64(row), l = nll.token_loss[row];
       double allowed = tol.atol + tol.rtol * std::fabs(l);
       if (b.logits) {
-        allowed += uf * (chain + 3.0 + nll.spread[row] + std::fabs(nll.log_sum[row]) +
-                         2.0 * std::fabs(l));
+        allowed +=
+            uf * (chain + 3.0 + nll.spread[row] + std::fabs(nll.log_sum[row]) + 2.0 * std::fabs(l));
       }
       const double d_nll = std::fabs(g - l);
       const bool bad_nll = !(d_nll <= allowed);
@@ -168,8 +169,14 @@ TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const Chec
       if ((bad_nll && bad_ppo) && (excess > worst_excess || std::isnan(excess))) {
         worst_excess = excess;
         const bool nearer_ppo = has_ppo && d_ppo < d_nll;
-        t.worst = GradLocation{i, row - b.response_offsets[i], -1, -1, -1, g,
-                               nearer_ppo ? lp_ : l, nearer_ppo ? d_ppo : d_nll,
+        t.worst = GradLocation{i,
+                               row - b.response_offsets[i],
+                               -1,
+                               -1,
+                               -1,
+                               g,
+                               nearer_ppo ? lp_ : l,
+                               nearer_ppo ? d_ppo : d_nll,
                                (nearer_ppo ? lp_ : l) != 0.0
                                    ? (nearer_ppo ? d_ppo : d_nll) / std::fabs(nearer_ppo ? lp_ : l)
                                    : INFINITY};

@@ -70,12 +70,12 @@ class CaseJudge {
 // log_probs, old_log_probs and advantages are there). A token_loss 10% too large used to pass
 // `check --loss given`, which takes it as the truth.
 struct TokenLossCheck {
-  bool ran = false;           // the dump has token_loss, and logits or log_probs
-  std::string matches;        // "nll", "ppo-clip", or "" when it matches neither
-  int64_t checked = 0;        // tokens with mask 1
+  bool ran = false;     // the dump has token_loss, and logits or log_probs
+  std::string matches;  // "nll", "ppo-clip", or "" when it matches neither
+  int64_t checked = 0;  // tokens with mask 1
   int64_t mismatched_nll = 0;
-  int64_t mismatched_ppo = -1;  // -1: the ppo-clip loss cannot be computed from this dump
-  GradLocation worst;          // the worst token against the closer of the two (vocab_index -1)
+  int64_t mismatched_ppo = -1;     // -1: the ppo-clip loss cannot be computed from this dump
+  GradLocation worst;              // the worst token against the closer of the two (vocab_index -1)
   std::optional<LossKind> stated;  // settings.token_loss_is
   // Judged only against what the user stated; otherwise `matches` is reported, never failed.
   bool judged() const { return ran && stated.has_value(); }

@@ -60,8 +60,8 @@ GradSink GradStream::sink() {
                   }};
 }
 
-void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
-                             std::vector<double>& z, std::vector<double>& got_row) const {
+void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw, std::vector<double>& z,
+                             std::vector<double>& got_row) const {
   GradComparison& c = part.c;
   const double* got = got_row.data();
   if (s_.skip_rows != nullptr && (*s_.skip_rows)[row]) {
@@ -117,10 +117,9 @@ void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
   const bool logits = want_.input == LossInput::kLogits && coeff != 0.0;
   std::vector<ElementBoundRow> rb;
   for (const ElementBound& e : s_.bounds) {
-    rb.push_back(logits ? bound_at_row(e, coeff, want_.spread[row], want_.log_sum[row],
-                                       want_.lse[row])
-                        : ElementBoundRow{e.atol + std::fabs(coeff) * e.atol_per_weight, e.rtol,
-                                          0.0, 0.0});
+    rb.push_back(
+        logits ? bound_at_row(e, coeff, want_.spread[row], want_.log_sum[row], want_.lse[row])
+               : ElementBoundRow{e.atol + std::fabs(coeff) * e.atol_per_weight, e.rtol, 0.0, 0.0});
   }
   for (int64_t k = 0; k < cols_; ++k) {
     const double w = want_.grad[row * cols_ + k];
@@ -131,7 +130,8 @@ void GradStream::compare_row(Part& part, int64_t row, const std::byte* raw,
     const double lp = p > 0.0 ? -std::log(p) : 0.0;
     double tol = INFINITY;
     for (const ElementBoundRow& b : rb)
-      tol = std::min(tol, element_tolerance(b, std::fabs(coeff), std::fabs(w), p > 0.0 ? p : 0.0, lp));
+      tol = std::min(tol,
+                     element_tolerance(b, std::fabs(coeff), std::fabs(w), p > 0.0 ? p : 0.0, lp));
     if (masked && g != 0.0) ++c.masked_nonzero;
     if (!(diff <= tol)) ++c.mismatched;
     if (worse(diff, c.max_abs_diff) || part.worst_row < 0 ||
@@ -275,13 +275,13 @@ GradComparison GradStream::finish(const std::vector<int32_t>& row_rank,
                                   const std::vector<int8_t>& row_chunk) {
   // Rows the candidate never wrote hold zeros.
   {
-    const std::size_t row_bytes =
-        static_cast<std::size_t>(cols_) * dtype_size_bytes(s_.got_dtype);
+    const std::size_t row_bytes = static_cast<std::size_t>(cols_) * dtype_size_bytes(s_.got_dtype);
     std::vector<std::byte> zeros(row_bytes);
     std::vector<int64_t> missing;
     for (std::size_t r = 0; r < delivered_.size(); ++r)
       if (!delivered_[r]) missing.push_back(static_cast<int64_t>(r));
-    std::vector<double> z(static_cast<std::size_t>(cols_)), got(static_cast<std::size_t>(cols_), 0.0);
+    std::vector<double> z(static_cast<std::size_t>(cols_)),
+        got(static_cast<std::size_t>(cols_), 0.0);
     for (int64_t row : missing) compare_row(*parts_[0], row, zeros.data(), z, got);
   }
   GradComparison out;
@@ -302,10 +302,9 @@ GradComparison GradStream::finish(const std::vector<int32_t>& row_rank,
       worst_got = p->worst_got;
       worst_want = p->worst_want;
     }
-    if (p->worst_rel_row >= 0 &&
-        (worst_rel_row < 0 || c.max_rel_diff > out.max_rel_diff ||
-         (c.max_rel_diff == out.max_rel_diff && worst_rel_row >= 0 &&
-          p->worst_rel_row < worst_rel_row))) {
+    if (p->worst_rel_row >= 0 && (worst_rel_row < 0 || c.max_rel_diff > out.max_rel_diff ||
+                                  (c.max_rel_diff == out.max_rel_diff && worst_rel_row >= 0 &&
+                                   p->worst_rel_row < worst_rel_row))) {
       out.max_rel_diff = c.max_rel_diff;
       worst_rel_row = p->worst_rel_row;
       worst_rel_col = p->worst_rel_col;
@@ -322,7 +321,8 @@ GradComparison GradStream::finish(const std::vector<int32_t>& row_rank,
     l.rel_diff = w != 0.0 ? l.abs_diff / std::fabs(w) : (l.abs_diff == 0.0 ? 0.0 : INFINITY);
     int64_t sample = static_cast<int64_t>(std::upper_bound(b_.response_offsets.begin(),
                                                            b_.response_offsets.end(), row) -
-                                          b_.response_offsets.begin()) - 1;
+                                          b_.response_offsets.begin()) -
+                     1;
     l.sample = sample;
     l.response_index = row - b_.response_offsets[sample];
     l.vocab_index = cols_ > 1 ? col : -1;

@@ -20,7 +20,8 @@ namespace lossguard::oracle {
 // A bound on one gradient element's error, |got - w| with w = c (p - onehot) from logits (p =
 // softmax, c the token's weight) or w = c times the per-token derivative:
 //   atol + |c| atol_per_weight + rtol |w| + |c| p (alpha_row + beta |log p|),
-//   alpha_row = alpha + alpha_per_spread spread + alpha_per_log_sum log_sum + alpha_per_abs_lse |lse|
+//   alpha_row = alpha + alpha_per_spread spread + alpha_per_log_sum log_sum + alpha_per_abs_lse
+//   |lse|
 // with the row's spread, log_sum and lse from the oracle (OracleLoss). The p terms apply to logits
 // only. check.cpp derives the coefficients for each candidate's arithmetic.
 struct ElementBound {
@@ -33,7 +34,7 @@ struct GradStreamSettings {
   // An element passes within the smallest of these (one or two: the per-dtype default and the
   // bound derived from the candidate's arithmetic).
   std::vector<ElementBound> bounds;
-  DType got_dtype = DType::kFloat32;  // the candidate's gradient dtype (its input's)
+  DType got_dtype = DType::kFloat32;                // the candidate's gradient dtype (its input's)
   const std::vector<uint8_t>* skip_rows = nullptr;  // rows not compared (ppo-clip boundary)
   std::function<void(int64_t rows_done)> progress;  // after each block
 };

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-
 #include <thread>
 
 #include "core/errors.h"
@@ -49,9 +48,10 @@ std::vector<RowStats> logits_stats(const Batch& b, int64_t v) {
                   b.logits->any_non_finite(row * v, (row + 1) * v);
               continue;
             }
-            stats[static_cast<std::size_t>(row)] = logits_row_stats(
-                b.logits->data + static_cast<std::size_t>(row * v) * dtype_size_bytes(b.logits->dtype),
-                b.logits->dtype, v);
+            stats[static_cast<std::size_t>(row)] =
+                logits_row_stats(b.logits->data + static_cast<std::size_t>(row * v) *
+                                                      dtype_size_bytes(b.logits->dtype),
+                                 b.logits->dtype, v);
           }
           b.logits->drop_pages(r0 * v, r1 * v);
         }
@@ -86,7 +86,6 @@ void logits_grad_row(const Batch& b, const OracleLoss& o, int64_t row, double* o
 }
 
 }  // namespace
-
 
 std::vector<RowStats> oracle_logits_stats(const Batch& b) {
   if (!b.logits) return {};
@@ -138,9 +137,10 @@ OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_gr
       o.denominator = k_nonempty;
       break;
     case Reduction::kSeqMeanTokenSumNorm:  // B·L_norm, B the global batch size in samples
-      o.denominator = std::llround(
-          static_cast<double>(spec.global_batch_size > 0 ? spec.global_batch_size : std::max<int64_t>(s, 1)) *
-          l_norm);
+      o.denominator =
+          std::llround(static_cast<double>(spec.global_batch_size > 0 ? spec.global_batch_size
+                                                                      : std::max<int64_t>(s, 1)) *
+                       l_norm);
       break;
   }
   o.no_signal = n_tokens == 0;

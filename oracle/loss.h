@@ -38,8 +38,9 @@ struct OracleLoss {
 
 // Computes loss and gradient at CP = 1 under the `fixed` policy (the truth), whatever spec.policy
 // says. From logits, `with_logits_grad` false leaves `grad` empty: check compares a row's gradient
-// row by row as the candidate hands it over (grad_stream.h), so the [rows, vocab] float64 gradient never exists. The pass
-// over the logits runs on every core and gives back the pages of a mapped file as it goes.
+// row by row as the candidate hands it over (grad_stream.h), so the [rows, vocab] float64 gradient
+// never exists. The pass over the logits runs on every core and gives back the pages of a mapped
+// file as it goes.
 OracleLoss oracle_loss(const Batch& batch, const LossSpec& spec, bool with_logits_grad = true,
                        const std::vector<RowStats>* logits_stats = nullptr);
 

@@ -39,10 +39,10 @@ struct RowMath {
   void (*exp_screen_row)(const float*, int64_t, float*);
 };
 
-#define LOSSGUARD_ROW_MATH_TABLE(isa)                                                          \
-  RowMath {                                                                                    \
-    #isa, isa::logits_row_stats, isa::compare_logits_row, isa::compare_zero_row,               \
-        isa::row_to_f64, isa::row_is_zero, isa::exp_screen_row                                 \
+#define LOSSGUARD_ROW_MATH_TABLE(isa)                                                             \
+  RowMath {                                                                                       \
+#isa, isa::logits_row_stats, isa::compare_logits_row, isa::compare_zero_row, isa::row_to_f64, \
+        isa::row_is_zero, isa::exp_screen_row                                                     \
   }
 
 RowMath pick() {

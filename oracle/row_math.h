@@ -27,9 +27,9 @@ RowStats logits_row_stats(const void* z, DType dtype, int64_t v);
 
 // One bound on |got_k - w_k| for w_k = c (p_k - [k == y]), p_k = exp(z_k - lse):
 //   atol + rtol |w_k| + |c| p_k grow(alpha + beta (lse - z_k))      (lse - z_k = -log p_k >= 0)
-// alpha + beta |log p| bounds the absolute error of the log p a candidate exponentiates, so p is off
-// by a factor e^x with x that bound: e^x - 1 <= x + x^2 for x <= ln 2 (the x^2 term matters: bf16
-// log p of -20 is off by up to 0.08), times 1 + rtol for the roundings after it; past ln 2 a
+// alpha + beta |log p| bounds the absolute error of the log p a candidate exponentiates, so p is
+// off by a factor e^x with x that bound: e^x - 1 <= x + x^2 for x <= ln 2 (the x^2 term matters:
+// bf16 log p of -20 is off by up to 0.08), times 1 + rtol for the roundings after it; past ln 2 a
 // candidate's p may be off by 100% and the element is not bounded.
 struct ElementBoundRow {
   double atol = 0.0, rtol = 0.0, alpha = 0.0, beta = 0.0;

@@ -42,7 +42,8 @@ inline float load_f32(Bf16 x) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
-inline float load_f32(Half x) {  // exact: sign, exponent rebias, subnormals scaled, inf and NaN kept
+inline float load_f32(
+    Half x) {  // exact: sign, exponent rebias, subnormals scaled, inf and NaN kept
   const uint32_t h = x.bits, sign = (h & 0x8000u) << 16, em = h & 0x7fffu;
   const uint32_t normal = (em << 13) + ((127u - 15u) << 23);
   const uint32_t infnan = (em << 13) | 0x7f800000u;
@@ -73,7 +74,8 @@ RowComparison compare_row_direct(const double* z, const double* got, const doubl
   // Up to two bounds (the per-dtype default and the derived one), unrolled for the vectoriser.
   const ElementBoundRow b0 = bounds[0], b1 = num_bounds > 1 ? bounds[0 + 1] : bounds[0];
   const double atol_min = std::fmin(b0.atol, b1.atol), rtol_min = std::fmin(b0.rtol, b1.rtol);
-  const double per_q = rtol_min + std::fmin(b0.alpha, b1.alpha), beta_min = std::fmin(b0.beta, b1.beta);
+  const double per_q = rtol_min + std::fmin(b0.alpha, b1.alpha),
+               beta_min = std::fmin(b0.beta, b1.beta);
   constexpr double kShrink = 1.0 - 0x1p-40;
   // Per lane: mismatches, NaN differences (as counts: the vectoriser keeps integer sums), the
   // largest absolute difference, and the element with the largest finite relative difference
@@ -158,7 +160,8 @@ bool exp_from_table(const double* table, const T* src, int64_t n, double e_neg_s
       const __m512d scale = _mm512_set1_pd(e_neg_s);
       __mmask8 nan = 0;
       for (; k + 8 <= n; k += 8) {
-        const __m256i idx = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
+        const __m256i idx =
+            _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k)));
         const __m512d e = _mm512_i32gather_pd(idx, table, 8);
         nan |= _mm512_cmp_pd_mask(e, e, _CMP_UNORD_Q);
         _mm512_storeu_pd(out + k, _mm512_mul_pd(e, scale));
@@ -170,7 +173,8 @@ bool exp_from_table(const double* table, const T* src, int64_t n, double e_neg_s
       const __m256d scale = _mm256_set1_pd(e_neg_s);
       __m256d nan = _mm256_setzero_pd();
       for (; k + 4 <= n; k += 4) {
-        const __m128i idx = _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k)));
+        const __m128i idx =
+            _mm_cvtepu16_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + k)));
         const __m256d e = _mm256_i32gather_pd(table, idx, 8);
         nan = _mm256_or_pd(nan, _mm256_cmp_pd(e, e, _CMP_UNORD_Q));
         _mm256_storeu_pd(out + k, _mm256_mul_pd(e, scale));
@@ -298,8 +302,7 @@ inline void min_max_bf16(const Bf16* z, int64_t n, double* lo, double* hi) {
 // to float64 in buf) to *sum and *dist; kTabled: e^(x_k) is eb[k] (exp_from_table), 0 below the
 // polynomial's cut-off as the polynomial has it.
 template <bool kTabled>
-void exp_sums(const double* buf, const double* eb, int64_t n, double m, double* sum,
-              double* dist) {
+void exp_sums(const double* buf, const double* eb, int64_t n, double m, double* sum, double* dist) {
   double s[kLanes] = {}, d[kLanes] = {};
   int64_t k = 0;
   // The tabled form written out (the compiler vectorised each step but added the eight lanes one
@@ -326,7 +329,8 @@ void exp_sums(const double* buf, const double* eb, int64_t n, double m, double* 
     for (; k + 8 <= n; k += 8) {
       const __m256d x0 = _mm256_sub_pd(_mm256_loadu_pd(buf + k), vm);
       const __m256d x1 = _mm256_sub_pd(_mm256_loadu_pd(buf + k + 4), vm);
-      const __m256d e0 = _mm256_andnot_pd(_mm256_cmp_pd(x0, cut, _CMP_LT_OQ), _mm256_loadu_pd(eb + k));
+      const __m256d e0 =
+          _mm256_andnot_pd(_mm256_cmp_pd(x0, cut, _CMP_LT_OQ), _mm256_loadu_pd(eb + k));
       const __m256d e1 =
           _mm256_andnot_pd(_mm256_cmp_pd(x1, cut, _CMP_LT_OQ), _mm256_loadu_pd(eb + k + 4));
       vs0 = _mm256_add_pd(vs0, e0);
@@ -369,7 +373,8 @@ RowStats row_stats_t(const T* z, int64_t v) {
   {
     alignas(64) double buf[kChunk];
     // Pass 1: max and min; pass 2: sums relative to the max, chunk by chunk.
-    double m = -std::numeric_limits<double>::infinity(), lo = std::numeric_limits<double>::infinity();
+    double m = -std::numeric_limits<double>::infinity(),
+           lo = std::numeric_limits<double>::infinity();
     if constexpr (std::is_same_v<T, Bf16>) {
       min_max_bf16(z, v, &lo, &m);
     } else {
@@ -459,8 +464,9 @@ RowComparison compare_row_t(const T* z, const T* got, int64_t begin, int64_t end
       // The screen first; the exact tolerances only for a chunk with an element over it (a NaN
       // difference is over it too, and is counted there).
       RowComparison part =
-          tabled ? compare_row_direct<true, true>(zb, gb, pb, 0, n, c, lse, bounds, num_bounds)
-                 : compare_row_direct<false, true>(zb, gb, nullptr, 0, n, c, lse, bounds, num_bounds);
+          tabled
+              ? compare_row_direct<true, true>(zb, gb, pb, 0, n, c, lse, bounds, num_bounds)
+              : compare_row_direct<false, true>(zb, gb, nullptr, 0, n, c, lse, bounds, num_bounds);
       if (part.mismatched != 0) {
         part = tabled
                    ? compare_row_direct<true, false>(zb, gb, pb, 0, n, c, lse, bounds, num_bounds)
@@ -501,8 +507,8 @@ RowComparison compare_logits_row(const void* z, const void* got, DType dtype, in
       return compare_row_t(static_cast<const Half*>(z), static_cast<const Half*>(got), begin, end,
                            c, lse, bounds, num_bounds, screen);
     case DType::kFloat32:
-      return compare_row_t(static_cast<const float*>(z), static_cast<const float*>(got), begin,
-                           end, c, lse, bounds, num_bounds, screen);
+      return compare_row_t(static_cast<const float*>(z), static_cast<const float*>(got), begin, end,
+                           c, lse, bounds, num_bounds, screen);
     default:
       return compare_row_t(static_cast<const double*>(z), static_cast<const double*>(got), begin,
                            end, c, lse, bounds, num_bounds, screen);

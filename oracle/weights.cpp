@@ -665,9 +665,9 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       refs[k].weights = t.base_weights;
     }
     for (uint8_t m : t.batch->loss_mask) refs[k].true_count += m;
-    refs[k].diagnosis = diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth,
-                                         refs[k].weights->place, base, refs[k].true_count,
-                                         refs[k].weights->global_count);
+    refs[k].diagnosis =
+        diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth, refs[k].weights->place, base,
+                         refs[k].true_count, refs[k].weights->global_count);
   }
   const int64_t base_m = base.dp > 0 ? base.num_microbatches(0) : 1;
   struct Variant {
@@ -688,8 +688,8 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   // One variation: its placement once; per term, its weights against the base layout's and
   // (when they differ) against the truth. Empty: a layout that cannot hold the batch.
   auto evaluate = [&](const Variant& v) -> std::vector<InvarianceResult> {
-    StepLayout l = static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp,
-                                 base.tp, base.shard);
+    StepLayout l =
+        static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp, base.tp, base.shard);
     l.cp_layout = base.cp_layout;
     l.allgather_pad = base.allgather_pad;
     PlacedTokens placed;

@@ -76,8 +76,8 @@ struct TokenCoord {
 };
 
 struct WeightDiagnosis {
-  std::string kind;  // exact, non-finite, zero, uniform-scale, masked-weight, per-rank,
-                     // per-microbatch, per-cp-shard, per-sample, mixed
+  std::string kind;    // exact, non-finite, zero, uniform-scale, masked-weight, per-rank,
+                       // per-microbatch, per-cp-shard, per-sample, mixed
   double scale = 1.0;  // uniform-scale: the common ratio
   std::string named;   // uniform-scale: "1/cp", "dp*cp", ... when a simple product fits
   double min_ratio = 1.0, max_ratio = 1.0;

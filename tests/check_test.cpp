@@ -1,6 +1,8 @@
 // Losses and gradients (SPEC §4, §5): the oracle's analytic gradients against central finite
 // differences, and the LibTorch candidate against the oracle for every loss, reduction, CP size and
 // edge case.
+#include "oracle/check.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,8 +16,6 @@
 #include "fixtures/cases.h"
 #include "io/dump.h"
 #include "kernels/device.h"
-#include "trainer/candidate.h"
-#include "oracle/check.h"
 #include "oracle/compare.h"
 #include "oracle/exp32.h"
 #include "oracle/exp64.h"
@@ -25,6 +25,7 @@
 #include "oracle/row_math.h"
 #include "oracle/weights.h"
 #include "test_util.h"
+#include "trainer/candidate.h"
 
 namespace lossguard {
 namespace {
@@ -452,7 +453,8 @@ TEST(Check, AtARealVocabularyRejectsPlantedBugsInBf16) {
   const auto [sample, j] = first_effective(b);
   ASSERT_GE(sample, 0);
   const int64_t target = b.tokens[b.token_offsets[sample] + b.prompt_length(sample) + j];
-  const auto [rank, chunk] = zigzag_owner(b.total_lengths[sample], b.response_lengths[sample], j, 4);
+  const auto [rank, chunk] =
+      zigzag_owner(b.total_lengths[sample], b.response_lengths[sample], j, 4);
   for (const char* impl : {"torch", "kernels"}) {
     SCOPED_TRACE(impl);
     const std::vector<std::string> args = {"--cp", "4", "--impl", impl};
@@ -498,10 +500,10 @@ INSTANTIATE_TEST_SUITE_P(Check, Mutations,
                                            MutationCase{"scale-grad", "per-token"},
                                            MutationCase{"masked-row", "per-token"},
                                            MutationCase{"sample-denom", "sample-mean"},
-                      // Caught in the gradient only since its absolute slack scales with the
-                      // token's weight (PyTorch's atol 1e-5 let 0.3% through; bench/
-                      // detection_power.py).
-                      MutationCase{"weight-sample:1e-4", "per-token"}),
+                                           // Caught in the gradient only since its absolute slack
+                                           // scales with the token's weight (PyTorch's atol 1e-5
+                                           // let 0.3% through; bench/ detection_power.py).
+                                           MutationCase{"weight-sample:1e-4", "per-token"}),
                          [](const ::testing::TestParamInfo<MutationCase>& i) {
                            std::string n = i.param.mutation;
                            for (char& c : n)
@@ -564,7 +566,6 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
   }
 }
 
-
 TEST(OracleExp, WithinFourUlpOfTheLibraryExpOverTheWholeRange) {
   // The oracle's vectorisable exp (oracle/exp64.h) against glibc's correctly rounded-or-nearly exp:
   // a sweep of [-708, 0] plus the edges.
@@ -614,8 +615,8 @@ TEST(RowMath, SixteenBitStatisticsFromTheExpTableMatchThePolynomial) {
       if (variant == 2) x[1234] = NAN;
       const SixteenBitRow r = sixteen_bit_row(dt, x);
       const auto a = oracle::logits_row_stats(r.bits.data(), dt, static_cast<int64_t>(x.size()));
-      const auto b =
-          oracle::logits_row_stats(r.values.data(), DType::kFloat32, static_cast<int64_t>(x.size()));
+      const auto b = oracle::logits_row_stats(r.values.data(), DType::kFloat32,
+                                              static_cast<int64_t>(x.size()));
       if (variant == 2) {
         EXPECT_TRUE(a.non_finite && b.non_finite);
         EXPECT_TRUE(std::isnan(a.sum) && std::isnan(b.sum));
@@ -648,7 +649,7 @@ TEST(RowMath, ComparisonCountsExactlyTheElementsOutsideTheirBound) {
   for (double e : z) s += std::exp(e - m);
   const double lse = m + std::log(s), c = -3.0e-4;
   const oracle::ElementBoundRow bounds[2] = {{1e-30, 1.6e-2, 7.8e-3, 3.9e-3},
-                                            {1e-30, 1.56e-2, 0.1, 7.8e-3}};
+                                             {1e-30, 1.56e-2, 0.1, 7.8e-3}};
   auto tol = [&](double p, double lp) {
     const double aw = std::fabs(c * p);
     return std::min(oracle::element_tolerance(bounds[0], std::fabs(c), aw, p, lp),
@@ -685,14 +686,15 @@ TEST(RowMath, ComparisonCountsExactlyTheElementsOutsideTheirBound) {
   std::vector<uint16_t> gb(static_cast<std::size_t>(v));
   for (int64_t k = 0; k < v; ++k)
     gb[k] = float_to_bfloat16(static_cast<float>(c * std::exp(z[k] - lse)));
-  const auto ok =
-      oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c, lse, bounds, 2);
+  const auto ok = oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c,
+                                             lse, bounds, 2);
   EXPECT_EQ(ok.mismatched, 0);
   EXPECT_LE(ok.max_rel_diff, std::ldexp(1.0, -8) * 1.0001);
   // Elements past the bound in bf16, through the table: counted.
-  for (int64_t k = 0; k < v; k += 1000) gb[k] = float_to_bfloat16(static_cast<float>(2.0 * c * std::exp(z[k] - lse)));
-  const auto bad =
-      oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c, lse, bounds, 2);
+  for (int64_t k = 0; k < v; k += 1000)
+    gb[k] = float_to_bfloat16(static_cast<float>(2.0 * c * std::exp(z[k] - lse)));
+  const auto bad = oracle::compare_logits_row(zr.bits.data(), gb.data(), DType::kBFloat16, 0, v, c,
+                                              lse, bounds, 2);
   EXPECT_EQ(bad.mismatched, (v + 999) / 1000);
 }
 
@@ -702,7 +704,8 @@ TEST(OracleExp, TheScreensFloatExpIsWithinItsBudget) {
   // Both as this test's flags compile it, and as the row loops do (exp_screen_row: on this CPU's
   // instruction set, Horner's rule contracted into fused multiply-adds).
   std::vector<float> xs;
-  for (int64_t i = 0; i <= 4000000; ++i) xs.push_back(-87.0f + 89.0f * static_cast<float>(i) / 4000000.0f);
+  for (int64_t i = 0; i <= 4000000; ++i)
+    xs.push_back(-87.0f + 89.0f * static_cast<float>(i) / 4000000.0f);
   for (uint32_t bits = 0x3f800000u; bits > 0; bits -= std::min<uint32_t>(bits, 61)) {
     float x;  // -1 to 0, every 61st float
     std::memcpy(&x, &bits, 4);
@@ -713,7 +716,8 @@ TEST(OracleExp, TheScreensFloatExpIsWithinItsBudget) {
   double worst = 0.0, worst_dispatched = 0.0;
   for (std::size_t i = 0; i < xs.size(); ++i) {
     const double want = std::exp(static_cast<double>(xs[i]));
-    worst = std::max(worst, std::fabs(static_cast<double>(oracle::exp_screen(xs[i])) - want) / want);
+    worst =
+        std::max(worst, std::fabs(static_cast<double>(oracle::exp_screen(xs[i])) - want) / want);
     worst_dispatched =
         std::max(worst_dispatched, std::fabs(static_cast<double>(dispatched[i]) - want) / want);
   }
@@ -831,11 +835,13 @@ TEST(RowMath, TheScreenNeverPassesAnInfiniteGradient) {
   const oracle::ElementBoundRow b{1e36, 1e-2, 0.0, 0.0};
   const oracle::LogitsScreen s = oracle::logits_screen(c, lse, &b, 1, NAN, 1e300);
   ASSERT_TRUE(s.on);
-  const auto exact = oracle::compare_logits_row(z.data(), g.data(), DType::kBFloat16, 0, v, c, lse, &b, 1);
+  const auto exact =
+      oracle::compare_logits_row(z.data(), g.data(), DType::kBFloat16, 0, v, c, lse, &b, 1);
   EXPECT_EQ(exact.mismatched, 1);
-  EXPECT_EQ(oracle::compare_logits_row(z.data(), g.data(), DType::kBFloat16, 0, v, c, lse, &b, 1, &s)
-                .mismatched,
-            1);
+  EXPECT_EQ(
+      oracle::compare_logits_row(z.data(), g.data(), DType::kBFloat16, 0, v, c, lse, &b, 1, &s)
+          .mismatched,
+      1);
 }
 
 // The candidate's gradient as a whole array, fed to a GradStream in `order` (blocks of `block`
@@ -857,7 +863,8 @@ oracle::GradComparison stream_in_blocks(const Batch& b, const oracle::OracleLoss
     for (std::size_t j = k; j < std::min(order.size(), k + static_cast<std::size_t>(block)); ++j) {
       if (order[j] == skip_row) continue;
       ids.push_back(order[j]);
-      buf.insert(buf.end(), grad.data + order[j] * row_bytes, grad.data + (order[j] + 1) * row_bytes);
+      buf.insert(buf.end(), grad.data + order[j] * row_bytes,
+                 grad.data + (order[j] + 1) * row_bytes);
     }
     if (!ids.empty()) stream.add(ids.data(), static_cast<int64_t>(ids.size()), buf.data());
   }
@@ -947,7 +954,8 @@ TEST(DerivedTolerance, KernelsCatchARelativeWeightErrorOf1e4OnOneSampleInFp32And
     const CheckRun bad = check(path, {"--cp", "1,2", "--impl", "kernels"});
     unsetenv("LOSSGUARD_TEST_MUTATION");
     EXPECT_EQ(bad.code, 1) << dtype_name(dtype) << ": " << bad.doc.dump().substr(0, 2000);
-    for (const auto& k : bad.doc["cases"]) EXPECT_FALSE(k["loss_value"]["ok"].get<bool>()) << k.dump();
+    for (const auto& k : bad.doc["cases"])
+      EXPECT_FALSE(k["loss_value"]["ok"].get<bool>()) << k.dump();
   }
 }
 
@@ -1020,8 +1028,8 @@ TEST(TokenLoss, ADumpsTokenLossMustBeThePerTokenNllOrPpoClipOfItsInputs) {
     bumped[static_cast<std::size_t>(r)] *= 1.1;
   Batch wrong = b;
   wrong.per_token["token_loss"] = HostArray::from_f64(DType::kFloat32, {rows}, bumped);
-  // Unstated, a token_loss that is neither (a KL or entropy term in it, SPEC §4) is a finding naming
-  // the sample; stated (--token-loss-is), it is a failed check.
+  // Unstated, a token_loss that is neither (a KL or entropy term in it, SPEC §4) is a finding
+  // naming the sample; stated (--token-loss-is), it is a failed check.
   const CheckRun w = run(wrong, "wrong");
   EXPECT_EQ(w.code, 0) << w.err;
   EXPECT_TRUE(w.doc["token_loss"]["matches"].is_null());
@@ -1032,7 +1040,8 @@ TEST(TokenLoss, ADumpsTokenLossMustBeThePerTokenNllOrPpoClipOfItsInputs) {
   for (const auto& f : w.doc["findings"]) finding |= f["kind"] == "token_loss_not_plain";
   EXPECT_TRUE(finding);
   const std::string wrong_path = (dir / "wrong.safetensors").string();
-  const CheckRun stated = check(wrong_path, {"--cp", "1", "--loss", "given", "--token-loss-is", "nll"});
+  const CheckRun stated =
+      check(wrong_path, {"--cp", "1", "--loss", "given", "--token-loss-is", "nll"});
   EXPECT_EQ(stated.code, 1) << stated.err;
   EXPECT_EQ(stated.doc["token_loss"]["ok"], false);
   EXPECT_EQ(stated.doc["token_loss"]["worst"]["sample"], sample);

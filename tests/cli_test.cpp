@@ -375,10 +375,10 @@ TEST(CliReplay, ParticipationProtocolsGiveTheirPredictedOutcomes) {
   EXPECT_NE(j["ranks"][1]["detail"].get<std::string>().find("skipped the backward of 1 of its 2"),
             std::string::npos)
       << j["ranks"][1]["detail"];
-  EXPECT_EQ(run_cli({"replay", dump, "--dp", "2", "--microbatches", "2", "--protocol",
-                     "microbatch-skip"})
-                .code,
-            0);
+  EXPECT_EQ(
+      run_cli({"replay", dump, "--dp", "2", "--microbatches", "2", "--protocol", "microbatch-skip"})
+          .code,
+      0);
   Result uneven = run_cli({"replay", dump, "--dp", "2", "--ep", "2", "--max-tokens-per-mb", "9",
                            "--protocol", "microbatches-local", "--json", "-"});
   EXPECT_EQ(uneven.code, 3);
@@ -406,9 +406,12 @@ TEST(CliReplay, ParticipationProtocolsGiveTheirPredictedOutcomes) {
                 .code,
             3);
   // Bad values name the option.
-  for (const std::vector<std::string>& bad :
-       {std::vector<std::string>{"--nan-ranks", "4"}, {"--nan-ranks", "x"}, {"--grad-sync", "x"},
-        {"--flag-group", "pp"}, {"--ep", "3"}, {"--max-tokens-per-mb", "-1"}}) {
+  for (const std::vector<std::string>& bad : {std::vector<std::string>{"--nan-ranks", "4"},
+                                              {"--nan-ranks", "x"},
+                                              {"--grad-sync", "x"},
+                                              {"--flag-group", "pp"},
+                                              {"--ep", "3"},
+                                              {"--max-tokens-per-mb", "-1"}}) {
     std::vector<std::string> args = {"replay", dump, "--tp", "2", "--dp", "2"};
     args.insert(args.end(), bad.begin(), bad.end());
     Result r = run_cli(args);
@@ -797,22 +800,21 @@ TEST(CliDumps, PerRankRelaxDumpsOfOneDpRankCountOnce) {
 // and the echo keeps every digit given.
 TEST(CliWeights, ContractsOutsideFloat32AreRefusedByWeightsAndCheck) {
   const std::string dump = fixture("gen_random.safetensors");
-  for (const char* contract :
-       {"scale=1e308", "megatron-per-token,scale=1e200*1e200", "megatron-per-token,scale=1e-200*1e-200",
-        "scale=1e-39"}) {
+  for (const char* contract : {"scale=1e308", "megatron-per-token,scale=1e200*1e200",
+                               "megatron-per-token,scale=1e-200*1e-200", "scale=1e-39"}) {
     Result w = run_cli({"weights", dump, "--contract", contract, "--strict-scale"});
     EXPECT_EQ(w.code, 2) << contract << "\n" << w.out << w.err;
     EXPECT_NE(w.err.find("outside the float32 range"), std::string::npos) << w.err;
     Result c = run_cli({"check", dump, "--contract", contract, "--cp", "1"});
     EXPECT_EQ(c.code, 2) << contract << "\n" << c.out << c.err;
   }
-  Result echo = run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=1.00000001",
-                         "--json", "-"});
+  Result echo =
+      run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=1.00000001", "--json", "-"});
   const auto doc = nlohmann::json::parse(echo.out);
   EXPECT_EQ(doc["contract"]["scale"], "1.00000001") << echo.out;
   EXPECT_EQ(echo.code, 0);  // a uniform scale, reported
-  Result strict = run_cli({"weights", dump, "--contract", "norm=global:dp-cp,scale=1.00000001",
-                           "--strict-scale"});
+  Result strict = run_cli(
+      {"weights", dump, "--contract", "norm=global:dp-cp,scale=1.00000001", "--strict-scale"});
   EXPECT_EQ(strict.code, 1) << strict.out;
 }
 
@@ -869,7 +871,8 @@ TEST(CliDumps, DuplicateAndAliasedKeysAreInputErrorsNamingBoth) {
 // fails only against what the user states it is.
 TEST(CliCheck, GivenTokenLossWithAKlTermIsAFindingUnlessStated) {
   const auto dir = testing::temp_dir("given-kl");
-  // V = 2, logits [0, 0]: every nll is log 2. token_loss = nll + 0.1 (a KL penalty), or exactly nll.
+  // V = 2, logits [0, 0]: every nll is log 2. token_loss = nll + 0.1 (a KL penalty), or exactly
+  // nll.
   auto write = [&](const std::string& name, double extra) {
     const std::string path = (dir / name).string();
     const double l = std::log(2.0) + extra;
@@ -889,7 +892,8 @@ TEST(CliCheck, GivenTokenLossWithAKlTermIsAFindingUnlessStated) {
   EXPECT_TRUE(doc["token_loss"]["ok"].is_null());
   Result stated = run_cli({"check", kl, "--loss", "given", "--cp", "1", "--token-loss-is", "nll"});
   EXPECT_EQ(stated.code, 1) << stated.out;
-  Result right = run_cli({"check", plain, "--loss", "given", "--cp", "1", "--token-loss-is", "nll"});
+  Result right =
+      run_cli({"check", plain, "--loss", "given", "--cp", "1", "--token-loss-is", "nll"});
   EXPECT_EQ(right.code, 0) << right.out << right.err;
   EXPECT_EQ(run_cli({"check", plain, "--token-loss-is", "kl"}).code, 2);
 }
@@ -978,9 +982,9 @@ TEST(CliReport, ReplayFailuresNameTheRanks) {
   EXPECT_NE(y.find("4 rank(s) (0-3) errored, blocked or mismatched"), std::string::npos) << y;
 }
 
-// Multi-term weights (SPEC §11) on the 3-sample batch of the hand derivations (m = 111 | 10 | 1111):
-// a KL term averaged per micro-batch is named per term, relative to main; the correct three-term
-// contract passes; bad declarations exit 2 naming the term.
+// Multi-term weights (SPEC §11) on the 3-sample batch of the hand derivations (m = 111 | 10 |
+// 1111): a KL term averaged per micro-batch is named per term, relative to main; the correct
+// three-term contract passes; bad declarations exit 2 naming the term.
 std::string terms_dump() {
   const auto dir = testing::temp_dir("cli-terms");
   const auto path = dir / "three.json";
@@ -1033,9 +1037,9 @@ TEST(CliWeightsTerms, KlPerMicrobatchIsNamedRelativeToMain) {
   EXPECT_TRUE(named) << doc["findings"];
   // Equal micro-batches (M = 2 over samples 0+1 and 2: 4 and 4 tokens): the KL is ×M uniformly,
   // and a uniform scale of a term relative to main fails (it changes the terms' balance).
-  Result eq = run_cli({"weights", dump, "--contract", "megatron-per-token", "--term",
-                       "kl:per-token:0.1", "--contract", "kl=norm=microbatch", "--microbatches",
-                       "2", "--vary", "none"});
+  Result eq =
+      run_cli({"weights", dump, "--contract", "megatron-per-token", "--term", "kl:per-token:0.1",
+               "--contract", "kl=norm=microbatch", "--microbatches", "2", "--vary", "none"});
   EXPECT_EQ(eq.code, 1) << eq.out;
   EXPECT_NE(eq.out.find("uniform scale ×2 = M"), std::string::npos) << eq.out;
   // Main ×2 and KL ×2: the balance holds (an optimizer like Adam sees no difference): exit 0.

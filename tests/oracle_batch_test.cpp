@@ -195,12 +195,11 @@ TEST(Batch, NonFiniteFindingsFromTheRowStatisticsMatchTheFullScan) {
     // One sample, prompt 1, response 5: rows 0..4 over a vocabulary of 4; row 2 masked.
     HostArray t = ints({0, 1, 2, 3, 0, 1}), m = ints({1, 1, 0, 1, 1});
     const double inf = INFINITY;
-    HostArray logits = HostArray::from_f64(dt, {5, 4},
-                                           {0, 1, 2, 3,        // row 0: clean
-                                            1, NAN, 0, 0,      // row 1: NaN, mask 1
-                                            inf, 0, 0, 1,      // row 2: +inf, masked
-                                            0, 0, 0, -inf,     // row 3: -inf, mask 1
-                                            -1, -2, -3, -4});  // row 4: clean
+    HostArray logits = HostArray::from_f64(dt, {5, 4}, {0,   1,   2,  3,     // row 0: clean
+                                                        1,   NAN, 0,  0,     // row 1: NaN, mask 1
+                                                        inf, 0,   0,  1,     // row 2: +inf, masked
+                                                        0,   0,   0,  -inf,  // row 3: -inf, mask 1
+                                                        -1,  -2,  -3, -4});  // row 4: clean
     const Batch batch = one_sample("n.pt", t, 5, &logits, nullptr, &m);
     const std::vector<RowStats> stats = oracle_logits_stats(batch);
     ASSERT_EQ(stats.size(), 5u);

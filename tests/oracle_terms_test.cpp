@@ -27,8 +27,8 @@ Batch make(const std::vector<S>& samples) {
   std::vector<HostArray> keep;
   keep.reserve(samples.size() * 2);
   for (std::size_t i = 0; i < samples.size(); ++i) {
-    keep.push_back(HostArray::from_i64(DType::kInt64, {samples[i].t},
-                                       std::vector<int64_t>(samples[i].t, 1)));
+    keep.push_back(
+        HostArray::from_i64(DType::kInt64, {samples[i].t}, std::vector<int64_t>(samples[i].t, 1)));
     SampleFields f;
     f.tokens = &keep.back();
     f.response_length = samples[i].r;

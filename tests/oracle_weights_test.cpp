@@ -372,7 +372,8 @@ TEST(Weights, ASampleInTwoSubGroupsIsNamedAndCountedOnce) {
   l.dp = 1;
   l.cp = 2;
   l.microbatches.push_back({0, 0, 1, {{0, 1}, {1, 2}}, false});
-  const ContractWeights w = contract_weights(b, l, parse_contract("truth", Reduction::kPerToken), {});
+  const ContractWeights w =
+      contract_weights(b, l, parse_contract("truth", Reduction::kPerToken), {});
   ASSERT_EQ(w.problems.size(), 1u);
   EXPECT_NE(w.problems[0].find("sample 1 is placed twice"), std::string::npos) << w.problems[0];
   EXPECT_NE(w.problems[0].find("sub-groups 0 and 1"), std::string::npos) << w.problems[0];
@@ -403,8 +404,9 @@ TEST(Weights, RealTrainerPresetsByHandOneSamplePerMicrobatch) {
   expect_weights(weights_of(b, l, "trl-dr-grpo", Reduction::kSeqMeanTokenSumNorm),
                  per_sample(1. / 12, 1. / 12, 1. / 12));
   // verl v1 without loss_scale_factor: ÷ (B = 3 · the micro-batch's longest response 3, 2, 4).
-  expect_weights(weights_of(b, l, "verl-seq-mean-token-sum-norm-v1", Reduction::kSeqMeanTokenSumNorm),
-                 per_sample(1. / 9, 1. / 6, 1. / 12));
+  expect_weights(
+      weights_of(b, l, "verl-seq-mean-token-sum-norm-v1", Reduction::kSeqMeanTokenSumNorm),
+      per_sample(1. / 9, 1. / 6, 1. / 12));
   // dapo: the count over every rank's micro-batches of the step (S = M): m_t / N.
   expect_weights(weights_of(b, l, "trl-dapo"), per_sample(1. / 8, 1. / 8, 1. / 8));
   // dapo with steps_per_generation S = 1 at M = 3: each micro-batch its own generation batch,

@@ -7,7 +7,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-
 #include <malloc.h>
 
 #include <cstring>

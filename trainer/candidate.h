@@ -88,7 +88,8 @@ Arithmetic arithmetic_of(Impl impl, int64_t vocab, kernels::Device device);
 // thousands of per-token values), at least one.
 inline int64_t rows_per_block(std::size_t row_bytes) {
   constexpr std::size_t kBlockBytes = std::size_t{32} << 20;
-  return static_cast<int64_t>(std::max<std::size_t>(1, kBlockBytes / std::max<std::size_t>(row_bytes, 1)));
+  return static_cast<int64_t>(
+      std::max<std::size_t>(1, kBlockBytes / std::max<std::size_t>(row_bytes, 1)));
 }
 
 }  // namespace lossguard::trainer

@@ -181,7 +181,8 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
       // gradient handed to the sink before the next block overwrites it. Memory: one block.
       const std::size_t elem = dtype_size_bytes(x_host.dtype);
       const std::size_t row_bytes = static_cast<std::size_t>(v) * elem;
-      const int64_t block = std::min<int64_t>(rows_per_block(row_bytes), std::max<int64_t>(rows, 1));
+      const int64_t block =
+          std::min<int64_t>(rows_per_block(row_bytes), std::max<int64_t>(rows, 1));
       const std::size_t block_bytes = static_cast<std::size_t>(block) * row_bytes;
       std::vector<float> token_loss(static_cast<std::size_t>(rows), 0.0f);
       std::vector<std::byte> host_grad(block_bytes);

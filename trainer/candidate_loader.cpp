@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "core/errors.h"
-#include "kernels/fused_xent.h"
 #include "core/plugin_loader.h"
+#include "kernels/fused_xent.h"
 #include "lossguard/build_config.h"
 #include "trainer/candidate.h"
 #include "trainer/mutation.h"

@@ -134,7 +134,8 @@ ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan
     sizes.microbatches = static_cast<int64_t>(placement[key.first].size());
     sizes.microbatch_max_response = 1;
     for (int64_t i : placement[key.first][key.second]) {
-      sizes.microbatch_max_response = std::max(sizes.microbatch_max_response, b.response_lengths[i]);
+      sizes.microbatch_max_response =
+          std::max(sizes.microbatch_max_response, b.response_lengths[i]);
     }
     const double scale = scale_value(c.scale, sizes);
     std::vector<double>& f = factor[key];

@@ -32,7 +32,8 @@ constexpr int kLanes = 8;
 #else
 constexpr int kLanes = 4;
 #endif
-constexpr int64_t kBlock = kXentBlock;  // 8 KiB of float: a block stays in L1 between its two sweeps
+constexpr int64_t kBlock =
+    kXentBlock;  // 8 KiB of float: a block stays in L1 between its two sweeps
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));

@@ -5,11 +5,11 @@
 #include <stdexcept>
 #include <string>
 
-#define LOSSGUARD_CUDA_CHECK(expr)                                                                         \
-  do {                                                                                                     \
-    const cudaError_t lossguard_err_ = (expr);                                                             \
-    if (lossguard_err_ != cudaSuccess) {                                                                   \
-      throw std::runtime_error(std::string(__FILE__) + ":" + std::to_string(__LINE__) + ": " #expr ": " + \
-                               cudaGetErrorString(lossguard_err_));                                        \
-    }                                                                                                      \
+#define LOSSGUARD_CUDA_CHECK(expr)                                                      \
+  do {                                                                                  \
+    const cudaError_t lossguard_err_ = (expr);                                          \
+    if (lossguard_err_ != cudaSuccess) {                                                \
+      throw std::runtime_error(std::string(__FILE__) + ":" + std::to_string(__LINE__) + \
+                               ": " #expr ": " + cudaGetErrorString(lossguard_err_));   \
+    }                                                                                   \
   } while (0)

@@ -21,7 +21,6 @@ struct CpList {
   int64_t out_offset[kMaxCp];
 };
 
-
 __global__ void count_kernel(TokenCountArgs a, CpList cps) {
   extern __shared__ long long shared[];
   __shared__ int num_cuts;

@@ -13,9 +13,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 
@@ -73,8 +73,8 @@ Step build_step(FuzzedDataProvider& in, Reduction reduce) {
   } else {
     s.layout = static_layout(p, cp, 1, {});
   }
-  s.layout.cp_layout = in.ConsumeIntegralInRange(0, 4) == 0 ? CpLayout::kAllgather
-                                                            : CpLayout::kZigzag;
+  s.layout.cp_layout =
+      in.ConsumeIntegralInRange(0, 4) == 0 ? CpLayout::kAllgather : CpLayout::kZigzag;
   // (audit models the all-gather stream padded to 128 x cp x tp, the default, like this layout)
   // What a correct trainer records: each loss rank's owned tokens in local order, weighted w*.
   const std::vector<double> truth = oracle::true_weights(s.batch, reduce, {});
@@ -90,7 +90,8 @@ Step build_step(FuzzedDataProvider& in, Reduction reduce) {
     term.coef = coefs[in.ConsumeIntegralInRange(0, 3)];
     const char* masks[] = {"loss", "shift:1", "roll:1", "all"};
     term.mask = parse_term_mask(masks[in.ConsumeIntegralInRange(0, 3)], "fuzz");
-    term_truth = oracle::true_weights(with_mask(s.batch, term_mask(s.batch, term.mask)), reduce, {});
+    term_truth =
+        oracle::true_weights(with_mask(s.batch, term_mask(s.batch, term.mask)), reduce, {});
     for (double& w : term_truth) w *= term.coef;
   }
   for (int64_t d = 0; d < dp; ++d) {
@@ -153,7 +154,8 @@ bool audit_passes(const std::vector<RankCapture>& captures, bool strict, bool ma
       }
       if (!step.failed(strict)) continue;
       if (verbose) {
-        for (const auto& c : step.checks) std::fprintf(stderr, "  %s: %s\n", c.name.c_str(), c.detail.c_str());
+        for (const auto& c : step.checks)
+          std::fprintf(stderr, "  %s: %s\n", c.name.c_str(), c.detail.c_str());
         std::fprintf(stderr, "  diagnosis: %s\n", step.diagnosis.summary().c_str());
       }
       return false;
@@ -354,9 +356,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (auto& mb : r.microbatches) {
           auto it = mb.terms.find("kl");
           if (dropped || it == mb.terms.end()) continue;
-          const bool weighs = std::any_of(it->second.token_weight.begin(),
-                                          it->second.token_weight.end(),
-                                          [](double x) { return x != 0.0; });
+          const bool weighs =
+              std::any_of(it->second.token_weight.begin(), it->second.token_weight.end(),
+                          [](double x) { return x != 0.0; });
           if (!weighs) continue;
           mb.terms.erase(it);
           dropped = true;

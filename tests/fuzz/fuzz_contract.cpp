@@ -1,8 +1,8 @@
 // libFuzzer target: `weights` on contracts x layouts. A contract built from random components and
-// scale terms (numbers from 1e-300 to 1e300 among them), a small batch and a layout (DP, micro-batches,
-// static or dynamic CP), then the weights, the diagnosis, I5 and the verdict. Besides ASan and
-// UBSan it traps when the verdict passes a non-finite or all-zero weight, or calls weights "exact"
-// that an independent comparison with the objective's finds different.
+// scale terms (numbers from 1e-300 to 1e300 among them), a small batch and a layout (DP,
+// micro-batches, static or dynamic CP), then the weights, the diagnosis, I5 and the verdict.
+// Besides ASan and UBSan it traps when the verdict passes a non-finite or all-zero weight, or calls
+// weights "exact" that an independent comparison with the objective's finds different.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -22,18 +22,20 @@ using namespace lossguard;
 
 std::string random_contract(FuzzedDataProvider& in) {
   static const char* components[] = {
-      "count=cp-local", "count=full-sample", "count=samples",  "clamp=per-sample", "clamp=at-cp1",
-      "norm=none",      "norm=microbatch",   "norm=rank",      "norm=global:dp",   "norm=global:cp",
-      "norm=global:world", "sample=mean",    "grad=sum",       "grad=mean:dp",     "grad=mean:dp-cp",
-      "grad=mean:world", "norm=generation:1", "norm=generation:2", "norm=generation:3"};
-  static const char* terms[] = {"cp", "dp", "tp", "M", "B", "Bnz", "L", "1/cp", "1/M", "1/B", "1/L",
-                                "Lmb", "1/Lmb"};
+      "count=cp-local",    "count=full-sample", "count=samples",     "clamp=per-sample",
+      "clamp=at-cp1",      "norm=none",         "norm=microbatch",   "norm=rank",
+      "norm=global:dp",    "norm=global:cp",    "norm=global:world", "sample=mean",
+      "grad=sum",          "grad=mean:dp",      "grad=mean:dp-cp",   "grad=mean:world",
+      "norm=generation:1", "norm=generation:2", "norm=generation:3"};
+  static const char* terms[] = {"cp",   "dp",  "tp",  "M",   "B",   "Bnz",  "L",
+                                "1/cp", "1/M", "1/B", "1/L", "Lmb", "1/Lmb"};
   const std::vector<ContractPreset>& all = contract_presets();
   std::string c =
       in.ConsumeBool() ? all[in.ConsumeIntegralInRange<std::size_t>(0, all.size() - 1)].name : "";
   const int n = in.ConsumeIntegralInRange(0, 3);
   for (int k = 0; k < n; ++k) {
-    c += (c.empty() ? "" : ",") + std::string(components[in.ConsumeIntegralInRange<std::size_t>(0, 18)]);
+    c += (c.empty() ? "" : ",") +
+         std::string(components[in.ConsumeIntegralInRange<std::size_t>(0, 18)]);
   }
   if (in.ConsumeBool()) {
     std::string scale;
