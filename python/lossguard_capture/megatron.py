@@ -75,8 +75,40 @@ pipeline parallelism (PP > 1, virtual PP); hybrid context parallelism; a model c
 optimizer instances; buckets with different scaling factors (expert parameters scaled unlike dense
 ones); THD packed sequences (``packed_seq_params``: their CP split is Transformer Engine's
 ``thd_get_partitioned_indices``, utils.py:2041-2083); a ``loss_func`` that does not return a 2- or
-3-tuple or does not receive the per-token losses ``[b, s/cp]``; a row whose last position carries loss.
-The MoE auxiliary and MTP losses are other terms (docs/semantics.md §11): not captured.
+3-tuple or does not receive the per-token losses ``[b, s/cp]``; a row whose last position carries loss;
+``mtp_num_layers`` without ``model=`` (or without a GPTModel / MTP block in it).
+
+Multi-token prediction (``config.mtp_num_layers = D``; docs/semantics.md §11): each depth ``j`` is the loss
+term ``mtp`` (D = 1) or ``mtp{j}``, declared ``reduce=per-token``, ``coef = mtp_loss_scaling_factor / D``
+(gpt_model.py:653), ``mask=roll:{j}`` (Megatron's MTP mask: the loss_mask rolled left by ``j``, the last
+``j`` positions zeroed, multi_token_prediction.py:158-161 — ``m_{t+j}``, not ``m_t m_{t+j}``).  Where:
+
+* ``attach`` wraps the GPTModel's ``compute_language_model_loss`` (an instance attribute): in a captured
+  step the forward's per-token losses it returns are kept — the D MTP depths' raw cross entropies
+  (gpt_model.py:640, ``[b, s/cp]`` like the main one) and then the main one (:714).  The wrapped loss_func
+  hooks depth ``j``'s as its term, over the main term's owned positions: ``dL/dl_t`` is measured after
+  the rolled-mask multiply (:641), the coefficient, the division by the CP-local rolled count without
+  ``calculate_per_token_loss`` (:658-661, unclamped: 0/0 = NaN for a shard with no MTP token), and
+  ``MTPLossAutoScaler``'s backward scale (loss scale, / M without per-token loss; schedules.py:295-306).
+  With ``calculate_per_token_loss`` finalize_model_grads divides the MTP gradient by the MAIN count
+  (finalize_model_grads.py:484-497): audit reports that as a uniform ``N_mtp/N`` relative to the MTP
+  objective (lossguard contract ``megatron-mtp-per-token``; without per-token loss ``megatron-mtp``).
+* During a captured step ``megatron.core.models.gpt.gpt_model.MTPLossAutoScaler`` is a proxy whose
+  ``apply`` keeps the tensor GPTModel hands it (``scale * mask * l [/ count]``) and calls the real one; the
+  real class is put back when the step ends.  ``mb.{k}.loss`` is the main scalar plus each depth's share of
+  the objective, ``MTPLossAutoScaler.main_loss_backward_scale x sum(that tensor)`` (its backward is
+  ``ones * scale``, multi_token_prediction.py:573-576): audit's loss check holds every term.
+* The model must be called with the ``loss_mask`` (as pretrain_gpt does): without it Megatron's MTP mask is
+  all ones (gpt_model.py:615-617) and audit's ``mtp.coverage`` names the masked positions it trains on.
+  Each term's own count (roll_tensor's ``num_tokens``) is not recorded (``mtp.counts``: not run).
+
+The MoE auxiliary losses are not captured: Megatron never forms a per-token aux loss.  The load-balancing
+loss is ``sum(probs.sum(dim=0) * tokens_per_expert) * E c / (topk T^2)`` (transformer/moe/moe_utils.py:
+129-132): the router probabilities ``[T, E]`` are summed over tokens before anything else, so the only
+tensor with a token axis carries per-(token, expert) gradients; a per-token ``l_t = E sum_e f_e p_{t,e}``
+would have to be built by the adapter, not measured.  (On the CPU without Transformer Engine a MoE router
+does not run either: moe_utils.py:1192 reads ``te_general_gemm``, left undefined by its failed TE import at
+:22-39, a NameError.)
 """
 
 import os
@@ -141,6 +173,25 @@ class _MB:
         self.loss_mask = loss_mask          # [b, s], the full rows (any device; read in finish)
         self.loss: Optional[torch.Tensor] = None      # the tensor loss_func returned (scaled in place later)
         self.arity = 0
+        self.mtp_scaled: List[torch.Tensor] = []      # what GPTModel handed MTPLossAutoScaler, per depth
+
+
+class _MTPScalerProxy:
+    """``megatron.core.models.gpt.gpt_model.MTPLossAutoScaler`` during a captured step: ``apply`` remembers
+    the ``mtp_loss`` GPTModel hands it (``scale * loss_mask * l [/ num_tokens]``, gpt_model.py:655-661) and
+    calls the real one with the same arguments; everything else is the real class's."""
+
+    def __init__(self, audit: "MegatronAudit", real: Any):
+        self.audit = audit
+        self.real = real
+
+    def apply(self, hidden_states: Any, mtp_loss: Any, *args: Any) -> Any:
+        if self.audit._state is not None and isinstance(mtp_loss, torch.Tensor) and mtp_loss.requires_grad:
+            self.audit._mtp_scaled.append(mtp_loss)
+        return self.real.apply(hidden_states, mtp_loss, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
 
 
 class _StepState:
@@ -181,6 +232,7 @@ class MegatronStep:
             rec = self.audit._recorder(self.step)
             self._state = _StepState(rec, self.global_batch_size)
             self.audit._state = self._state
+            self.audit._mtp_begin()
         return self
 
     def set(self, *, skipped: Any = None, grad_norm: Any = None) -> None:
@@ -197,6 +249,7 @@ class MegatronStep:
         if st is None:
             return False
         self.audit._state = None
+        self.audit._mtp_end()
         if exc_type is not None:
             st.rec.abort()
             return False
@@ -251,6 +304,11 @@ class MegatronAudit:
         self._state: Optional[_StepState] = None
         self._index_cache: Dict[Tuple[int, int], torch.Tensor] = {}
         self._optimizer_wrapped = False
+        self.mtp_layers = 0                 # config.mtp_num_layers (0: no MTP loss)
+        self.mtp_terms: Dict[str, Dict[str, Any]] = {}      # the declared MTP terms, depth order
+        self._lm_losses: List[torch.Tensor] = []            # compute_language_model_loss outputs, this forward
+        self._mtp_scaled: List[torch.Tensor] = []           # MTPLossAutoScaler.apply's mtp_loss, this forward
+        self._mtp_saved: Any = None                         # gpt_model.MTPLossAutoScaler while the proxy is in
 
     # -- wiring ---------------------------------------------------------------------------------
     def attach(self, config: Any, *, model: Any = None, optimizer: Any = None) -> "MegatronAudit":
@@ -271,14 +329,37 @@ class MegatronAudit:
             bad.append("overlap_moe_expert_parallel_comm (the combined 1F1B schedule)")
         if getattr(config, "pipeline_model_parallel_size", 1) not in (None, 1):
             bad.append(f"pipeline_model_parallel_size = {config.pipeline_model_parallel_size}")
-        if model is not None:
-            for chunk in (model if isinstance(model, (list, tuple)) else [model]):
-                why = self._check_chunk(chunk)
-                if why:
-                    bad.append(why)
+        chunks = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
+        for chunk in chunks:
+            why = self._check_chunk(chunk)
+            if why:
+                bad.append(why)
+        mtp = getattr(config, "mtp_num_layers", None)
+        language_models = []
+        if mtp:
+            if not chunks:
+                bad.append(f"mtp_num_layers = {mtp} without model=: the MTP loss is hooked on the GPTModel "
+                           f"(pass model= to attach)")
+            for chunk in chunks:
+                lm = self._gpt_model(chunk)
+                if lm is None:
+                    bad.append(f"mtp_num_layers = {mtp} but no megatron.core GPTModel was found in a model chunk "
+                               f"of type {type(chunk).__name__} (its MTP loss is hooked there)")
+                elif getattr(lm, "mtp", None) is None:
+                    bad.append(f"mtp_num_layers = {mtp} but the GPTModel has no MTP block (mtp_block_spec)")
+                else:
+                    language_models.append(lm)
         if bad:
             raise RuntimeError("lossguard_capture.megatron does not support: " + "; ".join(bad))
         self.config = config
+        if mtp:
+            self.mtp_layers = int(mtp)
+            coef = config.mtp_loss_scaling_factor / config.mtp_num_layers           # gpt_model.py:653
+            names = ["mtp"] if self.mtp_layers == 1 else [f"mtp{j}" for j in range(1, self.mtp_layers + 1)]
+            self.mtp_terms = {name: dict(reduce="per-token", coef=coef, mask=f"roll:{j}")
+                              for j, name in enumerate(names, start=1)}
+            for lm in language_models:
+                self._wrap_language_model_loss(lm)
         orig = config.finalize_model_grads_func
         audit = self
 
@@ -304,8 +385,54 @@ class MegatronAudit:
         if self.rank == 0:
             print(f"lossguard_capture.megatron: capturing steps {self.steps if self.steps is not None else 'all'} "
                   f"into {self.out_dir} (reduce={self.reduce}; TP {self.tp} CP {self.cp} DP {self.dp}; "
-                  f"calculate_per_token_loss={getattr(config, 'calculate_per_token_loss', None)})", file=sys.stderr)
+                  f"calculate_per_token_loss={getattr(config, 'calculate_per_token_loss', None)}"
+                  + (f"; MTP terms {', '.join(self.mtp_terms)}" if self.mtp_terms else "") + ")", file=sys.stderr)
         return self
+
+    @staticmethod
+    def _gpt_model(chunk: Any) -> Any:
+        """The megatron.core GPTModel inside a model chunk (DDP, Float16Module: ``.module`` down), or None."""
+        from megatron.core.models.gpt.gpt_model import GPTModel
+        m = chunk
+        for _ in range(8):
+            if isinstance(m, GPTModel):
+                return m
+            m = getattr(m, "module", None)
+            if m is None:
+                return None
+        return None
+
+    def _wrap_language_model_loss(self, lm: Any) -> None:
+        """Wrap the GPTModel's ``compute_language_model_loss`` (an instance attribute; the class is untouched):
+        during a captured step each per-token loss it returns with a gradient is remembered for the wrapped
+        loss_func — with MTP, the MTP depths' (gpt_model.py:640) and then the main one (:714)."""
+        orig = lm.compute_language_model_loss
+        audit = self
+
+        def compute_language_model_loss(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            if audit._state is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                audit._lm_losses.append(out)
+            return out
+        compute_language_model_loss.__wrapped__ = orig    # type: ignore[attr-defined]
+        lm.compute_language_model_loss = compute_language_model_loss
+
+    def _mtp_begin(self) -> None:
+        """A captured step starts: gpt_model's ``MTPLossAutoScaler`` becomes a recording proxy (restored by
+        :meth:`_mtp_end`, whatever ends the step)."""
+        self._lm_losses, self._mtp_scaled = [], []
+        if self.mtp_layers and self._mtp_saved is None:
+            from megatron.core.models.gpt import gpt_model
+            self._mtp_saved = gpt_model.MTPLossAutoScaler
+            gpt_model.MTPLossAutoScaler = _MTPScalerProxy(self, self._mtp_saved)
+
+    def _mtp_end(self) -> None:
+        self._lm_losses, self._mtp_scaled = [], []
+        if self._mtp_saved is not None:
+            from megatron.core.models.gpt import gpt_model
+            if isinstance(gpt_model.MTPLossAutoScaler, _MTPScalerProxy) and gpt_model.MTPLossAutoScaler.audit is self:
+                gpt_model.MTPLossAutoScaler = self._mtp_saved
+            self._mtp_saved = None
 
     @staticmethod
     def _check_chunk(chunk: Any) -> Optional[str]:
@@ -331,7 +458,7 @@ class MegatronAudit:
         return StepRecorder(os.path.join(self.out_dir, f"step{step:06d}"), step, self.rank, self.world_size,
                             tp=self.tp, pp=1, cp=self.cp, dp=self.dp, tp_rank=self.tp_rank, pp_rank=0,
                             cp_rank=self.cp_rank, dp_rank=self.dp_rank, cp_layout="zigzag", reduce=self.reduce,
-                            strict=self.strict)
+                            strict=self.strict, terms=self.mtp_terms or None)
 
     # -- micro-batches --------------------------------------------------------------------------
     def loss_func(self, loss_func: Callable[..., Any], *, tokens: torch.Tensor, loss_mask: torch.Tensor,
@@ -367,6 +494,7 @@ class MegatronAudit:
         def wrapped(output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if args or kwargs or audit._state is not st or not isinstance(output_tensor, torch.Tensor) \
                     or not output_tensor.requires_grad:
+                audit._lm_losses, audit._mtp_scaled = [], []
                 return loss_func(output_tensor, *args, **kwargs)          # non-loss data, eval, another step
             if tuple(output_tensor.shape) != (b, s_local) or not output_tensor.is_floating_point():
                 audit._fail(st, f"loss_func received {tuple(output_tensor.shape)} {output_tensor.dtype}, not the "
@@ -380,6 +508,8 @@ class MegatronAudit:
             entry = _MB(mb, loss_mask)
             st.mbs.append(entry)
             mb.hook(output_tensor, index=index)
+            if audit.mtp_layers:
+                entry.mtp_scaled = audit._hook_mtp(st, mb, index, b, s_local)
             outputs = loss_func(output_tensor)
             if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
                 audit._fail(st, f"loss_func returned {type(outputs).__name__}"
@@ -391,6 +521,27 @@ class MegatronAudit:
                 mb.set(num_tokens=outputs[1])
             return outputs
         return wrapped
+
+    def _hook_mtp(self, st: _StepState, mb: MicroBatch, index: torch.Tensor, b: int,
+                  s_local: int) -> List[torch.Tensor]:
+        """Hook this forward's MTP per-token losses (one term per depth) and return what GPTModel handed
+        MTPLossAutoScaler (read at finalize for ``mb.{k}.loss``)."""
+        D = self.mtp_layers
+        lm, scaled = self._lm_losses, self._mtp_scaled
+        self._lm_losses, self._mtp_scaled = [], []
+        if len(lm) != D + 1 or len(scaled) != D:
+            self._fail(st, f"with mtp_num_layers = {D} a GPTModel forward computes {D} MTP per-token loss(es) and "
+                           f"then the main one (gpt_model.py:640, 714) and hands MTPLossAutoScaler {D} tensor(s) "
+                           f"(:655-661); this forward step made {len(lm)} compute_language_model_loss and "
+                           f"{len(scaled)} MTPLossAutoScaler call(s) (one model call with labels per forward step)")
+        for j, (name, l) in enumerate(zip(self.mtp_terms, lm[:D]), start=1):
+            if tuple(l.shape) != (b, s_local) or not l.is_floating_point():
+                self._fail(st, f"the MTP depth-{j} per-token loss is {tuple(l.shape)} {l.dtype}, not [b, s/cp] = "
+                               f"{(b, s_local)}")
+            # the raw cross entropy, before gpt_model.py:641 multiplies it by the rolled loss_mask: dL/dl_t
+            # holds the mask, the coefficient and every division
+            mb.hook(l, index=index, term=name)
+        return scaled
 
     def _local_index(self, st: _StepState, b: int, s: int) -> torch.Tensor:
         """Index of the owned tokens (local order) in the flattened [b, s/cp] per-token tensor, from
@@ -426,6 +577,7 @@ class MegatronAudit:
         st.rec.abort()
         if self._state is st:
             self._state = None
+            self._mtp_end()
         raise RuntimeError(f"lossguard_capture.megatron: step {st.rec.step}: {why}")
 
     # -- finalize ---------------------------------------------------------------------------------
@@ -490,9 +642,18 @@ class MegatronAudit:
         loss_scale = self._loss_scale(st)
         st.grad_scale = scale / loss_scale
         st.num_tokens_reduced = None if num_tokens is None else num_tokens.detach().clone()
+        mtp_scale: Any = None
+        if self.mtp_layers:
+            # what MTPLossAutoScaler.backward multiplies its ones by (multi_token_prediction.py:573-576): the
+            # loss scale, / M without calculate_per_token_loss (schedules.py:295-306, the same every micro-batch)
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+            mtp_scale = torch.as_tensor(MTPLossAutoScaler.main_loss_backward_scale).detach().reshape(-1)[0]
         for e in st.mbs:
             if e.loss is not None:
-                e.handle.loss(e.loss.detach().to(torch.float64) * loss_scale)
+                total = e.loss.detach().to(torch.float64) * loss_scale
+                for x in e.mtp_scaled:          # the MTP terms' share of the backpropagated objective
+                    total = total + x.detach().to(torch.float64).sum() * mtp_scale.to(total.device, torch.float64)
+                e.handle.loss(total)
         st.finalized = True
         return out
 

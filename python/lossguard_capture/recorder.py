@@ -74,13 +74,15 @@ def check_reduce(reduce: str) -> str:
     return reduce
 
 
-#: The token masks a declared loss term may use (besides ``shift:J``, J >= 1): the loss mask ``m_t``;
-#: every response token; ``shift:J`` = ``m_t * m_{t+J}`` within the sample (0 where ``t+J >= R``); a mask
-#: the trainer gives per micro-batch (``hook(..., mask=)``, written as ``mb.{k}.term.NAME.mask``).
-TERM_MASKS: Tuple[str, ...] = ("loss", "all", "shift:J", "field")
+#: The token masks a declared loss term may use (``J`` an integer >= 1): the loss mask ``m_t``; every
+#: response token; ``shift:J`` = ``m_t * m_{t+J}`` within the sample (0 where ``t+J >= R``); ``roll:J`` =
+#: ``m_{t+J}`` within the sample (0 where ``t+J >= R``: Megatron-core's MTP mask at depth J, the loss mask
+#: rolled left by J, multi_token_prediction.py:158-161, 0.16.1); a mask the trainer gives per micro-batch
+#: (``hook(..., mask=)``, written as ``mb.{k}.term.NAME.mask``).
+TERM_MASKS: Tuple[str, ...] = ("loss", "all", "shift:J", "roll:J", "field")
 
 _TERM_NAME = re.compile(r"[a-z][a-z0-9_-]*")
-_SHIFT_MASK = re.compile(r"shift:([1-9][0-9]*)")
+_SHIFT_MASK = re.compile(r"(?:shift|roll):([1-9][0-9]*)")
 _TERM_KEYS = ("reduce", "coef", "mask")
 
 
@@ -97,7 +99,7 @@ def check_terms(terms: Optional[Mapping[str, Any]], reduce: str) -> Dict[str, Di
     """Validate loss-term declarations ``{NAME: {"reduce": R, "coef": C, "mask": M}}`` (every key optional;
     ``None`` for a term = all defaults) and return them normalised to their metadata text, in the given
     order: ``reduce`` (default: the capture's ``reduce``), ``coef`` (``repr(float)``, default ``"1.0"``),
-    ``mask`` (``loss`` default, ``all``, ``shift:J`` with J >= 1, ``field``).  ValueError naming the term
+    ``mask`` (``loss`` default, ``all``, ``shift:J`` or ``roll:J`` with J >= 1, ``field``).  ValueError naming the term
     and the field."""
     if terms is None:
         return {}
@@ -128,8 +130,8 @@ def check_terms(terms: Optional[Mapping[str, Any]], reduce: str) -> Dict[str, Di
         mk = decl.get("mask", None)
         mk = "loss" if mk is None else mk
         if not isinstance(mk, str) or not (mk in ("loss", "all", "field") or _SHIFT_MASK.fullmatch(mk)):
-            raise ValueError(f"loss term {name!r}: mask must be 'loss', 'all', 'shift:J' (integer J >= 1) or "
-                             f"'field'; got {mk!r}")
+            raise ValueError(f"loss term {name!r}: mask must be 'loss', 'all', 'shift:J', 'roll:J' (integer J >= 1) "
+                             f"or 'field'; got {mk!r}")
         out[name] = {"reduce": r, "coef": repr(float(c)), "mask": mk}
     return out
 

@@ -157,6 +157,8 @@ def test_undeclared_terms_without_any_declaration(tmp_path):
     ({"kl": dict(coef="0.1")}, "'kl'.*coef"), ({"kl": dict(coef=True)}, "'kl'.*coef"),
     ({"kl": dict(mask="shift:0")}, "'kl'.*mask"), ({"kl": dict(mask="shift:x")}, "'kl'.*mask"),
     ({"kl": dict(mask="shift:-1")}, "'kl'.*mask"), ({"kl": dict(mask="shift:1.5")}, "'kl'.*mask"),
+    ({"kl": dict(mask="roll:0")}, "'kl'.*mask"), ({"kl": dict(mask="roll")}, "'kl'.*mask"),
+    ({"kl": dict(mask="roll:-2")}, "'kl'.*mask"), ({"kl": dict(mask="rolls:1")}, "'kl'.*mask"),
     ({"kl": dict(mask="loss_mask")}, "'kl'.*mask"), ({"kl": dict(weight=1.0)}, "'kl'.*weight"),
     ({"kl": 0.1}, "'kl'"), (["kl"], "dict"),
 ])
@@ -172,6 +174,11 @@ def test_good_declarations(tmp_path):
     assert got == {"kl": {"reduce": "token-mean", "coef": "-3.0", "mask": "shift:12"},
                    "x9": {"reduce": "token-mean", "coef": "0.5", "mask": "loss"}}
     assert lc.check_terms(None, "per-token") == {} == lc.check_terms({}, "per-token")
+    # roll:J, Megatron-core's rolled MTP mask m_{t+J}, as the CLI's --term ...:roll:J
+    got = lc.check_terms({"mtp": dict(coef=0.3, mask="roll:1"), "mtp2": dict(mask="roll:2")}, "per-token")
+    assert got == {"mtp": {"reduce": "per-token", "coef": "0.3", "mask": "roll:1"},
+                   "mtp2": {"reduce": "per-token", "coef": "1.0", "mask": "roll:2"}}
+    assert "roll:J" in lc.TERM_MASKS
 
 
 def test_field_mask(tmp_path):

@@ -12,6 +12,11 @@ training step reaches them (megatron-core 0.16.1):
   ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``;
 * ``optimizer/clip_grads.py:103`` and ``utils.py:1207`` — the gradient norm's
   ``dummy_overflow_buf`` and ``local_multi_tensor_l2_norm``'s result (``optimizer.step()``).
+* with multi-token prediction (``mtp_num_layers``): ``transformer/multi_token_prediction.py:337`` — the
+  MTP loss tracker's ``torch.zeros(num_layers, device=torch.cuda.current_device())`` (logging only), and at
+  CP > 1 ``:176`` — ``roll_tensor``'s receive buffers for the boundary exchange between CP ranks, and at
+  TP > 1 ``tensor_parallel/mappings.py:91`` — ``_gather_along_last_dim``'s output (the MTP layer's
+  all-gather of its tensor-parallel hidden states);
 * ``optimizer/clip_grads.py:167`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` when
   clipping: the tests use ``clip_grad=0`` (no clipping; the norm is still computed and returned).
 

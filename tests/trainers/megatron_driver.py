@@ -31,6 +31,20 @@ Paths (``--paths``):
         count all-reduced over the CP group (older slime)
   cnan  as c without the clamp: an empty micro-batch gives 0/0
   d     calculate_per_token_loss=True with c's 2-tuple loss_func (the misconfiguration)
+  mtp-a a's loss path on a GPTModel with one multi-token-prediction layer (mtp_num_layers = 1,
+        mtp_loss_scaling_factor = MTP_SCALE): Megatron's own MTP loss (gpt_model.py:611-661) is the term
+        ``mtp``; the model is called with the CP-local loss_mask (its MTP mask is that mask rolled left by
+        one, multi_token_prediction.py:158-161)
+  mtp-b b's loss path on the same model (the MTP loss divided by each CP shard's rolled-mask count, / M)
+
+The MTP paths use MTP_MASKS: rows as every path's (one sample per row, prompt 1, response s-1 — the whole
+row but its first token: every position of the rolled mask lies in the response window), with some rows
+loss-bearing at position 0 (so the MTP count differs from the main count) and gaps (so the rolled mask
+m_{t+1} differs from m_t m_{t+1}), and no CP shard of any micro-batch without an MTP token at any layout:
+Megatron divides by that count unclamped (gpt_model.py:659-661), 0/0 = NaN gradients in mtp-b.
+
+The MTP model's layers (decoder and MTP) name their attention type as the MTP layer requires
+(multi_token_prediction.py:624-625 reads ``self_attention.params['attn_mask_type']``): the same IdentityOp.
 
 Per path and run (``DIR/<path>/{adapter,plain}/``): ``losses-rank{r}.pt`` (per step, the scalars the
 schedule backpropagated, after its in-place scaling), ``reports-rank{r}.pt`` (forward_backward's return),
@@ -74,7 +88,11 @@ PATHS = {             # path -> (calculate_per_token_loss, loss_func kind)
     "c": (False, "tuple2-cp"),
     "cnan": (False, "tuple2-cp-noclamp"),
     "d": (True, "tuple2-cp"),
+    "mtp-a": (True, "tuple3"),
+    "mtp-b": (False, "tuple3"),
 }
+MTP_PATHS = ("mtp-a", "mtp-b")
+MTP_SCALE = 0.3       # mtp_loss_scaling_factor (mtp_num_layers = 1): the term's coefficient
 LOCAL_KEYS = ("tokens", "labels", "loss_mask", "position_ids")      # what get_batch_on_this_cp_rank splits
 MASKS = [
     [[0, 0, 0, 0, 0, 0, 0, 0],
@@ -88,19 +106,36 @@ MASKS = [
 ]
 
 
-def batch(step):
+MTP_MASKS = [
+    [[1, 1, 1, 1, 1, 1, 1, 0],
+     [0, 0, 1, 1, 0, 1, 1, 0],
+     [0, 1, 1, 1, 1, 1, 1, 0],
+     [1, 0, 1, 0, 0, 1, 1, 0]],
+    [[0, 0, 1, 1, 1, 1, 0, 0],
+     [1, 1, 0, 0, 0, 0, 1, 0],
+     [0, 1, 0, 1, 0, 1, 0, 0],
+     [1, 1, 1, 1, 1, 1, 1, 0]],
+]
+
+
+def masks_of(path):
+    return MTP_MASKS if path in MTP_PATHS else MASKS
+
+
+def batch(step, masks=None):
     """The step's 4 rows: tokens [4, S], labels (tokens shifted, 0 after the row), loss_mask, position_ids."""
     g = torch.Generator().manual_seed(SEED + 17 * step)
     tokens = torch.randint(1, VOCAB, (ROWS, S), generator=g)
     labels = torch.cat([tokens[:, 1:], torch.zeros(ROWS, 1, dtype=torch.int64)], dim=1)
-    return {"tokens": tokens, "labels": labels, "loss_mask": torch.tensor(MASKS[step], dtype=torch.float32),
+    masks = MASKS if masks is None else masks
+    return {"tokens": tokens, "labels": labels, "loss_mask": torch.tensor(masks[step], dtype=torch.float32),
             "position_ids": torch.arange(S).expand(ROWS, S).contiguous(),
             "sample_indices": torch.arange(ROWS)}
 
 
-def microbatches(step, dp, dp_rank):
+def microbatches(step, dp, dp_rank, masks=None):
     b = ROWS // (M * dp)
-    full = batch(step)
+    full = batch(step, masks)
     out = []
     for k in range(M):
         first = (k * dp + dp_rank) * b
@@ -108,29 +143,38 @@ def microbatches(step, dp, dp_rank):
     return out
 
 
-def layer_spec():
+def layer_spec(mtp=False):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
     spec = get_gpt_layer_local_spec()
     spec.submodules.input_layernorm = IdentityOp
-    spec.submodules.self_attention = IdentityOp
+    # the MTP layer reads the attention's mask type from its spec (multi_token_prediction.py:624-625)
+    spec.submodules.self_attention = (ModuleSpec(module=IdentityOp, params={"attn_mask_type": AttnMaskType.causal})
+                                      if mtp else IdentityOp)
     spec.submodules.self_attn_bda = IdentityFuncOp
     return spec
 
 
-def make_config(cp, per_token, tp=1):
+def make_config(cp, per_token, tp=1, mtp=False):
     from megatron.core.transformer.transformer_config import TransformerConfig
+    extra = dict(mtp_num_layers=1, mtp_loss_scaling_factor=MTP_SCALE) if mtp else {}
     return TransformerConfig(num_layers=1, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                              use_cpu_initialization=True, calculate_per_token_loss=per_token,
                              context_parallel_size=cp, tensor_model_parallel_size=tp, hidden_dropout=0.0,
-                             attention_dropout=0.0)
+                             attention_dropout=0.0, **extra)
 
 
 def make_model(config):
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
     torch.manual_seed(SEED)
-    return GPTModel(config=config, transformer_layer_spec=layer_spec(), vocab_size=VOCAB, max_sequence_length=S,
-                    position_embedding_type="learned_absolute")
+    mtp = config.mtp_num_layers is not None
+    spec = layer_spec(mtp)
+    extra = dict(mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)) if mtp else {}
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=S,
+                    position_embedding_type="learned_absolute", **extra)
 
 
 # ---- the user's loss functions (as a Megatron training script writes them) ---------------------------
@@ -157,13 +201,13 @@ def loss_tuple2_cp(kept, clamp, loss_mask, output_tensor):
     return loss, {"lm loss": loss.clone().detach().view(1)}
 
 
-def build(cp, per_token):
+def build(cp, per_token, mtp=False):
     """A fresh model, DDP wrapper and optimizer, wired as Megatron-LM's training loop wires them."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    config = make_config(cp, per_token, ps.get_tensor_model_parallel_world_size())
+    config = make_config(cp, per_token, ps.get_tensor_model_parallel_world_size(), mtp)
     model = make_model(config)
     ddp = DDP(config, DistributedDataParallelConfig(), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, weight_decay=0.0, clip_grad=0.0,
@@ -182,8 +226,9 @@ def run(path, out, cp, adapter):
     rank = dist.get_rank()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     per_token, kind = PATHS[path]
+    mtp = path in MTP_PATHS
     os.makedirs(out, exist_ok=True)
-    config, ddp, opt = build(cp, per_token)
+    config, ddp, opt = build(cp, per_token, mtp)
     audit = None
     if adapter:
         import lossguard_capture.megatron as lcm
@@ -199,7 +244,9 @@ def run(path, out, cp, adapter):
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         local = get_batch_on_this_cp_rank({k: mb[k].clone() for k in LOCAL_KEYS})
-        output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+        # with MTP the model takes the loss_mask too (pretrain_gpt passes it): its MTP mask is that one rolled
+        kw = dict(loss_mask=local["loss_mask"]) if mtp else {}
+        output = model(local["tokens"], local["position_ids"], None, labels=local["labels"], **kw)
         fn = partial(user_loss, local["loss_mask"])
         if audit is not None:
             fn = audit.loss_func(fn, tokens=mb["tokens"], loss_mask=mb["loss_mask"],
@@ -216,7 +263,8 @@ def run(path, out, cp, adapter):
         ctx = audit.step(step, global_batch_size=ROWS) if audit is not None else _Null()
         with ctx:
             rep = forward_backward_no_pipelining(
-                forward_step_func=forward_step, data_iterator=iter(microbatches(step, dp, dp_rank)), model=[ddp],
+                forward_step_func=forward_step, data_iterator=iter(microbatches(step, dp, dp_rank, masks_of(path))),
+                model=[ddp],
                 num_microbatches=M, seq_length=S, micro_batch_size=ROWS // (M * dp))
             torch.save({n: p.main_grad.detach().clone() for n, p in ddp.module.named_parameters()},
                        os.path.join(out, f"grads-step{step}-rank{rank}.pt"))
@@ -232,7 +280,7 @@ def run(path, out, cp, adapter):
         json.dump(opt_out, f)
     dist.barrier()
     if adapter and ps.get_tensor_model_parallel_world_size() == 1:
-        reference_gradients(out, cp)
+        reference_gradients(out, cp, path)
     dist.barrier()
 
 
@@ -244,8 +292,9 @@ class _Null:
         return False
 
 
-def reference_gradients(out, cp):
-    """On rank 0: sum_t w_t grad(l_t), w_t from every rank's capture, l_t recomputed in float64 on the full rows."""
+def reference_gradients(out, cp, path):
+    """On rank 0: sum_k sum_t w^k_t grad(l^k_t) over the terms k (main; mtp on the MTP paths), w^k_t from every
+    rank's capture, l^k_t recomputed in float64 on the full rows."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -253,45 +302,88 @@ def reference_gradients(out, cp):
     if dist.get_rank() != 0:
         return
     world = dist.get_world_size()
+    mtp = path in MTP_PATHS
+    terms = ("main", "mtp") if mtp else ("main",)
     for step in range(STEPS):
         params = torch.load(os.path.join(out, f"params-step{step}-rank0.pt"))
-        model = make_model(make_config(cp, True))
+        model = make_model(make_config(cp, True, mtp=mtp))
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(params[n])
         model = model.double()
-        full = batch(step)
-        W = torch.zeros(ROWS, S, dtype=torch.float64)
+        full = batch(step, masks_of(path))
+        W = {k: torch.zeros(ROWS, S, dtype=torch.float64) for k in terms}
         seen = torch.zeros(ROWS, S, dtype=torch.int64)
         d = os.path.join(out, "captures", f"step{step:06d}")
         for r in range(world):
-            path = os.path.join(d, f"step{step:06d}-rank{r:05d}.safetensors")
-            t = load_file(path)
-            with safe_open(path, framework="pt") as f:
+            file = os.path.join(d, f"step{step:06d}-rank{r:05d}.safetensors")
+            t = load_file(file)
+            with safe_open(file, framework="pt") as f:
                 r_cp = int(f.metadata()["cp_rank"])
             gs = t["grad_scale"].double().item()
             k = 0
             while f"mb.{k}.sample_indices" in t:
-                w = t[f"mb.{k}.token_weight"].double() * gs
+                w = {term: t[f"mb.{k}.token_weight" if term == "main" else f"mb.{k}.term.{term}.token_weight"].double()
+                     * gs for term in terms}
                 at = 0
                 for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
                                    t[f"mb.{k}.response_lengths"].tolist()):
                     for j in lc.zigzag_owned(T, R, cp, r_cp):       # response index j <-> position j
-                        W[i, j] += w[at]
+                        for term in terms:
+                            W[term][i, j] += w[term][at]
                         seen[i, j] += 1
                         at += 1
-                assert at == w.numel()
+                assert all(at == x.numel() for x in w.values())
                 k += 1
-        # the logits in float64 (without labels GPTModel returns them, [b, s, V]); the cross entropy here,
-        # since vocab_parallel_cross_entropy computes in float32 (tensor_parallel/cross_entropy.py)
-        logits = model(full["tokens"], full["position_ids"], None)
-        assert logits.dtype == torch.float64 and tuple(logits.shape) == (ROWS, S, VOCAB), (logits.dtype, logits.shape)
-        l = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), full["labels"].reshape(-1),
-                                              reduction="none").view(ROWS, S)
-        (W * l).sum().backward()
+        # the cross entropy in float64 here, since vocab_parallel_cross_entropy computes in float32
+        # (tensor_parallel/cross_entropy.py)
+        if not mtp:
+            # the logits in float64 (without labels GPTModel returns them, [b, s, V])
+            logits = model(full["tokens"], full["position_ids"], None)
+            assert logits.dtype == torch.float64 and tuple(logits.shape) == (ROWS, S, VOCAB), (logits.dtype,
+                                                                                             logits.shape)
+            l = {"main": torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), full["labels"].reshape(-1),
+                                                           reduction="none").view(ROWS, S)}
+            sum((W[term] * l[term]).sum() for term in terms).backward()
+        else:
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+            saved = MTPLossAutoScaler.main_loss_backward_scale
+            MTPLossAutoScaler.set_loss_scale(torch.zeros(1, dtype=torch.float64))   # see mtp_reference_losses
+            try:
+                l = mtp_reference_losses(model, full)
+                sum((W[term] * l[term]).sum() for term in terms).backward()
+            finally:
+                MTPLossAutoScaler.set_loss_scale(saved)
         torch.save({"grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
-                    "token_loss": l.detach(), "weights": W, "seen": seen},
+                    "token_loss": l["main"].detach(), "weights": W["main"], "seen": seen,
+                    "terms": {term: {"token_loss": l[term].detach(), "weights": W[term]} for term in terms[1:]}},
                    os.path.join(out, f"ref-grads-step{step}.pt"))
+
+
+def mtp_reference_losses(model, full):
+    """The main and the MTP per-token losses [ROWS, S] of the float64 model on the full rows: GPTModel's own
+    forward (its MTP layer, the rolled labels, gpt_model.py:611-661), each cross entropy computed here in
+    float64 from the logits it hands compute_language_model_loss (the MTP depth's first, gpt_model.py:640,
+    then the main one, :714).  MTPLossAutoScaler's own gradient is switched off (scale 0) for this backward:
+    the reference is sum_k sum_t w^k_t grad(l^k_t) with the captured weights, nothing else.  The rows are
+    whole here (one process): the CP groups the model was built with are dropped (roll_tensor without CP,
+    multi_token_prediction.py:158-161)."""
+    for mod in model.modules():
+        if getattr(mod, "cp_group", None) is not None:
+            mod.cp_group = None
+    got = []
+
+    def ce(labels, logits):                 # logits [s, b, V], labels [b, s]
+        assert logits.dtype == torch.float64
+        out = torch.nn.functional.cross_entropy(logits.transpose(0, 1).reshape(-1, VOCAB), labels.reshape(-1),
+                                                reduction="none").view(labels.shape)
+        got.append(out)
+        return out
+    model.compute_language_model_loss = ce
+    model.eval()                            # no MTP loss logging (gpt_model.py:642); dropout is 0 anyway
+    main = model(full["tokens"], full["position_ids"], None, labels=full["labels"], loss_mask=full["loss_mask"])
+    assert len(got) == 2 and main is got[1], len(got)
+    return {"main": got[1], "mtp": got[0]}
 
 
 # ---- guards: what the adapter refuses, and a step the loop skips ----------------------------------------
@@ -319,8 +411,8 @@ def guards(out, cp):
         results[name] = {"error": err, "files": files, "extra": extra}
 
     def one_step(d, *, loss=None, mask=None, forward=None, step_it=True, packed=None, steps=(0,), step=0,
-                 attach_model=True):
-        config, ddp, opt = build(cp, True)
+                 attach_model=True, mtp=False, per_token=True, model_loss_mask=True):
+        config, ddp, opt = build(cp, per_token, mtp)
         audit = lcm.MegatronAudit(os.path.join(d, "captures"), steps=steps)
         audit.attach(config, model=[ddp] if attach_model else None, optimizer=opt)
         full = microbatches(0, 1, 0)
@@ -337,7 +429,8 @@ def guards(out, cp):
             if forward == "logits":
                 output = model(local["tokens"], local["position_ids"], None)         # no labels: logits
             else:
-                output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
+                kw = dict(loss_mask=local["loss_mask"]) if mtp and model_loss_mask else {}
+                output = model(local["tokens"], local["position_ids"], None, labels=local["labels"], **kw)
             fn = partial(user_loss, local["loss_mask"])
             wrapped = audit.loss_func(fn, tokens=mb["tokens"], loss_mask=mb["loss_mask"],
                                       sample_indices=mb["sample_indices"], packed_seq_params=packed)
@@ -350,6 +443,11 @@ def guards(out, cp):
                                            num_microbatches=M, seq_length=S, micro_batch_size=ROWS // M)
             if step_it:
                 opt.step()
+        if mtp:
+            from megatron.core.models.gpt import gpt_model
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+            seen["grad_finite"] = all(bool(torch.isfinite(p.main_grad).all()) for p in ddp.module.parameters())
+            seen["scaler_restored"] = gpt_model.MTPLossAutoScaler is MTPLossAutoScaler
         return seen
 
     def no_finalize(d):
@@ -387,6 +485,24 @@ def guards(out, cp):
     def not_captured(d):
         return one_step(d, steps=(5,), step=0)
 
+    def mtp_without_model(d):
+        config, ddp, opt = build(cp, True, mtp=True)
+        lcm.MegatronAudit(os.path.join(d, "captures")).attach(config, optimizer=opt)
+
+    def mtp_empty_rolled_mask(d):
+        # no per-token loss; micro-batch 0's rows carry loss at position 0 only: its main count is 2, its MTP
+        # (rolled) count 0, which gpt_model.py:659-661 divides by unclamped
+        def mask(k, m):
+            if k == 0:
+                m = torch.zeros_like(m)
+                m[:, 0] = 1.0
+            return m
+        return one_step(d, mask=mask, mtp=True, per_token=False)
+
+    def mtp_model_without_loss_mask(d):
+        # the model called without loss_mask: Megatron's MTP mask is then all ones (gpt_model.py:615-617)
+        return one_step(d, mtp=True, model_loss_mask=False)
+
     record("no-finalize", no_finalize)
     record("not-ddp", not_ddp)
     record("last-position-carries-loss", last_position)
@@ -396,6 +512,9 @@ def guards(out, cp):
     record("zero-tokens-skipped", zero_tokens_skipped)
     record("zero-tokens-stepped", zero_tokens_stepped)
     record("not-captured", not_captured)
+    record("mtp-without-model", mtp_without_model)
+    record("mtp-empty-rolled-mask", mtp_empty_rolled_mask)
+    record("mtp-model-without-loss-mask", mtp_model_without_loss_mask)
     with open(os.path.join(out, "guards.json"), "w") as f:
         json.dump(results, f, indent=1)
 

@@ -14,6 +14,11 @@ micro-batch on its CP rank, ``n`` the micro-batch's count over all CP ranks; ``N
   c     no per-token loss, 2-tuple sum / max(n, 1) (n all-reduced over CP) w_t = m_t / (max(n, 1) M dp)
   cnan  as c without the clamp: an empty micro-batch's tokens get 0/0 = NaN, and so does the gradient
   d     calculate_per_token_loss with c's 2-tuple (misconfiguration)      w_t = m_t cp / (max(n, 1) M)
+  mtp-a a on a GPTModel with one MTP layer (mtp_num_layers 1, mtp_loss_scaling_factor f = 0.3): main as a;
+        Megatron's MTP loss, the term ``mtp`` (coef f, mask roll:1: r_t = m_{t+1}):    w_t = f r_t / N
+        (N the MAIN count: finalize_model_grads divides every gradient by it, gpt_model.py:654-657)
+  mtp-b b on that model: main as b; mtp                     w_t = f r_t / (n^r_c M dp cp)
+        (n^r_c the CP-local rolled-mask count of the micro-batch, unclamped: gpt_model.py:658-661)
 
 The tests prove
 
@@ -25,10 +30,16 @@ The tests prove
     rank, and the weights are the formulas above exactly;
 (c) the lossguard contract components reproduce them (``lossguard weights --contract``), and ``lossguard
     audit`` passes path a and fails the others with the diagnosis docs/gallery.md lists;
+(d) with MTP the same three hold for both terms: the applied gradient is sum_k sum_t w^k_t grad(l^k_t) over
+    main and mtp with the measured weights; audit names mtp-a's MTP term as divided by the main count (a
+    uniform N_mtp/N relative to its objective, reproduced by megatron-mtp-per-token) and mtp-b's as
+    normalised per CP shard by its own rolled count (megatron-mtp);
 
 and that the adapter refuses what it does not handle (PP > 1, no finalize function, a model that is not
 Megatron's DDP, a loss_func that is not a 2/3-tuple or does not receive per-token losses, THD, a row whose
-last position carries loss) with a clear error and no capture, and records a skipped step.
+last position carries loss, MTP without the model) with a clear error and no capture, and records a skipped
+step; and that Megatron's unclamped MTP count (an MTP-less micro-batch without per-token loss) gives NaN
+weights and gradients, and a model called without loss_mask trains MTP on masked positions (audit says so).
 
     scripts/setup-trainers.sh
     ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q tests/trainers/test_megatron.py
@@ -61,8 +72,9 @@ LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "
 HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 
 TOPOS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]            # (dp, cp, tp)
-PATHS = ["a", "b", "c", "cnan", "d"]
-TP_PATHS = ["a", "b"]                   # TP 2: Megatron's tensor-parallel layers and vocab-parallel loss
+PATHS = ["a", "b", "c", "cnan", "d", "mtp-a", "mtp-b"]
+TP_PATHS = ["a", "b", "mtp-a", "mtp-b"]   # TP 2: Megatron's tensor-parallel layers and vocab-parallel loss
+MTP_PATHS = drv.MTP_PATHS
 CASES = [(dp, cp, tp, p) for dp, cp, tp in TOPOS for p in (PATHS if tp == 1 else TP_PATHS)]
 IDS = [f"dp{dp}-cp{cp}" + (f"-tp{tp}" if tp > 1 else "") + f"-{p}" for dp, cp, tp, p in CASES]
 
@@ -73,7 +85,12 @@ CONTRACTS = {
     "c": "count=full-sample,norm=microbatch,scale=cp*1/M,grad=mean:dp-cp",
     "cnan": "count=full-sample,norm=microbatch,scale=cp*1/M,grad=mean:dp-cp",   # where finite
     "d": "count=full-sample,norm=microbatch,scale=cp*1/M,grad=sum",
+    "mtp-a": "megatron-per-token",
+    "mtp-b": "megatron-mean",
 }
+#: the MTP term's contract (its weights relative to its coefficient): a preset of SPEC §11
+TERM_CONTRACTS = {"mtp-a": "megatron-mtp-per-token", "mtp-b": "megatron-mtp"}
+MTP_TERM = "mtp:per-token:0.3:roll:1"      # lossguard weights --term: what the adapter declares
 
 #: step 0's diagnosis (audit's "kind") per path and (dp, cp, tp)
 KIND0 = {
@@ -84,11 +101,20 @@ KIND0 = {
 }
 KIND0["cnan"] = KIND0["c"]                 # its finite weights are c's
 KIND0["a"] = {t: "exact" for t in KIND0["b"]}
+KIND0["mtp-a"] = KIND0["a"]
+KIND0["mtp-b"] = {(1, 1, 1): "per-microbatch", (2, 1, 1): "per-microbatch", (1, 2, 1): "per-cp-shard",
+                  (2, 2, 1): "per-cp-shard", (1, 1, 2): "per-microbatch"}
+#: step 0's diagnosis of the MTP term (relative to main): mtp-a a uniform N_mtp/N (the main count divides it)
+MTP_KIND0 = {"mtp-a": {t: "uniform-scale" for t in KIND0["b"]}, "mtp-b": KIND0["mtp-b"]}
 
-#: the sites megatron_cpu.cuda_on_cpu rewrote (its docstring lists them)
+#: the sites megatron_cpu.cuda_on_cpu rewrote (its docstring lists them); the MTP paths add the MTP loss
+#: tracker (every layout), at CP > 1 roll_tensor's receive buffers, at TP > 1 the all-gather of the MTP
+#: layer's tensor-parallel hidden states
 CPU_SITES = ["megatron/core/distributed/param_and_grad_buffer.py:803", "megatron/core/optimizer/clip_grads.py:103",
              "megatron/core/optimizer/optimizer.py:907", "megatron/core/pipeline_parallel/schedules.py:596",
-             "megatron/core/utils.py:1207"]
+             "megatron/core/transformer/multi_token_prediction.py:337", "megatron/core/utils.py:1207"]
+CPU_SITE_CP = "megatron/core/transformer/multi_token_prediction.py:176"
+CPU_SITE_TP = "megatron/core/tensor_parallel/mappings.py:91"
 
 
 def _env():
@@ -157,7 +183,8 @@ def rows_of(dp, d, k):
 
 def expected_weights(path, step, dp, cp):
     """{(row, response index j): w_t} by the formula of the path (module docstring)."""
-    m = drv.MASKS[step]
+    m = drv.masks_of(path)[step]
+    path = {"mtp-a": "a", "mtp-b": "b"}.get(path, path)         # the main term of the MTP paths
     M = drv.M
     N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
     out = {}
@@ -183,9 +210,36 @@ def expected_weights(path, step, dp, cp):
     return out
 
 
-def measured_weights(runs, dp, cp, tp, path, step):
+def rolled(m_row):
+    """Megatron's MTP mask at depth 1 over response indices 0..S-2: r_j = m_{j+1} (multi_token_prediction.py:
+    158-161 rolls the mask left by one and zeroes the last position; m_{S-1} = 0 in every row here)."""
+    return [m_row[j + 1] for j in range(drv.S - 1)]
+
+
+def expected_mtp_weights(path, step, dp, cp):
+    """{(row, response index j): w_t} of the MTP term (module docstring)."""
+    m = drv.masks_of(path)[step]
+    M, f = drv.M, drv.MTP_SCALE
+    N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
+    out = {}
+    for d in range(dp):
+        for k in range(M):
+            rows = rows_of(dp, d, k)
+            nr_c = [sum(rolled(m[i])[j] for i in rows for j in range(drv.S - 1) if cp_owner(j, cp) == c)
+                    for c in range(cp)]
+            for i in rows:
+                for j, r in enumerate(rolled(m[i])):
+                    if path == "mtp-a":
+                        out[(i, j)] = f * r / N
+                    else:
+                        assert nr_c[cp_owner(j, cp)] > 0         # MTP_MASKS: else Megatron's 0/0
+                        out[(i, j)] = f * r / (nr_c[cp_owner(j, cp)] * M * dp * cp)
+    return out
+
+
+def measured_weights(runs, dp, cp, tp, path, step, term=None):
     """{(row, response index j): token_weight * grad_scale} from every rank's capture (TP rank 0's; the
-    other TP ranks' captures are identical)."""
+    other TP ranks' captures are identical); ``term``: that term's (``mb.{k}.term.NAME.token_weight``)."""
     W = {}
     caps = captures(runs, dp, cp, tp, path, step)
     for t, meta in caps:
@@ -196,7 +250,8 @@ def measured_weights(runs, dp, cp, tp, path, step):
         gs = t["grad_scale"].double().item()
         r = int(meta["cp_rank"])
         for k in range(int(meta["num_microbatches"])):
-            w = (t[f"mb.{k}.token_weight"].double() * gs).tolist()
+            key = f"mb.{k}.token_weight" if term is None else f"mb.{k}.term.{term}.token_weight"
+            w = (t[key].double() * gs).tolist()
             at = 0
             for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
                                t[f"mb.{k}.response_lengths"].tolist()):
@@ -240,9 +295,13 @@ def test_losses_gradients_and_update_bit_for_bit(runs, dp, cp, tp, path):
 @pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
 def test_capture_records(runs, dp, cp, tp, path):
     world = dp * cp * tp
+    mtp = path in MTP_PATHS
+    # the MTP term as the adapter declares it: coef mtp_loss_scaling_factor / mtp_num_layers, Megatron's mask
+    terms_meta = {"terms": "mtp", "term.mtp.reduce": "per-token", "term.mtp.coef": repr(drv.MTP_SCALE / 1),
+                  "term.mtp.mask": "roll:1"} if mtp else {}
     for n in range(drv.STEPS):
-        full = drv.batch(n)
-        m = drv.MASKS[n]
+        full = drv.batch(n, drv.masks_of(path))
+        m = drv.masks_of(path)[n]
         N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
         for r, (t, meta) in enumerate(captures(runs, dp, cp, tp, path, n)):
             dp_rank, cp_rank, tp_rank = r // (tp * cp), (r // tp) % cp, r % tp   # Megatron's order tp-cp-ep-dp-pp
@@ -250,7 +309,8 @@ def test_capture_records(runs, dp, cp, tp, path):
                             "tp": str(tp), "pp": "1", "cp": str(cp), "dp": str(dp), "tp_rank": str(tp_rank),
                             "pp_rank": "0",
                             "cp_rank": str(cp_rank), "dp_rank": str(dp_rank), "cp_layout": "zigzag",
-                            "reduce": "per-token", "num_microbatches": str(drv.M), "dtype": "float32"}
+                            "reduce": "per-token", "num_microbatches": str(drv.M), "dtype": "float32",
+                            **terms_meta}
             kept = torch.load(os.path.join(run_dir(runs, dp, cp, tp, path), f"losses-rank{r}.pt"))[n]
             with open(os.path.join(run_dir(runs, dp, cp, tp, path), f"opt-rank{r}.json")) as f:
                 opt = json.load(f)[n]
@@ -264,19 +324,33 @@ def test_capture_records(runs, dp, cp, tp, path):
                 assert t[p + "loss_masks"].tolist() == [int(x) for i in rows for x in m[i][:-1]]
                 assert t[p + "cp_size"].item() == cp and t[p + "dummy"].item() == 0
                 n_local = sum(m[i][j] for i in rows for j in range(drv.S - 1) if cp_owner(j, cp) == cp_rank)
-                if path in ("a", "b"):
+                if path in ("a", "b", "mtp-a", "mtp-b"):
                     assert t[p + "num_tokens"].item() == n_local
                 else:
                     assert p + "num_tokens" not in t                       # a 2-tuple returns no count
-                # the recorded loss is the scalar the schedule backpropagated (after its in-place scaling)
-                assert same(t[p + "loss"], kept[k].double().reshape(())), (t[p + "loss"], kept[k])
                 owned = sum(len(lc.zigzag_owned(drv.S, drv.S - 1, cp, cp_rank)) for _ in rows)
                 assert t[p + "token_weight"].shape == (owned,) and t[p + "token_loss"].shape == (owned,)
+                if not mtp:
+                    # the recorded loss is the scalar the schedule backpropagated (after its in-place scaling)
+                    assert same(t[p + "loss"], kept[k].double().reshape(())), (t[p + "loss"], kept[k])
+                    assert not any(".term." in x for x in t)
+                    continue
+                # MTP: the main scalar plus MTPLossAutoScaler's share (its backward scale x the sum of what
+                # GPTModel handed it): the objective both terms' weights are gradients of
+                q = p + "term.mtp."
+                assert t[q + "token_weight"].shape == (owned,) and t[q + "token_loss"].shape == (owned,)
+                assert sorted(x for x in t if x.startswith(p) and ".term." in x) == [q + "token_loss",
+                                                                                       q + "token_weight"]
+                share = (t[q + "token_weight"].double() * t[q + "token_loss"].double()).sum().item()
+                assert share > 0
+                assert math.isclose(t[p + "loss"].item() - kept[k].double().item(), share, rel_tol=1e-5), \
+                    (t[p + "loss"], kept[k], share)
             # a: finalize_model_grads' scaling = 1.0 / num_tokens, an int32 tensor: the float32 1/N
             want_scale = {"a": (1.0 / torch.tensor(N, dtype=torch.int32)).double().item(), "b": 1.0 / (dp * cp),
-                          "c": 1.0 / (dp * cp), "cnan": 1.0 / (dp * cp), "d": 1.0}[path]
+                          "c": 1.0 / (dp * cp), "cnan": 1.0 / (dp * cp), "d": 1.0}[{"mtp-a": "a", "mtp-b": "b"}
+                                                                                     .get(path, path)]
             assert t["grad_scale"].item() == want_scale, (t["grad_scale"], want_scale)
-            if path == "a":
+            if path in ("a", "mtp-a"):
                 assert t["num_tokens_reduced"].item() == N
             elif path == "d":
                 assert t["num_tokens_reduced"].item() == 0               # the 2-tuple's default count 0
@@ -300,12 +374,22 @@ def test_weights_are_the_formula(runs, dp, cp, tp, path):
                 assert math.isclose(got[key], want[key], rel_tol=1e-6, abs_tol=0.0), (n, key, got[key], want[key])
     if path == "cnan":     # the empty micro-batch exists at every layout on step 1 (rows 0 and 1 empty)
         assert any(math.isnan(w) for w in measured_weights(runs, dp, cp, tp, path, 1).values())
+    if path in MTP_PATHS:  # the MTP term: its own formula
+        for n in range(drv.STEPS):
+            got, want = measured_weights(runs, dp, cp, tp, path, n, "mtp"), expected_mtp_weights(path, n, dp, cp)
+            assert got.keys() == want.keys()
+            for key in want:
+                assert math.isclose(got[key], want[key], rel_tol=1e-6, abs_tol=0.0), (n, key, got[key], want[key])
+            # roll:1 is not shift:1 (m_t m_{t+1}): some token before a masked -> loss-bearing edge weighs
+            m = drv.masks_of(path)[n]
+            assert any(got[(i, j)] > 0 and m[i][j] == 0 for i, j in got)
 
 
 @pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
 def test_gradient_is_sum_of_measured_weights(runs, dp, cp, tp, path):
     """main_grad after finalize_model_grads (every rank) == sum_t w_t grad(l_t), float64 recomputation
-    (TP 1: the float64 model is rebuilt on one rank)."""
+    (TP 1: the float64 model is rebuilt on one rank); with MTP sum_k sum_t w^k_t grad(l^k_t) over main and
+    mtp — the MTP layer's parameters (mtp.*) get their gradient from the MTP term alone."""
     if tp > 1:
         pytest.skip("the float64 recomputation builds the model on one rank (TP 1 only)")
     for n in range(drv.STEPS):
@@ -325,6 +409,13 @@ def test_gradient_is_sum_of_measured_weights(runs, dp, cp, tp, path):
                 want = torch.stack([ref["token_loss"][i, owned] for i in rows]).reshape(-1)
                 torch.testing.assert_close(t[f"mb.{k}.token_loss"].double(), want, rtol=1e-5, atol=1e-6,
                                            equal_nan=True)      # NaN parameters after a NaN step (cnan)
+                if path in MTP_PATHS:
+                    want = torch.stack([ref["terms"]["mtp"]["token_loss"][i, owned] for i in rows]).reshape(-1)
+                    torch.testing.assert_close(t[f"mb.{k}.term.mtp.token_loss"].double(), want, rtol=1e-5,
+                                               atol=1e-6)
+        if path in MTP_PATHS:
+            mtp_params = [x for x in ref["grads"] if x.startswith("mtp.")]
+            assert mtp_params and all(ref["grads"][x].abs().max() > 0 for x in mtp_params if "eh_proj" in x)
         want = ref["grads"]
         finite = [v[torch.isfinite(v)] for v in want.values()]
         scale = max((x.abs().max().item() for x in finite if x.numel()), default=1.0)
@@ -347,18 +438,19 @@ def test_gradient_is_sum_of_measured_weights(runs, dp, cp, tp, path):
 
 def test_cpu_shim_sites(runs):
     """megatron_cpu.cuda_on_cpu rewrote exactly the documented places, at every layout."""
-    for d in runs.values():
+    for (dp, cp, tp), d in runs.items():
         with open(os.path.join(d, "meta.json")) as f:
             meta = json.load(f)
         assert meta["megatron_core"] == "0.16.1"
-        assert meta["cuda_on_cpu_sites"] == CPU_SITES
+        want = CPU_SITES + ([CPU_SITE_CP] if cp > 1 else []) + ([CPU_SITE_TP] if tp > 1 else [])
+        assert meta["cuda_on_cpu_sites"] == sorted(want), (dp, cp, tp)
 
 
 # ---- (c) contracts and audit -----------------------------------------------------------------------
-def _dump(tmp_path, step):
-    full = drv.batch(step)
+def _dump(tmp_path, step, masks=drv.MASKS):
+    full = drv.batch(step, masks)
     samples = [{"tokens": full["tokens"][i].tolist(), "response_length": drv.S - 1,
-                "loss_mask": [int(x) for x in drv.MASKS[step][i][:-1]]} for i in range(drv.ROWS)]
+                "loss_mask": [int(x) for x in masks[step][i][:-1]]} for i in range(drv.ROWS)]
     p = tmp_path / f"step{step}.json"
     p.write_text(json.dumps({"samples": samples}))
     return str(p)
@@ -368,17 +460,30 @@ def _dump(tmp_path, step):
 @pytest.mark.parametrize("dp,cp,tp,path", CASES, ids=IDS)
 def test_contract_reproduces_measured_weights(runs, tmp_path, dp, cp, tp, path):
     """lossguard weights --contract CONTRACTS[path] on the same batch and layout (DP rank d holds rows d,
-    d+dp, ...: --split round-robin) predicts the measured weights (the finite ones for cnan)."""
+    d+dp, ...: --split round-robin) predicts the measured weights (the finite ones for cnan); with MTP,
+    ``--term mtp:per-token:0.3:roll:1 --contract mtp=TERM_CONTRACTS[path]`` predicts the MTP term's (its
+    weights relative to its coefficient: measured = 0.3 x predicted)."""
+    mtp = path in MTP_PATHS
+    extra = ["--term", MTP_TERM, "--contract", f"mtp={TERM_CONTRACTS[path]}"] if mtp else []
     for n in range(drv.STEPS):
-        r = subprocess.run([LOSSGUARD, "weights", _dump(tmp_path, n), "--contract", CONTRACTS[path], "--cp", str(cp),
-                            "--tp", str(tp), "--dp", str(dp), "--microbatches", str(drv.M), "--split", "round-robin",
-                            "--per-token", "--json", "-"], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([LOSSGUARD, "weights", _dump(tmp_path, n, drv.masks_of(path)), "--contract", CONTRACTS[path],
+                            *extra, "--cp", str(cp), "--tp", str(tp), "--dp", str(dp), "--microbatches", str(drv.M),
+                            "--split", "round-robin", "--per-token", "--json", "-"],
+                           capture_output=True, text=True, timeout=120)
         doc = json.loads(r.stdout)
         pred = {(s["index"], j): w for s in doc["steps"][0]["samples"] for j, w in enumerate(s["weights"])}
         got = measured_weights(runs, dp, cp, tp, path, n)
         assert pred.keys() == got.keys()
         for key, w in got.items():
             if not math.isnan(w):
+                assert math.isclose(w, pred[key], rel_tol=1e-6, abs_tol=1e-12), (n, key, w, pred[key])
+        if mtp:
+            (term,) = [t for t in doc["steps"][0]["terms"] if t["name"] == "mtp"]
+            assert term["contract"]["preset"] == TERM_CONTRACTS[path] and term["mask"] == "roll:1"
+            pred = {(s["index"], j): drv.MTP_SCALE * w for s in term["samples"] for j, w in enumerate(s["weights"])}
+            got = measured_weights(runs, dp, cp, tp, path, n, "mtp")
+            assert pred.keys() == got.keys()
+            for key, w in got.items():
                 assert math.isclose(w, pred[key], rel_tol=1e-6, abs_tol=1e-12), (n, key, w, pred[key])
 
 
@@ -394,9 +499,13 @@ def test_audit_verdict(runs, dp, cp, tp, path):
     caps = os.path.join(run_dir(runs, dp, cp, tp, path), "captures")
     steps = [os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)]
     code, doc, err, text = audit(*steps)
-    fields = dict(dp=dp, cp=cp, tp=tp, path=path, calculate_per_token_loss=path in ("a", "d"),
-                  loss_func="3-tuple" if path in ("a", "b") else "2-tuple", microbatches=drv.M,
+    mtp = path in MTP_PATHS
+    fields = dict(dp=dp, cp=cp, tp=tp, path=path, calculate_per_token_loss=path in ("a", "d", "mtp-a"),
+                  loss_func="3-tuple" if path in ("a", "b", "mtp-a", "mtp-b") else "2-tuple", microbatches=drv.M,
                   contract=CONTRACTS[path])
+    if mtp:
+        fields.update(mtp_num_layers=1, mtp_loss_scaling_factor=drv.MTP_SCALE, term=MTP_TERM,
+                      term_contract=TERM_CONTRACTS[path])
     gallery.record("megatron", f"dp{dp}-cp{cp}" + (f"-tp{tp}" if tp > 1 else "") + f"-{path}", fields,
                    [LOSSGUARD, "audit", *steps], code, doc, text, err)
     where = f"dp{dp} cp{cp} tp{tp} {path}:\n{text}\n{err}"
@@ -417,6 +526,31 @@ def test_audit_verdict(runs, dp, cp, tp, path):
     elif path == "d":       # the 2-tuple's count is the schedule's default 0: counts fail too
         assert checks[0]["weights"] is False and checks[0]["counts"] is False, where
         assert "num_tokens_reduced 0" in text, where
+    elif mtp:
+        for n, (s, c) in enumerate(zip(doc["steps"], checks)):
+            # the loss check holds both terms: mb.{k}.loss includes MTPLossAutoScaler's share
+            assert c["coverage"] is True and c["loss"] is True and c["decision"] is True, where
+            assert c["mtp.coverage"] is True and c["mtp.counts"] is None and c["mtp.weights"] is False, where
+            (term,) = s["terms"]
+            assert (term["name"], term["declared"], term["hooked"], term["reduce"], term["mask"]) == \
+                ("mtp", True, True, "per-token", "roll:1"), where
+            assert math.isclose(term["coef"], drv.MTP_SCALE), where
+            m = drv.masks_of(path)[n]
+            N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
+            N_mtp = sum(sum(rolled(m[i])) for i in range(drv.ROWS))
+            assert term["tokens"] == N_mtp < N, where
+            assert TERM_CONTRACTS[path] in term["matches"], where
+            if n == 0:
+                assert term["diagnosis"]["kind"] == MTP_KIND0[path][(dp, cp, tp)], where
+            if path == "mtp-a":
+                # Megatron 0.16.1 divides the MTP loss by the MAIN count (finalize_model_grads.py:484-497):
+                # relative to its own objective (its N_mtp tokens) a uniform N_mtp/N
+                assert c["weights"] is True and "megatron-per-token" in s["matches"], where
+                assert term["diagnosis"]["kind"] == "uniform-scale", where
+                assert math.isclose(term["diagnosis"]["scale"], N_mtp / N, rel_tol=1e-6), where
+            else:
+                assert c["weights"] is False and "megatron-mean" in s["matches"], where
+        assert re.search(r"mtp reproduced by: .*" + re.escape(TERM_CONTRACTS[path]) + r"(,|$)", text, re.M), where
     else:                   # cnan: the step with an empty micro-batch has NaN weights and a NaN grad_norm
         bad = 0 if dp == 2 else 1
         assert checks[bad]["weights"] is False and checks[bad]["decision"] is False, where
@@ -436,6 +570,7 @@ def test_refusals_and_skip(runs):
                             r"\(loss, report\)",
         "logits-not-per-token": r"loss_func received \(2, 8, 32\) torch\.float32, not the per-token losses",
         "thd": r"THD packed sequences .* not supported",
+        "mtp-without-model": r"mtp_num_layers = 1 without model=: the MTP loss is hooked on the GPTModel",
     }
     for name, pattern in want.items():
         assert g[name]["error"] is not None and re.search(pattern, g[name]["error"]), (name, g[name])
@@ -454,6 +589,28 @@ def test_refusals_and_skip(runs):
             assert code == skipped ^ 1, text
             decision = {c["name"]: c["ok"] for c in doc["steps"][0]["checks"]}["decision"]
             assert decision is bool(skipped), text
+    # MTP without per-token loss: micro-batch 0 carries loss at position 0 only, so its rolled (MTP) mask is
+    # empty; gpt_model.py:659-661 divides by that count unclamped: NaN weights, NaN gradient, and the step
+    # goes on (audit: mtp.weights not finite, decision fails on the NaN grad_norm)
+    e = g["mtp-empty-rolled-mask"]
+    assert e["error"] is None and len(e["files"]) == 1, e
+    assert e["extra"] == {"identity": False, "grad_finite": False, "scaler_restored": True}, e
+    t = load_file(os.path.join(d, "guards", "mtp-empty-rolled-mask", e["files"][0]))
+    assert torch.isnan(t["mb.0.term.mtp.token_weight"]).all() and torch.isfinite(t["mb.1.term.mtp.token_weight"]).all()
+    assert torch.isfinite(t["mb.0.token_weight"]).all()               # the main 3-tuple clamps its count
+    # the model called without loss_mask: Megatron's MTP mask is all ones (gpt_model.py:615-617), so the MTP
+    # head trains on positions the loss mask excludes; audit's mtp.coverage names them
+    e = g["mtp-model-without-loss-mask"]
+    assert e["error"] is None and e["extra"] == {"identity": False, "grad_finite": True, "scaler_restored": True}, e
+    if HAVE_BIN:
+        code, doc, err, text = audit(os.path.join(d, "guards", "mtp-empty-rolled-mask", "captures"))
+        c = {x["name"]: x["ok"] for x in doc["steps"][0]["checks"]}
+        assert code == 1 and c["mtp.weights"] is False and c["decision"] is False, text
+        assert "term.mtp.token_weight[0] = -nan" in text or "term.mtp.token_weight[0] = nan" in text, text
+        code, doc, err, text = audit(os.path.join(d, "guards", "mtp-model-without-loss-mask", "captures"))
+        c = {x["name"]: x["ok"] for x in doc["steps"][0]["checks"]}
+        assert code == 1 and c["weights"] is True and c["mtp.coverage"] is False, text
+        assert "outside term mtp's mask (roll:1) but weighs" in text, text
     with open(os.path.join(runs[(2, 1, 1)], "pp-guard.json")) as f:
         pp = json.load(f)
     assert pp["files"] is False and re.search(r"does not support pipeline parallelism \(PP = 2", pp["error"]), pp
