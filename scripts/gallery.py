@@ -263,13 +263,15 @@ def hf_table(rows, used):
 
 TRL_ORDER = [f"dp{w}-{c}" for c in ("grpo", "grpo-trunc", "gspo", "sapo", "bnpo", "dr_grpo", "dapo", "dapo-beta",
                                     "dapo-bf16", "dapo-spg4", "dapo-spg1", "cispo", "vespo", "luspo", "luspo-token",
-                                    "sft") for w in (1, 2)]
+                                    "dapo-entropy", "bnpo-entropy", "sft") for w in (1, 2)]
 TRL_LABEL_NOTES = {
     "grpo-trunc": "(completions with `m_i = 0`, still counted in `B`)",
     "gspo": "(GSPO: `per_token_loss` [B, 1])",
     "dr_grpo": "(so that `B ≠ M²`)",
     "dapo": "(TRL's default `loss_type`)",
     "dapo-beta": "(KL inside `per_token_loss`)",
+    "dapo-entropy": "(the entropy bonus: term `entropy`)",
+    "bnpo-entropy": "(the entropy bonus: term `entropy`)",
     "dapo-bf16": "(TRL's default mixed precision)",
     "dapo-spg4": "(`S = {steps_per_generation}`: one generation batch = {spg_over_ga} optimizer steps)",
     "dapo-spg1": "(`S = {steps_per_generation}`: one generation batch per micro-batch)",
@@ -302,8 +304,9 @@ def trl_table(rows, used):
                                                                            for k, v in ov.items())
         extra = TRL_LABEL_NOTES.get(c["config"], "").format(**fields)
         s0 = r["steps"][0] if r["steps"] else {}
-        body.append([c["dp"], label + (f" {extra}" if extra else ""), s0.get("reduce", "?"), audit_cell(r),
-                     diagnosis(r, note(TRL_NOTES, r, c["config"]).format(**fields)), matches(s0)])
+        diag, match = with_terms(s0, diagnosis(r, note(TRL_NOTES, r, c["config"]).format(**fields)), matches(s0))
+        body.append([c["dp"], label + (f" {extra}" if extra else ""), s0.get("reduce", "?"), audit_cell(r), diag,
+                     match])
     return table(["DP", "config", "`reduce`", "audit (exit)", "diagnosis (steps 0, 1)", "matches / reproduced by"],
                  body)
 
@@ -312,7 +315,8 @@ VERL_ORDER = [f"{c}-pg" for c in (
     "token-mean", "token-mean-dense", "token-mean-dynbsz", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
     "seq-mean-token-sum-norm", "seq-mean-token-sum-norm-dynbsz", "seq-mean-token-sum-norm-lsf",
     "seq-mean-token-sum-norm-dense", "sapo-token-mean", "sapo-seq-mean-token-mean", "geo_mean", "geo_mean-m3",
-    "geo_mean-dynbsz", "token-mean-kl", "seq-mean-token-mean-kl")]
+    "geo_mean-dynbsz", "token-mean-kl", "seq-mean-token-mean-kl", "token-mean-kl-entropy",
+    "seq-mean-token-mean-kl-entropy", "token-mean-kl-bug")]
 VERL_LABEL_NOTES = {
     "geo_mean": "(`{mode}` configured, unused)",
     "seq-mean-token-sum-norm-lsf": "(the longest response)",
@@ -323,11 +327,11 @@ VERL_NOTES = {
     "seq-mean-token-mean": "(= B'/B: all B samples divide, the fully masked ones too)",
     "sapo-seq-mean-token-mean": "(= B'/B)",
     "seq-mean-token-mean-kl": "(= B'/B)",
+    "seq-mean-token-mean-kl-entropy": "(= B'/B)",
     "seq-mean-token-sum-norm": "(= L_norm/L_k, `L_k` each micro-batch's longest response)",
     "seq-mean-token-sum-norm-dynbsz": "(= L_norm/L_k)",
     "seq-mean-token-sum-norm-dense": "(= L_norm/width)",
     "sapo-token-mean": "(sapo forces seq-mean-token-mean)",
-    "token-mean-kl": "(the KL term relative to its coefficient)",
 }
 VERL_SAMPLE_MEAN_NOTES = {"geo_mean": "(no `/M`)", "geo_mean-m3": "(no `/M`)", "geo_mean-dynbsz": "(`1/n_k`)"}
 
@@ -345,8 +349,28 @@ def verl_label(c, default_micro):
     extra = VERL_LABEL_NOTES.get(c["config"], "").format(**c)
     s += f" {extra}" if extra else ""
     if c["kl"]:
-        s += f", `use_kl_loss` (`{c.get('kl_loss_type')}`, coef {c['kl_loss_coef']}): policy term / KL term"
+        s += f", `use_kl_loss` (`{c.get('kl_loss_type')}`, coef {c['kl_loss_coef']})"
+    if c.get("entropy"):
+        s += f", `entropy_coeff = {c['entropy_coeff']}`"
+    if c.get("bug"):
+        s += f", planted bug `{c['bug']}`"
     return s
+
+
+def with_terms(step, diag, match):
+    """The diagnosis and matches cells with a line per declared term (relative to the main term)."""
+    for t in step.get("terms") or []:
+        diag += f"<br>term `{t['name']}` (coef {t['coef']}): {term_summary(step, t)}"
+        if t.get("matches") and (t.get("diagnosis") or {}).get("kind") != "exact":
+            match += f"<br>term `{t['name']}`: {', '.join(t['matches'])}"
+    return diag, match
+
+
+def term_summary(step, term):
+    """A declared term's weights, relative to the main term, as weights_summary says the main term's."""
+    w = check(step, f"{term['name']}.weights") or {}
+    return weights_summary({"checks": [{"name": "weights", "detail": w.get("detail")}],
+                            "diagnosis": term.get("diagnosis")})
 
 
 def verl_table(rows, used):
@@ -363,12 +387,13 @@ def verl_table(rows, used):
         used.update({("audit", r["key"]), ("audit", f"{name}-kl"), ("audit", f"{name}-pg-as-sample-mean")})
         s0 = r["steps"][0] if r["steps"] else {}
         cells = [audit_cell(r), diagnosis(r), matches(s0)]
-        if kl:
+        if kl:                 # rows of captures written before the terms were one capture
             k0 = kl["steps"][0] if kl["steps"] else {}
             cells = [f"{cells[0]} / {audit_cell(kl)}", f"{cells[1]} / {diagnosis(kl)}",
                      cells[2] if matches(k0) == cells[2] else f"{cells[2]} / {matches(k0)}"]
         extra = VERL_NOTES.get(name, "")
         cells[1] += f" {extra}" if extra else ""
+        cells[1], cells[2] = with_terms(s0, cells[1], cells[2])     # the declared terms (kl, entropy)
         as_sm = ""
         if sm:
             m0 = sm["steps"][0] if sm["steps"] else {}

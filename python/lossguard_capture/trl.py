@@ -18,7 +18,9 @@ builds the per-token loss tensor ``per_token_loss`` [B, C] (B completions of the
 completion width): the loss_type's policy term (:3109-3138), times the off-policy mask (:3141), the
 high-entropy mask (:3144) and vLLM's importance-sampling ratio (:3147), plus ``beta * per_token_kl`` (:3150).
 It is then reduced by the loss_type's normalisation (:3153-3184), all of the form ``sum_t (per_token_loss *
-mask)_{i,t} * a_i`` with a per-sample factor ``a_i``.  The adapter does not re-implement any of it: for the
+mask)_{i,t} * a_i`` with a per-sample factor ``a_i``.  The ``beta`` KL penalty is added into
+``per_token_loss`` before that reduction (:3149-3150): it is part of the main term, normalised exactly as
+the policy term, and there is nothing to declare for it.  The adapter does not re-implement any of it: for the
 duration of ``_compute_loss`` a profile function (``sys.setprofile``) waits for that frame to return and
 reads its locals ``per_token_loss`` and ``mask`` (:3027: the completion mask, times the tool mask); a
 backward hook on ``per_token_loss`` itself then receives ``dL/dl_t`` when the Trainer backpropagates —
@@ -30,6 +32,19 @@ loss and the gradients are bit for bit those of the run without the adapter (tes
 [B, 1]; the reduction broadcasts it over the sequence's tokens, so each token's copy weighs ``a_i m_t``:
 the hook's ``dL/dl_i = a_i m_i`` is recorded split over the sample's masked tokens (``dL/dl_i * m_t / m_i``),
 and each token's loss as ``l_i``.
+
+**GRPO's entropy bonus** (``entropy_coef != 0`` or ``use_adaptive_entropy``, :3189-3211) is NOT part of
+``per_token_loss``: ``loss = loss - apply_coef * entropy_loss`` with ``entropy_loss = sum_t (H * e)_t /
+max(sum_t e_t, 1) / current_gradient_accumulation_steps`` over the micro-batch (``e`` = ``mask`` times the
+high-entropy mask, :3192-3201): a per-micro-batch token mean / M for every ``loss_type``.  The capture
+declares it as term ``entropy`` (reduce ``per-token`` — the documented objective ``L_policy - coef * H``,
+H the mean per-token entropy, grpo_config.py ``entropy_coef`` — coef ``-apply_coef`` as it enters the loss,
+mask ``loss``, or ``field`` = ``e`` when ``top_entropy_quantile < 1``), hooks the ``entropies`` [B, C] local
+of ``_compute_loss`` (the fused head's entropy, which carries its gradient) with ``term="entropy"`` and
+records the count it divides by (``term.entropy.num_tokens``).  ``apply_coef`` is taken at the step's start
+as TRL computes it (:3206-3209: ``entropy_coef``, under ``use_adaptive_entropy`` 0 while the last world
+entropy is above ``entropy_target``) and checked against every micro-batch's; a step whose coefficient is 0
+declares no entropy term.
 
 **SFTTrainer** (trl/trainer/sft_trainer.py).  It does NOT go through ``Trainer.compute_loss`` nor
 ``torch.nn.functional.cross_entropy`` (so :mod:`lossguard_capture.hf` refuses it: "the loss did not call
@@ -58,11 +73,10 @@ The objective claimed (``reduce=``), by default what TRL's documentation of ``lo
 ``loss_type``) says the aggregation is: :data:`OBJECTIVES`.
 
 Unsupported (an error at attach, naming the reason): TRL or transformers outside their ranges; DeepSpeed,
-FSDP, XLA, Megatron; TP/CP/SP; a loss term outside the per-token tensor — GRPO's entropy bonus
-(``entropy_coef``/``use_adaptive_entropy``, :3189-3211) and an MoE aux loss (:3248-3250), SFT's MoE aux loss —
-unless ``allow_untracked_terms=True`` (then their gradient is not in the capture, and audit's weights describe
-the per-token term only); SFT with ``compute_loss_func`` or label smoothing (no per-token tensor of TRL's);
-an active ``sys.setprofile`` profiler during a captured step.
+FSDP, XLA, Megatron; TP/CP/SP; a loss term outside the per-token tensor other than GRPO's entropy bonus — an
+MoE aux loss (GRPO :3248-3250, SFT) — unless ``allow_untracked_terms=True`` (then its gradient is not in the
+capture, and audit's weights describe the other terms only); SFT with ``compute_loss_func`` or label
+smoothing (no per-token tensor of TRL's); an active ``sys.setprofile`` profiler during a captured step.
 """
 
 import itertools
@@ -220,8 +234,9 @@ class AuditCallback(TrainerCallback):
     :class:`lossguard_capture.AuditFailed` on every rank when it FAILS, before that step's optimizer update.
 
     ``reduce``: the objective claimed; ``None`` takes :data:`OBJECTIVES` of the GRPO ``loss_type``
-    (``per-token`` for SFT).  ``allow_untracked_terms``: capture even when a loss term outside the per-token
-    tensor is active (entropy bonus, MoE aux loss; their gradient is then not in the capture).  The other
+    (``per-token`` for SFT).  GRPO's entropy bonus is recorded as the declared term ``entropy``.
+    ``allow_untracked_terms``: capture even when an MoE aux loss is active (its gradient is then not in the
+    capture).  The other
     arguments are :class:`lossguard_capture.hf.AuditCallback`'s.  ``results`` maps each audited step to its
     :class:`lossguard_capture.AuditResult`; ``paths`` each captured step to this rank's file."""
 
@@ -261,6 +276,8 @@ class AuditCallback(TrainerCallback):
         self._num_items: List[Any] = []               # GRPO: each micro-batch's inputs["num_items_in_batch"]
         self._num_items_step: Any = None              # SFT: the Trainer's num_items_in_batch
         self._grad_norm: Any = None
+        self._entropy_coef: Optional[float] = None    # GRPO: the step's applied entropy coefficient (term declared)
+        self._entropy_field = False                   # ... over the high-entropy mask (top_entropy_quantile < 1)
 
     # -- wiring ---------------------------------------------------------------------------------
     @property
@@ -354,9 +371,7 @@ class AuditCallback(TrainerCallback):
                        f"(the Trainer sets 1 and divides itself)")
         untracked = []
         if self.kind == "grpo":
-            if getattr(trainer, "_entropy_bonus_enabled", False):
-                untracked.append("the entropy bonus (entropy_coef / use_adaptive_entropy: a per-micro-batch token "
-                                 "mean / gradient_accumulation_steps, grpo_trainer.py:3189-3211)")
+            # the entropy bonus (grpo_trainer.py:3189-3211) is recorded as the declared term `entropy`
             if getattr(trainer, "aux_loss_enabled", False):
                 untracked.append("the MoE aux loss (grpo_trainer.py:3248-3250)")
         else:
@@ -400,7 +415,8 @@ class AuditCallback(TrainerCallback):
             self._open(step)
         try:
             if self.kind == "grpo":
-                grab = _ReturnLocals(_GRPO_CODE, ("per_token_loss", "mask"))
+                grab = _ReturnLocals(_GRPO_CODE, ("per_token_loss", "mask", "entropies", "effective_mask",
+                                                  "apply_coef"))
             else:
                 grab = _ReturnLocals(_SFT_CODE, ("per_token_loss", "outputs"))
             with grab:
@@ -432,10 +448,25 @@ class AuditCallback(TrainerCallback):
         self._step = None
 
     def _open(self, step: int) -> None:
-        args = self.trainer.args
+        trainer = self.trainer
+        args = trainer.args
         world = args.world_size
+        # The beta KL penalty is inside per_token_loss (grpo_trainer.py:3149-3150): part of the main term, nothing
+        # to declare.  The entropy bonus is a term of its own (:3189-3211): declared with the coefficient this
+        # step applies (:3206-3209), as it enters the loss (`loss - apply_coef * entropy_loss`, :3211).
+        terms = None
+        self._entropy_coef, self._entropy_field = None, False
+        if self.kind == "grpo" and getattr(trainer, "_entropy_bonus_enabled", False):
+            coef = float(trainer.entropy_coef)
+            if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= args.entropy_target:
+                coef = 0.0
+            if coef != 0.0:
+                self._entropy_coef = coef
+                self._entropy_field = trainer.top_entropy_quantile < 1.0
+                terms = {"entropy": dict(reduce="per-token", coef=-coef,
+                                         mask="field" if self._entropy_field else "loss")}
         self._step = StepRecorder(self._step_dir(step), step, args.process_index, world, dp=world,
-                                  dp_rank=args.process_index, reduce=self.reduce, strict=self.strict)
+                                  dp_rank=args.process_index, reduce=self.reduce, strict=self.strict, terms=terms)
         self._k = 0
         self._rows = 0
         self._pending = None
@@ -483,11 +514,35 @@ class AuditCallback(TrainerCallback):
             # weighs a_i m_t, and dL/dl_i = a_i m_i
             mf = mask.detach().to(X.dtype)
             self._spreads.append(_Spread(mb, X, mf / mf.sum(-1, keepdim=True).clamp(min=1)))
+        self._grpo_entropy(mb, found, B, C)
         if "num_items_in_batch" in inputs:
             self._num_items.append(inputs["num_items_in_batch"])
         self._k += 1
         self._rows += B
         return mb
+
+    def _grpo_entropy(self, mb: MicroBatch, found: Dict[str, Any], B: int, C: int) -> None:
+        """The entropy bonus's per-token entropies [B, C] hooked as term ``entropy`` (see the module docstring),
+        with the count the micro-batch divides them by."""
+        applied = found.get("apply_coef")
+        if self._entropy_coef is None:
+            if applied is not None and float(applied) != 0.0:
+                raise _CannotMeasure(f"the entropy bonus applies coefficient {float(applied)} but the step began with "
+                                     f"none (use_adaptive_entropy state changed within the step?)")
+            return
+        H, e = found.get("entropies"), found.get("effective_mask")
+        if applied is None or float(applied) != self._entropy_coef:
+            raise _CannotMeasure(f"the entropy bonus applies coefficient {applied} but the step declared "
+                                 f"{self._entropy_coef} (grpo_trainer.py:3206-3209)")
+        if not isinstance(H, torch.Tensor) or tuple(H.shape) != (B, C) or not H.requires_grad:
+            raise _CannotMeasure(f"the entropies of the entropy bonus are not a [B, C] = {[B, C]} tensor that "
+                                 f"requires grad (got {None if H is None else (tuple(H.shape), H.requires_grad)})")
+        if not isinstance(e, torch.Tensor) or tuple(e.shape) != (B, C):
+            raise _CannotMeasure("the entropy bonus has no [B, C] effective_mask")
+        e = e.detach()
+        extra = {"mask": e.reshape(-1)} if self._entropy_field else {}
+        mb.hook(H, index=torch.arange(B * C, dtype=torch.int64), term="entropy", **extra)
+        mb.set(num_tokens=e.sum(), term="entropy")          # the micro-batch's count it divides by (:3200)
 
     def _sft_microbatch(self, inputs: Any, found: Dict[str, Any], num_items: Any) -> MicroBatch:
         X, outputs = found["per_token_loss"], found["outputs"]

@@ -1,5 +1,5 @@
 """Audit captures of verl's OWN actor loss: ``ppo_loss`` (the loss function verl's engine calls), its policy
-loss and ``agg_loss``, for every ``loss_agg_mode``.
+loss, its KL and entropy terms and ``agg_loss``, for every ``loss_agg_mode``.
 
     import lossguard_capture.verl
     lossguard_capture.verl.attach(engine, "captures", steps=[0])     # the actor's engine, every rank
@@ -7,11 +7,13 @@ loss and ``agg_loss``, for every ``loss_agg_mode``.
 
 ``attach`` wraps, on this instance only, ``engine.train_batch`` (one call = one optimizer step: forward and
 backward of every micro-batch, then ``optimizer_step``) and, for the duration of a captured call, the loss
-function it is handed and ``engine.optimizer_step``.  Each rank writes, for each captured step ``n``,
-``captures/pg/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` (the policy-gradient term) and, with
-``use_kl_loss``, ``captures/kl/step{n:06d}/...`` (the KL term); ``lossguard audit captures/pg/step000000``
-judges them (docs/semantics.md §10).  Without ``attach``: :meth:`VerlCapture.wrap` the loss function and
-call :meth:`VerlCapture.begin_step` / :meth:`VerlCapture.finish_step` around one optimizer step.
+function it is handed and ``engine.optimizer_step``.  Each rank writes, for each captured step ``n``, ONE
+capture ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` of the whole loss: the policy-gradient
+term is its main term and, when verl's loss has them, the KL term (``use_kl_loss``) and the entropy term
+(``entropy_coeff != 0``) are declared terms ``kl`` and ``entropy`` (SPEC §11); ``lossguard audit
+captures/step000000`` judges every term, each relative to the main term's scale (docs/semantics.md §10).
+Without ``attach``: :meth:`VerlCapture.wrap` the loss function and call :meth:`VerlCapture.begin_step` /
+:meth:`VerlCapture.finish_step` around one optimizer step.
 
 What is measured, and where (verl 0.9.1; line numbers of that release):
 
@@ -27,12 +29,17 @@ What is measured, and where (verl 0.9.1; line numbers of that release):
   (:65-68), pads the response fields of the micro-batch (``to_padded_tensor``, :91: nested fields to the
   micro-batch's longest response), calls the policy loss ``get_policy_loss_fn(loss_mode)`` (:103-112),
   which aggregates its per-token losses with ``core_algos.agg_loss(..., loss_agg_mode,
-  **config.global_batch_info)`` (``trainer/ppo/core_algos.py``:1140), and with ``use_kl_loss`` adds
-  ``kl_loss_coef * agg_loss(kl_penalty(...), ..., config.loss_agg_mode, **global_batch_info)`` (:132-140).
+  **config.global_batch_info)`` (``trainer/ppo/core_algos.py``:1140); when the engine computed an entropy
+  (``calculate_entropy``, which the trainers set when ``entropy_coeff != 0``: ``ray_trainer.py``:1336-1338,
+  ``v1/trainer_base.py``:1831-1833) it subtracts ``entropy_coeff * agg_loss(entropy, ..., loss_agg_mode,
+  **global_batch_info)`` (:123-129), and with ``use_kl_loss`` adds ``kl_loss_coef * agg_loss(kl_penalty(...),
+  ..., config.loss_agg_mode, **global_batch_info)`` (:132-140).
 * For the duration of the wrapped call ``core_algos.agg_loss``, ``losses.agg_loss``,
-  ``losses.get_policy_loss_fn`` and ``losses.kl_penalty`` are wrappers: each calls the real function
-  with the same arguments and returns its result unchanged; the per-token loss matrix the policy loss
-  hands ``agg_loss`` (and the KL matrix) gets a backward hook.  Nothing in verl's computation changes,
+  ``losses.get_policy_loss_fn``, ``losses.kl_penalty`` and ``losses.no_padding_2_padding`` are wrappers:
+  each calls the real function with the same arguments and returns its result unchanged; the per-token
+  loss matrix the policy loss hands ``agg_loss`` gets a backward hook (the main term), and so do the KL
+  matrix ``kl_penalty`` returned (term ``kl``) and the padded entropy matrix (term ``entropy``) when they
+  reach ``agg_loss``, over the same owned tokens in the same order.  Nothing in verl's computation changes,
   so the loss and the gradients are bit for bit verl's, and the hook sees ``dL/dl_t`` after everything
   verl does: ``/ batch_num_tokens * dp_size`` (token-mean), ``* dp_size`` (token-sum),
   ``/ global_batch_size * dp_size`` (the seq-mean modes), ``/ loss_scale_factor`` or ``/ loss_mask.shape[-1]``
@@ -44,16 +51,20 @@ What is measured, and where (verl 0.9.1; line numbers of that release):
   per token as ``dL/dL_i * m_t / (m_i + 1e-8)``, the weight of the token's term ``-A_i sg(rho_i) k_t`` in
   GMPO's gradient; ``token_loss`` is not written (its loss is not a weighted sum of per-token losses),
   so ``audit``'s loss check is not run for it.
-* FSDP averages gradients over the DP group (the reason for verl's ``* dp_size``): ``grad_scale = 1/dp``.
-  The KL capture's ``grad_scale`` is ``1/(dp * kl_loss_coef)``: its weights are judged relative to the
-  term's coefficient (docs/semantics.md §11), and its ``loss`` is the term's ``kl_loss_coef * kl_loss``.
+* FSDP averages gradients over the DP group (the reason for verl's ``* dp_size``): ``grad_scale = 1/dp``,
+  for every term.  The terms are declared with the capture's ``reduce``, mask ``loss`` (verl aggregates
+  them with the policy's ``response_mask``) and the coefficient with which they enter the loss:
+  ``kl`` ``kl_loss_coef`` (losses.py:140), ``entropy`` ``-entropy_coeff`` (:128 subtracts it).  A term whose
+  coefficient is 0 contributes no gradient and is not recorded (``use_kl_loss`` with ``kl_loss_coef = 0``
+  warns).  ``mb.{k}.loss`` is the whole scalar verl backpropagates (every term).
 * ``num_tokens_reduced`` is ``batch_num_tokens``, ``global_batch_size`` the trainer's; no per-micro-batch
   count is written (verl computes none).
 
 The objective claimed (``reduce``) is the one the configured ``loss_agg_mode`` names (:data:`CLAIMS`;
 ``token-sum``, which lossguard has no objective for, claims ``per-token``: its weights are the per-token
 ones times ``N``).  A policy loss that aggregates with another mode than the configured one (``sapo``),
-or none (``geo_mean``), is measured as it is and a :class:`lossguard_capture.CaptureWarning` says so.
+or none (``geo_mean``), is measured as it is and a :class:`lossguard_capture.CaptureWarning` says so; the
+KL and entropy terms always aggregate with the configured mode (losses.py:125, :137).
 
 Sample layout: sample ``i`` of a micro-batch is its prompt (``P_i`` tokens) and response (``R_i``): the
 no-padding layout verl's engine trains on (``input_ids`` nested ``[P_i + R_i]``; ``prompts``/``responses``
@@ -66,7 +77,7 @@ Refused, with the reason: verl outside :data:`SUPPORTED` (``allow_unsupported=Tr
 function other than ``losses.ppo_loss``, an engine other than the FSDP one, Ulysses sequence parallelism,
 a world that is not the DP group, a grad scaler (fp16), an unknown ``loss_agg_mode`` (before anything is
 recorded), a policy loss that calls ``agg_loss`` more than once or aggregates neither through ``agg_loss``
-nor a per-sample ``torch.mean``.
+nor a per-sample ``torch.mean``, an entropy present in some micro-batches of a step and not in others.
 """
 
 import functools
@@ -108,8 +119,9 @@ CLAIMS: Dict[str, str] = {
     "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
 }
 
-#: the captured terms: the policy-gradient loss, and the KL loss with ``use_kl_loss``.
-TERMS: Tuple[str, ...] = ("pg", "kl")
+#: the declared terms besides the main (policy-gradient) one: the KL loss (``use_kl_loss``) and the entropy
+#: bonus (``entropy_coeff != 0``).
+TERMS: Tuple[str, ...] = ("kl", "entropy")
 
 #: the per-sample key :func:`attach` adds to the mini-batch (global sample indices for the captures).
 SAMPLE_INDEX_KEY = "lossguard_sample_index"
@@ -264,15 +276,16 @@ class _GeoProbe:
 class _Call:
     """The state of one wrapped loss-function call (one micro-batch)."""
 
-    def __init__(self, layout: _Layout, handles: Dict[str, MicroBatch], loss_mode: str, mode: str):
+    def __init__(self, layout: _Layout, mb: MicroBatch, loss_mode: str, mode: str):
         self.layout = layout
-        self.handles = handles
+        self.mb = mb
         self.loss_mode = loss_mode
         self.mode = mode
         self.in_pg = 0
         self.pg_modes: List[str] = []
-        self.values: Dict[str, torch.Tensor] = {}
-        self.kld: Optional[torch.Tensor] = None
+        self.hooked: set = set()                         # the named terms hooked in this micro-batch
+        self.kld: Optional[torch.Tensor] = None          # what kl_penalty returned
+        self.ent: Optional[torch.Tensor] = None          # the padded entropy matrix
         self.means: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.pg_return: Optional[torch.Tensor] = None
 
@@ -282,11 +295,11 @@ class _OpenStep:
                  global_batch_size: Optional[int]):
         self.step, self.dp, self.dp_rank, self.rank, self.world = step, dp, dp_rank, rank, world
         self.global_batch_size = global_batch_size
-        self.recs: Dict[str, StepRecorder] = {}
-        self.coef: Dict[str, float] = {}
+        self.rec: Optional[StepRecorder] = None
+        self.terms: Dict[str, Dict[str, Any]] = {}       # the declared terms: name -> reduce, coef, mask
         self.reduce: Optional[str] = None
         self.batch_num_tokens: Any = None
-        self.geo: List[Tuple[str, _GeoProbe]] = []
+        self.geo: List[_GeoProbe] = []
         self.next_index = 0
         self.warned: set = set()
 
@@ -294,21 +307,23 @@ class _OpenStep:
 class VerlCapture:
     """Captures ``steps`` of verl's actor loss (``losses.ppo_loss``) for ``lossguard audit``.
 
-    ``out_dir``: the captures go to ``out_dir/{pg,kl}/step{n:06d}/``.  ``steps``: the optimizer steps to
-    capture, counted per engine from 0 (one ``train_batch`` call = one step; ``None``: every step).
-    ``reduce``: the objective claimed, instead of :data:`CLAIMS` of the configured ``loss_agg_mode``.
-    ``kl``: capture the KL term when ``use_kl_loss``.  ``paths`` maps each finished step to ``{term: file}``."""
+    ``out_dir``: the captures go to ``out_dir/step{n:06d}/``.  ``steps``: the optimizer steps to capture,
+    counted per engine from 0 (one ``train_batch`` call = one step; ``None``: every step).  ``reduce``: the
+    objective claimed, instead of :data:`CLAIMS` of the configured ``loss_agg_mode`` (the declared terms
+    claim it too).  ``kl`` / ``entropy``: record the KL term (``use_kl_loss``) / the entropy term
+    (``entropy_coeff != 0``) as declared terms.  ``paths`` maps each finished step to this rank's file."""
 
     def __init__(self, out_dir: str, *, steps: Optional[Sequence[int]] = None, reduce: Optional[str] = None,
-                 kl: bool = True, strict: bool = True, allow_unsupported: bool = False):
+                 kl: bool = True, entropy: bool = True, strict: bool = True, allow_unsupported: bool = False):
         check_version(allow_unsupported=allow_unsupported)
         self.out_dir = out_dir
         self.steps = None if steps is None else frozenset(int(s) for s in steps)
         self.reduce = None if reduce is None else check_reduce(reduce)
         self.kl = bool(kl)
+        self.entropy = bool(entropy)
         self.strict = strict
         self.allow_unsupported = allow_unsupported
-        self.paths: Dict[int, Dict[str, str]] = {}
+        self.paths: Dict[int, str] = {}
         self._open: Optional[_OpenStep] = None
         self._calls = 0
 
@@ -316,8 +331,8 @@ class VerlCapture:
     def should_capture(self, step: int) -> bool:
         return self.steps is None or int(step) in self.steps
 
-    def step_dir(self, term: str, step: int) -> str:
-        return os.path.join(self.out_dir, term, f"step{int(step):06d}")
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.out_dir, f"step{int(step):06d}")
 
     def begin_step(self, step: int, *, dp: int, dp_rank: int, global_batch_size: Optional[int] = None,
                    rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
@@ -344,28 +359,26 @@ class VerlCapture:
         st, self._open = self._open, None
         if st is None:
             return
-        for _, g in st.geo:
+        for g in st.geo:
             g.remove()
-        for rec in st.recs.values():
-            rec.abort()
+        if st.rec is not None:
+            st.rec.abort()
 
-    def finish_step(self, *, grad_scale: float, skipped: Any = None, grad_norm: Any = None) -> Dict[str, str]:
-        """Write the open step's captures (after every micro-batch's backward, before the optimizer applies
-        the step); ``grad_scale``: what the rank multiplies its gradients by (``1/dp`` under FSDP)."""
+    def finish_step(self, *, grad_scale: float, skipped: Any = None, grad_norm: Any = None) -> str:
+        """Write the open step's capture (after every micro-batch's backward, before the optimizer applies
+        the step) and return its path; ``grad_scale``: what the rank multiplies its gradients by (``1/dp``
+        under FSDP; every term's)."""
         st = self._open
         if st is None:
             raise RuntimeError("lossguard_capture.verl: no step is open")
         try:
-            if not st.recs:
+            if st.rec is None:
                 raise RuntimeError(f"lossguard_capture.verl: step {st.step}: the wrapped loss function was never "
                                    f"called")
-            for _, g in st.geo:
+            for g in st.geo:
                 g.fire()
-            out = {}
-            for term, rec in st.recs.items():
-                out[term] = rec.finish(grad_scale=float(grad_scale) / st.coef[term],
-                                       num_tokens_reduced=st.batch_num_tokens, skipped=skipped, grad_norm=grad_norm,
-                                       global_batch_size=st.global_batch_size)
+            out = st.rec.finish(grad_scale=float(grad_scale), num_tokens_reduced=st.batch_num_tokens,
+                                skipped=skipped, grad_norm=grad_norm, global_batch_size=st.global_batch_size)
         except BaseException:
             self.abort_step()
             raise
@@ -398,23 +411,25 @@ class VerlCapture:
         wrapped.__lossguard_wrapped__ = loss_fn     # type: ignore[attr-defined]
         return wrapped
 
-    def _recorders(self, st: _OpenStep, cfg: Any, mode: str) -> None:
-        if st.recs:
-            return
+    def _recorder(self, st: _OpenStep, cfg: Any, mode: str, entropy: bool) -> StepRecorder:
+        """The step's recorder, made at its first micro-batch with the terms verl's loss has: ``kl``
+        (``use_kl_loss``, coefficient ``kl_loss_coef``, losses.py:140) and ``entropy`` (an entropy in the
+        model output and ``entropy_coeff != 0``: ``policy_loss -= entropy_coeff * entropy_loss``, :128)."""
+        if st.rec is not None:
+            return st.rec
         st.reduce = self.reduce or CLAIMS[mode]
-        terms = ["pg"]
-        st.coef["pg"] = 1.0
         if self.kl and bool(getattr(cfg, "use_kl_loss", False)):
             coef = float(cfg.kl_loss_coef)
             if coef == 0.0:
-                warnings.warn("lossguard_capture.verl: use_kl_loss with kl_loss_coef = 0: the KL term is not "
-                              "captured", CaptureWarning)
+                warnings.warn("lossguard_capture.verl: use_kl_loss with kl_loss_coef = 0: the KL term carries no "
+                              "gradient and is not recorded", CaptureWarning)
             else:
-                terms.append("kl")
-                st.coef["kl"] = coef
-        for term in terms:
-            st.recs[term] = StepRecorder(self.step_dir(term, st.step), st.step, st.rank, st.world, dp=st.dp,
-                                         dp_rank=st.dp_rank, reduce=st.reduce, strict=self.strict)
+                st.terms["kl"] = dict(reduce=st.reduce, coef=coef, mask="loss")
+        if entropy:
+            st.terms["entropy"] = dict(reduce=st.reduce, coef=-float(cfg.entropy_coeff), mask="loss")
+        st.rec = StepRecorder(self.step_dir(st.step), st.step, st.rank, st.world, dp=st.dp, dp_rank=st.dp_rank,
+                              reduce=st.reduce, strict=self.strict, terms=st.terms)
+        return st.rec
 
     def _warn_once(self, st: _OpenStep, key: str, msg: str) -> None:
         if key not in st.warned:
@@ -428,6 +443,7 @@ class VerlCapture:
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
         cfg, data = bound.arguments.get("config"), bound.arguments.get("data")
+        model_output = bound.arguments.get("model_output")
         if cfg is None or data is None:
             raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data")
         mode = check_loss_agg_mode(getattr(cfg, "loss_agg_mode", None))
@@ -439,13 +455,21 @@ class VerlCapture:
         # without SAMPLE_INDEX_KEY (no attach): the rank's samples in call order, after the lower ranks'
         per_rank = st.global_batch_size // st.dp if st.global_batch_size else 1 << 20
         layout = _Layout(data, st.dp_rank * per_rank + st.next_index)
+        # ppo_loss takes the entropy term when the model output holds one (losses.py:60-62, :123)
+        ent_in = model_output.get("entropy", None) if hasattr(model_output, "get") else None
+        with_entropy = self.entropy and ent_in is not None and float(getattr(cfg, "entropy_coeff", 0.0) or 0.0) != 0.0
+        first = st.rec is None
+        rec = self._recorder(st, cfg, mode, with_entropy)
+        if not first and with_entropy != ("entropy" in st.terms):
+            raise RuntimeError(f"lossguard_capture.verl: step {st.step}: the model output holds an entropy in some "
+                               f"micro-batches and not in others (calculate_entropy changed within the step)")
         st.next_index += layout.n
-        self._recorders(st, cfg, mode)
-        handles = {term: rec.microbatch(**layout.fields()) for term, rec in st.recs.items()}
-        call = _Call(layout, handles, loss_mode, mode)
+        mb = rec.microbatch(**layout.fields())
+        call = _Call(layout, mb, loss_mode, mode)
 
         real_agg, real_core_agg = verl_losses.agg_loss, core_algos.agg_loss
         real_get, real_kl, real_mean = verl_losses.get_policy_loss_fn, verl_losses.kl_penalty, torch.mean
+        real_pad = verl_losses.no_padding_2_padding
         if real_core_agg is not real_agg:
             raise RuntimeError("lossguard_capture.verl: core_algos.agg_loss and losses.agg_loss differ (patched by "
                                "someone else?)")
@@ -461,17 +485,24 @@ class VerlCapture:
             if call.in_pg:
                 call.pg_modes.append(m)
                 if len(call.pg_modes) == 1:
-                    handles["pg"].hook(loss_mat, index=layout.owned_index(loss_mat))
-                    call.values["pg"] = out.detach().clone()     # ppo_loss adds the KL term in place (losses.py:140)
-            elif call.kld is not None and loss_mat is call.kld:
-                if "kl" in handles:
-                    handles["kl"].hook(loss_mat, index=layout.owned_index(loss_mat))
-                    call.values["kl"] = out.detach().clone()
+                    mb.hook(loss_mat, index=layout.owned_index(loss_mat))
+            else:
+                for term, mat in (("kl", call.kld), ("entropy", call.ent)):
+                    if mat is not None and loss_mat is mat and term in st.terms and term not in call.hooked:
+                        mb.hook(loss_mat, index=layout.owned_index(loss_mat), term=term)
+                        call.hooked.add(term)
             return out
 
         def kl_penalty(*a: Any, **k: Any) -> Any:
             out = real_kl(*a, **k)
             call.kld = out
+            return out
+
+        def no_padding_2_padding(*a: Any, **k: Any) -> Any:
+            out = real_pad(*a, **k)
+            src = a[0] if a else k.get("tensor")
+            if ent_in is not None and src is ent_in:
+                call.ent = out
             return out
 
         def mean(*a: Any, **k: Any) -> Any:
@@ -497,7 +528,8 @@ class VerlCapture:
             return policy_loss
 
         patched = [(verl_losses, "agg_loss", agg_loss), (core_algos, "agg_loss", agg_loss),
-                   (verl_losses, "get_policy_loss_fn", get_policy_loss_fn), (verl_losses, "kl_penalty", kl_penalty)]
+                   (verl_losses, "get_policy_loss_fn", get_policy_loss_fn), (verl_losses, "kl_penalty", kl_penalty),
+                   (verl_losses, "no_padding_2_padding", no_padding_2_padding)]
         for mod, name, fn in patched:
             setattr(mod, name, fn)
         try:
@@ -506,6 +538,7 @@ class VerlCapture:
             replaced = [f"{mod.__name__}.{name}" for mod, name, fn in patched if getattr(mod, name) is not fn]
             verl_losses.agg_loss, core_algos.agg_loss = real_agg, real_core_agg
             verl_losses.get_policy_loss_fn, verl_losses.kl_penalty = real_get, real_kl
+            verl_losses.no_padding_2_padding = real_pad
             torch.mean = real_mean
         if replaced:
             raise RuntimeError(f"lossguard_capture.verl: {', '.join(replaced)} replaced by someone else during the "
@@ -518,8 +551,7 @@ class VerlCapture:
             geo = [(a, o) for a, o in call.means if o is call.pg_return and a.dim() == 1 and a.shape[0] == layout.n
                    and a.requires_grad]
             if len(geo) == 1:
-                st.geo.append(("pg", _GeoProbe(handles["pg"], geo[0][0], layout)))
-                call.values["pg"] = geo[0][1].detach().clone()
+                st.geo.append(_GeoProbe(mb, geo[0][0], layout))
                 self._warn_once(st, "geo", f"lossguard_capture.verl: the policy loss {loss_mode!r} aggregates no "
                                 f"per-token losses (a torch.mean over the micro-batch's per-sample losses, "
                                 f"core_algos.py:2000); its loss_agg_mode {mode!r} is not used: measured per sample "
@@ -531,13 +563,13 @@ class VerlCapture:
             self._warn_once(st, "mode", f"lossguard_capture.verl: the policy loss {loss_mode!r} aggregates with "
                             f"{call.pg_modes[0]!r} although loss_agg_mode = {mode!r}: the captures claim "
                             f"{st.reduce!r} and measure what verl does")
-        if "kl" in handles and "kl" not in call.values:
+        if "kl" in st.terms and "kl" not in call.hooked:
             problems.append("use_kl_loss is set but no KL matrix reached agg_loss")
+        if "entropy" in st.terms and "entropy" not in call.hooked:
+            problems.append("the model output holds an entropy but it did not reach agg_loss")
         if problems:
             raise RuntimeError("lossguard_capture.verl: cannot measure verl's loss: " + "; ".join(problems))
-        handles["pg"].loss(call.values["pg"])
-        if "kl" in handles:
-            handles["kl"].loss(call.values["kl"] * st.coef["kl"])
+        mb.loss(loss)           # the whole scalar the engine backpropagates: every term
         return out
 
 

@@ -113,6 +113,8 @@ def _steps(doc, text):
         steps.append({"step": s.get("step"), "verdict": "fail" if any(c["ok"] is False for c in checks) else "pass",
                       "reduce": s.get("reduce"), "global_tokens": s.get("global_tokens"), "dtype": s.get("dtype"),
                       "checks": checks, "diagnosis": s.get("diagnosis"), "matches": s.get("matches", []),
+                      "terms": [{k: t.get(k) for k in ("name", "declared", "coef", "relative_to_main", "diagnosis",
+                                                        "matches")} for t in s.get("terms", [])],
                       "lines": lines.get(s.get("step"), [])})
     return steps
 

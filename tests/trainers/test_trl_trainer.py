@@ -2,20 +2,22 @@
 config, a tokenizer built in-process, generation by model.generate).
 
 For every GRPO loss_type of the pinned TRL (grpo, sapo, bnpo, dr_grpo, dapo, cispo, vespo, luspo; plus GSPO's
-sequence-level importance sampling, truncated completions masked, beta KL, bf16 autocast, and
-steps_per_generation 1 and 4 against gradient accumulation 2), DP 1 and (a subset) DP 2, and for SFTTrainer,
+sequence-level importance sampling, truncated completions masked, beta KL, bf16 autocast, the entropy bonus
+(a declared term ``entropy``) and steps_per_generation 1 and 4 against gradient accumulation 2), DP 1 and
+(a subset) DP 2, and for SFTTrainer,
 tests/trainers/trl_driver.py runs ``train`` twice from the same seed, with the adapter and without; the tests
 prove
 
 (a) the adapter changes nothing: every micro-batch's loss and every gradient the optimizer receives are bit for
     bit the same with and without it;
-(b) the measured weights are the truth: ``sum_t w_t grad(l_t)`` with ``w_t = token_weight_t * grad_scale`` from
-    the captures and ``l_t`` the trainer's own per-token loss recomputed in float64 on the step's parameters
-    equals the gradient the optimizer was about to apply (after backward and DDP);
+(b) the measured weights are the truth: ``sum_k sum_t w^k_t grad(l^k_t)`` with ``w_t = token_weight_t *
+    grad_scale`` from the captures and ``l_t`` the trainer's own per-token loss (and, with the entropy bonus,
+    its per-token entropies) recomputed in float64 on the step's parameters equals the gradient the optimizer
+    was about to apply (after backward and DDP);
 (c) the measured weights are exactly the formula each loss_type implements (:func:`formula_weights`, the
     numbers lossguard's contract presets are to model);
-(d) ``lossguard audit`` (when built) says what :func:`expected` says, and fail-fast stops a failing run at
-    step 0 on every rank;
+(d) ``lossguard audit`` (when built) says what :func:`expected` says — the entropy bonus judged as a term
+    of its own, relative to the policy term — and fail-fast stops a failing run at step 0 on every rank;
 
 and that ``lossguard_capture.hf`` refuses TRL's SFTTrainer (its loss never calls cross_entropy).
 
@@ -67,8 +69,20 @@ def _env():
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
+def entropy_coef(config):
+    """The entropy bonus's coefficient (0: none)."""
+    return drv.CONFIGS.get(config, {}).get("entropy_coef", 0.0)
+
+
 def expected(world, config):
-    """(exit code, step-0 diagnosis kinds accepted, what must reproduce the weights) of lossguard audit."""
+    """(exit code, step-0 diagnosis kinds accepted, what must reproduce the weights) of lossguard audit, for the
+    main term.  The entropy bonus (a per-micro-batch token mean / M, grpo_trainer.py:3192-3211) fails its own
+    term's weights check against the per-token objective whenever the micro-batches' counts differ: exit 1."""
+    code, kinds, preset = _expected_main(world, config)
+    return (1 if entropy_coef(config) else code), kinds, preset
+
+
+def _expected_main(world, config):
     lt = drv.CONFIGS[config]["loss_type"] if config != "sft" else "sft"
     if config == "dapo-spg4":           # a count over the generation batch (2 steps): a uniform scale per step,
         return 1, {"uniform-scale"}, None             # and num_tokens_reduced != N fails the counts check
@@ -186,16 +200,21 @@ def test_capture_records(runs, world, config):
     bs = drv.CONFIGS.get(config, {}).get("per_device_train_batch_size", drv.BS)
     want_reduce = ltrl.OBJECTIVES[lt] if lt != "sft" else "per-token"
     assert md["reduce"] == want_reduce
+    ent = entropy_coef(config)
     for n in range(STEPS):
         caps = captures(runs, world, config, n)
         losses = [torch.load(os.path.join(run_dir(runs, world, config), f"losses-rank{r}.pt")) for r in range(world)]
         grads = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank0.pt"))
         seen, N = set(), 0
         for r, (t, m) in enumerate(caps):
-            assert m == {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+            want_meta = {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
                          "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
                          "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": want_reduce,
                          "num_microbatches": str(GA), "dtype": "float32"}
+            if ent:          # the entropy bonus: per-token, the coefficient as it enters the loss, the loss mask
+                want_meta.update({"terms": "entropy", "term.entropy.reduce": "per-token",
+                                  "term.entropy.coef": repr(-ent), "term.entropy.mask": "loss"})
+            assert m == want_meta
             assert t["grad_scale"].item() == 1.0 / world          # DDP's mean
             assert t["global_batch_size"].item() == bs * GA * world
             assert t["skipped"].item() == 0
@@ -212,10 +231,17 @@ def test_capture_records(runs, world, config):
                     _check_grpo_layout(t, k, config)
                 mk = masks(t, k)
                 N += int(mk.sum())
-                tw, tl = t[f"mb.{k}.token_weight"].double(), t[f"mb.{k}.token_loss"].double()
-                assert (tw[mk.view(-1) == 0] == 0).all()                           # masked tokens weigh 0
+                assert sorted({x.split(".")[3] for x in t if x.startswith(f"mb.{k}.term.")}) == (["entropy"] if ent
+                                                                                                   else [])
+                total = 0.0
+                for p in [f"mb.{k}."] + ([f"mb.{k}.term.entropy."] if ent else []):
+                    tw, tl = t[p + "token_weight"].double(), t[p + "token_loss"].double()
+                    assert (tw[mk.view(-1) == 0] == 0).all()                       # masked tokens weigh 0
+                    total += float((tw * tl).sum())
+                if ent:                                                             # the count it divides by
+                    assert t[f"mb.{k}.term.entropy.num_tokens"].item() == int(mk.sum())
                 assert t[f"mb.{k}.loss"].item() == losses[r][n * GA + k].double().item()   # what was backpropagated
-                assert math.isclose(t[f"mb.{k}.loss"].item(), float((tw * tl).sum()), rel_tol=1e-4, abs_tol=1e-6)
+                assert math.isclose(t[f"mb.{k}.loss"].item(), total, rel_tol=1e-4, abs_tol=1e-6)      # every term
                 if lt == "bnpo":                                                    # the count it divides by
                     assert t[f"mb.{k}.num_tokens"].item() == int(mk.sum())
                 else:
@@ -286,6 +312,13 @@ def formula_weights(runs, world, config, step, t, k):
     raise AssertionError(lt)
 
 
+def entropy_weights(world, config, t, k):
+    """The entropy bonus's weight (grpo_trainer.py:3192-3211): -entropy_coef * m_t / (max(n_{k,d}, 1) * M * P),
+    the micro-batch's own token mean / M, DDP's mean — for every loss_type."""
+    m = masks(t, k)
+    return -entropy_coef(config) * m / (m.sum().clamp(min=1) * GA * world)
+
+
 @pytest.mark.parametrize("world,config", CASES, ids=IDS)
 def test_weights_are_the_loss_types_formula(runs, world, config):
     for n in range(STEPS):
@@ -294,6 +327,10 @@ def test_weights_are_the_loss_types_formula(runs, world, config):
                 w = (t[f"mb.{k}.token_weight"].double() * t["grad_scale"].double()).view(masks(t, k).shape)
                 torch.testing.assert_close(w, formula_weights(runs, world, config, n, t, k), rtol=1e-6, atol=0,
                                            msg=lambda m: f"{config} dp{world} step {n} mb {k}: {m}")
+                if entropy_coef(config):
+                    w = (t[f"mb.{k}.term.entropy.token_weight"].double() * t["grad_scale"].double()).view(w.shape)
+                    torch.testing.assert_close(w, entropy_weights(world, config, t, k), rtol=1e-6, atol=0,
+                                               msg=lambda m: f"{config} dp{world} step {n} mb {k} entropy: {m}")
 
 
 def test_dapo_spg4_weights_sum_to_the_steps_share_of_the_generation_batch(runs):
@@ -361,11 +398,63 @@ def test_audit_verdict(runs, world, config):
         meta0 = meta(runs, world, config)             # the in-run fail-fast audit passed the same step
         assert meta0["audit"]["0"]["exit_code"] == 0, meta0["audit"]
     else:
-        assert checks["weights"] is False, where
+        assert checks["weights"] is ("exact" in want_kinds), where      # the entropy term may be what fails
         if want_preset is None:
             assert s0["matches"] == [], where        # no preset reproduces it yet
         else:
             assert want_preset in s0["matches"], where
+
+
+def _term(step_doc, name):
+    found = [t for t in step_doc.get("terms", []) if t["name"] == name]
+    assert found, f"no term {name!r} among {[t['name'] for t in step_doc.get('terms', [])]}"
+    return found[0]
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+@pytest.mark.parametrize("config", ["dapo-entropy", "bnpo-entropy"])
+def test_entropy_bonus_is_judged_as_its_own_term(runs, config):
+    """GRPO's entropy bonus is a per-micro-batch token mean / M for every loss_type (grpo_trainer.py:3192-3211),
+    declared as term entropy (per-token, coef -entropy_coef, mask loss) and judged relative to the policy term.
+    dapo: the policy term is exact (the global count) and entropy.weights FAILS per micro-batch, each micro-batch
+    at N / n_k / M, reproduced by trl-grpo-entropy.  bnpo: the policy term is that same per-micro-batch mean, so
+    the entropy term's weights are the policy term's times its coefficient, token for token, and every preset
+    that reproduces the policy term reproduces it."""
+    world = 1
+    code, doc, err, text = audit(*[os.path.join(run_dir(runs, world, config), "captures", f"step{n:06d}")
+                                   for n in range(STEPS)])
+    where = f"{config}:\n{text}\n{err}"
+    assert doc is not None and code == 1, where
+    assert "entropy reproduced by: " in text and "trl-grpo-entropy" in text.split("entropy reproduced by: ")[1], where
+    for n, s in enumerate(doc["steps"]):
+        checks = {c["name"]: c["ok"] for c in s["checks"]}
+        t = _term(s, "entropy")
+        assert (t["declared"], t["hooked"], t["reduce"], t["mask"]) == (True, True, "per-token", "loss"), where
+        assert math.isclose(t["coef"], -drv.ENT_COEF, rel_tol=1e-12) and t["relative_to_main"] == 1.0, where
+        assert checks["entropy.coverage"] is True and checks["entropy.counts"] is True, where   # its own count
+        assert checks["entropy.weights"] is False, where
+        assert "trl-grpo-entropy" in t["matches"], where
+        dg = t["diagnosis"]
+        (cap, _), = captures(runs, world, config, n)
+        counts = [int(masks(cap, k).sum()) for k in range(GA)]
+        N = sum(counts)
+        assert len(set(counts)) > 1 and dg["kind"] == "per-microbatch", (where, counts)
+        ratios = [N / (c * GA) for c in counts]          # (1/(n_k M)) / (1/N) per micro-batch
+        assert math.isclose(dg["min_ratio"], min(ratios), rel_tol=1e-6), where
+        assert math.isclose(dg["max_ratio"], max(ratios), rel_tol=1e-6), where
+        found = [f for f in doc["findings"] if f["kind"] == "term_normalisation" and f["term"] == "entropy"]
+        assert found and found[0]["diagnosis"] == "per-microbatch", where
+        if config == "dapo-entropy":
+            assert checks["weights"] is True and s["diagnosis"]["kind"] == "exact", where
+            assert "trl-grpo-entropy" not in s["matches"], where            # a term preset: not the policy's
+        else:
+            assert checks["weights"] is False and s["diagnosis"]["kind"] == "per-microbatch", where
+            assert set(s["matches"]) <= set(t["matches"]) and "trl-bnpo" in s["matches"], where
+            for key in ("min_ratio", "max_ratio"):                           # the policy term's own ratios
+                assert math.isclose(dg[key], s["diagnosis"][key], rel_tol=1e-6), where
+            for k in range(GA):
+                torch.testing.assert_close(cap[f"mb.{k}.term.entropy.token_weight"].double() / -drv.ENT_COEF,
+                                           cap[f"mb.{k}.token_weight"].double(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
@@ -431,11 +520,40 @@ def test_every_loss_type_has_an_objective():
 
 
 def test_untracked_terms_are_refused(tmp_path):
-    with pytest.raises(RuntimeError, match="entropy bonus"):
-        ltrl.attach(_grpo(tmp_path, entropy_coef=0.01), str(tmp_path / "c"))
-    cb = ltrl.attach(_grpo(tmp_path, entropy_coef=0.01), str(tmp_path / "c"), allow_untracked_terms=True,
-                     fail_fast=False)
+    """An MoE aux loss (grpo_trainer.py:3248-3250) is a term the adapter does not hook: refused unless
+    allow_untracked_terms.  The entropy bonus is hooked (term entropy): attached without it."""
+    cb = ltrl.attach(_grpo(tmp_path, entropy_coef=0.01), str(tmp_path / "c"), fail_fast=False)
     assert cb.kind == "grpo" and cb.reduce == "per-token"
+    tr = _grpo(tmp_path)
+    tr.aux_loss_enabled = True                 # as GRPOTrainer sets it for a model with output_router_logits
+    with pytest.raises(RuntimeError, match="MoE aux loss"):
+        ltrl.attach(tr, str(tmp_path / "c"))
+    cb = ltrl.attach(tr, str(tmp_path / "c"), allow_untracked_terms=True, fail_fast=False)
+    assert cb.kind == "grpo"
+
+
+def test_entropy_bonus_over_the_high_entropy_mask(tmp_path):
+    """top_entropy_quantile < 1: the bonus acts on e = mask x the high-entropy mask (grpo_trainer.py:3192), so the
+    term is declared with mask field and records e per micro-batch; its weights are -coef e_t / (max(sum e, 1) M)
+    and audit reads the term over that mask (coverage and counts pass)."""
+    tr = _grpo(tmp_path, loss_type="dapo", entropy_coef=drv.ENT_COEF, top_entropy_quantile=0.5)
+    cb = ltrl.attach(tr, str(tmp_path / "caps"), fail_fast=False)
+    tr.train()
+    with safe_open(cb.paths[0], framework="pt") as f:
+        m = f.metadata()
+    assert (m["terms"], m["term.entropy.mask"], m["term.entropy.coef"]) == ("entropy", "field", repr(-drv.ENT_COEF))
+    t = load_file(cb.paths[0])
+    for k in range(GA):
+        e, mk = t[f"mb.{k}.term.entropy.mask"], t[f"mb.{k}.loss_masks"]
+        assert e.dtype == torch.int64 and ((e == 0) | (mk == 1)).all() and 0 < int(e.sum()) < int(mk.sum())
+        assert t[f"mb.{k}.term.entropy.num_tokens"].item() == int(e.sum())
+        torch.testing.assert_close(t[f"mb.{k}.term.entropy.token_weight"].double(),
+                                   -drv.ENT_COEF * e.double() / (int(e.sum()) * GA), rtol=1e-6, atol=0)
+    if HAVE_BIN:
+        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
+        checks = {c["name"]: c["ok"] for c in doc["steps"][0]["checks"]}
+        assert checks["entropy.coverage"] is True and checks["entropy.counts"] is True, text + err
+        assert _term(doc["steps"][0], "entropy")["mask"] == "field", text
 
 
 def test_other_trainers_are_refused(tmp_path):

@@ -17,10 +17,11 @@ clipping, 2 optimizer steps (both captured).  Per config and run (``DIR/<config>
   DDP, before the optimizer);
 * ``params-step{n}-rank{r}.pt`` — the parameters the step's forward used;
 * ``captures/step{n:06d}/`` (adapter runs) — the adapter's capture files;
-* ``want-step{n}-rank{r}.pt`` (adapter runs) — this rank's ``sum_t w_t grad(l_t)``: the captured weights
-  ``w_t = token_weight_t * grad_scale`` times the gradient of the trainer's own per-token losses, recomputed in
-  float64 on the step's parameters from the micro-batch's inputs (GRPO: the trainer's own ``_compute_loss`` on a
-  float64 copy of the model; SFT: ``-log_softmax`` of the captured tokens);
+* ``want-step{n}-rank{r}.pt`` (adapter runs) — this rank's ``sum_k sum_t w^k_t grad(l^k_t)``: the captured
+  weights ``w_t = token_weight_t * grad_scale`` of every term (the main one; GRPO's entropy bonus) times the
+  gradient of the trainer's own per-token losses, recomputed in float64 on the step's parameters from the
+  micro-batch's inputs (GRPO: the trainer's own ``_compute_loss`` on a float64 copy of the model, its
+  ``per_token_loss`` and ``entropies``; SFT: ``-log_softmax`` of the captured tokens);
 * ``meta-rank{r}.json`` — versions, the resolved GRPO sizes, in-run audit results.
 
 ``--hf-on-sft``: attach ``lossguard_capture.hf`` (the plain Trainer adapter) to an SFTTrainer and write the
@@ -68,6 +69,7 @@ GA = 2                    # gradient_accumulation_steps
 GENS = 2                  # num_generations
 MAX_COMPLETION = 8        # max_completion_length
 STEPS = 2                 # optimizer steps per run (both captured)
+ENT_COEF = 0.05           # entropy_coef of the -entropy configs (enters the loss as -ENT_COEF * entropy_loss)
 WORDS = ["<pad>", "<eos>", "<unk>"] + [chr(ord("a") + i) for i in range(13)]
 PAD, EOS = 0, 1
 VOCAB = len(WORDS)
@@ -89,6 +91,8 @@ CONFIGS = {
     "luspo": dict(loss_type="luspo", importance_sampling_level="sequence"),
     "luspo-token": dict(loss_type="luspo"),
     "dapo-bf16": dict(loss_type="dapo", bf16=True),                            # TRL's default mixed precision
+    "dapo-entropy": dict(loss_type="dapo", entropy_coef=ENT_COEF),             # + the entropy bonus, a term of its own
+    "bnpo-entropy": dict(loss_type="bnpo", entropy_coef=ENT_COEF),
 }
 PROMPTS = ["a b", "c d e", "f", "g h i j", "k l", "m a b c d", "e f g", "h", "i j k", "l m", "a", "b c d e f g",
            "d e", "f g h", "i", "j k l m"]
@@ -210,9 +214,10 @@ def sft_trainer(out, world, keep_inputs=False):
 
 
 def verify_grpo(trainer, out, rank):
-    """want-step{n}: sum over this rank's micro-batches of sum_t w_t grad(l_t), l_t the trainer's own
-    per_token_loss recomputed by GRPOTrainer._compute_loss on a float64 copy of the step's model — or, under
-    bf16 autocast (the precision is then autocast's, not the model's), on a float32 copy as the run had it."""
+    """want-step{n}: sum over this rank's micro-batches and terms of sum_t w_t grad(l_t), l_t the trainer's own
+    per_token_loss (main) and entropies (term entropy) recomputed by GRPOTrainer._compute_loss on a float64 copy
+    of the step's model — or, under bf16 autocast (the precision is then autocast's, not the model's), on a
+    float32 copy as the run had it."""
     trainer.model.train()
     dtype = torch.float32 if trainer.args.bf16 else torch.float64
     for n in range(STEPS):
@@ -226,13 +231,16 @@ def verify_grpo(trainer, out, rank):
         total = 0.0
         for k in range(GA):
             inputs = trainer.kept_inputs[n * GA + k]
-            grab = ltrl._ReturnLocals(ltrl._GRPO_CODE, ("per_token_loss",))
+            grab = ltrl._ReturnLocals(ltrl._GRPO_CODE, ("per_token_loss", "entropies"))
             with grab:
                 GRPOTrainer._compute_loss(trainer, model, inputs)
             X = grab.found["per_token_loss"]
             B, C = inputs["completion_ids"].shape
             w = (t[f"mb.{k}.token_weight"].to(dtype) * gs).view(B, C)
             total = total + (w * X).sum()          # X [B, C], or [B, 1] broadcast over the sequence
+            if f"mb.{k}.term.entropy.token_weight" in t:
+                we = (t[f"mb.{k}.term.entropy.token_weight"].to(dtype) * gs).view(B, C)
+                total = total + (we * grab.found["entropies"]).sum()
         names = [nm for nm, _ in model.named_parameters()]
         grads = torch.autograd.grad(total, [p for _, p in model.named_parameters()], allow_unused=True)
         torch.save({nm: (g if g is not None else torch.zeros_like(p)) for nm, g, p in

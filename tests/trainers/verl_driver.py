@@ -11,13 +11,18 @@ What is verl's and what is not (verl 0.9.1):
   ``FSDPEngine.forward_backward_batch`` (engine/fsdp/transformer_impl.py:724: ``batch_num_tokens``
   all-reduced over the DP group, ``dp_size``, ``prepare_micro_batches``, one ``loss.backward()`` per
   micro-batch), ``FSDPEngine.optimizer_step`` (:788: clip, step), ``losses.ppo_loss`` with the registered
-  policy losses, ``kl_penalty`` and ``agg_loss``, ``ActorConfig``, ``left_right_2_no_padding`` (the v0
-  trainer's layout) and the TensorDict helpers.
+  policy losses, ``kl_penalty``, the entropy term and ``agg_loss``, ``ActorConfig``,
+  ``left_right_2_no_padding`` (the v0 trainer's layout) and the TensorDict helpers.
 * a CPU stand-in (:class:`CPUEngine`): FSDPEngine's constructor builds a Hugging Face model under FSDP on
   an accelerator; here the module is a tiny embedding model and ``forward_step`` calls it directly
   (what FSDPEngineWithLMHead.forward_step does around the model, :1549-1591, is kept: the loss function
-  call and the output record).  FSDP averages the gradients over DP during backward; the stand-in does
-  that all-reduce (mean) at ``optimizer_step``, before verl's.  A CPU platform replaces verl's CUDA one.
+  call, the output record, and the per-token entropy when the micro-batch asks ``calculate_entropy``,
+  :1336 and :1542-1543).  FSDP averages the gradients over DP during backward; the stand-in does that
+  all-reduce (mean) at ``optimizer_step``, before verl's.  A CPU platform replaces verl's CUDA one.
+* ``-entropy`` configs: ``entropy_coeff`` = :data:`ENT_COEF` and ``calculate_entropy`` set as the trainers
+  set it (``entropy_coeff != 0``, ray_trainer.py:1336-1338).  ``-bug`` configs plant a term bug in verl's
+  own functions for both runs (:func:`plant`): ``kl-microbatch-mean`` aggregates the KL matrix without
+  the global batch info, each micro-batch's own token mean (the bug class of verl #7200).
 
 Batches: 12 samples per mini-batch (DP 2 x 2 micro-batches x 3 samples; ``global_batch_size`` 12 as the
 trainer sets it, ppo_mini_batch_size x n), prompts of 2-5 tokens, responses of 1-9 tokens (sample 0 of
@@ -31,9 +36,11 @@ layout: responses right-padded to 12 (``rollout.response_length``) and converted
 Per config and run (``DIR/<config>/{adapter,plain}/``): ``losses-rank{r}.pt`` (the engine's per-micro-batch
 loss values, in order), ``grads-step{n}-rank{r}.pt`` (the gradients the optimizer applies),
 ``params-step{n}.pt`` (the parameters the step's forward used), ``batch-step{n}.pt`` (the mini-batch, global
-order) and, with the adapter, ``captures/{pg,kl}/step{n:06d}/``.
+order) and, with the adapter, ``captures/step{n:06d}/`` (one capture per rank and step: the policy term as
+main, the KL and entropy terms declared).
 """
 import argparse
+import functools
 import json
 import os
 import sys
@@ -97,11 +104,15 @@ R_PAD = 12                 # rollout.response_length of the -dense layout
 MAX_TOKENS = 16            # max_token_len_per_gpu of the -dynbsz configs (use_dynamic_bsz)
 EMPTY = (4, 9)             # fully masked samples (one per DP rank)
 KL_COEF = 0.25
+ENT_COEF = 0.05            # entropy_coeff of the -entropy configs (enters the loss as -ENT_COEF * entropy_loss)
 LSF = R_MAX                # loss_scale_factor of the -lsf configs
 
-# config name -> loss_agg_mode, policy loss, use_kl_loss, loss_scale_factor, layout, samples per micro-batch
-def _cfg(mode, loss="vanilla", kl=False, lsf=None, layout="nested", micro=MICRO, dynbsz=False):
-    return {"mode": mode, "loss": loss, "kl": kl, "lsf": lsf, "layout": layout, "micro": micro, "dynbsz": dynbsz}
+# config name -> loss_agg_mode, policy loss, use_kl_loss, loss_scale_factor, layout, samples per micro-batch,
+# use_dynamic_bsz, entropy_coeff != 0, a planted term bug
+def _cfg(mode, loss="vanilla", kl=False, lsf=None, layout="nested", micro=MICRO, dynbsz=False, entropy=False,
+         bug=None):
+    return {"mode": mode, "loss": loss, "kl": kl, "lsf": lsf, "layout": layout, "micro": micro, "dynbsz": dynbsz,
+            "entropy": entropy, "bug": bug}
 
 
 CONFIGS = {
@@ -122,7 +133,11 @@ CONFIGS = {
     "seq-mean-token-sum-norm-dynbsz": _cfg("seq-mean-token-sum-norm", dynbsz=True),
     "token-mean-kl": _cfg("token-mean", kl=True),
     "seq-mean-token-mean-kl": _cfg("seq-mean-token-mean", kl=True),
+    "token-mean-kl-entropy": _cfg("token-mean", kl=True, entropy=True),
+    "seq-mean-token-mean-kl-entropy": _cfg("seq-mean-token-mean", kl=True, entropy=True),
+    "token-mean-kl-bug": _cfg("token-mean", kl=True, bug="kl-microbatch-mean"),
 }
+BUGS = ("kl-microbatch-mean",)
 
 
 class TinyLM(torch.nn.Module):
@@ -135,14 +150,24 @@ class TinyLM(torch.nn.Module):
         self.hid = torch.nn.Linear(HIDDEN, HIDDEN)
         self.out = torch.nn.Linear(HIDDEN, VOCAB)
 
+    def _log_softmax(self, values: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.out(torch.tanh(self.hid(self.emb(values)))), dim=-1)
+
     def log_probs_flat(self, values: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.hid(self.emb(values)))
-        logp = torch.log_softmax(self.out(h), dim=-1)
-        return logp.gather(-1, torch.roll(values, -1)[:, None])[:, 0]
+        return self._log_softmax(values).gather(-1, torch.roll(values, -1)[:, None])[:, 0]
+
+    def entropy_flat(self, values: torch.Tensor) -> torch.Tensor:
+        """The entropy of each position's next-token distribution (verl's entropy_from_logits)."""
+        logp = self._log_softmax(values)
+        return -(logp.exp() * logp).sum(-1)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         lp = self.log_probs_flat(input_ids.values())
         return torch.nested.nested_tensor_from_jagged(lp, offsets=input_ids.offsets())
+
+    def entropy(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ent = self.entropy_flat(input_ids.values())
+        return torch.nested.nested_tensor_from_jagged(ent, offsets=input_ids.offsets())
 
 
 def make_model() -> TinyLM:
@@ -183,12 +208,13 @@ def _nested(rows):
     return torch.nested.as_nested_tensor(list(rows), layout=torch.jagged)
 
 
-def rank_batch(samples, rank: int, layout: str, micro: int = MICRO, dynbsz: bool = False):
+def rank_batch(samples, rank: int, layout: str, micro: int = MICRO, dynbsz: bool = False, entropy: bool = False):
     """This DP rank's chunk of the mini-batch (verl dispatches contiguous chunks) as the engine gets it."""
     n = len(samples) // DP
     mine = samples[rank * n:(rank + 1) * n]
     non_tensor = dict(global_batch_size=GLOBAL_BATCH, use_dynamic_bsz=dynbsz, micro_batch_size_per_gpu=micro,
-                      max_token_len_per_gpu=MAX_TOKENS, use_remove_padding=True, use_fused_kernels=False)
+                      max_token_len_per_gpu=MAX_TOKENS, use_remove_padding=True, use_fused_kernels=False,
+                      calculate_entropy=entropy)
     if layout == "nested":        # the v1 trainer: per-sample fields, stacked jagged (agent_loop_tq.py:184-199)
         fields = {
             "input_ids": _nested(torch.cat([s["prompt"], s["response"]]) for s in mine),
@@ -234,6 +260,7 @@ def actor_config(config: str) -> FSDPActorConfig:
                            ppo_micro_batch_size_per_gpu=c["micro"], loss_agg_mode=c["mode"],
                            loss_scale_factor=c["lsf"], policy_loss=PolicyLossConfig(loss_mode=c["loss"]),
                            use_dynamic_bsz=c["dynbsz"], use_kl_loss=c["kl"], kl_loss_coef=KL_COEF,
+                           entropy_coeff=ENT_COEF if c["entropy"] else 0.0,
                            kl_loss_type="low_var_kl", clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.2,
                            use_torch_compile=False)
 
@@ -268,6 +295,8 @@ class CPUEngine(FSDPEngine):
     def forward_step(self, micro_batch, loss_function, forward_only):
         # FSDPEngineWithLMHead.forward_step (transformer_impl.py:1549-1591) with the model call replaced
         model_output = {"log_probs": self.module(micro_batch["input_ids"])}
+        if tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False):    # :1336, :1542
+            model_output["entropy"] = self.module.entropy(micro_batch["input_ids"])
         loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                       dp_group=self.get_data_parallel_group())
         return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
@@ -284,9 +313,49 @@ class CPUEngine(FSDPEngine):
         return FSDPEngine.optimizer_step(self)
 
 
+def plant(bug):
+    """Plant a term bug in verl's own loss path; returns the undo.  ``kl-microbatch-mean``: the KL matrix
+    (what ``kl_penalty`` returned last) is aggregated by ``agg_loss`` without ``global_batch_info`` — with
+    ``dp_size = 1`` and ``batch_num_tokens`` the micro-batch's own mask sum: each micro-batch's token mean,
+    while the policy term keeps the global count.  ``losses.agg_loss`` and ``core_algos.agg_loss`` are
+    replaced by the same function (verl imports one into the other)."""
+    from verl.trainer.ppo import core_algos
+    from verl.workers.utils import losses
+    assert bug in BUGS, bug
+    real_agg, real_core, real_kl = losses.agg_loss, core_algos.agg_loss, losses.kl_penalty
+    last = []
+
+    @functools.wraps(real_kl)
+    def kl_penalty(*a, **k):
+        out = real_kl(*a, **k)
+        last[:] = [out]
+        return out
+
+    @functools.wraps(real_agg)
+    def agg_loss(loss_mat, loss_mask, loss_agg_mode, **kw):
+        if last and loss_mat is last[0]:
+            return real_agg(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=loss_mask.sum())
+        return real_agg(loss_mat, loss_mask, loss_agg_mode, **kw)
+    losses.agg_loss = core_algos.agg_loss = agg_loss
+    losses.kl_penalty = kl_penalty
+
+    def undo():
+        losses.agg_loss, core_algos.agg_loss, losses.kl_penalty = real_agg, real_core, real_kl
+    return undo
+
+
 def run(config, out, rank, world, adapter):
+    undo = plant(CONFIGS[config]["bug"]) if CONFIGS[config]["bug"] else None
+    try:
+        _run(config, out, rank, world, adapter)
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _run(config, out, rank, world, adapter):
     os.makedirs(out, exist_ok=True)
-    layout, micro, dynbsz = (CONFIGS[config][k] for k in ("layout", "micro", "dynbsz"))
+    layout, micro, dynbsz, entropy = (CONFIGS[config][k] for k in ("layout", "micro", "dynbsz", "entropy"))
     model = make_model()
     engine = CPUEngine(model, out, rank, world)
     cap = None
@@ -303,7 +372,7 @@ def run(config, out, rank, world, adapter):
                        os.path.join(out, f"params-step{step}.pt"))
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
-            output = engine.train_batch(rank_batch(samples, rank, layout, micro, dynbsz),
+            output = engine.train_batch(rank_batch(samples, rank, layout, micro, dynbsz, entropy),
                                         loss_function=loss_fn)
         warned += [str(x.message) for x in w if issubclass(x.category, lverl.CaptureWarning)]
         losses += [torch.tensor(v, dtype=torch.float64) for v in output["loss"]]
