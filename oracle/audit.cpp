@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <unordered_map>
 
 #include "core/contract.h"
 #include "core/errors.h"
@@ -48,6 +49,11 @@ AuditTolerance audit_tolerance(DType dtype) {
 }
 
 namespace {
+
+constexpr int64_t kExactMatchTokenLimit = int64_t{1} << 20;
+
+// A global sample index -> its position in the rebuilt batch (looked up once per sample per rank).
+using SamplePositions = std::unordered_map<int64_t, int64_t>;
 
 struct SampleRecord {
   const RankCapture* rank = nullptr;
@@ -158,7 +164,7 @@ LossRanks loss_ranks(int64_t step, const std::vector<const RankCapture*>& all) {
 // a coverage problem (its loss would be dropped or counted where it must not be).
 struct RebuiltBatch {
   Batch batch;
-  std::map<int64_t, int64_t> position;  // global sample index -> position in the batch
+  SamplePositions position;  // global sample index -> position in the batch
   std::vector<std::string> dummy_problems;
 };
 
@@ -214,8 +220,10 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   builder.begin_file(fmt::format("captures of step {}", step));
   std::vector<HostArray> keep;
   keep.reserve(samples.size() * 2);
+  out.position.reserve(samples.size());
   for (const auto& [idx, rec] : samples) {
-    out.position[idx] = static_cast<int64_t>(out.position.size());
+    const auto next = static_cast<int64_t>(out.position.size());
+    out.position[idx] = next;
     keep.push_back(HostArray::from_i64(DType::kInt64, {rec.t},
                                        std::vector<int64_t>(rec.tokens, rec.tokens + rec.t)));
     SampleFields f;
@@ -232,7 +240,7 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
 
 // 2. The layout each rank trained: its micro-batches, their CP size and sub-groups.
 StepLayout rebuild_layout(int64_t step, const RankCapture& first, const LossRanks& ranks,
-                          const std::map<int64_t, int64_t>& position) {
+                          const SamplePositions& position) {
   StepLayout layout;
   layout.dp = first.dp;
   layout.cp = first.cp;
@@ -311,6 +319,12 @@ struct Problems {
 void check_finite(Problems& p, const RankCapture& c, const std::string& record, double v) {
   if (!std::isfinite(v)) p.add(fmt::format("{}: {} = {}", where(c), record, v));
 }
+// The same for a record named only when it is not finite (the per-token loops: formatting a name
+// for every token was a tenth of a large audit's time).
+template <typename Name>
+void check_finite_lazy(Problems& p, const RankCapture& c, double v, Name&& record) {
+  if (!std::isfinite(v)) p.add(fmt::format("{}: {} = {}", where(c), record(), v));
+}
 
 // 3. Each loss rank's measured weights placed on the tokens it owns; the per-micro-batch counts
 // and loss consistency on the way.
@@ -331,7 +345,7 @@ struct Measurement {
 // the micro-batch). Returns how many it owns.
 template <typename Fn>
 int64_t for_owned(const RankCapture& c, const CapturedMicroBatch& mb, const AuditStep& out,
-                  const std::map<int64_t, int64_t>& position, Fn&& fn) {
+                  const SamplePositions& position, Fn&& fn) {
   const Batch& b = out.batch;
   int64_t j = 0;
   for (std::size_t p = 0; p < mb.sample_indices.size(); ++p) {
@@ -345,26 +359,25 @@ int64_t for_owned(const RankCapture& c, const CapturedMicroBatch& mb, const Audi
   return j;
 }
 
-void measure_rank(const RankCapture& c, const AuditStep& out,
-                  const std::map<int64_t, int64_t>& position, bool per_token_objective,
-                  double loss_tol, Measurement& m, AuditRank& ar) {
+void measure_rank(const RankCapture& c, const AuditStep& out, const SamplePositions& position,
+                  bool per_token_objective, double loss_tol, Measurement& m, AuditRank& ar) {
   const Batch& b = out.batch;
   check_finite(m.nonfinite_weights, c, "grad_scale", c.grad_scale);
   for (const CapturedMicroBatch& mb : c.microbatches) {
     if (mb.dummy) continue;
     const std::string mbname = fmt::format("micro-batch {}", mb.index);
     for (std::size_t j = 0; j < mb.token_weight.size(); ++j) {
-      check_finite(m.nonfinite_weights, c, fmt::format("{} token_weight[{}]", mbname, j),
-                   mb.token_weight[j]);
+      check_finite_lazy(m.nonfinite_weights, c, mb.token_weight[j],
+                        [&] { return fmt::format("{} token_weight[{}]", mbname, j); });
       if (mb.token_loss) {
-        check_finite(m.nonfinite_loss, c, fmt::format("{} token_loss[{}]", mbname, j),
-                     (*mb.token_loss)[j]);
+        check_finite_lazy(m.nonfinite_loss, c, (*mb.token_loss)[j],
+                          [&] { return fmt::format("{} token_loss[{}]", mbname, j); });
       }
     }
     if (mb.sample_denoms) {
       for (std::size_t p = 0; p < mb.sample_denoms->size(); ++p) {
-        check_finite(m.nonfinite_weights, c, fmt::format("{} sample_denoms[{}]", mbname, p),
-                     (*mb.sample_denoms)[p]);
+        check_finite_lazy(m.nonfinite_weights, c, (*mb.sample_denoms)[p],
+                          [&] { return fmt::format("{} sample_denoms[{}]", mbname, p); });
       }
     }
     int64_t owned_effective = 0;
@@ -418,8 +431,9 @@ void measure_rank(const RankCapture& c, const AuditStep& out,
         continue;
       }
       for (std::size_t j = 0; j < term.token_weight.size(); ++j) {
-        check_finite(m.nonfinite_loss, c, fmt::format("{} term.{}.token_loss[{}]", mbname, name, j),
-                     (*term.token_loss)[j]);
+        check_finite_lazy(m.nonfinite_loss, c, (*term.token_loss)[j], [&] {
+          return fmt::format("{} term.{}.token_loss[{}]", mbname, name, j);
+        });
         weighted_loss += term.token_weight[j] * (*term.token_loss)[j];
         magnitude += std::fabs(term.token_weight[j] * (*term.token_loss)[j]);
       }
@@ -590,7 +604,8 @@ AuditCheck metrics_check(const std::vector<const RankCapture*>& all) {
     if (!c->metrics_values) continue;
     ++metric_ranks;
     for (std::size_t j = 0; j < c->metrics_values->size(); ++j)
-      check_finite(problems, *c, fmt::format("metrics.values[{}]", j), (*c->metrics_values)[j]);
+      check_finite_lazy(problems, *c, (*c->metrics_values)[j],
+                        [&] { return fmt::format("metrics.values[{}]", j); });
     try {
       normalize_metrics(*c->metrics_values, c->metrics_keys);
     } catch (const MetricsError& e) {
@@ -659,8 +674,7 @@ void flag_undeclared(AuditStep& out, const std::string& name, const std::string&
 // 5c. A field mask as the ranks that hooked the term recorded it, [sum R]; ranks must agree and
 // every sample must be covered (exit 2 otherwise).
 std::vector<uint8_t> recorded_field_mask(const AuditStep& out, const LossRanks& ranks,
-                                         const std::string& name,
-                                         const std::map<int64_t, int64_t>& position) {
+                                         const std::string& name, const SamplePositions& position) {
   const Batch& b = out.batch;
   constexpr uint8_t kUnset = 2;
   std::vector<uint8_t> mask(b.loss_mask.size(), kUnset);
@@ -714,7 +728,7 @@ struct TermMeasurement {
 };
 
 TermMeasurement measure_term(const AuditStep& out, const LossRanks& ranks, const Term& decl,
-                             const Batch& tb, const std::map<int64_t, int64_t>& position) {
+                             const Batch& tb, const SamplePositions& position) {
   const Batch& b = out.batch;
   const std::string& name = decl.name;
   const bool per_token =
@@ -732,9 +746,9 @@ TermMeasurement measure_term(const AuditStep& out, const LossRanks& ranks, const
         owned_in_mask += tb.loss_mask[t];
         if (ct == nullptr) return;
         const double w = ct->token_weight[j] * c->grad_scale;
-        check_finite(m.nonfinite, *c,
-                     fmt::format("micro-batch {} term.{}.token_weight[{}]", mb.index, name, j),
-                     ct->token_weight[j]);
+        check_finite_lazy(m.nonfinite, *c, ct->token_weight[j], [&] {
+          return fmt::format("micro-batch {} term.{}.token_weight[{}]", mb.index, name, j);
+        });
         if (tb.loss_mask[t]) {
           m.measured[t] += w;
         } else if (w != 0.0) {
@@ -817,8 +831,8 @@ void judge_term(AuditStep& out, AuditTerm& at, const TermMeasurement& m) {
 }
 
 void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>& declared,
-                 const std::map<int64_t, int64_t>& position, const ObjectiveSizes& main_sizes,
-                 const AuditOptions& opt, double relative_to) {
+                 const SamplePositions& position, const ObjectiveSizes& main_sizes,
+                 const AuditOptions& opt, double relative_to, const PlacedTokens& placed) {
   const Batch& b = out.batch;
   ObjectiveSizes sizes = main_sizes;
   sizes.main_mask = &b.loss_mask;  // a term's contract may count under main's mask
@@ -856,7 +870,8 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
         at.diagnosis.kind != "non-finite" && decl.coef != 0.0) {
       std::vector<double> plain = at.measured;
       for (double& w : plain) w /= decl.coef * relative_to;
-      at.matches = matching_presets(tb, out.layout, plain, decl.reduce, sizes, out.weight_rel_tol);
+      at.matches =
+          matching_presets(tb, out.layout, plain, decl.reduce, sizes, out.weight_rel_tol, &placed);
     }
     out.terms.push_back(std::move(at));
   }
@@ -965,13 +980,19 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
       out.checks.push_back(
           {"weights", !out.diagnosis.fails(opt.strict_scale), out.diagnosis.summary()});
     }
-    if (opt.match_presets && out.global_tokens > 0 && out.diagnosis.kind != "non-finite") {
-      out.matches =
-          matching_presets(b, out.layout, out.measured, out.reduce, sizes, out.weight_rel_tol);
+    const PlacedTokens placed{out.place, owned.problems};  // every candidate contract's placement
+    // Naming the presets an exact step matches is a pass per preset over the tokens: shown for
+    // steps up to 2^20 response tokens; a step that fails is always matched.
+    const bool worth_matching =
+        !out.diagnosis.exact() || b.num_response_tokens() <= kExactMatchTokenLimit;
+    if (opt.match_presets && worth_matching && out.global_tokens > 0 &&
+        out.diagnosis.kind != "non-finite") {
+      out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
+                                     out.weight_rel_tol, &placed);
     }
     out.checks.push_back(loss_check(m));
     audit_terms(out, ranks, first.terms, rebuilt.position, sizes, opt,
-                out.diagnosis.kind == "uniform-scale" ? out.diagnosis.scale : 1.0);
+                out.diagnosis.kind == "uniform-scale" ? out.diagnosis.scale : 1.0, placed);
   }
   out.checks.push_back(decision_check(out, all));
   out.checks.push_back(metrics_check(all));

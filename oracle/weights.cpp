@@ -773,12 +773,18 @@ WeightsVerdict weights_verdict(const WeightDiagnosis& dg, const ContractWeights&
 
 std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layout,
                                           const std::vector<double>& got, Reduction reduce,
-                                          const ObjectiveSizes& sizes, double tol) {
+                                          const ObjectiveSizes& sizes, double tol,
+                                          const PlacedTokens* given) {
+  // Every candidate contract places the tokens the same way: once.
+  std::optional<PlacedTokens> own;
+  if (given == nullptr) own = place_tokens(b, layout);
+  const PlacedTokens* placed = given != nullptr ? given : &*own;
   std::vector<std::string> out;
   const bool term = sizes.main_mask != nullptr;  // a loss term's weights: its presets too
   for (const auto& p : contract_presets()) {
     if (p.term_only && !term) continue;
-    const ContractWeights w = contract_weights(b, layout, preset_contract(p.name, reduce), sizes);
+    const ContractWeights w =
+        contract_weights(b, layout, preset_contract(p.name, reduce), sizes, placed);
     if (same_weights(got, w.weight, tol)) out.push_back(p.name);
   }
   if (!out.empty()) return out;
@@ -800,7 +806,7 @@ std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layo
     for (const char* change : changes) {
       const Contract c = parse_contract(contract_components(base) + "," + change, reduce);
       if (c == base) continue;
-      const ContractWeights w = contract_weights(b, layout, c, sizes);
+      const ContractWeights w = contract_weights(b, layout, c, sizes, placed);
       if (same_weights(got, w.weight, tol))
         out.push_back(fmt::format("{} with {}", p.name, change));
     }

@@ -164,9 +164,11 @@ WeightsVerdict weights_verdict(const WeightDiagnosis& diagnosis, const ContractW
 
 // The contracts whose weights on `layout` equal `got` (to `rel_tol`): the presets first, then, when
 // none does, every single-component change of the truth's contract ("norm=global:dp").
+// `placed`: place_tokens(batch, layout) when the caller has it (every candidate shares it).
 std::vector<std::string> matching_presets(const Batch& batch, const StepLayout& layout,
                                           const std::vector<double>& got, Reduction reduce,
                                           const ObjectiveSizes& sizes,
-                                          double rel_tol = kWeightRelTol);
+                                          double rel_tol = kWeightRelTol,
+                                          const PlacedTokens* placed = nullptr);
 
 }  // namespace lossguard::oracle
