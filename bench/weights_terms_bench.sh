@@ -26,9 +26,11 @@ best() {  # best wall seconds and its peak RSS (KiB) over $runs runs of "$@"
 read -r one one_kb < <(best "$lg" weights "$dir/big.safetensors" --contract megatron-per-token "${layout[@]}")
 read -r three three_kb < <(best "$lg" weights "$dir/big.safetensors" --contract megatron-per-token \
   --term kl:per-token:0.1 --contract kl=norm=microbatch --term mtp:per-token:0.3:roll:1 "${layout[@]}")
-awk -v a="$one" -v b="$three" -v ka="$one_kb" -v kb="$three_kb" 'BEGIN {
+read -r good good_kb < <(best "$lg" weights "$dir/big.safetensors" --contract megatron-per-token \
+  --term kl:per-token:0.1 --term mtp:per-token:0.3:roll:1 "${layout[@]}")
+awk -v a="$one" -v b="$three" -v c="$good" -v ka="$one_kb" -v kb="$three_kb" -v kc="$good_kb" 'BEGIN {
   printf "weights, 10 M tokens, DP 8 x 8 micro-batches x CP 2, 10 I5 variations (best of runs):\n"
-  printf "  one term   %6.2f s  %5.0f MB\n", a, ka / 1024
-  printf "  three terms %5.2f s  %5.0f MB\n", b, kb / 1024
-  printf "  ratio      %6.2f (target <= 3)\n", b / a
+  printf "  one term                        %6.2f s  %5.0f MB\n", a, ka / 1024
+  printf "  three terms, the KL per mb      %6.2f s  %5.0f MB  ratio %.2f (target <= 3)\n", b, kb / 1024, b / a
+  printf "  three terms, all as declared    %6.2f s  %5.0f MB  ratio %.2f (target <= 3)\n", c, kc / 1024, c / a
 }'

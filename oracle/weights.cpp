@@ -727,9 +727,14 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       }
       res.max_rel_diff = std::max(worst, 0.0);
       res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
-      res.against_truth = res.ok ? refs[k].diagnosis
-                                 : diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
-                                                    refs[k].true_count, w.global_count);
+      if (res.ok) {
+        res.against_truth = refs[k].diagnosis;
+      } else if (terms[k].diagnose_every_break) {
+        res.against_truth = diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
+                                             refs[k].true_count, w.global_count);
+      } else {
+        res.against_truth.kind = "not-run";  // the first break is diagnosed below
+      }
       out.push_back(std::move(res));
     }
     return out;
@@ -750,9 +755,28 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
     for (std::size_t k = 0; k < running.size(); ++k) results[start + k] = running[k].get();
   }
   std::vector<std::vector<InvarianceResult>> out(terms.size());
-  for (auto& per_variant : results) {
-    if (per_variant.size() != terms.size()) continue;
-    for (std::size_t k = 0; k < terms.size(); ++k) out[k].push_back(std::move(per_variant[k]));
+  std::vector<const Variant*> variant_of;  // of out[k][j], every k
+  for (std::size_t v = 0; v < results.size(); ++v) {
+    if (results[v].size() != terms.size()) continue;
+    variant_of.push_back(&variants[v]);
+    for (std::size_t k = 0; k < terms.size(); ++k) out[k].push_back(std::move(results[v][k]));
+  }
+  // The first break of a term that diagnoses only that one.
+  for (std::size_t k = 0; k < terms.size(); ++k) {
+    if (terms[k].diagnose_every_break) continue;
+    for (std::size_t j = 0; j < out[k].size(); ++j) {
+      if (out[k][j].ok) continue;
+      const Variant& v = *variant_of[j];
+      StepLayout l = static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp, base.tp,
+                                   base.shard);
+      l.cp_layout = base.cp_layout;
+      l.allgather_pad = base.allgather_pad;
+      const Batch& b = *terms[k].batch;
+      const ContractWeights w = contract_weights(b, l, *terms[k].contract, terms[k].sizes);
+      out[k][j].against_truth = diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
+                                                 refs[k].true_count, w.global_count);
+      break;
+    }
   }
   return out;
 }

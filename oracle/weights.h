@@ -145,6 +145,9 @@ struct TermInvariance {
   ObjectiveSizes sizes;
   const std::vector<double>* truth = nullptr;
   const ContractWeights* base_weights = nullptr;  // on `base`
+  // Diagnose every variation whose weights differ (against_truth); false: only the first, the
+  // others' against_truth.kind is "not-run" (a failing term's ten diagnoses were most of its cost).
+  bool diagnose_every_break = true;
 };
 std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
     const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
