@@ -425,7 +425,9 @@ void measure_rank(const RankCapture& c, const AuditStep& out, const SamplePositi
     }
     // The backpropagated loss is the sum of every term's: each term's sum of weight × loss.
     std::string term_without_loss;
-    for (const auto& [name, term] : mb.terms) {
+    for (const auto& entry : mb.terms) {
+      const std::string& name = entry.first;  // (a structured binding clang cannot capture)
+      const CapturedTerm& term = entry.second;
       if (!term.token_loss) {
         if (term_without_loss.empty()) term_without_loss = name;
         continue;
