@@ -227,7 +227,9 @@ void print_term(std::ostream& out, const TermRun& run, const StepLayout& layout,
   int64_t broken = 0;
   for (const auto& r : run.invariance) broken += !r.ok;
   const oracle::InvarianceResult* first_break = run.verdict.first_break;
-  if (first_break == nullptr) {
+  if (run.invariance.empty()) {
+    out << "\nI5 split invariance: not checked (--vary none, or no variation holds the batch)\n";
+  } else if (first_break == nullptr) {
     out << fmt::format(
         "\nI5 split invariance: the same weights on all {} variations ({} of 1, 2, 4, 8)\n",
         run.invariance.size(), fmt::join(o.vary, ", "));

@@ -12,41 +12,19 @@
 #include "core/term.h"
 #include "oracle/placement.h"
 #include "oracle/weights.h"
+#include "weights_batches.h"
 
 namespace lossguard::oracle {
 namespace {
 
-struct S {
-  int64_t t, r;
-  std::vector<int64_t> mask;
-};
+using S = testing::HandSample;
+using testing::expect_weights;
 
 Batch make(const std::vector<S>& samples) {
-  BatchBuilder bb(LoadNeeds{true, false, false});
-  bb.begin_file("terms.json");
-  std::vector<HostArray> keep;
-  keep.reserve(samples.size() * 2);
-  for (std::size_t i = 0; i < samples.size(); ++i) {
-    keep.push_back(
-        HostArray::from_i64(DType::kInt64, {samples[i].t}, std::vector<int64_t>(samples[i].t, 1)));
-    SampleFields f;
-    f.tokens = &keep.back();
-    f.response_length = samples[i].r;
-    keep.push_back(HostArray::from_i64(DType::kInt64, {samples[i].r}, samples[i].mask));
-    f.loss_mask = &keep.back();
-    bb.add_sample(static_cast<int64_t>(i), f);
-  }
-  return bb.finish();
+  return testing::hand_made_batch(samples, "terms.json");
 }
-
 StepLayout layout(const Batch& b, int64_t dp, int64_t m, int64_t cp) {
-  return static_layout(place_samples(b.num_samples(), dp, m, Split::kContiguous), cp, 1, {});
-}
-
-void expect_weights(const std::vector<double>& got, const std::vector<double>& want,
-                    double tol = 1e-15) {
-  ASSERT_EQ(got.size(), want.size());
-  for (std::size_t t = 0; t < got.size(); ++t) EXPECT_NEAR(got[t], want[t], tol) << "token " << t;
+  return testing::flag_layout(b, dp, m, cp);
 }
 
 // m = 1 1 1 | 1 0 | 1 1 1 1: N = 8; every response token: A = 9.

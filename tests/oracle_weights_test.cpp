@@ -11,35 +11,17 @@
 #include "fixtures/cases.h"
 #include "oracle/placement.h"
 #include "oracle/weights.h"
+#include "weights_batches.h"
 
 namespace lossguard::oracle {
 namespace {
 
-struct S {
-  int64_t t, r;
-  std::vector<int64_t> mask;
-};
+using S = testing::HandSample;
+using testing::expect_weights;
 
-Batch make(const std::vector<S>& samples) {
-  BatchBuilder bb(LoadNeeds{true, false, false});
-  bb.begin_file("test.json");
-  std::vector<HostArray> keep;
-  keep.reserve(samples.size() * 2);
-  for (std::size_t i = 0; i < samples.size(); ++i) {
-    std::vector<int64_t> tokens(static_cast<std::size_t>(samples[i].t), 1);
-    keep.push_back(HostArray::from_i64(DType::kInt64, {samples[i].t}, tokens));
-    SampleFields f;
-    f.tokens = &keep.back();
-    f.response_length = samples[i].r;
-    keep.push_back(HostArray::from_i64(DType::kInt64, {samples[i].r}, samples[i].mask));
-    f.loss_mask = &keep.back();
-    bb.add_sample(static_cast<int64_t>(i), f);
-  }
-  return bb.finish();
-}
-
+Batch make(const std::vector<S>& samples) { return testing::hand_made_batch(samples, "test.json"); }
 StepLayout layout(const Batch& b, int64_t dp, int64_t m, int64_t cp) {
-  return static_layout(place_samples(b.num_samples(), dp, m, Split::kContiguous), cp, 1, {});
+  return testing::flag_layout(b, dp, m, cp);
 }
 
 std::vector<double> weights_of(const Batch& b, const StepLayout& l, const std::string& contract,
@@ -49,11 +31,6 @@ std::vector<double> weights_of(const Batch& b, const StepLayout& l, const std::s
 
 // The batch of the hand derivations: m = 3, 1, 4; N = 8.
 Batch hand_batch() { return make({{5, 3, {1, 1, 1}}, {4, 2, {1, 0}}, {6, 4, {1, 1, 1, 1}}}); }
-
-void expect_weights(const std::vector<double>& got, const std::vector<double>& want) {
-  ASSERT_EQ(got.size(), want.size());
-  for (std::size_t t = 0; t < got.size(); ++t) EXPECT_NEAR(got[t], want[t], 1e-15) << "token " << t;
-}
 
 TEST(Weights, TruthPerReductionByHand) {
   const Batch b = hand_batch();

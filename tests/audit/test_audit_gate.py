@@ -24,7 +24,8 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import lossguard_capture as lc  # noqa: E402
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lossguard_cli import LOSSGUARD, audit  # noqa: E402,F401
 
 # Five samples: lengths (T, R) and masks; sample 3 fully masked.
 SAMPLES = [(9, 5, [1, 1, 0, 1, 1]), (7, 3, [1, 1, 1]), (12, 6, [0, 1, 1, 1, 1, 0]), (6, 2, [0, 0]),
@@ -64,14 +65,6 @@ def write_step(out, dp, cp, layout, dtype=torch.float32, global_batch_size=None,
 
 
 STATIC = [[(2, [[0, 1]]), (2, [[2]])], [(2, [[3, 4]])]]                # DP 2 x CP 2, M = 2 / 1
-
-
-def audit(path, *extra):
-    assert os.path.exists(LOSSGUARD), f"{LOSSGUARD} not built (set LOSSGUARD_BIN)"
-    r = subprocess.run([LOSSGUARD, "audit", str(path), "--json", "-", *extra], capture_output=True, text=True,
-                       timeout=120)
-    doc = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
-    return r.returncode, doc, r.stderr
 
 
 def failed_checks(doc):

@@ -336,18 +336,8 @@ def test_loss_is_sum_of_weight_times_token_loss(run):
 
 
 # ---- lossguard audit on these captures ---------------------------------------------------------------
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-
-
-def audit(*args):
-    assert os.path.exists(LOSSGUARD), f"{LOSSGUARD} not built (set LOSSGUARD_BIN)"
-    r = subprocess.run([LOSSGUARD, "audit", *args, "--json", "-"], capture_output=True, text=True, timeout=120)
-    import json
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
-
-
-def check_of(step_doc, name):
-    return next(c for c in step_doc["checks"] if c["name"] == name)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lossguard_cli import LOSSGUARD, audit, check_of  # noqa: E402,F401
 
 
 def test_audit_names_every_bug(run):

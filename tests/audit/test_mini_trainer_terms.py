@@ -11,7 +11,6 @@ a KL penalty, an MTP head and an auxiliary z-loss, each hooked separately (docs/
     ~/.cache/lossguard/venv/bin/python -m pytest -q tests/audit/test_mini_trainer_terms.py
 """
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -295,25 +294,8 @@ def test_measured_weights_reassemble_the_trainers_gradient(run):
 
 
 # ---- lossguard audit on these captures ---------------------------------------------------------------
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-
-
-def audit(*args):
-    assert os.path.exists(LOSSGUARD), f"{LOSSGUARD} not built (set LOSSGUARD_BIN)"
-    r = subprocess.run([LOSSGUARD, "audit", *args, "--json", "-"], capture_output=True, text=True, timeout=120)
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr
-
-
-def check_of(step_doc, name):
-    found = [c for c in step_doc["checks"] if c["name"] == name]
-    assert found, f"no check {name!r} among {[c['name'] for c in step_doc['checks']]}"
-    return found[0]
-
-
-def term_of(step_doc, name):
-    found = [t for t in step_doc.get("terms", []) if t["name"] == name]
-    assert found, f"no term {name!r} among {[t['name'] for t in step_doc.get('terms', [])]}"
-    return found[0]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lossguard_cli import LOSSGUARD, audit, check_of, term_of  # noqa: E402,F401
 
 
 BROKEN = {"kl-microbatch-mean": "kl", "mtp-main-count": "mtp", "aux-no-cp": "aux"}
