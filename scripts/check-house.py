@@ -50,8 +50,19 @@ INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]')
 
 
 def tracked(patterns, root):
-    out = subprocess.run(["git", "ls-files", *patterns], cwd=root, capture_output=True, text=True, check=True)
-    return [f for f in out.stdout.split() if f]
+    """The project's files matching `patterns`: git's list, or (a tree without .git) a walk that skips
+    build folders."""
+    try:
+        out = subprocess.run(["git", "ls-files", *patterns], cwd=root, capture_output=True, text=True,
+                             check=True)
+        return [f for f in out.stdout.split() if f]
+    except (OSError, subprocess.CalledProcessError):
+        suffixes = tuple(p.lstrip("*") for p in patterns)
+        found = []
+        for d, subdirs, files in os.walk(root):
+            subdirs[:] = [s for s in subdirs if not s.startswith((".", "build"))]
+            found += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(suffixes)]
+        return sorted(found)
 
 
 def check_includes(root, files=None):
