@@ -4,6 +4,9 @@ import json
 import os
 import subprocess
 
+from safetensors import safe_open
+from safetensors.torch import load_file
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 
@@ -29,3 +32,14 @@ def term_of(step_doc, name):
     found = [t for t in step_doc.get("terms", []) if t["name"] == name]
     assert found, f"no term {name!r} among {[t['name'] for t in step_doc.get('terms', [])]}"
     return found[0]
+
+
+def load_step(directory, step, world):
+    """Every rank's capture of one step: ({rank: tensors}, {rank: metadata})."""
+    cap, meta = {}, {}
+    for r in range(world):
+        path = os.path.join(directory, f"step{step:06d}-rank{r:05d}.safetensors")
+        cap[r] = load_file(path)
+        with safe_open(path, framework="pt") as f:
+            meta[r] = f.metadata()
+    return cap, meta

@@ -303,20 +303,8 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
     else:
         dist.all_reduce(flat)
         flat.mul_(grad_scale)
-    at = 0
-    for p in params:
-        p.grad.copy_(flat[at:at + p.numel()].view_as(p))
-        at += p.numel()
-
     skipped = (owned_local == 0) if bug == "local-skip" else (n_used == 0)
-    if skipped:
-        grad_norm = 0.0
-    else:
-        grad_norm = float(flat.to(torch.float64).norm())
-        opt.step()
-    if args.check_grad:
-        torch.save({n: p.grad.detach().clone() for n, p in model.named_parameters()},
-                   os.path.join(out_dir, f"grad-step{step}-rank{rank}.pt"))
+    grad_norm = apply_step(model, params, flat, opt, skipped, args, out_dir, step, rank)
     if not capture:
         return
     denom = n_fixed if bug == "microbatch-mean" else (num_tokens_reduced if num_tokens_reduced is not None else n_used)
@@ -420,23 +408,31 @@ def run_terms_step(args, bug, model, ref, opt, step, cap, out_dir, rank):
         params = list(model.parameters())
         flat = torch.cat([q.grad.reshape(-1) for q in params])
         dist.all_reduce(flat)            # SUM over DP x CP; the counts were divided inside: grad_scale = 1
-        at = 0
-        for q in params:
-            q.grad.copy_(flat[at:at + q.numel()].view_as(q))
-            at += q.numel()
         skipped = N == 0
-        if skipped:
-            grad_norm = 0.0
-        else:
-            grad_norm = float(flat.to(torch.float64).norm())
-            opt.step()
-        if args.check_grad:
-            torch.save({n: q.grad.detach().clone() for n, q in model.named_parameters()},
-                       os.path.join(out_dir, f"grad-step{step}-rank{rank}.pt"))
+        grad_norm = apply_step(model, params, flat, opt, skipped, args, out_dir, step, rank)
         rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=skipped, grad_norm=grad_norm,
                    global_batch_size=len(batch),
                    metrics_values=torch.stack([torch.tensor(float(N), dtype=torch.float64), loss_sum]),
                    metrics_keys=["nll"])
+
+
+def apply_step(model, params, flat, opt, skipped, args, out_dir, step, rank):
+    """The step's end, both modes: the all-reduced, scaled gradient `flat` written back into every
+    parameter, the optimizer stepped unless `skipped`, the gradient saved with --check-grad. Returns the
+    norm reported (0.0 when skipped)."""
+    at = 0
+    for q in params:
+        q.grad.copy_(flat[at:at + q.numel()].view_as(q))
+        at += q.numel()
+    if skipped:
+        grad_norm = 0.0
+    else:
+        grad_norm = float(flat.to(torch.float64).norm())
+        opt.step()
+    if args.check_grad:
+        torch.save({n: q.grad.detach().clone() for n, q in model.named_parameters()},
+                   os.path.join(out_dir, f"grad-step{step}-rank{rank}.pt"))
+    return grad_norm
 
 
 def main(argv=None):

@@ -91,12 +91,7 @@ class Step:
         self.world = dp * cp
         self.batch = batch_of(step)
         self.place = my_placement(len(self.batch), dp, M)
-        self.cap, self.meta = {}, {}
-        for r in range(self.world):
-            path = os.path.join(self.dir, f"step{step:06d}-rank{r:05d}.safetensors")
-            self.cap[r] = load_file(path)
-            with safe_open(path, framework="pt") as f:
-                self.meta[r] = f.metadata()
+        self.cap, self.meta = load_step(self.dir, step, self.world)
         # measured weights and ownership
         self.w, self.owner = {}, {}
         for r in range(self.world):
@@ -337,7 +332,7 @@ def test_loss_is_sum_of_weight_times_token_loss(run):
 
 # ---- lossguard audit on these captures ---------------------------------------------------------------
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lossguard_cli import LOSSGUARD, audit, check_of  # noqa: E402,F401
+from lossguard_cli import LOSSGUARD, audit, check_of, load_step  # noqa: E402,F401
 
 
 def test_audit_names_every_bug(run):

@@ -18,8 +18,6 @@ import sys
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
@@ -77,12 +75,7 @@ class Step:
         self.world = dp * cp
         self.batch = mt.make_batch(SEED, step, SAMPLES, sft=False, equal=run["equal"])
         self.place = my_placement(len(self.batch), dp, M)
-        self.cap, self.meta = {}, {}
-        for r in range(self.world):
-            path = os.path.join(self.dir, f"step{step:06d}-rank{r:05d}.safetensors")
-            self.cap[r] = load_file(path)
-            with safe_open(path, framework="pt") as f:
-                self.meta[r] = f.metadata()
+        self.cap, self.meta = load_step(self.dir, step, self.world)
         self.w = {name: {} for name in TERMS}          # term -> (i, j) -> measured weight
         self.owner = {}                                # (i, j) -> (r, d, c, k)
         for r in range(self.world):
@@ -295,7 +288,7 @@ def test_measured_weights_reassemble_the_trainers_gradient(run):
 
 # ---- lossguard audit on these captures ---------------------------------------------------------------
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lossguard_cli import LOSSGUARD, audit, check_of, term_of  # noqa: E402,F401
+from lossguard_cli import LOSSGUARD, audit, check_of, load_step, term_of  # noqa: E402,F401
 
 
 BROKEN = {"kl-microbatch-mean": "kl", "mtp-main-count": "mtp", "aux-no-cp": "aux"}
