@@ -42,7 +42,8 @@ def test_pyproject():
     assert pp["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "lossguard_capture._version.__version__"}
     assert proj["requires-python"] == ">=3.10"
     deps = {re.split(r"[<>=]", d)[0]: d for d in proj["dependencies"]}
-    assert set(deps) == {"torch", "safetensors"}
+    # numpy: safetensors.torch.save_file writes through it (a fresh install failed without it)
+    assert set(deps) == {"torch", "safetensors", "numpy"}
     assert all("<" in d and ">=" in d for d in deps.values()), deps          # bounded both ways
     assert "py.typed" in pp["tool"]["setuptools"]["package-data"]["lossguard_capture"]
     assert os.path.isfile(os.path.join(PKG_ROOT, "lossguard_capture", "py.typed"))
