@@ -182,7 +182,7 @@ void weigh_invariance(std::vector<TermRun>& runs, const StepLayout& layout, Spli
   std::vector<oracle::TermInvariance> inputs;
   for (const TermRun& r : runs)
     // main's JSON diagnoses every variation that breaks (as before terms); a term, its first
-    inputs.push_back({&r.batch(), &r.tc.contract, r.sizes, &r.truth, &r.got, r.is_main()});
+    inputs.push_back({&r.batch(), &r.tc.contract, r.sizes, &r.truth, &r.got, &r.dg, r.is_main()});
   auto invariance = oracle::check_split_invariance_terms(inputs, layout, split, vary);
   for (std::size_t k = 0; k < runs.size(); ++k) {
     runs[k].invariance = std::move(invariance[k]);

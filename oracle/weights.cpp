@@ -70,34 +70,54 @@ std::vector<double> true_weights(const Batch& b, Reduction reduce, const Objecti
 
 namespace {
 
-// Marks the owner (static CP rank) of every mask index of sample i, trained by a sub-group of
-// `cp_size` ranks starting at static rank `base`. `stream_offset` is the sample's start in the
-// sub-group's concatenated stream and `part_length` the all-gather part length (all-gather only).
-void mark_owners(const Batch& b, int64_t i, const StepLayout& layout, int64_t cp_size, int64_t base,
-                 int64_t stream_offset, int64_t part_length, std::vector<int16_t>& owner) {
+// A run of one sample's mask indices [begin, end) (sample-relative) owned by one static CP rank.
+struct OwnedRun {
+  int64_t begin = 0, end = 0;
+  int16_t owner = -1;
+};
+
+// Where a sample is trained on a layout: its micro-batch and CP sub-group, and what its owners
+// follow from (the sub-group's size and first static rank; the all-gather stream offset and part).
+struct SampleSlot {
+  int32_t microbatch = -1, group = -1;
+  int64_t cp_size = 1, base = 0, stream_offset = 0, part_length = 1;
+};
+struct PlacedSamples {
+  std::vector<SampleSlot> slot;  // [S]; microbatch -1: placed nowhere
+  std::vector<std::string> problems;
+};
+
+// The owner runs of sample i's mask indices, in index order (SPEC §2: the zig-zag or all-gather
+// cut). Indices no rank owns (SFT index T-1 under CP > 1) lie in no run.
+void owned_runs(const Batch& b, int64_t i, const StepLayout& layout, const SampleSlot& at,
+                std::vector<OwnedRun>& out) {
+  out.clear();
   const int64_t t = b.total_lengths[i], r = b.response_lengths[i], p = t - r;
-  const int64_t first = b.response_offsets[i];
-  if (cp_size ==
-      1) {  // an unsharded rank holds the whole sample (SFT index T-1 too: counted at CP = 1)
-    for (int64_t j = 0; j < r; ++j) owner[first + j] = static_cast<int16_t>(base);
+  const int64_t cp_size = at.cp_size, base = at.base;
+  if (cp_size == 1) {  // an unsharded rank holds the whole sample (SFT index T-1 too)
+    if (r > 0) out.push_back({0, r, static_cast<int16_t>(base)});
     return;
   }
   if (layout.cp_layout == CpLayout::kAllgather) {
     // The owner holds the stream position of the predicting logit: P-1+j (RL), j (SFT, j < T-1).
     const bool sft = r == t;
-    for (int64_t j = 0; j < r; ++j) {
-      const int64_t pos = sft ? j : p - 1 + j;
-      if (sft && j >= t - 1) continue;
-      owner[first + j] = static_cast<int16_t>(base + (stream_offset + pos) / part_length);
+    const int64_t n = sft ? std::min(r, t - 1) : r, shift = sft ? 0 : p - 1;
+    for (int64_t j = 0; j < n;) {
+      const int64_t q = (at.stream_offset + shift + j) / at.part_length;
+      const int64_t next = std::min(n, (q + 1) * at.part_length - at.stream_offset - shift);
+      out.push_back({j, next, static_cast<int16_t>(base + q)});
+      j = next;
     }
     return;
   }
+  // Chunk c of the 2·cp zig-zag chunks belongs to rank c (c < cp) or 2·cp-1-c: walking the
+  // chunks in order gives the runs in index order (owned_mask_ranges, chunk by chunk).
   const int64_t cs = chunk_size(t, cp_size, layout.shard, b.padded_total_length(i));
-  for (int64_t rank = 0; rank < cp_size; ++rank) {
-    for (const IndexRange& range : owned_mask_ranges(t, r, cp_size, rank, cs)) {
-      for (int64_t j = range.begin; j < range.end; ++j)
-        owner[first + j] = static_cast<int16_t>(base + rank);
-    }
+  for (int64_t c = 0; c < 2 * cp_size; ++c) {
+    const int64_t rank = c < cp_size ? c : 2 * cp_size - 1 - c;
+    const IndexRange range = owned_mask_ranges(t, r, cp_size, rank, cs)[c < cp_size ? 0 : 1];
+    if (range.size() > 0)
+      out.push_back({range.begin, range.end, static_cast<int16_t>(base + rank)});
   }
 }
 
@@ -115,15 +135,13 @@ int64_t group_size(ReduceGroup g, const StepLayout& l) {
   return 1;
 }
 
-}  // namespace
-
-PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
+// Which micro-batch and CP sub-group holds each sample (a sample placed twice is kept where first
+// placed, and named in problems). Throws InputError when the layout cannot hold the batch.
+PlacedSamples place_sample_slots(const Batch& b, const StepLayout& layout) {
   const int64_t s = b.num_samples(), cp = layout.cp;
   if (cp < 1 || cp > 32767) throw_input_error("CP size {} is out of range", cp);
-  PlacedTokens out;
-  out.place.sample_microbatch.assign(static_cast<std::size_t>(s), -1);
-  out.place.sample_group.assign(static_cast<std::size_t>(s), -1);
-  out.place.owner.assign(static_cast<std::size_t>(b.num_response_tokens()), -1);
+  PlacedSamples out;
+  out.slot.assign(static_cast<std::size_t>(s), SampleSlot{});
   const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
   for (int64_t k = 0; k < num_mb; ++k) {
     const MicroBatch& mb = layout.microbatches[k];
@@ -150,107 +168,120 @@ PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
               "DP rank {} micro-batch {} names sample {}, but the step has {} samples", mb.dp_rank,
               mb.index, i, s);
         }
-        if (out.place.sample_microbatch[i] >= 0) {
-          const MicroBatch& at = layout.microbatches[out.place.sample_microbatch[i]];
+        SampleSlot& at = out.slot[i];
+        if (at.microbatch >= 0) {
+          const MicroBatch& first = layout.microbatches[at.microbatch];
           out.problems.push_back(
-              &at == &mb
+              &first == &mb
                   ? fmt::format(
                         "sample {} is placed twice: DP rank {} micro-batch {} trains it on CP "
                         "sub-groups {} and {} (CP ranks {}-{} and {}-{})",
-                        i, mb.dp_rank, mb.index, out.place.sample_group[i], g,
-                        out.place.sample_group[i] * cs, out.place.sample_group[i] * cs + cs - 1,
+                        i, mb.dp_rank, mb.index, at.group, g, at.group * cs, at.group * cs + cs - 1,
                         base, base + cs - 1)
                   : fmt::format(
                         "sample {} is placed twice: DP rank {} micro-batch {} and DP rank {} "
                         "micro-batch {}",
-                        i, at.dp_rank, at.index, mb.dp_rank, mb.index));
+                        i, first.dp_rank, first.index, mb.dp_rank, mb.index));
           stream += b.total_lengths[i];
           continue;
         }
-        out.place.sample_microbatch[i] = static_cast<int32_t>(k);
-        out.place.sample_group[i] = static_cast<int32_t>(g);
-        mark_owners(b, i, layout, cs, base, stream, part, out.place.owner);
+        at = SampleSlot{static_cast<int32_t>(k), static_cast<int32_t>(g), cs, base, stream, part};
         stream += b.total_lengths[i];
       }
     }
   }
   for (int64_t i = 0; i < s; ++i) {
-    if (out.place.sample_microbatch[i] < 0)
+    if (out.slot[i].microbatch < 0)
       out.problems.push_back(fmt::format("sample {} is placed nowhere", i));
   }
   return out;
 }
 
-ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const Contract& contract,
-                                 const ObjectiveSizes& sizes_in, const PlacedTokens* given) {
-  const ObjectiveSizes z = resolve_sizes(b, sizes_in);
-  const int64_t s = b.num_samples(), cp = layout.cp;
-  ContractWeights out;
-  if (given != nullptr) {
-    out.place = given->place;
-    out.problems = given->problems;
-  } else {
-    PlacedTokens placed = place_tokens(b, layout);
-    out.place = std::move(placed.place);
-    out.problems = std::move(placed.problems);
-  }
-  const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
+// What a contract reads of a batch's masks, once per batch and contract: each sample's effective
+// tokens (its own mask), and the mask it counts (its own, or main's for count-of=main) as sums
+// per sample and, for a CP-local count, prefix sums (uint32, wrapping: a difference within one
+// sample is exact) so that a rank's count over a run costs one subtraction.
+struct TermMasks {
+  std::vector<int64_t> own_sum;          // [S]
+  std::vector<int64_t> counted_sum;      // [S]
+  std::vector<uint32_t> counted_prefix;  // [sum R + 1] (CP-local counts only)
+};
 
-  std::vector<int64_t> m(static_cast<std::size_t>(s));
-  int64_t nonzero = 0;
-  for (int64_t i = 0; i < s; ++i) {
-    m[i] = b.mask_sum(i);
-    nonzero += m[i] > 0;
-  }
-  // What the contract counts: the batch's own mask, or (count-of=main) the main term's.
+TermMasks term_masks(const Batch& b, const Contract& contract, const ObjectiveSizes& sizes) {
+  const int64_t s = b.num_samples();
+  TermMasks out;
+  out.own_sum.resize(static_cast<std::size_t>(s));
+  for (int64_t i = 0; i < s; ++i) out.own_sum[i] = b.mask_sum(i);
   const std::vector<uint8_t>& counted =
-      contract.count_of_main && sizes_in.main_mask != nullptr ? *sizes_in.main_mask : b.loss_mask;
+      contract.count_of_main && sizes.main_mask != nullptr ? *sizes.main_mask : b.loss_mask;
   LG_CHECK(counted.size() == b.loss_mask.size(), "main mask of {} tokens for {}", counted.size(),
            b.loss_mask.size());
-  std::vector<int64_t> counted_sum = m;
+  out.counted_sum = out.own_sum;
   if (&counted != &b.loss_mask) {
     for (int64_t i = 0; i < s; ++i) {
-      counted_sum[i] = 0;
+      out.counted_sum[i] = 0;
       for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
-        counted_sum[i] += counted[t];
+        out.counted_sum[i] += counted[t];
     }
   }
+  if (contract.count == CountRule::kCpLocal) {
+    out.counted_prefix.resize(counted.size() + 1);
+    uint32_t run = 0;
+    out.counted_prefix[0] = 0;
+    for (std::size_t t = 0; t < counted.size(); ++t) out.counted_prefix[t + 1] = run += counted[t];
+  }
+  return out;
+}
 
-  // 1. Each rank's count per micro-batch as the contract counts it.
+// A contract on a layout, before it is spread over tokens: a token of sample i owned by static CP
+// rank c in micro-batch k weighs factor[k * cp + c] · per_sample[i] when its mask is 1.
+struct ContractFactors {
+  std::vector<int64_t> count;  // as ContractWeights::count
+  int64_t global_count = 0;
+  std::vector<double> factor;      // [num_mb * cp]
+  std::vector<double> per_sample;  // [S]
+};
+
+ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const Contract& contract,
+                                 const ObjectiveSizes& sizes_in, const PlacedSamples& placed,
+                                 const TermMasks& masks) {
+  const ObjectiveSizes z = resolve_sizes(b, sizes_in);
+  const int64_t s = b.num_samples(), cp = layout.cp;
+  const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
+  ContractFactors out;
+  const std::vector<int64_t>& m = masks.own_sum;
+  int64_t nonzero = 0;
+  for (int64_t i = 0; i < s; ++i) nonzero += m[i] > 0;
+
+  // 1. Each rank's count per micro-batch as the contract counts it (a sample placed twice is
+  // counted where first placed: its owners are that sub-group's ranks only).
   out.count.assign(static_cast<std::size_t>(num_mb * cp), 0);
   std::vector<int64_t> owned;
-  for (int64_t k = 0; k < num_mb; ++k) {
-    const MicroBatch& mb = layout.microbatches[k];
-    if (mb.dummy) continue;
-    const int64_t cs = mb.cp_size;
-    for (std::size_t g = 0; g < mb.groups.size(); ++g) {
-      const int64_t base = static_cast<int64_t>(g) * cs;
-      for (int64_t i : mb.groups[g]) {
-        // placed twice: counted where first (its owners are that sub-group's ranks only)
-        if (out.place.sample_microbatch[i] != k || out.place.sample_group[i] != int32_t(g))
-          continue;
-        const bool clamp = contract.clamp == ClampRule::kPerSample ||
-                           (contract.clamp == ClampRule::kAtCp1 && cs == 1);
-        auto clamped = [&](int64_t x) { return clamp ? std::max<int64_t>(x, 1) : x; };
-        int64_t* row = &out.count[static_cast<std::size_t>(k * cp + base)];
-        switch (contract.count) {
-          case CountRule::kCpLocal: {
-            owned.assign(static_cast<std::size_t>(cs), 0);
-            for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-              const int16_t o = out.place.owner[t];
-              if (o >= 0 && counted[t]) ++owned[o - base];
-            }
-            for (int64_t r = 0; r < cs; ++r) row[r] += clamped(owned[r]);
-            break;
-          }
-          case CountRule::kFullSample:
-            for (int64_t r = 0; r < cs; ++r) row[r] += clamped(counted_sum[i]);
-            break;
-          case CountRule::kSamples:
-            for (int64_t r = 0; r < cs; ++r) row[r] += 1;
-            break;
-        }
+  std::vector<OwnedRun> runs;
+  for (int64_t i = 0; i < s; ++i) {
+    const SampleSlot& at = placed.slot[i];
+    if (at.microbatch < 0) continue;
+    const int64_t cs = at.cp_size, base = at.base;
+    const bool clamp =
+        contract.clamp == ClampRule::kPerSample || (contract.clamp == ClampRule::kAtCp1 && cs == 1);
+    auto clamped = [&](int64_t x) { return clamp ? std::max<int64_t>(x, 1) : x; };
+    int64_t* row = &out.count[static_cast<std::size_t>(at.microbatch * cp + base)];
+    switch (contract.count) {
+      case CountRule::kCpLocal: {
+        owned.assign(static_cast<std::size_t>(cs), 0);
+        owned_runs(b, i, layout, at, runs);
+        const uint32_t* prefix = masks.counted_prefix.data() + b.response_offsets[i];
+        for (const OwnedRun& run : runs)
+          owned[run.owner - base] += prefix[run.end] - prefix[run.begin];
+        for (int64_t r = 0; r < cs; ++r) row[r] += clamped(owned[r]);
+        break;
       }
+      case CountRule::kFullSample:
+        for (int64_t r = 0; r < cs; ++r) row[r] += clamped(masks.counted_sum[i]);
+        break;
+      case CountRule::kSamples:
+        for (int64_t r = 0; r < cs; ++r) row[r] += 1;
+        break;
     }
   }
   for (int64_t x : out.count) out.global_count += x;
@@ -309,13 +340,12 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     return 1;
   };
 
-  // 3. The weights.
+  // 3. The factors.
   const std::vector<int64_t> rank_microbatches = layout.microbatches_per_rank();
   const double grad_div = contract.grad == GradRule::kMean
                               ? static_cast<double>(group_size(contract.grad_group, layout))
                               : 1.0;
-  out.weight.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
-  std::vector<double> factor(static_cast<std::size_t>(cp));
+  out.factor.assign(static_cast<std::size_t>(num_mb * cp), 0.0);
   for (int64_t k = 0; k < num_mb; ++k) {
     const MicroBatch& mb = layout.microbatches[k];
     if (mb.dummy) continue;
@@ -336,20 +366,68 @@ ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const
     }
     const double scale = scale_value(contract.scale, sz);
     for (int64_t c = 0; c < cp; ++c) {
-      factor[c] = scale / static_cast<double>(std::max<int64_t>(denominator(k, c), 1)) / grad_div;
+      out.factor[k * cp + c] =
+          scale / static_cast<double>(std::max<int64_t>(denominator(k, c), 1)) / grad_div;
     }
-    for (std::size_t g = 0; g < mb.groups.size(); ++g) {
-      for (int64_t i : mb.groups[g]) {
-        if (out.place.sample_microbatch[i] != k || out.place.sample_group[i] != int32_t(g))
-          continue;  // placed twice: counted where first placed
-        const double per_sample = contract.sample == SampleRule::kMean
-                                      ? 1.0 / std::max(b.sample_denom(i, m[i]), 1.0)
-                                      : 1.0;
-        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-          const int16_t o = out.place.owner[t];
-          if (o >= 0 && b.loss_mask[t]) out.weight[t] = factor[o] * per_sample;
-        }
-      }
+  }
+  out.per_sample.assign(static_cast<std::size_t>(s), 1.0);
+  if (contract.sample == SampleRule::kMean) {
+    for (int64_t i = 0; i < s; ++i)
+      out.per_sample[i] = 1.0 / std::max(b.sample_denom(i, m[i]), 1.0);
+  }
+  return out;
+}
+
+}  // namespace
+
+PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
+  PlacedSamples samples = place_sample_slots(b, layout);
+  const int64_t s = b.num_samples();
+  PlacedTokens out;
+  out.problems = std::move(samples.problems);
+  out.place.sample_microbatch.assign(static_cast<std::size_t>(s), -1);
+  out.place.sample_group.assign(static_cast<std::size_t>(s), -1);
+  out.place.owner.assign(static_cast<std::size_t>(b.num_response_tokens()), -1);
+  std::vector<OwnedRun> runs;
+  for (int64_t i = 0; i < s; ++i) {
+    const SampleSlot& at = samples.slot[i];
+    if (at.microbatch < 0) continue;
+    out.place.sample_microbatch[i] = at.microbatch;
+    out.place.sample_group[i] = at.group;
+    owned_runs(b, i, layout, at, runs);
+    int16_t* owner = out.place.owner.data() + b.response_offsets[i];
+    for (const OwnedRun& run : runs) std::fill(owner + run.begin, owner + run.end, run.owner);
+  }
+  return out;
+}
+
+ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const Contract& contract,
+                                 const ObjectiveSizes& sizes_in, const PlacedTokens* given) {
+  ContractWeights out;
+  if (given != nullptr) {
+    out.place = given->place;
+    out.problems = given->problems;
+  } else {
+    PlacedTokens placed = place_tokens(b, layout);
+    out.place = std::move(placed.place);
+    out.problems = std::move(placed.problems);
+  }
+  // The samples' slots again from the token placement (cheap: no owner runs) for the factors.
+  PlacedSamples samples = place_sample_slots(b, layout);
+  ContractFactors f =
+      contract_factors(b, layout, contract, sizes_in, samples, term_masks(b, contract, sizes_in));
+  out.count = std::move(f.count);
+  out.global_count = f.global_count;
+  const int64_t cp = layout.cp;
+  out.weight.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    const int32_t k = out.place.sample_microbatch[i];
+    if (k < 0) continue;
+    const double* factor = f.factor.data() + static_cast<std::size_t>(k) * cp;
+    const double per_sample = f.per_sample[i];
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+      const int16_t o = out.place.owner[t];
+      if (o >= 0 && b.loss_mask[t]) out.weight[t] = factor[o] * per_sample;
     }
   }
   return out;
@@ -447,13 +525,22 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
                                  double tol) {
   WeightDiagnosis dg;
   const int64_t s = b.num_samples();
-  double worst_log = -1.0;
+  double worst_log = -1.0, last_r = NAN, last_log = -1.0;
   bool first = true;
   double r0 = 1.0;
   bool uniform = true;
   // Non-finite weights first: every later test is a comparison, and comparisons with inf or NaN
-  // answer whatever their form happens to give.
-  for (int64_t i = 0; i < s; ++i) {
+  // answer whatever their form happens to give. x·0 is NaN exactly for a non-finite x: a flat
+  // pass finds whether there is one, the pass by sample names it.
+  const std::size_t n = std::min(got.size(), want.size());
+  double probe[4] = {0.0, 0.0, 0.0, 0.0};
+  std::size_t t4 = 0;
+  for (; t4 + 4 <= n; t4 += 4) {
+    for (int k = 0; k < 4; ++k) probe[k] += got[t4 + k] * 0.0 + want[t4 + k] * 0.0;
+  }
+  for (; t4 < n; ++t4) probe[0] += got[t4] * 0.0 + want[t4] * 0.0;
+  const bool any_non_finite = std::isnan(probe[0] + probe[1] + probe[2] + probe[3]);
+  for (int64_t i = 0; any_non_finite && i < s; ++i) {
     for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
       if (std::isfinite(got[t]) && std::isfinite(want[t])) continue;
       if (dg.non_finite++ == 0) dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
@@ -464,8 +551,17 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
     dg.min_ratio = dg.max_ratio = NAN;
     return dg;
   }
+  // Weights come in long runs of one (w, w*) pair: a token repeating the last effective token's
+  // pair only adds to the counts (its ratio changes no minimum, maximum, uniformity or worst).
+  double last_got = NAN, last_want = NAN;
+  bool last_mismatched = false;
   for (int64_t i = 0; i < s; ++i) {
     for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+      if (got[t] == last_got && want[t] == last_want) {
+        ++dg.tokens;
+        dg.mismatched += last_mismatched;
+        continue;
+      }
       if (want[t] == 0.0) {
         if (got[t] != 0.0) {
           if (dg.masked_weighted++ == 0) dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
@@ -474,7 +570,10 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
       }
       ++dg.tokens;
       const double r = got[t] / want[t];
-      if (!same(r, 1.0, tol)) ++dg.mismatched;
+      last_got = got[t];
+      last_want = want[t];
+      last_mismatched = !same(r, 1.0, tol);
+      dg.mismatched += last_mismatched;
       if (first) {
         r0 = r;
         dg.min_ratio = dg.max_ratio = r;
@@ -483,9 +582,14 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
       uniform &= same(r, r0, tol);
       dg.min_ratio = std::min(dg.min_ratio, r);
       dg.max_ratio = std::max(dg.max_ratio, r);
-      const double lg = r > 0 ? std::fabs(std::log(r)) : INFINITY;
-      if (dg.masked_weighted == 0 && lg > worst_log) {
-        worst_log = lg;
+      // |log r| only when r changes: ratios come in long runs of one value (the first token of
+      // the greatest |log r| is the worst either way).
+      if (r != last_r) {
+        last_r = r;
+        last_log = r > 0 ? std::fabs(std::log(r)) : INFINITY;
+      }
+      if (dg.masked_weighted == 0 && last_log > worst_log) {
+        worst_log = last_log;
         dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
       }
     }
@@ -617,15 +721,24 @@ std::vector<ShardRatio> shard_ratios(const Batch& b, const std::vector<double>& 
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     const int32_t k = place.sample_microbatch[i];
     if (k < 0) continue;
+    int16_t last_owner = -1;
+    double last_got = NAN, last_want = NAN;
     for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
       const int16_t o = place.owner[t];
       if (o < 0) continue;
       ShardRatio& sr = out[static_cast<std::size_t>(k) * l.cp + o];
+      if (o == last_owner && got[t] == last_got && want[t] == last_want) {
+        ++sr.tokens;  // the ratio of the token before, in the same shard
+        continue;
+      }
       if (want[t] == 0.0) {
         sr.masked_weighted += got[t] != 0.0;
         continue;
       }
       const double r = got[t] / want[t];
+      last_owner = o;
+      last_got = got[t];
+      last_want = want[t];
       sr.min_ratio = sr.tokens == 0 ? r : std::min(sr.min_ratio, r);
       sr.max_ratio = sr.tokens == 0 ? r : std::max(sr.max_ratio, r);
       ++sr.tokens;
@@ -633,6 +746,118 @@ std::vector<ShardRatio> shard_ratios(const Batch& b, const std::vector<double>& 
   }
   return out;
 }
+
+namespace {
+
+// A contract's weights on a layout as runs: per sample, its owner runs, each weighing one factor
+// on its mask-1 tokens (0 outside every run). The I5 comparison walks these instead of per-token
+// vectors: a variation costs a pass over the samples' runs, not over their tokens.
+struct LayoutWeights {
+  const StepLayout* layout = nullptr;
+  PlacedSamples placed;
+  ContractFactors factors;
+};
+
+LayoutWeights layout_weights(const Batch& b, const StepLayout& l, const Contract& contract,
+                             const ObjectiveSizes& sizes, const TermMasks& masks,
+                             const PlacedSamples* placed) {
+  LayoutWeights w;
+  w.layout = &l;
+  w.placed = placed != nullptr ? *placed : place_sample_slots(b, l);
+  w.factors = contract_factors(b, l, contract, sizes, w.placed, masks);
+  return w;
+}
+
+// A weight run of one sample: [begin, end) weighs `value` (owner -1 and 0 between runs).
+struct ValueRun {
+  int64_t begin = 0, end = 0;
+  int16_t owner = -1;
+  double value = 0.0;
+};
+
+void value_runs(const Batch& b, int64_t i, const LayoutWeights& w, std::vector<OwnedRun>& scratch,
+                std::vector<ValueRun>& out) {
+  out.clear();
+  const SampleSlot& at = w.placed.slot[i];
+  if (at.microbatch < 0) return;
+  owned_runs(b, i, *w.layout, at, scratch);
+  const double* factor =
+      w.factors.factor.data() + static_cast<std::size_t>(at.microbatch) * w.layout->cp;
+  for (const OwnedRun& r : scratch)
+    out.push_back({r.begin, r.end, r.owner, factor[r.owner] * w.factors.per_sample[i]});
+}
+
+// The largest relative difference between the weights `ref` and `got` of one batch, token by
+// token as a per-token comparison would find it (the first token of the greatest difference), and
+// that token's coordinates on got's layout. -1: none differs.
+double max_weight_difference(const Batch& b, const LayoutWeights& ref, const LayoutWeights& got,
+                             TokenCoord& worst_at) {
+  double worst = -1.0;
+  std::vector<OwnedRun> scratch;
+  std::vector<ValueRun> ra, rg;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    const int64_t len = b.response_lengths[i];
+    if (len == 0) continue;
+    value_runs(b, i, ref, scratch, ra);
+    value_runs(b, i, got, scratch, rg);
+    const uint8_t* mask = b.loss_mask.data() + b.response_offsets[i];
+    std::size_t ka = 0, kg = 0;
+    for (int64_t x = 0; x < len;) {
+      // The value each side gives at x, and where that stops holding.
+      while (ka < ra.size() && ra[ka].end <= x) ++ka;
+      while (kg < rg.size() && rg[kg].end <= x) ++kg;
+      int64_t y = len;
+      double a = 0.0, c = 0.0;
+      int16_t owner = -1;
+      if (ka < ra.size()) {
+        if (ra[ka].begin <= x) {
+          a = ra[ka].value;
+          y = std::min(y, ra[ka].end);
+        } else {
+          y = std::min(y, ra[ka].begin);
+        }
+      }
+      if (kg < rg.size()) {
+        if (rg[kg].begin <= x) {
+          c = rg[kg].value;
+          owner = rg[kg].owner;
+          y = std::min(y, rg[kg].end);
+        } else {
+          y = std::min(y, rg[kg].begin);
+        }
+      }
+      if (!(a == c && std::isfinite(a))) {
+        int64_t t = x;
+        while (t < y && mask[t] == 0) ++t;  // mask-0 tokens weigh 0 on both sides
+        if (t < y) {
+          const double rel = std::isfinite(a) && std::isfinite(c)
+                                 ? std::fabs(a - c) / std::max(std::fabs(a), std::fabs(c))
+                                 : INFINITY;  // an infinite or NaN weight differs from anything
+          if (rel > worst) {
+            worst = rel;
+            TokenCoord coord;
+            coord.sample = i;
+            coord.response_index = t;
+            const int32_t k = got.placed.slot[i].microbatch;
+            if (k >= 0) {
+              coord.dp_rank = got.layout->microbatches[k].dp_rank;
+              coord.microbatch = got.layout->microbatches[k].index;
+            }
+            coord.cp_rank = owner;
+            coord.got = c;
+            coord.want = a;
+            coord.ratio = a != 0.0 ? c / a : 0.0;
+            worst_at = coord;
+          }
+        }
+      }
+      x = y;
+    }
+  }
+  return worst;
+}
+
+}  // namespace
 
 std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepLayout& base,
                                                      const Contract& contract,
@@ -666,8 +891,10 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
     }
     for (uint8_t m : t.batch->loss_mask) refs[k].true_count += m;
     refs[k].diagnosis =
-        diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth, refs[k].weights->place, base,
-                         refs[k].true_count, refs[k].weights->global_count);
+        t.base_diagnosis != nullptr
+            ? *t.base_diagnosis
+            : diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth, refs[k].weights->place,
+                               base, refs[k].true_count, refs[k].weights->global_count);
   }
   const int64_t base_m = base.dp > 0 ? base.num_microbatches(0) : 1;
   struct Variant {
@@ -685,53 +912,51 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   for (int64_t x : {1, 2, 4, 8}) {
     if (vary.cp && x != base.cp) variants.push_back({base.dp, base_m, x, fmt::format("CP {}", x)});
   }
-  // One variation: its placement once; per term, its weights against the base layout's and
-  // (when they differ) against the truth. Empty: a layout that cannot hold the batch.
+  // The base layout's weights of every term as runs (the same factors as base_weights).
+  std::vector<TermMasks> masks;
+  std::vector<LayoutWeights> base_runs;
+  for (const TermInvariance& t : terms) masks.push_back(term_masks(*t.batch, *t.contract, t.sizes));
+  for (std::size_t k = 0; k < terms.size(); ++k)
+    base_runs.push_back(layout_weights(*terms[k].batch, base, *terms[k].contract, terms[k].sizes,
+                                       masks[k], nullptr));
+  // One variation: its placement once; per term, its weights against the base layout's (as runs)
+  // and, when they differ, token by token against the truth. Empty: a layout that cannot hold the
+  // batch.
   auto evaluate = [&](const Variant& v) -> std::vector<InvarianceResult> {
     StepLayout l =
         static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp, base.tp, base.shard);
     l.cp_layout = base.cp_layout;
     l.allgather_pad = base.allgather_pad;
-    PlacedTokens placed;
+    PlacedSamples slots;
     try {
-      placed = place_tokens(b0, l);
+      slots = place_sample_slots(b0, l);
     } catch (const InputError&) {
       return {};  // a layout that cannot hold the batch (bshd, a short max length)
     }
+    std::optional<PlacedTokens> placed;  // per token, only to diagnose a break
     std::vector<InvarianceResult> out;
     for (std::size_t k = 0; k < terms.size(); ++k) {
       const Batch& b = *terms[k].batch;
-      const ContractWeights& ref = *refs[k].weights;
       InvarianceResult res;
       res.layout = {{"dp", v.dp}, {"cp", v.cp}, {"microbatches", v.m}};
       res.label = v.label;
-      ContractWeights w;
+      LayoutWeights w;
       try {
-        w = contract_weights(b, l, *terms[k].contract, terms[k].sizes, &placed);
+        w = layout_weights(b, l, *terms[k].contract, terms[k].sizes, masks[k], &slots);
       } catch (const InputError&) {
         return {};
       }
-      double worst = -1.0;
-      for (int64_t i = 0; i < b.num_samples(); ++i) {
-        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-          const double a = ref.weight[t], c = w.weight[t];
-          if (a == c && std::isfinite(a)) continue;
-          const double rel = std::isfinite(a) && std::isfinite(c)
-                                 ? std::fabs(a - c) / std::max(std::fabs(a), std::fabs(c))
-                                 : INFINITY;  // an infinite or NaN weight differs from anything
-          if (rel > worst) {
-            worst = rel;
-            res.worst = coord_of(b, i, t, w.place, l, c, a);
-          }
-        }
-      }
+      const double worst = max_weight_difference(b, base_runs[k], w, res.worst);
       res.max_rel_diff = std::max(worst, 0.0);
       res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
       if (res.ok) {
         res.against_truth = refs[k].diagnosis;
       } else if (terms[k].diagnose_every_break) {
-        res.against_truth = diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
-                                             refs[k].true_count, w.global_count);
+        if (!placed) placed = place_tokens(b0, l);
+        const ContractWeights cw =
+            contract_weights(b, l, *terms[k].contract, terms[k].sizes, &*placed);
+        res.against_truth = diagnose_weights(b, cw.weight, *terms[k].truth, cw.place, l,
+                                             refs[k].true_count, cw.global_count);
       } else {
         res.against_truth.kind = "not-run";  // the first break is diagnosed below
       }

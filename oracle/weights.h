@@ -145,6 +145,8 @@ struct TermInvariance {
   ObjectiveSizes sizes;
   const std::vector<double>* truth = nullptr;
   const ContractWeights* base_weights = nullptr;  // on `base`
+  // diagnose_weights of base_weights against truth, when the caller has it.
+  const WeightDiagnosis* base_diagnosis = nullptr;
   // Diagnose every variation whose weights differ (against_truth); false: only the first, the
   // others' against_truth.kind is "not-run" (a failing term's ten diagnoses were most of its cost).
   bool diagnose_every_break = true;

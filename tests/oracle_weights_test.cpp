@@ -248,6 +248,96 @@ TEST(Weights, SplitInvarianceAndBugFormulasOverRandomBatches) {
   EXPECT_GT(hf_ga_exact, 5);
 }
 
+// I5 compares each variation's weights with the base layout's run by run (owner runs and mask
+// counts, no per-token vectors). Here, independently, token by token: both layouts' per-token
+// weights, the greatest relative difference and its first token, over random batches (RL and SFT,
+// empty samples), zig-zag and all-gather layouts and contracts that break in every dimension.
+TEST(Weights, SplitInvarianceMatchesATokenByTokenComparison) {
+  fixtures::Rng rng(20261203);
+  const char* contracts[] = {"relax",
+                             "relax-legacy",
+                             "hf-ga",
+                             "megatron-per-token",
+                             "norm=microbatch",
+                             "norm=rank,scale=1/dp",
+                             "count=full-sample",
+                             "truth,sample=mean"};
+  int compared = 0, differing = 0;
+  for (int trial = 0; trial < 600; ++trial) {
+    std::vector<S> samples;
+    for (int64_t i = 0, n = rng.uniform_int(1, 12); i < n; ++i) {
+      const int64_t t = rng.uniform_int(0, 30), r = rng.uniform_int(0, t);
+      std::vector<int64_t> mask(static_cast<std::size_t>(r));
+      for (auto& x : mask) x = rng.uniform() < 0.7;
+      samples.push_back({t, r, mask});
+    }
+    const Batch b = make(samples);
+    StepLayout base =
+        layout(b, rng.uniform_int(1, 3), rng.uniform_int(1, 3), rng.uniform_int(1, 4));
+    if (rng.uniform() < 0.3) {
+      base.cp_layout = CpLayout::kAllgather;
+      base.allgather_pad = rng.uniform_int(1, 4);
+    }
+    const Contract c = parse_contract(contracts[trial % 8], Reduction::kPerToken);
+    const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+    const std::vector<InvarianceResult> got =
+        check_split_invariance(b, base, c, {}, Split::kContiguous, truth);
+    const std::vector<double> ref = contract_weights(b, base, c, {}).weight;
+    std::size_t j = 0;
+    const int64_t base_m = base.num_microbatches(0);
+    for (int dim = 0; dim < 3; ++dim) {
+      for (int64_t x : {1, 2, 4, 8}) {
+        const int64_t dp = dim == 0 ? x : base.dp, m = dim == 1 ? x : base_m,
+                      cp = dim == 2 ? x : base.cp;
+        if ((dim == 0 && x == base.dp) || (dim == 1 && x == base_m) || (dim == 2 && x == base.cp))
+          continue;
+        StepLayout l = layout(b, dp, m, cp);
+        l.cp_layout = base.cp_layout;
+        l.allgather_pad = base.allgather_pad;
+        ContractWeights w;
+        try {
+          w = contract_weights(b, l, c, {});
+        } catch (const InputError&) {
+          continue;  // a layout that cannot hold the batch is not a variation
+        }
+        ASSERT_LT(j, got.size()) << "trial " << trial;
+        const InvarianceResult& r = got[j++];
+        ASSERT_EQ(r.layout["dp"], dp);
+        ASSERT_EQ(r.layout["microbatches"], m);
+        ASSERT_EQ(r.layout["cp"], cp);
+        double worst = 0.0;
+        int64_t worst_t = -1;
+        for (std::size_t t = 0; t < ref.size(); ++t) {
+          if (ref[t] == w.weight[t]) continue;
+          const double rel =
+              std::fabs(ref[t] - w.weight[t]) / std::max(std::fabs(ref[t]), std::fabs(w.weight[t]));
+          if (rel > worst) {
+            worst = rel;
+            worst_t = static_cast<int64_t>(t);
+          }
+        }
+        ++compared;
+        EXPECT_DOUBLE_EQ(r.max_rel_diff, worst) << "trial " << trial << " " << r.label;
+        EXPECT_EQ(r.ok, worst <= kWeightRelTol) << "trial " << trial << " " << r.label;
+        if (worst_t < 0) continue;
+        ++differing;
+        int64_t i = 0;
+        while (b.response_offsets[i + 1] <= worst_t) ++i;
+        EXPECT_EQ(r.worst.sample, i) << "trial " << trial << " " << r.label;
+        EXPECT_EQ(r.worst.response_index, worst_t - b.response_offsets[i]) << "trial " << trial;
+        EXPECT_EQ(r.worst.cp_rank, w.place.owner[worst_t]) << "trial " << trial;
+        EXPECT_EQ(r.worst.microbatch, l.microbatches[w.place.sample_microbatch[i]].index);
+        EXPECT_EQ(r.worst.dp_rank, l.microbatches[w.place.sample_microbatch[i]].dp_rank);
+        EXPECT_EQ(r.worst.got, w.weight[worst_t]);
+        EXPECT_EQ(r.worst.want, ref[worst_t]);
+      }
+    }
+    EXPECT_EQ(j, got.size()) << "trial " << trial;
+  }
+  EXPECT_GT(compared, 3000);
+  EXPECT_GT(differing, 500);  // the comparison saw breaks, not only agreement
+}
+
 TEST(Weights, AllGatherOwnsEveryTokenExactlyOnce) {
   fixtures::Rng rng(7);
   for (int trial = 0; trial < 500; ++trial) {
