@@ -156,6 +156,73 @@ TEST(FusedXent, ThreadedDispatchMatchesTheReference) {
       "dispatch");
 }
 
+// Rows of several 2048-logit blocks whose maximum moves from block to block: up by 10 (the
+// one-sweep blocks rescale their sum), up by 25 and by 100 (each block over the slack of 20, so
+// redone with its own maximum; kept, e^100 would overflow float), down by 25 (later blocks far
+// below the first), on every instruction set, against the float64 reference under the same
+// bounds as random logits.
+TEST(FusedXent, RisingAndFallingBlockMaximaMatchTheReference) {
+  const int64_t rows = 4, vocab = 4 * 2048 + 100;
+  const double steps[rows] = {10.0, 25.0, -25.0, 100.0};
+  const XentCase c{DType::kFloat32, rows, vocab, 1.0};
+  XentData d = make_data(c, test_seed());
+  for (int64_t r = 0; r < rows; ++r) {
+    d.active[r] = 1;
+    d.scale[r] = 0.5f;
+    for (int64_t k = 0; k < vocab; ++k) {
+      const float x = d.f32[r * vocab + k] + static_cast<float>(steps[r] * (k / 2048));
+      d.f32[r * vocab + k] = x;
+      d.exact[r * vocab + k] = x;
+    }
+  }
+  for (const char* isa : {"generic", "avx2", "avx512"}) {
+    if (!xent_isa_runs(isa)) continue;
+    void (*fn)(const XentArgs&, int64_t, int64_t) = generic::xent_rows;
+#if defined(__x86_64__) && defined(LOSSGUARD_XENT_X86)
+    if (std::string(isa) == "avx2") fn = avx2::xent_rows;
+    if (std::string(isa) == "avx512") fn = avx512::xent_rows;
+#endif
+    expect_xent_matches_reference(
+        c, d, [fn](const XentArgs& a) { fn(a, 0, a.rows); }, isa);
+  }
+}
+
+// A NaN or +inf logit in a later block makes the row's lse and loss NaN: a finite loss would hide
+// it (the one-sweep path must not keep a block whose maximum is not finite).
+TEST(FusedXent, NonFiniteLogitInALaterBlockIsNotHidden) {
+  const int64_t vocab = 3 * 2048;
+  for (const float bad : {NAN, INFINITY}) {
+    std::vector<float> z(static_cast<std::size_t>(vocab));
+    for (int64_t k = 0; k < vocab; ++k) z[k] = static_cast<float>((k * 7919) % 13) * 0.1f;
+    z[2 * 2048 + 5] = bad;
+    const int64_t target = 1;
+    const float scale = 1.0f;
+    float lse = 0, loss = 0;
+    std::vector<float> g(static_cast<std::size_t>(vocab), 0.0f);
+    XentArgs a;
+    a.logits = z.data();
+    a.rows = 1;
+    a.vocab = vocab;
+    a.row_stride = vocab;
+    a.targets = &target;
+    a.grad_scale = &scale;
+    a.lse = &lse;
+    a.token_loss = &loss;
+    a.grad = g.data();
+    for (const char* isa : {"generic", "avx2", "avx512"}) {
+      if (!xent_isa_runs(isa)) continue;
+      lse = loss = 0.0f;
+#if defined(__x86_64__) && defined(LOSSGUARD_XENT_X86)
+      if (std::string(isa) == "avx2") avx2::xent_rows(a, 0, 1);
+      if (std::string(isa) == "avx512") avx512::xent_rows(a, 0, 1);
+#endif
+      if (std::string(isa) == "generic") generic::xent_rows(a, 0, 1);
+      EXPECT_TRUE(std::isnan(lse)) << isa << " logit " << bad << ": lse " << lse;
+      EXPECT_TRUE(std::isnan(loss)) << isa << " logit " << bad << ": loss " << loss;
+    }
+  }
+}
+
 TEST(FusedXent, ExtremeLogitsStayFinite) {
   // One dominant logit (p = 1 exactly in float) and -inf entries (masked vocabulary).
   const int64_t v = 37;

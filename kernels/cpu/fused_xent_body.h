@@ -34,6 +34,8 @@ constexpr int kLanes = 4;
 #endif
 constexpr int64_t kBlock =
     kXentBlock;  // 8 KiB of float: a block stays in L1 between its two sweeps
+constexpr float kSlack = 20.0f;
+constexpr int64_t kPrefetch = 1024;  // a one-sweep block's exponentials stay below e^20
 typedef float vf __attribute__((vector_size(4 * kLanes)));
 typedef int32_t vi __attribute__((vector_size(4 * kLanes)));
 typedef uint32_t vu __attribute__((vector_size(4 * kLanes)));
@@ -212,16 +214,45 @@ struct Io<HalfBits> {
 template <typename T>
 void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
   const int64_t v = a.vocab, blocks = (v + kBlock - 1) / kBlock;
+  // Two scratches: row r's first pass fills one while row r-1's gradient streams out of the
+  // other, block by block, so that the stores overlap the exponentials instead of following them.
+  const int64_t stride = v + blocks + 2 * kLanes;
   struct Scratch {
     float* p;
     ~Scratch() { std::free(p); }
   };
-  const Scratch scratch{static_cast<float*>(
-      std::malloc(static_cast<std::size_t>(v + blocks + kLanes) * sizeof(float)))};
+  const Scratch scratch{
+      static_cast<float*>(std::malloc(static_cast<std::size_t>(2 * stride) * sizeof(float)))};
   if (scratch.p == nullptr) throw std::bad_alloc();
-  float* sc = scratch.p;
-  float* block_max = scratch.p + v + kLanes;
   T* grad = static_cast<T*>(a.grad);
+  // A row whose gradient is still to be written: its scratch, block references and lse.
+  struct Pending {
+    T* g = nullptr;
+    const float* sc = nullptr;
+    const float* block_max = nullptr;
+    double lse = 0.0, zy = 0.0;
+    float c = 0.0f;
+    int64_t y = 0;
+  };
+  Pending pending;
+  // Pass 2 of one block: the gradient c * exp(block_max - lse) * exp(z - block_max).
+  auto grad_block = [&](const Pending& p, int64_t blk) {
+    const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
+    T* g = p.g;
+    const float* sc = p.sc;
+    const float f =
+        static_cast<float>(p.c * std::exp(static_cast<double>(p.block_max[blk]) - p.lse));
+    const vf vfac = splat(f);
+    int64_t k = 0;
+    // Whole cache lines bypass the cache (no read-for-ownership of the gradient) once aligned.
+    for (; k < n && reinterpret_cast<uintptr_t>(g + b0 + k) % kStreamAlign != 0; ++k)
+      Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
+    for (; k + kLanes <= n; k += kLanes) Io<T>::stream(g + b0 + k, vload(sc + b0 + k) * vfac);
+    for (; k < n; ++k) Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
+    if (blk == blocks - 1)  // c (p_y - 1), no cancellation: after the block that holds y
+      Io<T>::store_scalar(p.g + p.y, static_cast<float>(p.c * std::expm1(p.zy - p.lse)));
+  };
+  int which = 0;
   for (int64_t row = begin; row < end; ++row) {
     T* g = grad != nullptr ? grad + row * v : nullptr;
     if (a.active != nullptr && !a.active[row]) {
@@ -231,12 +262,59 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
         std::memset(static_cast<void*>(g), 0, static_cast<std::size_t>(v) * sizeof(T));
       continue;
     }
+    float* sc = scratch.p + which * stride;
+    float* block_max = sc + v + kLanes;
     const T* z = static_cast<const T*>(a.logits) + row * a.row_stride;
     // Pass 1: online log-sum-exp, one read of the logits.
     float m = -std::numeric_limits<float>::infinity();
     double s = 0.0;
-    for (int64_t blk = 0; blk < blocks; ++blk) {
+    auto sum_block = [&](int64_t blk) {
       const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
+      // Once the running maximum m is finite, a block takes one sweep: exp(z - m) with its own
+      // maximum alongside, kept when that maximum is at most m + kSlack (the exponentials stay
+      // below e^kSlack, far from float's range; the block's reference stays m), else redone
+      // below from the cached logits (a rise of the maximum that large, +inf or NaN).
+      if (m > -std::numeric_limits<float>::infinity()) {
+        const vf vm = splat(m);
+        vf mx0 = splat(-std::numeric_limits<float>::infinity()), mx1 = mx0;
+        vf vs = splat(0.0f), vs1 = splat(0.0f);
+        int64_t k = 0;
+        for (; k + 2 * kLanes <= n; k += 2 * kLanes) {
+          __builtin_prefetch(z + b0 + k + kPrefetch, 0, 3);
+          const vf x0 = Io<T>::load(z + b0 + k), x1 = Io<T>::load(z + b0 + k + kLanes);
+          mx0 = x0 > mx0 ? x0 : mx0;
+          mx1 = x1 > mx1 ? x1 : mx1;
+          const vf e0 = vexp(x0 - vm), e1 = vexp(x1 - vm);
+          vstore(sc + b0 + k, e0);
+          vstore(sc + b0 + k + kLanes, e1);
+          vs += e0;
+          vs1 += e1;
+        }
+        for (; k + kLanes <= n; k += kLanes) {
+          const vf x = Io<T>::load(z + b0 + k);
+          mx0 = x > mx0 ? x : mx0;
+          const vf e = vexp(x - vm);
+          vstore(sc + b0 + k, e);
+          vs += e;
+        }
+        float bm = hmax(mx1 > mx0 ? mx1 : mx0), bs = hsum(vs) + hsum(vs1);
+        for (; k < n; ++k) {
+          const float x = Io<T>::scalar(z + b0 + k);
+          bm = x > bm ? x : bm;
+          const float e = std::exp(x - m);
+          sc[b0 + k] = e;
+          bs += e;
+        }
+        if (bm <= m + kSlack) {
+          block_max[blk] = m;
+          s += bs;
+          if (bm > m) {
+            s *= std::exp(static_cast<double>(m) - bm);
+            m = bm;
+          }
+          return;
+        }
+      }
       // Four independent maxima: one chain would wait a max latency per vector.
       const vf ninf = splat(-std::numeric_limits<float>::infinity());
       vf mx0 = ninf, mx1 = ninf, mx2 = ninf, mx3 = ninf;
@@ -302,32 +380,28 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
         bs += e;
       }
       s += bs;
+    };
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      sum_block(blk);
+      if (pending.g != nullptr) grad_block(pending, blk);
     }
+    pending.g = nullptr;
     const double lse = static_cast<double>(m) + std::log(s);
     const int64_t y = a.targets[row];
     const double zy = Io<T>::scalar(z + y);
     a.lse[row] = static_cast<float>(lse);
     a.token_loss[row] = static_cast<float>(lse - zy);
     if (g == nullptr) continue;
-    // Pass 2: the gradient from the cached exponentials.
     const float c = a.grad_scale[row];
     if (c == 0.0f) {
       std::memset(static_cast<void*>(g), 0, static_cast<std::size_t>(v) * sizeof(T));
       continue;
     }
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
-      const float f = static_cast<float>(c * std::exp(static_cast<double>(block_max[blk]) - lse));
-      const vf vfac = splat(f);
-      int64_t k = 0;
-      // Whole cache lines bypass the cache (no read-for-ownership of the gradient) once aligned.
-      for (; k < n && reinterpret_cast<uintptr_t>(g + b0 + k) % kStreamAlign != 0; ++k)
-        Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
-      for (; k + kLanes <= n; k += kLanes) Io<T>::stream(g + b0 + k, vload(sc + b0 + k) * vfac);
-      for (; k < n; ++k) Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
-    }
-    Io<T>::store_scalar(
-        g + y, static_cast<float>(c * std::expm1(zy - lse)));  // c (p_y - 1), no cancellation
+    pending = Pending{g, sc, block_max, lse, zy, c, y};
+    which ^= 1;
+  }
+  if (pending.g != nullptr) {
+    for (int64_t blk = 0; blk < blocks; ++blk) grad_block(pending, blk);
   }
   stream_fence();
 }
