@@ -113,11 +113,15 @@ void owned_runs(const Batch& b, int64_t i, const StepLayout& layout, const Sampl
   // Chunk c of the 2·cp zig-zag chunks belongs to rank c (c < cp) or 2·cp-1-c: walking the
   // chunks in order gives the runs in index order (owned_mask_ranges, chunk by chunk).
   const int64_t cs = chunk_size(t, cp_size, layout.shard, b.padded_total_length(i));
+  const bool sft = r == t;
   for (int64_t c = 0; c < 2 * cp_size; ++c) {
+    // owned_mask_ranges' arithmetic for this one chunk: logit positions [lo, hi), predicting
+    // response indices lo+1-P .. hi-P (RL) or predictor indices lo .. hi-1 (SFT).
+    const int64_t lo = std::max(c * cs, p - 1), hi = std::min((c + 1) * cs, t - 1);
+    if (lo >= hi) continue;
     const int64_t rank = c < cp_size ? c : 2 * cp_size - 1 - c;
-    const IndexRange range = owned_mask_ranges(t, r, cp_size, rank, cs)[c < cp_size ? 0 : 1];
-    if (range.size() > 0)
-      out.push_back({range.begin, range.end, static_cast<int16_t>(base + rank)});
+    const int64_t shift = sft ? 0 : 1 - p;
+    out.push_back({lo + shift, hi + shift, static_cast<int16_t>(base + rank)});
   }
 }
 
@@ -787,18 +791,44 @@ void value_runs(const Batch& b, int64_t i, const LayoutWeights& w, std::vector<O
     out.push_back({r.begin, r.end, r.owner, factor[r.owner] * w.factors.per_sample[i]});
 }
 
+// Every sample's value runs, kept: the base layout's are walked once per variation.
+struct CachedRuns {
+  std::vector<ValueRun> runs;
+  std::vector<int64_t> first;  // [S + 1] sample i's runs are runs[first[i], first[i + 1])
+};
+CachedRuns cache_runs(const Batch& b, const LayoutWeights& w) {
+  CachedRuns out;
+  out.first.reserve(static_cast<std::size_t>(b.num_samples()) + 1);
+  std::vector<OwnedRun> scratch;
+  std::vector<ValueRun> one;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    out.first.push_back(static_cast<int64_t>(out.runs.size()));
+    value_runs(b, i, w, scratch, one);
+    out.runs.insert(out.runs.end(), one.begin(), one.end());
+  }
+  out.first.push_back(static_cast<int64_t>(out.runs.size()));
+  return out;
+}
+
 // The largest relative difference between the weights `ref` and `got` of one batch, token by
 // token as a per-token comparison would find it (the first token of the greatest difference), and
 // that token's coordinates on got's layout. -1: none differs.
-double max_weight_difference(const Batch& b, const LayoutWeights& ref, const LayoutWeights& got,
+double max_weight_difference(const Batch& b, const CachedRuns& ref, const LayoutWeights& got,
                              TokenCoord& worst_at) {
   double worst = -1.0;
   std::vector<OwnedRun> scratch;
-  std::vector<ValueRun> ra, rg;
+  std::vector<ValueRun> rg;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     const int64_t len = b.response_lengths[i];
     if (len == 0) continue;
-    value_runs(b, i, ref, scratch, ra);
+    const ValueRun* ra_begin = ref.runs.data() + ref.first[i];
+    const std::size_t ra_size = static_cast<std::size_t>(ref.first[i + 1] - ref.first[i]);
+    struct View {
+      const ValueRun* p;
+      std::size_t n;
+      std::size_t size() const { return n; }
+      const ValueRun& operator[](std::size_t k) const { return p[k]; }
+    } ra{ra_begin, ra_size};
     value_runs(b, i, got, scratch, rg);
     const uint8_t* mask = b.loss_mask.data() + b.response_offsets[i];
     std::size_t ka = 0, kg = 0;
@@ -914,11 +944,12 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   }
   // The base layout's weights of every term as runs (the same factors as base_weights).
   std::vector<TermMasks> masks;
-  std::vector<LayoutWeights> base_runs;
+  std::vector<CachedRuns> base_runs;
   for (const TermInvariance& t : terms) masks.push_back(term_masks(*t.batch, *t.contract, t.sizes));
   for (std::size_t k = 0; k < terms.size(); ++k)
-    base_runs.push_back(layout_weights(*terms[k].batch, base, *terms[k].contract, terms[k].sizes,
-                                       masks[k], nullptr));
+    base_runs.push_back(
+        cache_runs(*terms[k].batch, layout_weights(*terms[k].batch, base, *terms[k].contract,
+                                                   terms[k].sizes, masks[k], nullptr)));
   // One variation: its placement once; per term, its weights against the base layout's (as runs)
   // and, when they differ, token by token against the truth. Empty: a layout that cannot hold the
   // batch.

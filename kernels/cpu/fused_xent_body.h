@@ -1,11 +1,14 @@
 // The CPU twin's row kernels, written once with GCC/Clang vector extensions (as many float lanes as
 // the instruction set's registers hold: wider vectors are split, and their selects scalarised) and
 // compiled once per instruction set by the fused_xent_<isa>.cpp files, which define
-// LOSSGUARD_XENT_ISA first. Per row: pass 1 converts a block of logits to float in a row-sized
-// scratch (in cache), takes the block maximum, replaces the block by exp(z - m) and adds it up; m
-// is the running maximum, and the sum is rescaled (in double) when it grows. Pass 2 reads the
-// scratch, not the logits: the gradient is c * exp(m_block - lse) * scratch, and the target element
-// c * (p_y - 1) is written last. No standard-library templates here: their out-of-line copies would
+// LOSSGUARD_XENT_ISA first. One exponential per element. Per row, pass 1 walks the logits in
+// 2048-element blocks into a row-sized scratch (in cache): the first block takes its maximum, then
+// replaces itself by exp(z - m); every later block takes one sweep, exp(z - m) against the running
+// maximum m with its own maximum alongside (redone as the first when that maximum rises by more
+// than kSlack, or is not finite); the sum is rescaled (in double) when m grows. Pass 2 reads the
+// scratch, not the logits: the gradient is c * exp(m_block - lse) * scratch, streamed out block by
+// block while the next row's pass 1 runs (two scratches), and the target element c * (p_y - 1) is
+// written last. No standard-library templates here: their out-of-line copies would
 // carry this TU's instruction set into code the linker may share with the others (an ODR trap), so
 // scratch comes from malloc and min is local.
 #include <cmath>
