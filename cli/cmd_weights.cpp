@@ -140,8 +140,9 @@ struct TermRun {
   std::optional<Batch> own;           // the term's batch when its mask is not the loss mask
   const Batch* step_batch = nullptr;  // else the step's
   const Batch& batch() const { return own ? *own : *step_batch; }
-  std::vector<double> truth;
-  oracle::ContractWeights got;
+  std::vector<double> truth_per_sample;  // w*_t = m_t · this[i]
+  std::vector<double> truth;             // per token: with --per-token only
+  oracle::ContractWeights got;           // weight and place: with --per-token only
   int64_t effective = 0;
   oracle::WeightDiagnosis dg;
   std::vector<oracle::InvarianceResult> invariance;
@@ -154,7 +155,7 @@ struct TermRun {
 
 TermRun weigh_term(const TermContract& tc, const Batch& step_batch, const StepLayout& layout,
                    const oracle::ObjectiveSizes& sizes, double relative_to, bool strict_scale,
-                   const oracle::PlacedTokens* placed = nullptr) {
+                   bool per_token, const oracle::PlacedTokens* placed = nullptr) {
   TermRun run;
   run.tc = tc;
   if (tc.term.mask.kind != TermMaskKind::kLoss) {
@@ -162,18 +163,32 @@ TermRun weigh_term(const TermContract& tc, const Batch& step_batch, const StepLa
   }
   run.step_batch = &step_batch;
   const Batch& b = run.batch();
-  run.truth = oracle::true_weights(b, tc.term.reduce, sizes);
+  run.truth_per_sample = oracle::true_sample_weights(b, tc.term.reduce, sizes);
   if (relative_to != 1.0) {
-    for (double& w : run.truth) w *= relative_to;
+    for (double& w : run.truth_per_sample) w *= relative_to;
+  }
+  for (uint8_t m : b.loss_mask) run.effective += m;
+  run.sizes = sizes;
+  run.strict_scale = strict_scale;
+  if (!per_token) {  // the summary from each sample's owner runs: no per-token vector
+    oracle::WeightsSummary sum = oracle::summarize_weights(b, layout, tc.contract, sizes,
+                                                           run.truth_per_sample, run.effective);
+    run.dg = std::move(sum.diagnosis);
+    run.shards = std::move(sum.shards);
+    run.got.global_count = sum.global_count;
+    run.got.problems = std::move(sum.problems);
+    return run;  // I5 and the verdict: weigh_invariance, for every term at once
+  }
+  run.truth.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+      run.truth[t] = b.loss_mask[t] ? run.truth_per_sample[i] : 0.0;
   }
   run.got = oracle::contract_weights(b, layout, tc.contract, sizes, placed);
-  for (uint8_t m : b.loss_mask) run.effective += m;
   run.dg = oracle::diagnose_weights(b, run.got.weight, run.truth, run.got.place, layout,
                                     run.effective, run.got.global_count);
   run.shards = oracle::shard_ratios(b, run.got.weight, run.truth, run.got.place, layout);
-  run.sizes = sizes;
-  run.strict_scale = strict_scale;
-  return run;  // I5 and the verdict: weigh_invariance, for every term at once
+  return run;
 }
 
 // I5 of every term at once (each variation placed once), then each term's verdict.
@@ -182,7 +197,9 @@ void weigh_invariance(std::vector<TermRun>& runs, const StepLayout& layout, Spli
   std::vector<oracle::TermInvariance> inputs;
   for (const TermRun& r : runs)
     // main's JSON diagnoses every variation that breaks (as before terms); a term, its first
-    inputs.push_back({&r.batch(), &r.tc.contract, r.sizes, &r.truth, &r.got, &r.dg, r.is_main()});
+    inputs.push_back({&r.batch(), &r.tc.contract, r.sizes, r.truth.empty() ? nullptr : &r.truth,
+                      r.got.weight.empty() ? nullptr : &r.got, &r.dg, &r.truth_per_sample,
+                      r.is_main()});
   auto invariance = oracle::check_split_invariance_terms(inputs, layout, split, vary);
   for (std::size_t k = 0; k < runs.size(); ++k) {
     runs[k].invariance = std::move(invariance[k]);
@@ -323,14 +340,15 @@ void weights_step(const WeightsOptions& o, const StepView& v,
 
   // Main first: the other terms are judged relative to its scale.
   std::vector<TermRun> runs;
-  runs.push_back(weigh_term(terms[0], b, layout, sizes, 1.0, o.strict_scale));
+  runs.push_back(weigh_term(terms[0], b, layout, sizes, 1.0, o.strict_scale, o.per_token));
   const double main_scale = runs[0].dg.kind == "uniform-scale" ? runs[0].dg.scale : 1.0;
   oracle::ObjectiveSizes term_sizes = sizes;
   term_sizes.main_mask = &b.loss_mask;  // count-of=main
   // Every term's samples sit where main's do: one placement for all.
   const oracle::PlacedTokens placed{runs[0].got.place, runs[0].got.problems};
   for (std::size_t k = 1; k < terms.size(); ++k) {
-    runs.push_back(weigh_term(terms[k], b, layout, term_sizes, main_scale, true, &placed));
+    runs.push_back(weigh_term(terms[k], b, layout, term_sizes, main_scale, true, o.per_token,
+                              o.per_token ? &placed : nullptr));
   }
   weigh_invariance(runs, layout, split, vary);
   const bool multi = runs.size() > 1;

@@ -28,7 +28,8 @@ ObjectiveSizes resolve_sizes(const Batch& b, ObjectiveSizes z) {
   return z;
 }
 
-std::vector<double> true_weights(const Batch& b, Reduction reduce, const ObjectiveSizes& sizes_in) {
+std::vector<double> true_sample_weights(const Batch& b, Reduction reduce,
+                                        const ObjectiveSizes& sizes_in) {
   const ObjectiveSizes z = resolve_sizes(b, sizes_in);
   const int64_t s = b.num_samples();
   std::vector<int64_t> m(static_cast<std::size_t>(s));
@@ -39,7 +40,7 @@ std::vector<double> true_weights(const Batch& b, Reduction reduce, const Objecti
     nonzero += m[i] > 0;
   }
   const double batch = static_cast<double>(z.global_batch_size);
-  std::vector<double> w(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
+  std::vector<double> w(static_cast<std::size_t>(s), 0.0);
   for (int64_t i = 0; i < s; ++i) {
     if (m[i] == 0) continue;
     double c = 0.0;
@@ -61,8 +62,17 @@ std::vector<double> true_weights(const Batch& b, Reduction reduce, const Objecti
         c = 1.0 / (batch * z.l_norm);
         break;
     }
+    w[i] = c;
+  }
+  return w;
+}
+
+std::vector<double> true_weights(const Batch& b, Reduction reduce, const ObjectiveSizes& sizes) {
+  const std::vector<double> c = true_sample_weights(b, reduce, sizes);
+  std::vector<double> w(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
     for (int64_t row = b.response_offsets[i]; row < b.response_offsets[i + 1]; ++row) {
-      w[row] = b.loss_mask[row] ? c : 0.0;
+      w[row] = b.loss_mask[row] ? c[i] : 0.0;
     }
   }
   return w;
@@ -87,6 +97,15 @@ struct PlacedSamples {
   std::vector<std::string> problems;
 };
 
+// Appends a run field by field: a braced temporary is built on the stack and copied back in
+// halves, a store-forwarding stall that was the single hottest instruction of `weights` with I5.
+inline void add_run(std::vector<OwnedRun>& out, int64_t begin, int64_t end, int64_t owner) {
+  OwnedRun& r = out.emplace_back();
+  r.begin = begin;
+  r.end = end;
+  r.owner = static_cast<int16_t>(owner);
+}
+
 // The owner runs of sample i's mask indices, in index order (SPEC §2: the zig-zag or all-gather
 // cut). Indices no rank owns (SFT index T-1 under CP > 1) lie in no run.
 void owned_runs(const Batch& b, int64_t i, const StepLayout& layout, const SampleSlot& at,
@@ -95,7 +114,7 @@ void owned_runs(const Batch& b, int64_t i, const StepLayout& layout, const Sampl
   const int64_t t = b.total_lengths[i], r = b.response_lengths[i], p = t - r;
   const int64_t cp_size = at.cp_size, base = at.base;
   if (cp_size == 1) {  // an unsharded rank holds the whole sample (SFT index T-1 too)
-    if (r > 0) out.push_back({0, r, static_cast<int16_t>(base)});
+    if (r > 0) add_run(out, 0, r, base);
     return;
   }
   if (layout.cp_layout == CpLayout::kAllgather) {
@@ -105,7 +124,7 @@ void owned_runs(const Batch& b, int64_t i, const StepLayout& layout, const Sampl
     for (int64_t j = 0; j < n;) {
       const int64_t q = (at.stream_offset + shift + j) / at.part_length;
       const int64_t next = std::min(n, (q + 1) * at.part_length - at.stream_offset - shift);
-      out.push_back({j, next, static_cast<int16_t>(base + q)});
+      add_run(out, j, next, base + q);
       j = next;
     }
     return;
@@ -121,7 +140,7 @@ void owned_runs(const Batch& b, int64_t i, const StepLayout& layout, const Sampl
     if (lo >= hi) continue;
     const int64_t rank = c < cp_size ? c : 2 * cp_size - 1 - c;
     const int64_t shift = sft ? 0 : 1 - p;
-    out.push_back({lo + shift, hi + shift, static_cast<int16_t>(base + rank)});
+    add_run(out, lo + shift, hi + shift, base + rank);
   }
 }
 
@@ -202,13 +221,12 @@ PlacedSamples place_sample_slots(const Batch& b, const StepLayout& layout) {
 }
 
 // What a contract reads of a batch's masks, once per batch and contract: each sample's effective
-// tokens (its own mask), and the mask it counts (its own, or main's for count-of=main) as sums
-// per sample and, for a CP-local count, prefix sums (uint32, wrapping: a difference within one
-// sample is exact) so that a rank's count over a run costs one subtraction.
+// tokens (its own mask), and the mask it counts (its own, or main's for count-of=main) with its
+// sums per sample.
 struct TermMasks {
-  std::vector<int64_t> own_sum;          // [S]
-  std::vector<int64_t> counted_sum;      // [S]
-  std::vector<uint32_t> counted_prefix;  // [sum R + 1] (CP-local counts only)
+  std::vector<int64_t> own_sum;                   // [S]
+  std::vector<int64_t> counted_sum;               // [S]
+  const std::vector<uint8_t>* counted = nullptr;  // [sum R]
 };
 
 TermMasks term_masks(const Batch& b, const Contract& contract, const ObjectiveSizes& sizes) {
@@ -228,12 +246,7 @@ TermMasks term_masks(const Batch& b, const Contract& contract, const ObjectiveSi
         out.counted_sum[i] += counted[t];
     }
   }
-  if (contract.count == CountRule::kCpLocal) {
-    out.counted_prefix.resize(counted.size() + 1);
-    uint32_t run = 0;
-    out.counted_prefix[0] = 0;
-    for (std::size_t t = 0; t < counted.size(); ++t) out.counted_prefix[t + 1] = run += counted[t];
-  }
+  out.counted = &counted;
   return out;
 }
 
@@ -274,9 +287,12 @@ ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const
       case CountRule::kCpLocal: {
         owned.assign(static_cast<std::size_t>(cs), 0);
         owned_runs(b, i, layout, at, runs);
-        const uint32_t* prefix = masks.counted_prefix.data() + b.response_offsets[i];
-        for (const OwnedRun& run : runs)
-          owned[run.owner - base] += prefix[run.end] - prefix[run.begin];
+        const uint8_t* mask = masks.counted->data() + b.response_offsets[i];
+        for (const OwnedRun& run : runs) {
+          int64_t n = 0;  // the mask bytes in order: a prefix-sum array would be read at random
+          for (int64_t t = run.begin; t < run.end; ++t) n += mask[t];
+          owned[run.owner - base] += n;
+        }
         for (int64_t r = 0; r < cs; ++r) row[r] += clamped(owned[r]);
         break;
       }
@@ -453,23 +469,6 @@ bool same_weights(const std::vector<double>& a, const std::vector<double>& b, do
   return true;
 }
 
-TokenCoord coord_of(const Batch& b, int64_t i, int64_t t, const TokenPlace& place,
-                    const StepLayout& l, double got, double want) {
-  TokenCoord c;
-  c.sample = i;
-  c.response_index = t - b.response_offsets[i];
-  const int32_t k = place.sample_microbatch.empty() ? -1 : place.sample_microbatch[i];
-  if (k >= 0) {
-    c.dp_rank = l.microbatches[k].dp_rank;
-    c.microbatch = l.microbatches[k].index;
-  }
-  c.cp_rank = place.owner.empty() ? -1 : place.owner[t];
-  c.got = got;
-  c.want = want;
-  c.ratio = want != 0.0 ? got / want : 0.0;
-  return c;
-}
-
 // A simple product of the layout's sizes equal to r: "1/cp", "dp*cp", "1/M" (ties: all names).
 std::string name_factor(double r, const StepLayout& l, double tol) {
   const std::vector<int64_t> per_rank = l.microbatches_per_rank();
@@ -523,79 +522,100 @@ std::string name_factor(double r, const StepLayout& l, double tol) {
 
 }  // namespace
 
-WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
-                                 const std::vector<double>& want, const TokenPlace& place,
-                                 const StepLayout& l, int64_t true_count, int64_t contract_count,
-                                 double tol) {
+namespace {
+
+// Consecutive tokens of one sample sharing (w, w*) and their owner: the unit the diagnosis and the
+// shard table read. Tokens with w = w* = 0 (masked, unweighted) are in no span.
+struct WeightSpan {
+  int64_t sample = 0, token = 0, tokens = 0;  // token: the first one's index in [sum R]
+  double got = 0.0, want = 0.0;
+  int16_t owner = -1;
+};
+
+std::vector<WeightSpan> spans_of_tokens(const Batch& b, const std::vector<double>& got,
+                                        const std::vector<double>& want, const TokenPlace& place) {
+  std::vector<WeightSpan> out;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    bool open = false;
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+      if (got[t] == 0.0 && want[t] == 0.0) {
+        open = false;
+        continue;
+      }
+      const int16_t o = place.owner.empty() ? int16_t{-1} : place.owner[t];
+      if (open) {
+        WeightSpan& last = out.back();
+        if (last.got == got[t] && last.want == want[t] && last.owner == o) {
+          ++last.tokens;
+          continue;
+        }
+      }
+      out.push_back({i, t, 1, got[t], want[t], o});
+      open = true;
+    }
+  }
+  return out;
+}
+
+TokenCoord coord_of_span(const Batch& b, const WeightSpan& sp,
+                         const std::vector<int32_t>& sample_microbatch, const StepLayout& l) {
+  TokenCoord c;
+  c.sample = sp.sample;
+  c.response_index = sp.token - b.response_offsets[sp.sample];
+  const int32_t k = sample_microbatch.empty() ? -1 : sample_microbatch[sp.sample];
+  if (k >= 0) {
+    c.dp_rank = l.microbatches[k].dp_rank;
+    c.microbatch = l.microbatches[k].index;
+  }
+  c.cp_rank = sp.owner;
+  c.got = sp.got;
+  c.want = sp.want;
+  c.ratio = sp.want != 0.0 ? sp.got / sp.want : 0.0;
+  return c;
+}
+
+WeightDiagnosis diagnose_spans(const Batch& b, const std::vector<WeightSpan>& spans,
+                               const std::vector<int32_t>& sample_microbatch, const StepLayout& l,
+                               int64_t true_count, int64_t contract_count, double tol) {
   WeightDiagnosis dg;
   const int64_t s = b.num_samples();
-  double worst_log = -1.0, last_r = NAN, last_log = -1.0;
-  bool first = true;
-  double r0 = 1.0;
-  bool uniform = true;
   // Non-finite weights first: every later test is a comparison, and comparisons with inf or NaN
-  // answer whatever their form happens to give. x·0 is NaN exactly for a non-finite x: a flat
-  // pass finds whether there is one, the pass by sample names it.
-  const std::size_t n = std::min(got.size(), want.size());
-  double probe[4] = {0.0, 0.0, 0.0, 0.0};
-  std::size_t t4 = 0;
-  for (; t4 + 4 <= n; t4 += 4) {
-    for (int k = 0; k < 4; ++k) probe[k] += got[t4 + k] * 0.0 + want[t4 + k] * 0.0;
-  }
-  for (; t4 < n; ++t4) probe[0] += got[t4] * 0.0 + want[t4] * 0.0;
-  const bool any_non_finite = std::isnan(probe[0] + probe[1] + probe[2] + probe[3]);
-  for (int64_t i = 0; any_non_finite && i < s; ++i) {
-    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-      if (std::isfinite(got[t]) && std::isfinite(want[t])) continue;
-      if (dg.non_finite++ == 0) dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
-    }
+  // answer whatever their form happens to give.
+  for (const WeightSpan& sp : spans) {
+    if (std::isfinite(sp.got) && std::isfinite(sp.want)) continue;
+    if (dg.non_finite == 0) dg.worst = coord_of_span(b, sp, sample_microbatch, l);
+    dg.non_finite += sp.tokens;
   }
   if (dg.non_finite > 0) {
     dg.kind = "non-finite";
     dg.min_ratio = dg.max_ratio = NAN;
     return dg;
   }
-  // Weights come in long runs of one (w, w*) pair: a token repeating the last effective token's
-  // pair only adds to the counts (its ratio changes no minimum, maximum, uniformity or worst).
-  double last_got = NAN, last_want = NAN;
-  bool last_mismatched = false;
-  for (int64_t i = 0; i < s; ++i) {
-    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-      if (got[t] == last_got && want[t] == last_want) {
-        ++dg.tokens;
-        dg.mismatched += last_mismatched;
-        continue;
-      }
-      if (want[t] == 0.0) {
-        if (got[t] != 0.0) {
-          if (dg.masked_weighted++ == 0) dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
-        }
-        continue;
-      }
-      ++dg.tokens;
-      const double r = got[t] / want[t];
-      last_got = got[t];
-      last_want = want[t];
-      last_mismatched = !same(r, 1.0, tol);
-      dg.mismatched += last_mismatched;
-      if (first) {
-        r0 = r;
-        dg.min_ratio = dg.max_ratio = r;
-        first = false;
-      }
-      uniform &= same(r, r0, tol);
-      dg.min_ratio = std::min(dg.min_ratio, r);
-      dg.max_ratio = std::max(dg.max_ratio, r);
-      // |log r| only when r changes: ratios come in long runs of one value (the first token of
-      // the greatest |log r| is the worst either way).
-      if (r != last_r) {
-        last_r = r;
-        last_log = r > 0 ? std::fabs(std::log(r)) : INFINITY;
-      }
-      if (dg.masked_weighted == 0 && last_log > worst_log) {
-        worst_log = last_log;
-        dg.worst = coord_of(b, i, t, place, l, got[t], want[t]);
-      }
+  double worst_log = -1.0;
+  bool first = true;
+  double r0 = 1.0;
+  bool uniform = true;
+  for (const WeightSpan& sp : spans) {
+    if (sp.want == 0.0) {  // w != 0 here: a masked token that carries weight
+      if (dg.masked_weighted == 0) dg.worst = coord_of_span(b, sp, sample_microbatch, l);
+      dg.masked_weighted += sp.tokens;
+      continue;
+    }
+    dg.tokens += sp.tokens;
+    const double r = sp.got / sp.want;
+    if (!same(r, 1.0, tol)) dg.mismatched += sp.tokens;
+    if (first) {
+      r0 = r;
+      dg.min_ratio = dg.max_ratio = r;
+      first = false;
+    }
+    uniform &= same(r, r0, tol);
+    dg.min_ratio = std::min(dg.min_ratio, r);
+    dg.max_ratio = std::max(dg.max_ratio, r);
+    const double lg = r > 0 ? std::fabs(std::log(r)) : INFINITY;
+    if (dg.masked_weighted == 0 && lg > worst_log) {
+      worst_log = lg;
+      dg.worst = coord_of_span(b, sp, sample_microbatch, l);
     }
   }
   if (dg.masked_weighted > 0) {
@@ -626,52 +646,78 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
   // The coarsest unit within which the ratio is constant.
   const int64_t cp = l.cp;
   auto mb_of = [&](int64_t i) -> int64_t {
-    return place.sample_microbatch.empty() ? -1 : place.sample_microbatch[i];
+    return sample_microbatch.empty() ? -1 : sample_microbatch[i];
   };
   const int64_t num_mb = static_cast<int64_t>(l.microbatches.size());
-  // Whether r is constant within every unit key(i, t); on success the worst token's unit size.
+  // Whether r is constant within every unit key(sample, owner); on success the worst token's
+  // unit size.
   auto constant_within = [&](const char* kind, int64_t count, auto key) {
     std::vector<double> ratio(static_cast<std::size_t>(count), NAN);
     std::vector<int64_t> tokens(static_cast<std::size_t>(count), 0);
-    for (int64_t i = 0; i < s; ++i) {
-      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-        if (want[t] == 0.0) continue;
-        const int64_t k = key(i, t);
-        if (k < 0) return false;
-        const double r = got[t] / want[t];
-        if (std::isnan(ratio[k])) {
-          ratio[k] = r;
-        } else if (!same(ratio[k], r, tol)) {
-          return false;
-        }
-        ++tokens[k];
+    for (const WeightSpan& sp : spans) {
+      const int64_t k = key(sp.sample, sp.owner);
+      if (k < 0) return false;
+      const double r = sp.got / sp.want;
+      if (std::isnan(ratio[k])) {
+        ratio[k] = r;
+      } else if (!same(ratio[k], r, tol)) {
+        return false;
       }
+      tokens[k] += sp.tokens;
     }
     dg.kind = kind;
-    const int64_t k =
-        key(dg.worst.sample, b.response_offsets[dg.worst.sample] + dg.worst.response_index);
+    const int64_t k = key(dg.worst.sample, static_cast<int16_t>(dg.worst.cp_rank));
     dg.worst.unit_tokens = k >= 0 ? tokens[k] : 0;
     return true;
   };
-  if (constant_within("per-rank", l.dp, [&](int64_t i, int64_t) {
+  if (constant_within("per-rank", l.dp, [&](int64_t i, int16_t) {
         const int64_t k = mb_of(i);
         return k < 0 ? int64_t{-1} : l.microbatches[k].dp_rank;
       })) {
     return dg;
   }
-  if (constant_within("per-microbatch", num_mb, [&](int64_t i, int64_t) { return mb_of(i); })) {
+  if (constant_within("per-microbatch", num_mb, [&](int64_t i, int16_t) { return mb_of(i); })) {
     return dg;
   }
-  if (constant_within("per-cp-shard", num_mb * cp, [&](int64_t i, int64_t t) {
+  if (constant_within("per-cp-shard", num_mb * cp, [&](int64_t i, int16_t o) {
         const int64_t k = mb_of(i);
-        const int64_t o = place.owner.empty() ? -1 : place.owner[t];
         return k < 0 || o < 0 ? int64_t{-1} : k * cp + o;
       })) {
     return dg;
   }
-  if (constant_within("per-sample", s, [&](int64_t i, int64_t) { return i; })) return dg;
+  if (constant_within("per-sample", s, [&](int64_t i, int16_t) { return i; })) return dg;
   dg.kind = "mixed";
   return dg;
+}
+
+std::vector<ShardRatio> shard_ratios_of_spans(const std::vector<WeightSpan>& spans,
+                                              const std::vector<int32_t>& sample_microbatch,
+                                              const StepLayout& l) {
+  std::vector<ShardRatio> out(l.microbatches.size() * static_cast<std::size_t>(l.cp));
+  for (const WeightSpan& sp : spans) {
+    const int32_t k = sample_microbatch[sp.sample];
+    if (k < 0 || sp.owner < 0) continue;
+    ShardRatio& sr = out[static_cast<std::size_t>(k) * l.cp + sp.owner];
+    if (sp.want == 0.0) {
+      sr.masked_weighted += sp.tokens;  // w != 0: spans leave out w = w* = 0
+      continue;
+    }
+    const double r = sp.got / sp.want;
+    sr.min_ratio = sr.tokens == 0 ? r : std::min(sr.min_ratio, r);
+    sr.max_ratio = sr.tokens == 0 ? r : std::max(sr.max_ratio, r);
+    sr.tokens += sp.tokens;
+  }
+  return out;
+}
+
+}  // namespace
+
+WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
+                                 const std::vector<double>& want, const TokenPlace& place,
+                                 const StepLayout& l, int64_t true_count, int64_t contract_count,
+                                 double tol) {
+  return diagnose_spans(b, spans_of_tokens(b, got, want, place), place.sample_microbatch, l,
+                        true_count, contract_count, tol);
 }
 
 std::string WeightDiagnosis::summary() const {
@@ -721,34 +767,7 @@ std::string WeightDiagnosis::summary() const {
 std::vector<ShardRatio> shard_ratios(const Batch& b, const std::vector<double>& got,
                                      const std::vector<double>& want, const TokenPlace& place,
                                      const StepLayout& l) {
-  std::vector<ShardRatio> out(l.microbatches.size() * static_cast<std::size_t>(l.cp));
-  for (int64_t i = 0; i < b.num_samples(); ++i) {
-    const int32_t k = place.sample_microbatch[i];
-    if (k < 0) continue;
-    int16_t last_owner = -1;
-    double last_got = NAN, last_want = NAN;
-    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-      const int16_t o = place.owner[t];
-      if (o < 0) continue;
-      ShardRatio& sr = out[static_cast<std::size_t>(k) * l.cp + o];
-      if (o == last_owner && got[t] == last_got && want[t] == last_want) {
-        ++sr.tokens;  // the ratio of the token before, in the same shard
-        continue;
-      }
-      if (want[t] == 0.0) {
-        sr.masked_weighted += got[t] != 0.0;
-        continue;
-      }
-      const double r = got[t] / want[t];
-      last_owner = o;
-      last_got = got[t];
-      last_want = want[t];
-      sr.min_ratio = sr.tokens == 0 ? r : std::min(sr.min_ratio, r);
-      sr.max_ratio = sr.tokens == 0 ? r : std::max(sr.max_ratio, r);
-      ++sr.tokens;
-    }
-  }
-  return out;
+  return shard_ratios_of_spans(spans_of_tokens(b, got, want, place), place.sample_microbatch, l);
 }
 
 namespace {
@@ -787,8 +806,13 @@ void value_runs(const Batch& b, int64_t i, const LayoutWeights& w, std::vector<O
   owned_runs(b, i, *w.layout, at, scratch);
   const double* factor =
       w.factors.factor.data() + static_cast<std::size_t>(at.microbatch) * w.layout->cp;
-  for (const OwnedRun& r : scratch)
-    out.push_back({r.begin, r.end, r.owner, factor[r.owner] * w.factors.per_sample[i]});
+  for (const OwnedRun& r : scratch) {
+    ValueRun& v = out.emplace_back();  // field by field: see add_run
+    v.begin = r.begin;
+    v.end = r.end;
+    v.owner = r.owner;
+    v.value = factor[r.owner] * w.factors.per_sample[i];
+  }
 }
 
 // Every sample's value runs, kept: the base layout's are walked once per variation.
@@ -889,6 +913,71 @@ double max_weight_difference(const Batch& b, const CachedRuns& ref, const Layout
 
 }  // namespace
 
+namespace {
+
+// The spans of a contract's weights on a layout against the truth (one weight per sample on its
+// mask-1 tokens), from its owner runs: per run or gap, its mask-1 tokens.
+std::vector<WeightSpan> spans_of_layout(const Batch& b, const LayoutWeights& w,
+                                        const std::vector<double>& truth_per_sample) {
+  std::vector<WeightSpan> out;
+  std::vector<OwnedRun> scratch;
+  std::vector<ValueRun> runs;
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    const int64_t off = b.response_offsets[i], len = b.response_lengths[i];
+    const double want = truth_per_sample[i];
+    const uint8_t* mask = b.loss_mask.data() + off;
+    auto emit = [&](int64_t x, int64_t y, double got, int16_t owner) {
+      int64_t first = -1, n = 0;
+      for (int64_t t = x; t < y; ++t) {
+        if (mask[t] != 0 && first < 0) first = t;
+        n += mask[t] != 0;
+      }
+      if (n == 0 || (got == 0.0 && want == 0.0)) return;
+      out.push_back({i, off + first, n, got, want, owner});
+    };
+    value_runs(b, i, w, scratch, runs);
+    int64_t x = 0;
+    for (const ValueRun& r : runs) {
+      if (r.begin > x) emit(x, r.begin, 0.0, -1);  // owned by no rank: no weight
+      emit(r.begin, r.end, r.value, r.owner);
+      x = r.end;
+    }
+    if (x < len) emit(x, len, 0.0, -1);
+  }
+  return out;
+}
+
+std::vector<int32_t> sample_microbatches(const PlacedSamples& placed) {
+  std::vector<int32_t> out(placed.slot.size());
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = placed.slot[i].microbatch;
+  return out;
+}
+
+WeightDiagnosis diagnose_layout_weights(const Batch& b, const LayoutWeights& w,
+                                        const std::vector<double>& truth_per_sample,
+                                        int64_t true_count) {
+  return diagnose_spans(b, spans_of_layout(b, w, truth_per_sample), sample_microbatches(w.placed),
+                        *w.layout, true_count, w.factors.global_count, kWeightRelTol);
+}
+
+}  // namespace
+
+WeightsSummary summarize_weights(const Batch& b, const StepLayout& l, const Contract& contract,
+                                 const ObjectiveSizes& sizes,
+                                 const std::vector<double>& truth_per_sample, int64_t true_count) {
+  const TermMasks masks = term_masks(b, contract, sizes);
+  const LayoutWeights w = layout_weights(b, l, contract, sizes, masks, nullptr);
+  const std::vector<WeightSpan> spans = spans_of_layout(b, w, truth_per_sample);
+  const std::vector<int32_t> mbs = sample_microbatches(w.placed);
+  WeightsSummary out;
+  out.diagnosis =
+      diagnose_spans(b, spans, mbs, l, true_count, w.factors.global_count, kWeightRelTol);
+  out.shards = shard_ratios_of_spans(spans, mbs, l);
+  out.global_count = w.factors.global_count;
+  out.problems = w.placed.problems;
+  return out;
+}
+
 std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepLayout& base,
                                                      const Contract& contract,
                                                      const ObjectiveSizes& sizes, Split split,
@@ -913,16 +1002,22 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   std::vector<Reference> refs(terms.size());
   for (std::size_t k = 0; k < terms.size(); ++k) {
     const TermInvariance& t = terms[k];
+    for (uint8_t m : t.batch->loss_mask) refs[k].true_count += m;
+    if (t.base_diagnosis != nullptr) {
+      refs[k].diagnosis = *t.base_diagnosis;
+      continue;
+    }
     if (t.base_weights == nullptr) {
       refs[k].computed = contract_weights(*t.batch, base, *t.contract, t.sizes);
       refs[k].weights = &refs[k].computed;
     } else {
       refs[k].weights = t.base_weights;
     }
-    for (uint8_t m : t.batch->loss_mask) refs[k].true_count += m;
     refs[k].diagnosis =
-        t.base_diagnosis != nullptr
-            ? *t.base_diagnosis
+        t.truth_per_sample != nullptr
+            ? summarize_weights(*t.batch, base, *t.contract, t.sizes, *t.truth_per_sample,
+                                refs[k].true_count)
+                  .diagnosis
             : diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth, refs[k].weights->place,
                                base, refs[k].true_count, refs[k].weights->global_count);
   }
@@ -982,6 +1077,9 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
       if (res.ok) {
         res.against_truth = refs[k].diagnosis;
+      } else if (terms[k].diagnose_every_break && terms[k].truth_per_sample != nullptr) {
+        res.against_truth =
+            diagnose_layout_weights(b, w, *terms[k].truth_per_sample, refs[k].true_count);
       } else if (terms[k].diagnose_every_break) {
         if (!placed) placed = place_tokens(b0, l);
         const ContractWeights cw =
@@ -1028,6 +1126,12 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       l.cp_layout = base.cp_layout;
       l.allgather_pad = base.allgather_pad;
       const Batch& b = *terms[k].batch;
+      if (terms[k].truth_per_sample != nullptr) {
+        out[k][j].against_truth = summarize_weights(b, l, *terms[k].contract, terms[k].sizes,
+                                                    *terms[k].truth_per_sample, refs[k].true_count)
+                                      .diagnosis;
+        break;
+      }
       const ContractWeights w = contract_weights(b, l, *terms[k].contract, terms[k].sizes);
       out[k][j].against_truth = diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
                                                  refs[k].true_count, w.global_count);

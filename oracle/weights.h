@@ -34,6 +34,10 @@ ObjectiveSizes resolve_sizes(const Batch& batch, ObjectiveSizes sizes);
 
 // w*_t per response token (mask index), [sum R].
 std::vector<double> true_weights(const Batch& batch, Reduction reduce, const ObjectiveSizes& sizes);
+// The same as one weight per sample, [S]: w*_t = m_t · (this)[i] (0 for a sample without effective
+// tokens).
+std::vector<double> true_sample_weights(const Batch& batch, Reduction reduce,
+                                        const ObjectiveSizes& sizes);
 
 // Where each token's weight comes from on a layout.
 struct TokenPlace {
@@ -147,6 +151,9 @@ struct TermInvariance {
   const ContractWeights* base_weights = nullptr;  // on `base`
   // diagnose_weights of base_weights against truth, when the caller has it.
   const WeightDiagnosis* base_diagnosis = nullptr;
+  // The truth as one weight per sample (true_sample_weights, times any scale): when given, layouts
+  // are diagnosed from their owner runs, and `truth` and `base_weights` may be null.
+  const std::vector<double>* truth_per_sample = nullptr;
   // Diagnose every variation whose weights differ (against_truth); false: only the first, the
   // others' against_truth.kind is "not-run" (a failing term's ten diagnoses were most of its cost).
   bool diagnose_every_break = true;
@@ -154,6 +161,20 @@ struct TermInvariance {
 std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
     const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
     Variations vary = {});
+
+// The contract's weights on a layout against the truth, without a per-token vector (what
+// `weights` reports unless asked for every token): the diagnosis and shard table that
+// diagnose_weights and shard_ratios give for contract_weights against the truth expanded from
+// `truth_per_sample` (a test holds them equal), read from each sample's owner runs.
+struct WeightsSummary {
+  WeightDiagnosis diagnosis;
+  std::vector<ShardRatio> shards;
+  int64_t global_count = 0;           // ContractWeights::global_count
+  std::vector<std::string> problems;  // ContractWeights::problems
+};
+WeightsSummary summarize_weights(const Batch& batch, const StepLayout& layout,
+                                 const Contract& contract, const ObjectiveSizes& sizes,
+                                 const std::vector<double>& truth_per_sample, int64_t true_count);
 
 // The verdict of `weights`: the contract on the given layout, and on every variation of it. A
 // contract whose weights change with the layout fails even where it happens to be right or only

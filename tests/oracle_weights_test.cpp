@@ -1,9 +1,11 @@
 // Effective token weights (SPEC §9): every preset on small batches against weights derived by hand,
 // the diagnosis of each bug shape, and split invariance as a property over thousands of random
 // batches and layouts, each buggy preset breaking exactly where its formula says.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
 
 #include "core/batch.h"
 #include "core/contract.h"
@@ -336,6 +338,95 @@ TEST(Weights, SplitInvarianceMatchesATokenByTokenComparison) {
   }
   EXPECT_GT(compared, 3000);
   EXPECT_GT(differing, 500);  // the comparison saw breaks, not only agreement
+}
+
+// `weights` reports the summary from each sample's owner runs (no per-token vector); `--per-token`
+// and audit diagnose per-token vectors. Both must say the same: over random batches (RL, SFT,
+// empty and unplaced-free), zig-zag and all-gather layouts, contracts with every kind of break and
+// a truth scaled as a loss term's is, every field of the diagnosis and of the shard table.
+TEST(Weights, SummaryFromRunsEqualsThePerTokenDiagnosis) {
+  fixtures::Rng rng(20261204);
+  const char* contracts[] = {"relax",
+                             "relax-legacy",
+                             "hf-ga",
+                             "truth",
+                             "norm=microbatch",
+                             "norm=rank,scale=1/dp",
+                             "count=full-sample",
+                             "truth,sample=mean",
+                             "truth,scale=cp"};
+  std::set<std::string> kinds;
+  for (int trial = 0; trial < 800; ++trial) {
+    std::vector<S> samples;
+    for (int64_t i = 0, n = rng.uniform_int(1, 12); i < n; ++i) {
+      const int64_t t = rng.uniform_int(0, 30), r = rng.uniform_int(0, t);
+      std::vector<int64_t> mask(static_cast<std::size_t>(r));
+      for (auto& x : mask) x = rng.uniform() < 0.7;
+      samples.push_back({t, r, mask});
+    }
+    const Batch b = make(samples);
+    StepLayout l = layout(b, rng.uniform_int(1, 3), rng.uniform_int(1, 3), rng.uniform_int(1, 4));
+    if (rng.uniform() < 0.3) {
+      l.cp_layout = CpLayout::kAllgather;
+      l.allgather_pad = rng.uniform_int(1, 4);
+    }
+    const Contract c = parse_contract(contracts[trial % 9], Reduction::kPerToken);
+    const Reduction reduce = trial % 2 ? Reduction::kPerToken : Reduction::kSampleMean;
+    std::vector<double> per_sample = true_sample_weights(b, reduce, {});
+    const double scale = trial % 3 == 0 ? 0.5 : 1.0;  // a term judged relative to main's scale
+    std::vector<double> truth = true_weights(b, reduce, {});
+    for (double& w : per_sample) w *= scale;
+    for (double& w : truth) w *= scale;
+    int64_t n = 0;
+    for (uint8_t m : b.loss_mask) n += m;
+    ContractWeights w;
+    try {
+      w = contract_weights(b, l, c, {});
+    } catch (const InputError&) {
+      continue;
+    }
+    const WeightDiagnosis want =
+        diagnose_weights(b, w.weight, truth, w.place, l, n, w.global_count);
+    const std::vector<ShardRatio> want_shards = shard_ratios(b, w.weight, truth, w.place, l);
+    const WeightsSummary got = summarize_weights(b, l, c, {}, per_sample, n);
+    const WeightDiagnosis& d = got.diagnosis;
+    const std::string at = fmt::format("trial {} contract {}", trial, contracts[trial % 9]);
+    kinds.insert(want.kind);
+    EXPECT_EQ(d.kind, want.kind) << at;
+    EXPECT_EQ(d.scale, want.scale) << at;
+    EXPECT_EQ(d.named, want.named) << at;
+    EXPECT_EQ(d.tokens, want.tokens) << at;
+    EXPECT_EQ(d.mismatched, want.mismatched) << at;
+    EXPECT_EQ(d.masked_weighted, want.masked_weighted) << at;
+    EXPECT_EQ(d.non_finite, want.non_finite) << at;
+    if (want.kind != "exact") {
+      EXPECT_EQ(d.min_ratio, want.min_ratio) << at;
+      EXPECT_EQ(d.max_ratio, want.max_ratio) << at;
+      EXPECT_EQ(d.worst.sample, want.worst.sample) << at;
+      EXPECT_EQ(d.worst.response_index, want.worst.response_index) << at;
+      EXPECT_EQ(d.worst.dp_rank, want.worst.dp_rank) << at;
+      EXPECT_EQ(d.worst.microbatch, want.worst.microbatch) << at;
+      EXPECT_EQ(d.worst.cp_rank, want.worst.cp_rank) << at;
+      EXPECT_EQ(d.worst.got, want.worst.got) << at;
+      EXPECT_EQ(d.worst.want, want.worst.want) << at;
+      EXPECT_EQ(d.worst.unit_tokens, want.worst.unit_tokens) << at;
+    }
+    EXPECT_EQ(d.summary(), want.summary()) << at;
+    EXPECT_EQ(got.global_count, w.global_count) << at;
+    EXPECT_EQ(got.problems, w.problems) << at;
+    ASSERT_EQ(got.shards.size(), want_shards.size()) << at;
+    for (std::size_t k = 0; k < want_shards.size(); ++k) {
+      EXPECT_EQ(got.shards[k].tokens, want_shards[k].tokens) << at << " shard " << k;
+      EXPECT_EQ(got.shards[k].masked_weighted, want_shards[k].masked_weighted) << at;
+      if (want_shards[k].tokens > 0) {
+        EXPECT_EQ(got.shards[k].min_ratio, want_shards[k].min_ratio) << at << " shard " << k;
+        EXPECT_EQ(got.shards[k].max_ratio, want_shards[k].max_ratio) << at << " shard " << k;
+      }
+    }
+  }
+  // The property saw every diagnosis a contract can give here, not only "exact".
+  for (const char* k : {"exact", "uniform-scale", "per-microbatch", "per-cp-shard"})
+    EXPECT_EQ(kinds.count(k), 1u) << k;
 }
 
 TEST(Weights, AllGatherOwnsEveryTokenExactlyOnce) {
