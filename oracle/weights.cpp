@@ -777,8 +777,10 @@ namespace {
 // vectors: a variation costs a pass over the samples' runs, not over their tokens.
 struct LayoutWeights {
   const StepLayout* layout = nullptr;
-  PlacedSamples placed;
+  PlacedSamples own;                     // when the caller gave no placement
+  const PlacedSamples* given = nullptr;  // the caller's (shared by the terms)
   ContractFactors factors;
+  const PlacedSamples& placed() const { return given != nullptr ? *given : own; }
 };
 
 LayoutWeights layout_weights(const Batch& b, const StepLayout& l, const Contract& contract,
@@ -786,8 +788,9 @@ LayoutWeights layout_weights(const Batch& b, const StepLayout& l, const Contract
                              const PlacedSamples* placed) {
   LayoutWeights w;
   w.layout = &l;
-  w.placed = placed != nullptr ? *placed : place_sample_slots(b, l);
-  w.factors = contract_factors(b, l, contract, sizes, w.placed, masks);
+  if (placed == nullptr) w.own = place_sample_slots(b, l);
+  w.given = placed;
+  w.factors = contract_factors(b, l, contract, sizes, w.placed(), masks);
   return w;
 }
 
@@ -801,7 +804,7 @@ struct ValueRun {
 void value_runs(const Batch& b, int64_t i, const LayoutWeights& w, std::vector<OwnedRun>& scratch,
                 std::vector<ValueRun>& out) {
   out.clear();
-  const SampleSlot& at = w.placed.slot[i];
+  const SampleSlot& at = w.placed().slot[i];
   if (at.microbatch < 0) return;
   owned_runs(b, i, *w.layout, at, scratch);
   const double* factor =
@@ -892,7 +895,7 @@ double max_weight_difference(const Batch& b, const CachedRuns& ref, const Layout
             TokenCoord coord;
             coord.sample = i;
             coord.response_index = t;
-            const int32_t k = got.placed.slot[i].microbatch;
+            const int32_t k = got.placed().slot[i].microbatch;
             if (k >= 0) {
               coord.dp_rank = got.layout->microbatches[k].dp_rank;
               coord.microbatch = got.layout->microbatches[k].index;
@@ -956,7 +959,7 @@ std::vector<int32_t> sample_microbatches(const PlacedSamples& placed) {
 WeightDiagnosis diagnose_layout_weights(const Batch& b, const LayoutWeights& w,
                                         const std::vector<double>& truth_per_sample,
                                         int64_t true_count) {
-  return diagnose_spans(b, spans_of_layout(b, w, truth_per_sample), sample_microbatches(w.placed),
+  return diagnose_spans(b, spans_of_layout(b, w, truth_per_sample), sample_microbatches(w.placed()),
                         *w.layout, true_count, w.factors.global_count, kWeightRelTol);
 }
 
@@ -968,13 +971,13 @@ WeightsSummary summarize_weights(const Batch& b, const StepLayout& l, const Cont
   const TermMasks masks = term_masks(b, contract, sizes);
   const LayoutWeights w = layout_weights(b, l, contract, sizes, masks, nullptr);
   const std::vector<WeightSpan> spans = spans_of_layout(b, w, truth_per_sample);
-  const std::vector<int32_t> mbs = sample_microbatches(w.placed);
+  const std::vector<int32_t> mbs = sample_microbatches(w.placed());
   WeightsSummary out;
   out.diagnosis =
       diagnose_spans(b, spans, mbs, l, true_count, w.factors.global_count, kWeightRelTol);
   out.shards = shard_ratios_of_spans(spans, mbs, l);
   out.global_count = w.factors.global_count;
-  out.problems = w.placed.problems;
+  out.problems = w.placed().problems;
   return out;
 }
 
