@@ -53,7 +53,23 @@ namespace {
 constexpr int64_t kExactMatchTokenLimit = int64_t{1} << 20;
 
 // A global sample index -> its position in the rebuilt batch (looked up once per sample per rank).
-using SamplePositions = std::unordered_map<int64_t, int64_t>;
+// Global sample index -> position in the rebuilt batch: a table when the indices are dense (the
+// usual 0..N-1 of a sampler), a hash map otherwise. at() throws std::out_of_range as a map's does.
+class SamplePositions {
+ public:
+  void assign_dense(std::vector<int64_t> table) { dense_ = std::move(table); }
+  void set(int64_t idx, int64_t pos) { sparse_[idx] = pos; }
+  int64_t at(int64_t idx) const {
+    if (!sparse_.empty()) return sparse_.at(idx);
+    if (idx < 0 || idx >= static_cast<int64_t>(dense_.size()) || dense_[idx] < 0)
+      throw std::out_of_range(fmt::format("sample index {} is not in the batch", idx));
+    return dense_[idx];
+  }
+
+ private:
+  std::vector<int64_t> dense_;  // [max index + 1], -1 where absent
+  std::unordered_map<int64_t, int64_t> sparse_;
+};
 
 struct SampleRecord {
   const RankCapture* rank = nullptr;
@@ -170,7 +186,10 @@ struct RebuiltBatch {
 
 RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   RebuiltBatch out;
-  std::map<int64_t, SampleRecord> samples;
+  // Every non-dummy sample as the ranks hold it, in the order they are read; then, per global
+  // index, the first holder (the others must agree with it).
+  std::vector<std::pair<int64_t, SampleRecord>> held;
+  int64_t max_idx = -1;
   for (const auto& [coord, c] : ranks.by_coord) {
     for (const CapturedMicroBatch& mb : c->microbatches) {
       if (mb.dummy) {
@@ -193,48 +212,86 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
                       r = mb.response_lengths[p];
         if (idx < 0)
           throw_input_error("{}: micro-batch {} names sample index {}", c->file, mb.index, idx);
-        SampleRecord rec{c,
-                         mb.index,
-                         static_cast<int64_t>(p),
-                         t,
-                         r,
-                         mb.tokens.data() + tok,
-                         mb.loss_masks.data() + msk};
-        auto [it, fresh] = samples.emplace(idx, rec);
-        if (!fresh) {
-          const SampleRecord& o = it->second;
-          if (o.t != t || o.r != r || !std::equal(o.tokens, o.tokens + t, rec.tokens) ||
-              !std::equal(o.mask, o.mask + r, rec.mask)) {
-            throw_input_error(
-                "step {}: sample {} differs between {} micro-batch {} and {} micro-batch {} "
-                "(lengths {}/{} vs {}/{}, or its tokens or mask)",
-                step, idx, where(*o.rank), o.microbatch, where(*c), mb.index, o.t, o.r, t, r);
-          }
-        }
+        held.emplace_back(idx, SampleRecord{c, mb.index, static_cast<int64_t>(p), t, r,
+                                            mb.tokens.data() + tok, mb.loss_masks.data() + msk});
+        max_idx = std::max(max_idx, idx);
         tok += t;
         msk += r;
       }
     }
   }
+  // The first holder of each index: a table over 0..max when the indices are dense.
+  const bool dense = max_idx < 2 * static_cast<int64_t>(held.size()) + 1024;
+  std::vector<int64_t> first_dense;
+  std::unordered_map<int64_t, int64_t> first_sparse;
+  if (dense) first_dense.assign(static_cast<std::size_t>(max_idx + 1), -1);
+  std::vector<int64_t> unique;  // positions in `held` of each index's first holder
+  for (std::size_t k = 0; k < held.size(); ++k) {
+    const auto& [idx, rec] = held[k];
+    int64_t& first = dense ? first_dense[idx] : first_sparse.try_emplace(idx, -1).first->second;
+    if (first < 0) {
+      first = static_cast<int64_t>(k);
+      unique.push_back(first);
+      continue;
+    }
+    const SampleRecord& o = held[first].second;
+    if (o.t != rec.t || o.r != rec.r || !std::equal(o.tokens, o.tokens + rec.t, rec.tokens) ||
+        !std::equal(o.mask, o.mask + rec.r, rec.mask)) {
+      throw_input_error(
+          "step {}: sample {} differs between {} micro-batch {} and {} micro-batch {} "
+          "(lengths {}/{} vs {}/{}, or its tokens or mask)",
+          step, idx, where(*o.rank), o.microbatch, where(*rec.rank), rec.microbatch, o.t, o.r,
+          rec.t, rec.r);
+    }
+  }
+  // The batch in index order, packed (one array per field, as a packed dump's).
+  if (dense) {
+    unique.clear();
+    for (int64_t idx = 0; idx <= max_idx; ++idx) {
+      if (first_dense[idx] >= 0) unique.push_back(first_dense[idx]);
+    }
+  } else {
+    std::sort(unique.begin(), unique.end(),
+              [&](int64_t a, int64_t b) { return held[a].first < held[b].first; });
+  }
+  const auto n = static_cast<int64_t>(unique.size());
+  int64_t sum_t = 0, sum_r = 0;
+  for (int64_t k : unique) {
+    sum_t += held[k].second.t;
+    sum_r += held[k].second.r;
+  }
+  HostArray tokens = HostArray::zeros(DType::kInt64, {sum_t});
+  HostArray masks = HostArray::zeros(DType::kUInt8, {sum_r});
+  HostArray total_lengths = HostArray::zeros(DType::kInt64, {n});
+  HostArray response_lengths = HostArray::zeros(DType::kInt64, {n});
+  auto* tok = reinterpret_cast<int64_t*>(tokens.mutable_data());
+  auto* msk = reinterpret_cast<uint8_t*>(masks.mutable_data());
+  auto* tl = reinterpret_cast<int64_t*>(total_lengths.mutable_data());
+  auto* rl = reinterpret_cast<int64_t*>(response_lengths.mutable_data());
+  std::vector<int64_t> position(dense ? static_cast<std::size_t>(max_idx + 1) : 0, -1);
+  for (int64_t j = 0; j < n; ++j) {
+    const auto& [idx, rec] = held[unique[j]];
+    if (dense)
+      position[idx] = j;
+    else
+      out.position.set(idx, j);
+    tl[j] = rec.t;
+    rl[j] = rec.r;
+    tok = std::copy(rec.tokens, rec.tokens + rec.t, tok);
+    msk = std::copy(rec.mask, rec.mask + rec.r, msk);
+  }
+  if (dense) out.position.assign_dense(std::move(position));
   BatchBuilder builder(LoadNeeds{true, false, false});
   builder.begin_file(fmt::format("captures of step {}", step));
-  std::vector<HostArray> keep;
-  keep.reserve(samples.size() * 2);
-  out.position.reserve(samples.size());
-  for (const auto& [idx, rec] : samples) {
-    const auto next = static_cast<int64_t>(out.position.size());
-    out.position[idx] = next;
-    keep.push_back(HostArray::from_i64(DType::kInt64, {rec.t},
-                                       std::vector<int64_t>(rec.tokens, rec.tokens + rec.t)));
-    SampleFields f;
-    f.tokens = &keep.back();
-    f.response_length = rec.r;
-    keep.push_back(HostArray::from_i64(DType::kInt64, {rec.r},
-                                       std::vector<int64_t>(rec.mask, rec.mask + rec.r)));
-    f.loss_mask = &keep.back();
-    builder.add_sample(idx, f);
-  }
+  PackedFields f;
+  f.tokens = &tokens;
+  f.total_lengths = &total_lengths;
+  f.response_lengths = &response_lengths;
+  f.loss_masks = &masks;
+  builder.add_packed(f);
   out.batch = builder.finish();
+  // Messages name a sample by its global index, as before (a packed file numbers them 0..n-1).
+  for (int64_t j = 0; j < n; ++j) out.batch.origins[j].index_in_file = held[unique[j]].first;
   return out;
 }
 

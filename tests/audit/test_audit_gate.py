@@ -155,6 +155,40 @@ def test_non_finite_scale_and_losses_fail_naming_the_record(good, tmp_path, reco
     assert record.split(".")[-1] in json.dumps(failed_checks(doc)), failed_checks(doc)
 
 
+def sparse_indices(d, world=4):
+    """Renames every global sample index i to 10**12 + 7919 * i in every rank's captures (a sampler
+    over a huge dataset): audit reads the indices as names, so nothing else may change."""
+    for rank in range(world):
+        def change(t):
+            for k in [k for k in t if k.endswith(".sample_indices")]:
+                t[k] = t[k] * 7919 + 10**12
+        rewrite(d, rank, change)
+
+
+def test_sparse_global_sample_indices_pass_like_dense_ones(good, tmp_path):
+    d = tmp_path / "sparse"
+    shutil.copytree(good, d)
+    sparse_indices(d)
+    code, doc, err = audit(d, "--strict-scale")
+    assert code == 0, (doc, err)
+    assert doc["steps"][0]["diagnosis"]["kind"] == "exact"
+
+
+def test_a_sample_that_differs_between_ranks_is_named_by_its_sparse_index(good, tmp_path):
+    d = tmp_path / "sparse-differs"
+    shutil.copytree(good, d)
+    sparse_indices(d)
+
+    def change(t):  # rank 1 (DP 0, CP 1) sees another token in its first sample
+        first = int(t["mb.0.sample_indices"][0])
+        t["mb.0.tokens"][0] += 1
+        change.first = first
+    rewrite(d, 1, change)
+    code, doc, err = audit(d)
+    assert code == 2, (doc, err)
+    assert f"sample {change.first} differs between" in err, err
+
+
 def test_a_dropped_sample_fails_coverage(tmp_path):
     """global_batch_size says 6 samples; the captures hold 5."""
     write_step(str(tmp_path), 2, 2, STATIC, global_batch_size=len(SAMPLES) + 1)
