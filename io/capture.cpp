@@ -4,9 +4,12 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
 #include <filesystem>
 #include <map>
+#include <thread>
 
 #include "core/errors.h"
 #include "io/safetensors.h"
@@ -362,9 +365,30 @@ std::vector<RankCapture> read_captures(const std::vector<std::string>& paths) {
       files.push_back(p);
     }
   }
-  std::vector<RankCapture> out;
-  out.reserve(files.size());
-  for (const auto& f : files) out.push_back(read_capture(f));
+  // Files are independent: read on every core (a 16k-GPU job writes thousands per step), each
+  // into its own slot; the first failing file in path order is the one reported, as a sequential
+  // read would.
+  std::vector<RankCapture> out(files.size());
+  std::vector<std::exception_ptr> failed(files.size());
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t k = next++; k < files.size(); k = next++) {
+      try {
+        out[k] = read_capture(files[k]);
+      } catch (...) {
+        failed[k] = std::current_exception();
+      }
+    }
+  };
+  const std::size_t threads = std::min<std::size_t>(
+      std::max(1u, std::thread::hardware_concurrency()), files.size() < 64 ? 1 : 8);
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  for (const auto& e : failed) {
+    if (e) std::rethrow_exception(e);
+  }
   return out;
 }
 

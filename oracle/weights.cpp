@@ -532,30 +532,50 @@ struct WeightSpan {
   int16_t owner = -1;
 };
 
-std::vector<WeightSpan> spans_of_tokens(const Batch& b, const std::vector<double>& got,
-                                        const std::vector<double>& want, const TokenPlace& place) {
-  std::vector<WeightSpan> out;
-  for (int64_t i = 0; i < b.num_samples(); ++i) {
-    bool open = false;
-    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
-      if (got[t] == 0.0 && want[t] == 0.0) {
-        open = false;
-        continue;
-      }
-      const int16_t o = place.owner.empty() ? int16_t{-1} : place.owner[t];
-      if (open) {
-        WeightSpan& last = out.back();
-        if (last.got == got[t] && last.want == want[t] && last.owner == o) {
-          ++last.tokens;
+// The spans of per-token vectors, walked anew on each call (a measured weight vector may hold a
+// span per token: tens of millions, not to be stored). each(f) calls f(span) in token order until
+// f returns false.
+struct TokenSpans {
+  const Batch& b;
+  const std::vector<double>& got;
+  const std::vector<double>& want;
+  const TokenPlace& place;
+  template <class F>
+  void each(F&& f) const {
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      WeightSpan cur;
+      bool open = false;
+      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t) {
+        if (got[t] == 0.0 && want[t] == 0.0) continue;  // in no span; the next may continue it
+        const int16_t o = place.owner.empty() ? int16_t{-1} : place.owner[t];
+        if (open && cur.got == got[t] && cur.want == want[t] && cur.owner == o) {
+          ++cur.tokens;
           continue;
         }
+        if (open && !f(static_cast<const WeightSpan&>(cur))) return;
+        cur.sample = i;
+        cur.token = t;
+        cur.tokens = 1;
+        cur.got = got[t];
+        cur.want = want[t];
+        cur.owner = o;
+        open = true;
       }
-      out.push_back({i, t, 1, got[t], want[t], o});
-      open = true;
+      if (open && !f(static_cast<const WeightSpan&>(cur))) return;
     }
   }
-  return out;
-}
+};
+
+// Spans kept in a vector (from owner runs: a few per sample).
+struct StoredSpans {
+  const std::vector<WeightSpan>& spans;
+  template <class F>
+  void each(F&& f) const {
+    for (const WeightSpan& sp : spans) {
+      if (!f(sp)) return;
+    }
+  }
+};
 
 TokenCoord coord_of_span(const Batch& b, const WeightSpan& sp,
                          const std::vector<int32_t>& sample_microbatch, const StepLayout& l) {
@@ -574,18 +594,20 @@ TokenCoord coord_of_span(const Batch& b, const WeightSpan& sp,
   return c;
 }
 
-WeightDiagnosis diagnose_spans(const Batch& b, const std::vector<WeightSpan>& spans,
+template <class Spans>
+WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
                                const std::vector<int32_t>& sample_microbatch, const StepLayout& l,
                                int64_t true_count, int64_t contract_count, double tol) {
   WeightDiagnosis dg;
   const int64_t s = b.num_samples();
   // Non-finite weights first: every later test is a comparison, and comparisons with inf or NaN
   // answer whatever their form happens to give.
-  for (const WeightSpan& sp : spans) {
-    if (std::isfinite(sp.got) && std::isfinite(sp.want)) continue;
+  spans.each([&](const WeightSpan& sp) {
+    if (std::isfinite(sp.got) && std::isfinite(sp.want)) return true;
     if (dg.non_finite == 0) dg.worst = coord_of_span(b, sp, sample_microbatch, l);
     dg.non_finite += sp.tokens;
-  }
+    return true;
+  });
   if (dg.non_finite > 0) {
     dg.kind = "non-finite";
     dg.min_ratio = dg.max_ratio = NAN;
@@ -595,11 +617,11 @@ WeightDiagnosis diagnose_spans(const Batch& b, const std::vector<WeightSpan>& sp
   bool first = true;
   double r0 = 1.0;
   bool uniform = true;
-  for (const WeightSpan& sp : spans) {
+  spans.each([&](const WeightSpan& sp) {
     if (sp.want == 0.0) {  // w != 0 here: a masked token that carries weight
       if (dg.masked_weighted == 0) dg.worst = coord_of_span(b, sp, sample_microbatch, l);
       dg.masked_weighted += sp.tokens;
-      continue;
+      return true;
     }
     dg.tokens += sp.tokens;
     const double r = sp.got / sp.want;
@@ -617,7 +639,8 @@ WeightDiagnosis diagnose_spans(const Batch& b, const std::vector<WeightSpan>& sp
       worst_log = lg;
       dg.worst = coord_of_span(b, sp, sample_microbatch, l);
     }
-  }
+    return true;
+  });
   if (dg.masked_weighted > 0) {
     dg.kind = "masked-weight";
     return dg;
@@ -654,17 +677,20 @@ WeightDiagnosis diagnose_spans(const Batch& b, const std::vector<WeightSpan>& sp
   auto constant_within = [&](const char* kind, int64_t count, auto key) {
     std::vector<double> ratio(static_cast<std::size_t>(count), NAN);
     std::vector<int64_t> tokens(static_cast<std::size_t>(count), 0);
-    for (const WeightSpan& sp : spans) {
+    bool constant = true;
+    spans.each([&](const WeightSpan& sp) {
       const int64_t k = key(sp.sample, sp.owner);
-      if (k < 0) return false;
+      if (k < 0) return constant = false;
       const double r = sp.got / sp.want;
       if (std::isnan(ratio[k])) {
         ratio[k] = r;
       } else if (!same(ratio[k], r, tol)) {
-        return false;
+        return constant = false;
       }
       tokens[k] += sp.tokens;
-    }
+      return true;
+    });
+    if (!constant) return false;
     dg.kind = kind;
     const int64_t k = key(dg.worst.sample, static_cast<int16_t>(dg.worst.cp_rank));
     dg.worst.unit_tokens = k >= 0 ? tokens[k] : 0;
@@ -690,23 +716,25 @@ WeightDiagnosis diagnose_spans(const Batch& b, const std::vector<WeightSpan>& sp
   return dg;
 }
 
-std::vector<ShardRatio> shard_ratios_of_spans(const std::vector<WeightSpan>& spans,
+template <class Spans>
+std::vector<ShardRatio> shard_ratios_of_spans(const Spans& spans,
                                               const std::vector<int32_t>& sample_microbatch,
                                               const StepLayout& l) {
   std::vector<ShardRatio> out(l.microbatches.size() * static_cast<std::size_t>(l.cp));
-  for (const WeightSpan& sp : spans) {
+  spans.each([&](const WeightSpan& sp) {
     const int32_t k = sample_microbatch[sp.sample];
-    if (k < 0 || sp.owner < 0) continue;
+    if (k < 0 || sp.owner < 0) return true;
     ShardRatio& sr = out[static_cast<std::size_t>(k) * l.cp + sp.owner];
     if (sp.want == 0.0) {
       sr.masked_weighted += sp.tokens;  // w != 0: spans leave out w = w* = 0
-      continue;
+      return true;
     }
     const double r = sp.got / sp.want;
     sr.min_ratio = sr.tokens == 0 ? r : std::min(sr.min_ratio, r);
     sr.max_ratio = sr.tokens == 0 ? r : std::max(sr.max_ratio, r);
     sr.tokens += sp.tokens;
-  }
+    return true;
+  });
   return out;
 }
 
@@ -716,8 +744,8 @@ WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
                                  const std::vector<double>& want, const TokenPlace& place,
                                  const StepLayout& l, int64_t true_count, int64_t contract_count,
                                  double tol) {
-  return diagnose_spans(b, spans_of_tokens(b, got, want, place), place.sample_microbatch, l,
-                        true_count, contract_count, tol);
+  return diagnose_spans(b, TokenSpans{b, got, want, place}, place.sample_microbatch, l, true_count,
+                        contract_count, tol);
 }
 
 std::string WeightDiagnosis::summary() const {
@@ -767,7 +795,7 @@ std::string WeightDiagnosis::summary() const {
 std::vector<ShardRatio> shard_ratios(const Batch& b, const std::vector<double>& got,
                                      const std::vector<double>& want, const TokenPlace& place,
                                      const StepLayout& l) {
-  return shard_ratios_of_spans(spans_of_tokens(b, got, want, place), place.sample_microbatch, l);
+  return shard_ratios_of_spans(TokenSpans{b, got, want, place}, place.sample_microbatch, l);
 }
 
 namespace {
@@ -959,8 +987,9 @@ std::vector<int32_t> sample_microbatches(const PlacedSamples& placed) {
 WeightDiagnosis diagnose_layout_weights(const Batch& b, const LayoutWeights& w,
                                         const std::vector<double>& truth_per_sample,
                                         int64_t true_count) {
-  return diagnose_spans(b, spans_of_layout(b, w, truth_per_sample), sample_microbatches(w.placed()),
-                        *w.layout, true_count, w.factors.global_count, kWeightRelTol);
+  return diagnose_spans(b, StoredSpans{spans_of_layout(b, w, truth_per_sample)},
+                        sample_microbatches(w.placed()), *w.layout, true_count,
+                        w.factors.global_count, kWeightRelTol);
 }
 
 }  // namespace
@@ -973,9 +1002,9 @@ WeightsSummary summarize_weights(const Batch& b, const StepLayout& l, const Cont
   const std::vector<WeightSpan> spans = spans_of_layout(b, w, truth_per_sample);
   const std::vector<int32_t> mbs = sample_microbatches(w.placed());
   WeightsSummary out;
-  out.diagnosis =
-      diagnose_spans(b, spans, mbs, l, true_count, w.factors.global_count, kWeightRelTol);
-  out.shards = shard_ratios_of_spans(spans, mbs, l);
+  out.diagnosis = diagnose_spans(b, StoredSpans{spans}, mbs, l, true_count, w.factors.global_count,
+                                 kWeightRelTol);
+  out.shards = shard_ratios_of_spans(StoredSpans{spans}, mbs, l);
   out.global_count = w.factors.global_count;
   out.problems = w.placed().problems;
   return out;
