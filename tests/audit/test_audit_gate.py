@@ -399,3 +399,21 @@ def test_terms_undeclared_weighted_term_fails_and_a_declared_unhooked_term_is_no
     checks = {c["name"]: c for c in doc["steps"][0]["checks"]}
     assert code == 0 and checks["ent.weights"]["ok"] is None, checks
     assert "no rank hooked it" in checks["ent.weights"]["detail"]
+
+
+def test_many_captures_are_read_in_parallel_and_the_first_broken_file_is_named(tmp_path):
+    """80 rank captures (bench/audit_scale.py's generator, DP 40 x CP 2) are read on every core: they
+    pass as written, and with two files truncated the error names the first of them in path order, as
+    a sequential read would."""
+    d = tmp_path / "many"
+    build = os.path.dirname(os.path.dirname(os.path.abspath(LOSSGUARD)))
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "audit_scale.py"), build, "--dp", "40",
+                    "--cp", "2", "--rounds", "1", "--keep", str(d)], check=True, capture_output=True)
+    code, doc, err = audit(d)
+    assert code == 0, (doc, err)
+    for rank in (61, 17):
+        path = d / f"step000000-rank{rank:05d}.safetensors"
+        path.write_bytes(path.read_bytes()[:100])
+    code, doc, err = audit(d)
+    assert code == 2, (doc, err)
+    assert "rank00017" in err and "rank00061" not in err, err
