@@ -10,7 +10,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 export LOSSGUARD_VENV := $(VENV)
 
-.PHONY: all setup configure build build-tool demo test test-fuzz test-cpu clean regen-fixtures gallery
+.PHONY: all setup configure configure-demo build build-tool demo test test-fuzz test-cpu clean regen-fixtures gallery
 
 all: build
 
@@ -18,16 +18,24 @@ all: build
 setup:
 	@scripts/setup.sh && scripts/setup-trainers.sh
 
-configure: setup
-	@if [ ! -f $(BUILD)/build.ninja ]; then \
+CONFIGURE = if [ ! -f $(BUILD)/build.ninja ]; then \
 	  cmake -S . -B $(BUILD) -G Ninja -DLOSSGUARD_PYTHON=$(PYTHON) $(CMAKE_FLAGS); fi
+
+configure: setup
+	@$(CONFIGURE)
+
+# The demo's set-up: the base venv and the Hugging Face venv its last steps run (not Megatron's or
+# verl's, which only the tests use).
+configure-demo:
+	@scripts/setup.sh && scripts/setup-trainers.sh hf
+	@$(CONFIGURE)
 
 build: configure
 	@cmake --build $(BUILD)
 
 # What the demo runs: the binary and the LibTorch plugins it loads (no test binary, no benchmark).
 DEMO_TARGETS := lossguard lossguard_torchzip lossguard_trainer lossguard_distributed
-build-tool: configure
+build-tool: configure-demo
 	@cmake --build $(BUILD) --target $(DEMO_TARGETS)
 
 demo: build-tool

@@ -7,7 +7,9 @@
 # and trl.py cite the functions), so a new version is adopted deliberately, by changing the pin and
 # rerunning the tests.  Idempotent: a second run checks and returns in seconds.
 #
-#   scripts/setup.sh && scripts/setup-trainers.sh
+#   scripts/setup.sh && scripts/setup-trainers.sh            # every trainer
+#   scripts/setup-trainers.sh hf                               # only the named ones (hf, megatron, verl):
+#                                                              # `make demo` needs hf alone
 #   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_hf_trainer.py
 #   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_trl_trainer.py
 #   ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q tests/trainers/test_megatron.py
@@ -39,6 +41,13 @@ VERL_VENV="${LOSSGUARD_VERL_VENV:-$BASE-verl}"
 VERL_PIN=verl==0.9.1
 VERL_DEPS=(ray==2.60.0 tensordict==0.10.0 transformers==5.10.4 accelerate==1.16.0 peft==0.21.2 datasets==5.2.0
            hydra-core==1.3.2 omegaconf==2.3.0 codetiming==1.4.0 pillow==13.0.0)
+
+WANT=("${@:-hf megatron verl}")
+WANT=(${WANT[*]})
+for w in "${WANT[@]}"; do
+  case "$w" in hf|megatron|verl) ;; *) echo "setup-trainers: unknown trainer '$w' (hf, megatron, verl)" >&2; exit 2;; esac
+done
+wants() { [[ " ${WANT[*]} " == *" $1 "* ]]; }
 
 if ! "$BASE/bin/python" -c 'import torch, safetensors' 2>/dev/null; then
   echo "setup-trainers: $BASE has no torch; run scripts/setup.sh first" >&2
@@ -77,6 +86,7 @@ for pin in sys.argv[1:]:
 EOF
 }
 
+if wants hf; then
 make_venv "$HF_VENV"
 if ! have_pins "$HF_VENV/bin/python" "${HF_PINS[@]}"; then
   echo "setup-trainers: installing ${HF_PINS[*]} into $HF_VENV (torch from $BASE)" >&2
@@ -90,7 +100,9 @@ assert torch.__file__.startswith(sys.argv[1]), f"torch comes from {torch.__file_
 print(f"setup-trainers: venv-hf ready: transformers {transformers.__version__}, accelerate "
       f"{accelerate.__version__}, trl {trl.__version__}, torch {torch.__version__} (shared)", file=sys.stderr)
 EOF
+fi
 
+if wants megatron; then
 make_venv "$MEGATRON_VENV"
 if ! have_pins "$MEGATRON_VENV/bin/python" "${MEGATRON_PINS[@]}"; then
   echo "setup-trainers: installing ${MEGATRON_PINS[*]} into $MEGATRON_VENV (torch from $BASE)" >&2
@@ -104,7 +116,9 @@ import megatron.core.parallel_state  # noqa: F401  (imports without Transformer 
 print(f"setup-trainers: venv-megatron ready: megatron-core {version('megatron-core')}, torch {torch.__version__} "
       f"(shared)", file=sys.stderr)
 EOF
+fi
 
+if wants verl; then
 make_venv "$VERL_VENV"
 if ! have_pins "$VERL_VENV/bin/python" "$VERL_PIN" "${VERL_DEPS[@]}"; then
   echo "setup-trainers: installing $VERL_PIN (--no-deps) and ${VERL_DEPS[*]} into $VERL_VENV (torch from $BASE)" >&2
@@ -122,3 +136,4 @@ assert torch.__file__.startswith(sys.argv[1]), f"torch comes from {torch.__file_
 print(f"setup-trainers: venv-verl ready: verl {verl.__version__}, transformers {transformers.__version__}, "
       f"torch {torch.__version__} (shared)", file=sys.stderr)
 EOF
+fi
