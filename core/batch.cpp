@@ -477,7 +477,7 @@ void BatchBuilder::add_packed(const PackedFields& f) {
   if (needs_.tokens) {
     const std::size_t t0 = batch_.tokens.size();
     batch_.tokens.resize(t0 + static_cast<std::size_t>(sum_t));
-    tokens.copy_i64(0, sum_t, batch_.tokens.data() + t0);
+    if (sum_t > 0) tokens.copy_i64(0, sum_t, batch_.tokens.data() + t0);
   }
   const std::size_t m0 = batch_.loss_mask.size();
   batch_.loss_mask.resize(m0 + static_cast<std::size_t>(sum_r), 1);
@@ -486,7 +486,7 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     const HostArray& m = *f.loss_masks;
     uint8_t* dst = batch_.loss_mask.data() + m0;
     if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
-      std::memcpy(dst, m.data, static_cast<std::size_t>(sum_r));
+      if (sum_r > 0) std::memcpy(dst, m.data, static_cast<std::size_t>(sum_r));  // else both null
     } else if ((m.dtype == DType::kInt64 &&
                 reinterpret_cast<uintptr_t>(m.data) % alignof(int64_t) == 0) ||
                (m.dtype == DType::kInt32 &&
