@@ -156,6 +156,22 @@ TEST(FusedXent, ThreadedDispatchMatchesTheReference) {
       "dispatch");
 }
 
+// One row's kernel arguments over caller-owned buffers.
+XentArgs one_row(const std::vector<float>& z, const int64_t& target, const float& scale, float& lse,
+                 float& loss, std::vector<float>& g) {
+  XentArgs a;
+  a.logits = z.data();
+  a.rows = 1;
+  a.vocab = static_cast<int64_t>(z.size());
+  a.row_stride = a.vocab;
+  a.targets = &target;
+  a.grad_scale = &scale;
+  a.lse = &lse;
+  a.token_loss = &loss;
+  a.grad = g.data();
+  return a;
+}
+
 // Rows of several 2048-logit blocks whose maximum moves from block to block: up by 10 (the
 // one-sweep blocks rescale their sum), up by 25 and by 100 (each block over the slack of 20, so
 // redone with its own maximum; kept, e^100 would overflow float), down by 25 (later blocks far
@@ -199,16 +215,7 @@ TEST(FusedXent, NonFiniteLogitInALaterBlockIsNotHidden) {
     const float scale = 1.0f;
     float lse = 0, loss = 0;
     std::vector<float> g(static_cast<std::size_t>(vocab), 0.0f);
-    XentArgs a;
-    a.logits = z.data();
-    a.rows = 1;
-    a.vocab = vocab;
-    a.row_stride = vocab;
-    a.targets = &target;
-    a.grad_scale = &scale;
-    a.lse = &lse;
-    a.token_loss = &loss;
-    a.grad = g.data();
+    const XentArgs a = one_row(z, target, scale, lse, loss, g);
     for (const char* isa : {"generic", "avx2", "avx512"}) {
       if (!xent_isa_runs(isa)) continue;
       lse = loss = 0.0f;
@@ -233,17 +240,7 @@ TEST(FusedXent, ExtremeLogitsStayFinite) {
   const float scale = 0.5f;
   float lse = 0, loss = 0;
   std::vector<float> g(static_cast<std::size_t>(v), NAN);
-  XentArgs a;
-  a.logits = z.data();
-  a.rows = 1;
-  a.vocab = v;
-  a.row_stride = v;
-  a.targets = &target;
-  a.grad_scale = &scale;
-  a.lse = &lse;
-  a.token_loss = &loss;
-  a.grad = g.data();
-  fused_xent(a, Device::kCpu);
+  fused_xent(one_row(z, target, scale, lse, loss, g), Device::kCpu);
   EXPECT_FLOAT_EQ(lse, 1e4f);
   EXPECT_FLOAT_EQ(loss, 1e4f);
   EXPECT_FLOAT_EQ(g[3], 0.5f);

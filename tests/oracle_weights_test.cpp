@@ -250,6 +250,26 @@ TEST(Weights, SplitInvarianceAndBugFormulasOverRandomBatches) {
   EXPECT_GT(hf_ga_exact, 5);
 }
 
+// A random batch of up to 12 samples (RL, SFT and empty ones, masks 70% ones) and a random layout
+// of it (DP, micro-batches, CP 1-4; all-gather 30% of the time), for the run-versus-token
+// properties.
+std::pair<Batch, StepLayout> random_batch_and_layout(fixtures::Rng& rng) {
+  std::vector<S> samples;
+  for (int64_t i = 0, n = rng.uniform_int(1, 12); i < n; ++i) {
+    const int64_t t = rng.uniform_int(0, 30), r = rng.uniform_int(0, t);
+    std::vector<int64_t> mask(static_cast<std::size_t>(r));
+    for (auto& x : mask) x = rng.uniform() < 0.7;
+    samples.push_back({t, r, mask});
+  }
+  Batch b = make(samples);
+  StepLayout l = layout(b, rng.uniform_int(1, 3), rng.uniform_int(1, 3), rng.uniform_int(1, 4));
+  if (rng.uniform() < 0.3) {
+    l.cp_layout = CpLayout::kAllgather;
+    l.allgather_pad = rng.uniform_int(1, 4);
+  }
+  return {std::move(b), std::move(l)};
+}
+
 // I5 compares each variation's weights with the base layout's run by run (owner runs and mask
 // counts, no per-token vectors). Here, independently, token by token: both layouts' per-token
 // weights, the greatest relative difference and its first token, over random batches (RL and SFT,
@@ -266,20 +286,7 @@ TEST(Weights, SplitInvarianceMatchesATokenByTokenComparison) {
                              "truth,sample=mean"};
   int compared = 0, differing = 0;
   for (int trial = 0; trial < 600; ++trial) {
-    std::vector<S> samples;
-    for (int64_t i = 0, n = rng.uniform_int(1, 12); i < n; ++i) {
-      const int64_t t = rng.uniform_int(0, 30), r = rng.uniform_int(0, t);
-      std::vector<int64_t> mask(static_cast<std::size_t>(r));
-      for (auto& x : mask) x = rng.uniform() < 0.7;
-      samples.push_back({t, r, mask});
-    }
-    const Batch b = make(samples);
-    StepLayout base =
-        layout(b, rng.uniform_int(1, 3), rng.uniform_int(1, 3), rng.uniform_int(1, 4));
-    if (rng.uniform() < 0.3) {
-      base.cp_layout = CpLayout::kAllgather;
-      base.allgather_pad = rng.uniform_int(1, 4);
-    }
+    const auto [b, base] = random_batch_and_layout(rng);
     const Contract c = parse_contract(contracts[trial % 8], Reduction::kPerToken);
     const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
     const std::vector<InvarianceResult> got =
@@ -357,19 +364,7 @@ TEST(Weights, SummaryFromRunsEqualsThePerTokenDiagnosis) {
                              "truth,scale=cp"};
   std::set<std::string> kinds;
   for (int trial = 0; trial < 800; ++trial) {
-    std::vector<S> samples;
-    for (int64_t i = 0, n = rng.uniform_int(1, 12); i < n; ++i) {
-      const int64_t t = rng.uniform_int(0, 30), r = rng.uniform_int(0, t);
-      std::vector<int64_t> mask(static_cast<std::size_t>(r));
-      for (auto& x : mask) x = rng.uniform() < 0.7;
-      samples.push_back({t, r, mask});
-    }
-    const Batch b = make(samples);
-    StepLayout l = layout(b, rng.uniform_int(1, 3), rng.uniform_int(1, 3), rng.uniform_int(1, 4));
-    if (rng.uniform() < 0.3) {
-      l.cp_layout = CpLayout::kAllgather;
-      l.allgather_pad = rng.uniform_int(1, 4);
-    }
+    const auto [b, l] = random_batch_and_layout(rng);
     const Contract c = parse_contract(contracts[trial % 9], Reduction::kPerToken);
     const Reduction reduce = trial % 2 ? Reduction::kPerToken : Reduction::kSampleMean;
     std::vector<double> per_sample = true_sample_weights(b, reduce, {});
