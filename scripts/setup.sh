@@ -7,7 +7,7 @@ set -euo pipefail
 VENV="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}"
 PYTHON="${LOSSGUARD_BASE_PYTHON:-python3}"
 DEB_PACKAGES=(build-essential cmake ninja-build ccache pkg-config libcli11-dev nlohmann-json3-dev libgloo-dev
-              libfmt-dev libgtest-dev python3-venv clang clang-format libclang-rt-14-dev procps)
+              libfmt-dev libgtest-dev python3-venv clang clang-format libclang-rt-14-dev procps time)
 
 missing=()
 for p in "${DEB_PACKAGES[@]}"; do
