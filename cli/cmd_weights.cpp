@@ -179,11 +179,7 @@ TermRun weigh_term(const TermContract& tc, const Batch& step_batch, const StepLa
     run.got.problems = std::move(sum.problems);
     return run;  // I5 and the verdict: weigh_invariance, for every term at once
   }
-  run.truth.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
-  for (int64_t i = 0; i < b.num_samples(); ++i) {
-    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
-      run.truth[t] = b.loss_mask[t] ? run.truth_per_sample[i] : 0.0;
-  }
+  run.truth = oracle::per_token_weights(b, run.truth_per_sample);
   run.got = oracle::contract_weights(b, layout, tc.contract, sizes, placed);
   run.dg = oracle::diagnose_weights(b, run.got.weight, run.truth, run.got.place, layout,
                                     run.effective, run.got.global_count);

@@ -67,15 +67,18 @@ std::vector<double> true_sample_weights(const Batch& b, Reduction reduce,
   return w;
 }
 
-std::vector<double> true_weights(const Batch& b, Reduction reduce, const ObjectiveSizes& sizes) {
-  const std::vector<double> c = true_sample_weights(b, reduce, sizes);
+std::vector<double> per_token_weights(const Batch& b, const std::vector<double>& per_sample) {
   std::vector<double> w(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
   for (int64_t i = 0; i < b.num_samples(); ++i) {
     for (int64_t row = b.response_offsets[i]; row < b.response_offsets[i + 1]; ++row) {
-      w[row] = b.loss_mask[row] ? c[i] : 0.0;
+      w[row] = b.loss_mask[row] ? per_sample[i] : 0.0;
     }
   }
   return w;
+}
+
+std::vector<double> true_weights(const Batch& b, Reduction reduce, const ObjectiveSizes& sizes) {
+  return per_token_weights(b, true_sample_weights(b, reduce, sizes));
 }
 
 namespace {
@@ -400,11 +403,14 @@ ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const
 
 }  // namespace
 
-PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
-  PlacedSamples samples = place_sample_slots(b, layout);
+namespace {
+
+// Every token's owner from the samples' slots.
+PlacedTokens place_tokens_of(const Batch& b, const StepLayout& layout,
+                             const PlacedSamples& samples) {
   const int64_t s = b.num_samples();
   PlacedTokens out;
-  out.problems = std::move(samples.problems);
+  out.problems = samples.problems;
   out.place.sample_microbatch.assign(static_cast<std::size_t>(s), -1);
   out.place.sample_group.assign(static_cast<std::size_t>(s), -1);
   out.place.owner.assign(static_cast<std::size_t>(b.num_response_tokens()), -1);
@@ -421,19 +427,21 @@ PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
   return out;
 }
 
+}  // namespace
+
+PlacedTokens place_tokens(const Batch& b, const StepLayout& layout) {
+  return place_tokens_of(b, layout, place_sample_slots(b, layout));
+}
+
 ContractWeights contract_weights(const Batch& b, const StepLayout& layout, const Contract& contract,
                                  const ObjectiveSizes& sizes_in, const PlacedTokens* given) {
   ContractWeights out;
-  if (given != nullptr) {
-    out.place = given->place;
-    out.problems = given->problems;
-  } else {
-    PlacedTokens placed = place_tokens(b, layout);
-    out.place = std::move(placed.place);
-    out.problems = std::move(placed.problems);
-  }
-  // The samples' slots again from the token placement (cheap: no owner runs) for the factors.
-  PlacedSamples samples = place_sample_slots(b, layout);
+  // The samples' slots (for the factors; cheap: no owner runs), and from them every token's owner
+  // unless the caller placed the tokens already.
+  const PlacedSamples samples = place_sample_slots(b, layout);
+  PlacedTokens placed = given != nullptr ? *given : place_tokens_of(b, layout, samples);
+  out.place = std::move(placed.place);
+  out.problems = std::move(placed.problems);
   ContractFactors f =
       contract_factors(b, layout, contract, sizes_in, samples, term_masks(b, contract, sizes_in));
   out.count = std::move(f.count);

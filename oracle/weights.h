@@ -38,6 +38,8 @@ std::vector<double> true_weights(const Batch& batch, Reduction reduce, const Obj
 // tokens).
 std::vector<double> true_sample_weights(const Batch& batch, Reduction reduce,
                                         const ObjectiveSizes& sizes);
+// Per-sample weights spread over the tokens: w_t = m_t · per_sample[i], [sum R].
+std::vector<double> per_token_weights(const Batch& batch, const std::vector<double>& per_sample);
 
 // Where each token's weight comes from on a layout.
 struct TokenPlace {
