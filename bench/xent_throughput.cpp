@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
   }
   DType dtype;
   kernels::Device device;
-  if (!parse_dtype(dtype_s, &dtype) || !kernels::parse_device(device_s, &device)) {
+  if (!parse_dtype(dtype_s, &dtype) || !parse_mode(device_s, &device)) {
     std::cerr << "bad --dtype or --device\n";
     return 2;
   }

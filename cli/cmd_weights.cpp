@@ -316,12 +316,8 @@ void weights_step(const WeightsOptions& o, const StepView& v,
       b, v.layout != nullptr ? *v.layout : o.placement.placement(b, o.dumps.dp_shards), o.cp, o.tp,
       o.layout.layout());
   layout.source = v.layout != nullptr || o.dumps.dp_shards ? "dump" : "flags";
-  oracle::ObjectiveSizes sizes{o.global_batch_size, o.l_norm};
-  if (sizes.global_batch_size == 0 && b.metadata.contains("global_batch_size") &&
-      b.metadata["global_batch_size"].is_number_integer()) {
-    sizes.global_batch_size = b.metadata["global_batch_size"].get<int64_t>();
-  }
-  sizes = oracle::resolve_sizes(b, sizes);
+  const oracle::ObjectiveSizes sizes =
+      oracle::resolve_sizes(b, {global_batch_size_of(o.global_batch_size, b), o.l_norm});
   oracle::Variations vary{false, false, false};
   for (const auto& x : o.vary) {
     if (x == "dp")
@@ -574,10 +570,7 @@ void register_weights(CLI::App& root, Commands& commands) {
   add_cp_layout_options(*app, opts->cp_layout);
   add_layout_options(*app, opts->layout);
   add_placement_options(*app, opts->placement, false);
-  app->add_option("--global-batch-size", opts->global_batch_size,
-                  "B of the sample-mean objectives (default: the dump's global_batch_size, else "
-                  "its samples)")
-      ->check(CLI::Range(int64_t{1}, kMaxCount));
+  add_global_batch_size_option(*app, opts->global_batch_size);
   app->add_option("--l-norm", opts->l_norm,
                   "L_norm of seq-mean-token-sum-norm, in tokens (default: the longest response)")
       ->check(CLI::Range(1.0, static_cast<double>(kMaxCount)));

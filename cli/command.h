@@ -36,6 +36,20 @@ struct Command {
 };
 using Commands = std::vector<std::unique_ptr<Command>>;
 
+// A comma-separated list option with its default shown: --cp 1,2,4.
+template <typename T>
+CLI::Option* add_list_option(CLI::App& app, const std::string& name, std::vector<T>& values,
+                             const std::string& help) {
+  return app.add_option(name, values, help)->delimiter(',')->capture_default_str();
+}
+// --global-batch-size B: the B of the sample-mean objectives (check, weights).
+inline void add_global_batch_size_option(CLI::App& app, int64_t& value) {
+  app.add_option("--global-batch-size", value,
+                 "B of the sample-mean objectives (default: the dump's global_batch_size, else "
+                 "its samples)")
+      ->check(CLI::Range(int64_t{1}, kMaxCount));
+}
+
 void register_inspect(CLI::App& root, Commands& commands);
 void register_gen(CLI::App& root, Commands& commands);
 void register_count(CLI::App& root, Commands& commands);

@@ -7,6 +7,12 @@
 
 namespace lossguard::cli {
 
+int64_t global_batch_size_of(int64_t given, const Batch& b) {
+  if (given != 0) return given;
+  const auto it = b.metadata.find("global_batch_size");
+  return it != b.metadata.end() && it->is_number_integer() ? it->get<int64_t>() : 0;
+}
+
 void run_per_step(const Batch& b, int64_t only_step, Report& report, Context& ctx,
                   const std::function<void(const StepView&)>& body) {
   if (b.steps.empty()) {

@@ -20,6 +20,10 @@ struct StepView {
   int64_t num_steps = 1;              // in the dump
 };
 
+// B of the sample-mean objectives: `given` (--global-batch-size) when set, else the batch's
+// metadata global_batch_size, else 0 (the step's samples, resolved by the oracle).
+int64_t global_batch_size_of(int64_t given, const Batch& batch);
+
 // Runs `body` once per step (only step `only_step` when >= 0). With several steps, each step's
 // text is headed "step k", its JSON results go to results()["steps"][k] with "step": k, JUnit case
 // names get a "step k: " prefix, and the report's verdict is the worst step's.

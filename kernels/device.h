@@ -3,12 +3,11 @@
 #pragma once
 #include <string>
 
+#include "core/modes.h"
+
 namespace lossguard::kernels {
 
 enum class Device { kCpu, kCuda };
-
-const char* device_name(Device d);
-bool parse_device(const std::string& s, Device* out);  // "cpu", "cuda"
 
 // True when this build has CUDA and the process sees at least one device.
 bool cuda_available();
@@ -17,3 +16,11 @@ bool cuda_available();
 int cpu_threads();
 
 }  // namespace lossguard::kernels
+
+namespace lossguard {
+template <>
+struct ModeNames<kernels::Device> {
+  static constexpr std::pair<kernels::Device, const char*> kTable[] = {
+      {kernels::Device::kCpu, "cpu"}, {kernels::Device::kCuda, "cuda"}};
+};
+}  // namespace lossguard

@@ -14,18 +14,6 @@
 
 namespace lossguard::kernels {
 
-const char* device_name(Device d) { return d == Device::kCuda ? "cuda" : "cpu"; }
-
-bool parse_device(const std::string& s, Device* out) {
-  if (s == "cpu")
-    *out = Device::kCpu;
-  else if (s == "cuda")
-    *out = Device::kCuda;
-  else
-    return false;
-  return true;
-}
-
 bool cuda_available() { return query_device_info().device_count > 0; }
 
 int cpu_threads() {

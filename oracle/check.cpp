@@ -17,8 +17,8 @@ namespace {
 
 Tolerance base_tolerance(DType input, const CheckSettings& s) {
   Tolerance t = default_tolerance(input);
-  if (s.rtol >= 0) t.rtol = s.rtol;
-  if (s.atol >= 0) t.atol = s.atol;
+  if (s.rtol) t.rtol = *s.rtol;
+  if (s.atol) t.atol = *s.atol;
   return t;
 }
 
@@ -194,7 +194,7 @@ TokenLossCheck check_token_loss(const Batch& b, const LossSpec& spec, const Chec
 CaseJudge::CaseJudge(const Batch& b, const LossSpec& spec, const OracleLoss& want, DType input,
                      const Arithmetic& arithmetic, const CheckSettings& s,
                      std::function<void(int64_t)> progress)
-    : b_(b), spec_(spec), want_(want), judge_denominator_(s.judge_denominator) {
+    : b_(b), spec_(spec), want_(want), judge_denominator_(!s.under_contract) {
   CheckCase& c = c_;
   c.tol = base_tolerance(input, s);
   int64_t terms = 0;
@@ -203,7 +203,7 @@ CaseJudge::CaseJudge(const Batch& b, const LossSpec& spec, const OracleLoss& wan
       loss_tolerance(want.loss, want.term_scale, terms, input,
                      input == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, c.tol);
   c.loss_bound = c.loss_bound_default;
-  const bool overridden = s.rtol >= 0, any_override = s.rtol >= 0 || s.atol >= 0;
+  const bool overridden = s.rtol.has_value(), any_override = s.rtol || s.atol;
   c.grad_tol = overridden ? c.tol : gradient_tolerance(input, spec.loss, c.tol);
   // [0]: PyTorch's per-dtype tolerances. From logits, unless --rtol is given, widened by autograd's
   // rounding of p (|c| u p (2 + |log p|), see compare.cpp), with the absolute slack |c| u plus half
@@ -216,9 +216,10 @@ CaseJudge::CaseJudge(const Batch& b, const LossSpec& spec, const OracleLoss& wan
     const double u = unit_roundoff(input);
     def.alpha = 2.0 * u;
     def.beta = u;
-    if (s.atol < 0) {
+    if (!s.atol) {
       def.atol = subnormal_floor(input);
       def.atol_per_weight = u;
+      c.atol_scaled_by_weight = true;
     }
   }
   c.grad_bounds.push_back(def);
@@ -299,6 +300,42 @@ CheckCase CaseJudge::finish(const CandidateResult& got) {
         "step)");
   }
   return c;
+}
+
+std::string token_loss_worst_text(const TokenLossCheck& t) {
+  if (t.ok()) return "";
+  return fmt::format("; worst: sample {}, response index {}: token_loss {:.9g}, oracle {:.9g}",
+                     t.worst.sample, t.worst.response_index, t.worst.got, t.worst.want);
+}
+
+std::vector<Finding> token_loss_findings(const TokenLossCheck& t) {
+  if (!t.ran || t.judged() || !t.matches.empty()) return {};
+  return {{"token_loss_not_plain",
+           fmt::format("token_loss is neither the per-token nll nor the ppo-clip loss of the "
+                       "dump's inputs (a KL, entropy or other term?){}",
+                       token_loss_worst_text(t)),
+           {{"worst", location_json(t.worst)}}}};
+}
+
+bool CheckResult::ok() const {
+  for (const CheckGroup& g : groups) {
+    for (const CheckCaseResult& c : g.cases) {
+      if (!c.verdict.ok()) return false;
+    }
+  }
+  return !token_loss || token_loss->ok();
+}
+
+std::vector<Finding> check_findings(const Batch& b, Policy policy,
+                                    const std::optional<TokenLossCheck>& token_loss,
+                                    const std::vector<RowStats>* logits_stats) {
+  std::vector<Finding> out;
+  if (policy == Policy::kLegacy) out = legacy_slicing_findings(b);
+  if (token_loss) {
+    for (auto& f : token_loss_findings(*token_loss)) out.push_back(std::move(f));
+  }
+  for (auto& f : batch_findings(b, 20, logits_stats)) out.push_back(std::move(f));
+  return out;
 }
 
 }  // namespace lossguard::oracle

@@ -11,14 +11,18 @@
 #include "core/batch.h"
 #include "core/candidate_result.h"
 #include "oracle/compare.h"
+#include "oracle/findings.h"
 #include "oracle/grad_stream.h"
 #include "oracle/loss.h"
 
 namespace lossguard::oracle {
 
 struct CheckSettings {
-  double rtol = -1.0, atol = -1.0;  // >= 0: the user's override of the derived tolerances
-  bool judge_denominator = true;    // false under a contract: the trainer's own count is shown only
+  std::optional<double> rtol, atol;  // the user's override of the derived tolerances
+  // The candidate trains under a normalisation contract (check --contract): its own count is shown,
+  // not judged (slime's full-sample count is cp·N by design); its loss and gradient say whether the
+  // tokens are weighted right.
+  bool under_contract = false;
   // What the user states the dump's token_loss is (--token-loss-is): then it must be that loss of
   // the dump's inputs. Unstated, token_loss may hold any per-token loss (a KL or entropy term
   // added, SPEC §4, §11): whether it is the nll or ppo-clip loss is a finding, not a failure.
@@ -36,6 +40,9 @@ struct CheckCase {
   std::vector<ElementBound> grad_bounds;
   GradComparison grad;
   std::vector<std::string> why;  // readable reasons and notes, worst first
+  // From logits with the default tolerances, each gradient element's absolute slack is |c| u + half
+  // the smallest subnormal (c its token's weight), not atol.
+  bool atol_scaled_by_weight = false;
   bool ok() const { return den_ok && loss_ok && grad.ok() && flag_ok; }
 };
 
@@ -89,6 +96,49 @@ struct TokenLossCheck {
 TokenLossCheck check_token_loss(const Batch& batch, const LossSpec& spec,
                                 const CheckSettings& settings, const Arithmetic& trainer,
                                 const std::vector<RowStats>* logits_stats = nullptr);
+
+// A TokenLossCheck that is not judged and matches neither loss: a finding (a KL, entropy or other
+// term?); none otherwise.
+std::vector<Finding> token_loss_findings(const TokenLossCheck& check);
+// "; worst: sample 3, response index 1: token_loss 1.1, oracle 1" when the check fails, else "".
+std::string token_loss_worst_text(const TokenLossCheck& check);
+
+// One case of `check`: a candidate on a CP size, what it computed, and the judge's verdict.
+struct CheckCaseResult {
+  int64_t cp = 1;
+  std::string impl;          // "torch", "kernels"
+  bool default_impl = true;  // the LibTorch candidate (case names carry no [impl])
+  std::string dtype;         // the candidate's working dtype
+  int64_t denominator = 0;   // the candidate's
+  double loss = 0.0;         // the candidate's
+  std::optional<bool> skip;  // the kernels' device zero-token flag; none: not computed
+  CheckCase verdict;
+};
+// The cases of one (loss, reduction): the oracle's truth once, each candidate against it.
+struct CheckGroup {
+  LossKind loss = LossKind::kNll;
+  Reduction reduce = Reduction::kPerToken;
+  LossInput input = LossInput::kLogits;
+  std::vector<int64_t> input_shape;
+  DType input_dtype = DType::kFloat32;
+  double want_loss = 0.0;
+  int64_t want_denominator = 0;
+  bool no_signal = false;  // zero effective tokens: loss and gradient must be exactly 0
+  std::vector<CheckCaseResult> cases;
+};
+// A check of one step: every group, the token_loss check when `given` was among the losses, and
+// the findings in the order they are reported.
+struct CheckResult {
+  std::vector<CheckGroup> groups;
+  std::optional<TokenLossCheck> token_loss;  // set when it ran
+  std::vector<Finding> findings;
+  bool ok() const;
+};
+// The findings of a checked step, in report order: legacy response slicing (policy legacy), the
+// token_loss finding, then the batch's own (batch_findings).
+std::vector<Finding> check_findings(const Batch& batch, Policy policy,
+                                    const std::optional<TokenLossCheck>& token_loss,
+                                    const std::vector<RowStats>* logits_stats);
 
 // The same for a candidate whose whole gradient is in got.grad (tests, small batches).
 CheckCase evaluate_check(const Batch& batch, const LossSpec& spec, const OracleLoss& want,

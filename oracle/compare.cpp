@@ -21,6 +21,31 @@ Tolerance default_tolerance(DType d) {
   }
 }
 
+namespace {
+// 1.6e-2, 1e-5: a tolerance as it is written in PyTorch's table.
+std::string short_exponent(double x) {
+  const int e = static_cast<int>(std::floor(std::log10(x) + 1e-9));
+  const double mantissa = x / std::pow(10.0, e);
+  return std::fabs(mantissa - std::round(mantissa)) < 1e-9
+             ? fmt::format("{}e{}", static_cast<int>(std::round(mantissa)), e)
+             : fmt::format("{:.2g}e{}", mantissa, e);
+}
+}  // namespace
+
+std::string default_tolerances_text() {
+  std::string s;
+  const std::pair<const char*, DType> dtypes[] = {{"fp16", DType::kFloat16},
+                                                  {"bf16", DType::kBFloat16},
+                                                  {"fp32", DType::kFloat32},
+                                                  {"fp64", DType::kFloat64}};
+  for (const auto& [name, d] : dtypes) {
+    const Tolerance t = default_tolerance(d);
+    s += fmt::format("{}{} {}/{}", s.empty() ? "" : ", ", name, short_exponent(t.rtol),
+                     short_exponent(t.atol));
+  }
+  return s;
+}
+
 // A gradient element is a product of quantities each rounded once in the working dtype: for
 // ppo-clip -c * rho * A with rho = exp(lp - old) (the difference, the exp, two products, the
 // coefficient: 5 roundings), for nll from logits c * (softmax - onehot) (exp, sum, division,
@@ -64,6 +89,20 @@ std::string describe(const GradLocation& l) {
                      l.sample, l.response_index,
                      l.vocab_index >= 0 ? fmt::format(", vocab index {}", l.vocab_index) : "",
                      l.cp_rank, l.chunk, l.got, l.want);
+}
+
+nlohmann::ordered_json location_json(const GradLocation& l) {
+  return {{"sample", l.sample},
+          {"response_index", l.response_index},
+          {"vocab_index", l.vocab_index < 0 ? nlohmann::ordered_json(nullptr)
+                                            : nlohmann::ordered_json(l.vocab_index)},
+          {"cp_rank", l.cp_rank},
+          {"chunk", l.chunk},
+          {"got", l.got},
+          {"want", l.want},
+          {"abs_diff", l.abs_diff},
+          {"rel_diff", std::isfinite(l.rel_diff) ? nlohmann::ordered_json(l.rel_diff)
+                                                 : nlohmann::ordered_json(nullptr)}};
 }
 
 }  // namespace lossguard::oracle

@@ -3,6 +3,7 @@
 // located.
 #pragma once
 #include <cstdint>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,9 @@ struct Tolerance {
 // PyTorch assert_close defaults: fp16 (1e-3, 1e-5), bf16 (1.6e-2, 1e-5), fp32 (1.3e-6, 1e-5), fp64
 // (1e-7, 1e-7).
 Tolerance default_tolerance(DType dtype);
+// The table above as help text: "fp16 1e-3/1e-5, bf16 1.6e-2/1e-5, fp32 1.3e-6/1e-5, fp64
+// 1e-7/1e-7".
+std::string default_tolerances_text();
 inline bool within(double got, double want, double atol, double rtol) {
   const double d = got > want ? got - want : want - got;
   return d <= atol + rtol * (want < 0 ? -want : want);
@@ -51,6 +55,8 @@ struct GradComparison {
 
 // "sample 3, response index 2, vocab index 7, CP rank 1 chunk 0: got ..., want ..."
 std::string describe(const GradLocation& location);
+// As SPEC §8's JSON: vocab_index null when none, rel_diff null when infinite.
+nlohmann::ordered_json location_json(const GradLocation& location);
 
 // The unit round-off of round to nearest in a dtype, 2^-p for p significand bits: 2^-11 fp16,
 // 2^-8 bf16, 2^-24 fp32, 2^-53 fp64 (|fl(x) - x| <= u |x| for normal x).

@@ -22,8 +22,17 @@
 namespace lossguard::trainer {
 
 enum class Impl { kTorch, kKernels };
-const char* impl_name(Impl i);
-bool parse_impl(const std::string& s, Impl* out);
+}  // namespace lossguard::trainer
+
+namespace lossguard {
+template <>
+struct ModeNames<trainer::Impl> {
+  static constexpr std::pair<trainer::Impl, const char*> kTable[] = {
+      {trainer::Impl::kTorch, "torch"}, {trainer::Impl::kKernels, "kernels"}};
+};
+}  // namespace lossguard
+
+namespace lossguard::trainer {
 
 struct CandidateInput {
   const Batch* batch = nullptr;

@@ -12,18 +12,6 @@
 
 namespace lossguard::trainer {
 
-const char* impl_name(Impl i) { return i == Impl::kKernels ? "kernels" : "torch"; }
-
-bool parse_impl(const std::string& s, Impl* out) {
-  if (s == "torch")
-    *out = Impl::kTorch;
-  else if (s == "kernels")
-    *out = Impl::kKernels;
-  else
-    return false;
-  return true;
-}
-
 Arithmetic arithmetic_of(Impl impl, int64_t vocab, kernels::Device device) {
   Arithmetic a;
   if (impl == Impl::kKernels) {
@@ -118,7 +106,7 @@ CandidateOutput run_candidate(const CandidateInput& in_given) {
   }
   if (!out.error.empty()) {
     rethrow_error(out.error_kind == ErrorKind::kNone ? ErrorKind::kInternal : out.error_kind,
-                  std::string("trainer (") + impl_name(in.impl) + "): " + out.error);
+                  std::string("trainer (") + mode_name(in.impl) + "): " + out.error);
   }
   if (mutation) mutate_output(*mutation, *in_given.batch, &out);
   if (collect && in_given.sink)  // the mutated gradient, streamed as the candidate would have
