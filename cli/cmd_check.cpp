@@ -132,8 +132,10 @@ void register_check(CLI::App& root, Commands& commands) {
   add_list_option(*app, "--reduce", opts->reduces, "Reductions (comma-separated, or all)");
   app->add_option("--policy", opts->policy, "The trainer's counting policy: fixed, legacy or slime")
       ->capture_default_str();
-  app->add_option("--rtol", opts->rtol, "Relative tolerance (default: per dtype)");
-  app->add_option("--atol", opts->atol, "Absolute tolerance (default: per dtype)");
+  app->add_option("--rtol", opts->rtol, "Relative tolerance (default: per dtype)")
+      ->check(CLI::NonNegativeNumber);
+  app->add_option("--atol", opts->atol, "Absolute tolerance (default: per dtype)")
+      ->check(CLI::NonNegativeNumber);
   app->add_option("--eps-low", opts->eps_low, "ppo-clip lower clip")->capture_default_str();
   app->add_option("--eps-high", opts->eps_high, "ppo-clip upper clip")->capture_default_str();
   add_list_option(*app, "--impl", opts->impls,
