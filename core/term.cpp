@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 
 #include "core/errors.h"
 
@@ -174,6 +175,63 @@ Batch with_mask(const Batch& b, std::vector<uint8_t> mask, bool keep_sample_deno
   out.removed = b.removed;
   out.steps = b.steps;
   out.metadata = b.metadata;
+  return out;
+}
+
+std::vector<TermContract> parse_term_contracts(const std::string& reduce,
+                                               const std::vector<std::string>& contracts,
+                                               const std::vector<std::string>& terms) {
+  Term main_term;
+  if (!parse_mode(reduce, &main_term.reduce)) {
+    throw_input_error("--reduce must be {}, got '{}'", mode_choices<Reduction>(), reduce);
+  }
+  std::vector<TermContract> out{{main_term, {}}};
+  for (const auto& text : terms) {
+    Term t = parse_term(text);
+    if (t.name == kMainTerm) {
+      throw_input_error("--term {}: 'main' is the term of --reduce and --contract; name the others",
+                        text);
+    }
+    if (t.mask.kind == TermMaskKind::kField) {
+      throw_input_error(
+          "--term {}: a field mask is recorded by a trainer (audit); weights derives masks from "
+          "the dump: loss, all or shift:J",
+          t.name);
+    }
+    for (const auto& have : out) {
+      if (have.term.name == t.name) throw_input_error("--term {} is given twice", t.name);
+    }
+    out.push_back({t, {}});
+  }
+  std::vector<std::optional<std::string>> given(out.size());
+  for (const auto& text : contracts) {
+    std::size_t k = 0;
+    std::string body = text;
+    const std::size_t eq = text.find('=');
+    if (eq != std::string::npos && valid_term_name(text.substr(0, eq))) {
+      const std::string name = text.substr(0, eq);
+      body = text.substr(eq + 1);
+      for (k = 0; k < out.size() && out[k].term.name != name; ++k) {
+      }
+      if (k == out.size()) {
+        throw_input_error("--contract {}: no term '{}' (declare it with --term {}:REDUCE)", text,
+                          name, name);
+      }
+    }
+    if (given[k]) {
+      throw_input_error("--contract: two contracts for term {}: '{}' and '{}'", out[k].term.name,
+                        *given[k], body);
+    }
+    given[k] = body;
+  }
+  if (!given[0]) {
+    throw_input_error(
+        "--contract: no contract for the main term (give a preset or key=value "
+        "without a NAME= prefix)");
+  }
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    out[k].contract = parse_contract(given[k] ? *given[k] : *given[0], out[k].term.reduce);
+  }
   return out;
 }
 

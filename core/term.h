@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "core/contract.h"
 #include "core/modes.h"
 
 namespace lossguard {
@@ -57,6 +58,18 @@ Term parse_term(const std::string& text);
 
 // "kl: per-token, coef 0.1, mask loss".
 std::string term_text(const Term& t);
+
+// A term as `weights` weighs it: its declaration and the contract its trainer applies to it.
+struct TermContract {
+  Term term;
+  Contract contract;
+};
+// The main term from `reduce` and the unqualified contract; one more per `terms` entry
+// (NAME:REDUCE[:COEF][:MASK]) with its own `NAME=C` among `contracts`, else the main term's.
+// Throws InputError naming the option (--reduce, --term, --contract) and the part that is wrong.
+std::vector<TermContract> parse_term_contracts(const std::string& reduce,
+                                               const std::vector<std::string>& contracts,
+                                               const std::vector<std::string>& terms);
 
 // A term's mask over the batch's response tokens, [sum R]: loss, all or shift:j from the batch's
 // own loss mask (a sample the trainer removed carries no term's loss). A field mask cannot be
