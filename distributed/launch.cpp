@@ -109,4 +109,23 @@ const DistApi& dist_api() {
                         LOSSGUARD_DIST_PLUGIN, "lossguard_dist_api", kDistAbiVersion));
 }
 
+JobVerdict publish_job_verdict(const RealReplayInput& in, int exit_code,
+                               const std::string& reason) {
+  dist_api().agree_exit_code(&in, exit_code);
+  if (exit_code != 0) write_error_file(in.env, reason);
+  return {exit_code, true};
+}
+
+JobVerdict follow_job_verdict(const RealReplayInput& in) {
+  const int code = dist_api().agree_exit_code(&in, -1);
+  JobVerdict v{code < 0 ? kExitFault : code, code >= 0};
+  if (v.exit_code != 0) {
+    write_error_file(
+        in.env,
+        fmt::format("lossguard replay rank {}: the job's verdict is exit code {}{}", in.env.rank,
+                    v.exit_code, v.heard_from_rank0 ? "" : " (no verdict from rank 0)"));
+  }
+  return v;
+}
+
 }  // namespace lossguard::distributed

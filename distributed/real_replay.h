@@ -54,6 +54,18 @@ const DistApi& dist_api();
 // Writes the error JSON torchrun reads from $TORCHELASTIC_ERROR_FILE (nothing when it is unset).
 void write_error_file(const LaunchEnv& env, const std::string& message);
 
+// The one exit code every rank of a real-mode replay exits with: rank 0's (SPEC §7 "Real mode";
+// torchrun's own exit code is 1 for any failure). Rank 0 publishes `exit_code` and, when it is not
+// 0, writes `reason` to $TORCHELASTIC_ERROR_FILE. Any other rank waits for rank 0's code (ignoring
+// its own view), writes the error file when that code is not 0, and exits with it; kExitFault when
+// no code came within the deadline (heard_from_rank0 false).
+struct JobVerdict {
+  int exit_code = 0;
+  bool heard_from_rank0 = true;
+};
+JobVerdict publish_job_verdict(const RealReplayInput& in, int exit_code, const std::string& reason);
+JobVerdict follow_job_verdict(const RealReplayInput& in);
+
 // Serialisation of one rank's outcome through the store.
 std::string rank_result_to_json(const oracle::RankResult& r);
 oracle::RankResult rank_result_from_json(const std::string& text);

@@ -12,42 +12,9 @@
 #include <tuple>
 
 #include "core/errors.h"
+#include "oracle/metrics.h"
 
 namespace lossguard::oracle {
-
-const char* protocol_name(Protocol p) {
-  switch (p) {
-    case Protocol::kPr285:
-      return "pr285";
-    case Protocol::kPr285SrcLocal:
-      return "pr285-src-local";
-    case Protocol::kPr285AlwaysBroadcast:
-      return "pr285-always-broadcast";
-    case Protocol::kValues0:
-      return "values0";
-    case Protocol::kNoSkip:
-      return "no-skip";
-    case Protocol::kMicrobatchSkip:
-      return "microbatch-skip";
-    case Protocol::kMicrobatchSkipLocal:
-      return "microbatch-skip-local";
-    case Protocol::kMicrobatchesMax:
-      return "microbatches-max";
-    case Protocol::kMicrobatchesLocal:
-      return "microbatches-local";
-    case Protocol::kNanSkip:
-      return "nan-skip";
-    case Protocol::kNanSkipLocal:
-      return "nan-skip-local";
-    case Protocol::kNanSkipRank0:
-      return "nan-skip-rank0";
-    case Protocol::kFlagBroadcast:
-      return "flag-broadcast";
-    case Protocol::kFlagBroadcastSrcLocal:
-      return "flag-broadcast-src-local";
-  }
-  return "?";
-}
 
 const char* protocol_description(Protocol p) {
   switch (p) {
@@ -113,50 +80,6 @@ ProtocolParts protocol_parts(Protocol p) {
     default:
       return {};
   }
-}
-
-const std::vector<Protocol>& all_protocols() {
-  static const std::vector<Protocol> kAll = {Protocol::kPr285,
-                                             Protocol::kPr285SrcLocal,
-                                             Protocol::kPr285AlwaysBroadcast,
-                                             Protocol::kValues0,
-                                             Protocol::kNoSkip,
-                                             Protocol::kMicrobatchSkip,
-                                             Protocol::kMicrobatchSkipLocal,
-                                             Protocol::kMicrobatchesMax,
-                                             Protocol::kMicrobatchesLocal,
-                                             Protocol::kNanSkip,
-                                             Protocol::kNanSkipLocal,
-                                             Protocol::kNanSkipRank0,
-                                             Protocol::kFlagBroadcast,
-                                             Protocol::kFlagBroadcastSrcLocal};
-  return kAll;
-}
-
-bool parse_protocol(const std::string& s, Protocol* out) {
-  for (Protocol p : all_protocols()) {
-    if (s == protocol_name(p)) {
-      *out = p;
-      return true;
-    }
-  }
-  return false;
-}
-
-const char* grad_sync_name(GradSync g) {
-  switch (g) {
-    case GradSync::kLastMicrobatch:
-      return "last-microbatch";
-    case GradSync::kEveryMicrobatch:
-      return "every-microbatch";
-    case GradSync::kFinalize:
-      return "finalize";
-  }
-  return "?";
-}
-
-const char* reduce_mode_name(ReduceMode m) {
-  return m == ReduceMode::kPerToken ? "per-token" : "sample-mean";
 }
 
 const char* op_name(Op op) {
@@ -963,6 +886,47 @@ std::optional<std::vector<double>> loss_metric_values(const Batch& b, ReduceMode
   const double denominator = reduce == ReduceMode::kPerToken ? static_cast<double>(global_tokens)
                                                              : static_cast<double>(b.num_samples());
   return std::vector<double>{denominator, numerator};
+}
+
+std::string ReplayResult::wrong_decision_message() const {
+  if (!wrong_decision) return "";
+  std::string out;
+  for (const auto& f : findings) {
+    if (f.kind == "parameter_drift" || f.kind == "lost_step" || f.kind == "nonfinite_step" ||
+        f.kind == "unsynced_gradients")
+      out += (out.empty() ? "" : "; ") + f.message;
+  }
+  return out;
+}
+
+std::string ReplayResult::fault_message() const {
+  if (!fault) return "";
+  std::string out;
+  for (const auto& f : findings) {
+    if (f.kind == "distributed_fault") out = f.message;
+  }
+  return out;
+}
+
+std::vector<Finding> ReplayMetrics::findings() const {
+  if (!faults()) return {};
+  return {{"metrics_fail_fast", error, nlohmann::json::object()}};
+}
+
+std::optional<ReplayMetrics> replay_metrics(const Batch& b, ReduceMode reduce,
+                                            int64_t global_tokens) {
+  auto values = loss_metric_values(b, reduce, global_tokens);
+  if (!values) return std::nullopt;
+  ReplayMetrics m;
+  m.values = std::move(*values);
+  try {
+    const NormalizedMetrics n = normalize_metrics(m.values, {"loss"});
+    m.loss = n.values[0].second;
+    m.no_signal = n.no_signal;
+  } catch (const MetricsError& e) {
+    m.error = e.what();
+  }
+  return m;
 }
 
 }  // namespace lossguard::oracle

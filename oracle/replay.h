@@ -44,9 +44,33 @@ enum class Protocol {
   kFlagBroadcast,         // the skip flag broadcast on --flag-group from get_global_rank(group, 0)
   kFlagBroadcastSrcLocal  // ... from src = 0, the group-local index used as a global rank
 };
-const char* protocol_name(Protocol p);
-bool parse_protocol(const std::string& s, Protocol* out);
-const std::vector<Protocol>& all_protocols();
+}  // namespace lossguard::oracle
+
+namespace lossguard {
+template <>
+struct ModeNames<oracle::Protocol> {
+  using P = oracle::Protocol;
+  static constexpr std::pair<P, const char*> kTable[] = {
+      {P::kPr285, "pr285"},
+      {P::kPr285SrcLocal, "pr285-src-local"},
+      {P::kPr285AlwaysBroadcast, "pr285-always-broadcast"},
+      {P::kValues0, "values0"},
+      {P::kNoSkip, "no-skip"},
+      {P::kMicrobatchSkip, "microbatch-skip"},
+      {P::kMicrobatchSkipLocal, "microbatch-skip-local"},
+      {P::kMicrobatchesMax, "microbatches-max"},
+      {P::kMicrobatchesLocal, "microbatches-local"},
+      {P::kNanSkip, "nan-skip"},
+      {P::kNanSkipLocal, "nan-skip-local"},
+      {P::kNanSkipRank0, "nan-skip-rank0"},
+      {P::kFlagBroadcast, "flag-broadcast"},
+      {P::kFlagBroadcastSrcLocal, "flag-broadcast-src-local"}};
+};
+}  // namespace lossguard
+
+namespace lossguard::oracle {
+
+inline const char* protocol_name(Protocol p) { return mode_name(p); }
 const char* protocol_description(Protocol p);  // one line, for --help and reports
 
 enum class Loop {
@@ -73,13 +97,29 @@ ProtocolParts protocol_parts(Protocol p);
 // kFinalize: after the loop whatever backward ran (Megatron's finalize_model_grads ->
 //   finish_grad_sync without overlap).
 enum class GradSync { kLastMicrobatch, kEveryMicrobatch, kFinalize };
-const char* grad_sync_name(GradSync g);
+// Whether per-token loss is on (what values[0] holds).
+enum class ReduceMode { kPerToken, kSampleMean };
+}  // namespace lossguard::oracle
 
-enum class ReduceMode {
-  kPerToken,
-  kSampleMean
-};  // whether per-token loss is on (what values[0] holds)
-const char* reduce_mode_name(ReduceMode m);
+namespace lossguard {
+template <>
+struct ModeNames<oracle::GradSync> {
+  static constexpr std::pair<oracle::GradSync, const char*> kTable[] = {
+      {oracle::GradSync::kLastMicrobatch, "last-microbatch"},
+      {oracle::GradSync::kEveryMicrobatch, "every-microbatch"},
+      {oracle::GradSync::kFinalize, "finalize"}};
+};
+template <>
+struct ModeNames<oracle::ReduceMode> {
+  static constexpr std::pair<oracle::ReduceMode, const char*> kTable[] = {
+      {oracle::ReduceMode::kPerToken, "per-token"},
+      {oracle::ReduceMode::kSampleMean, "sample-mean"}};
+};
+}  // namespace lossguard
+
+namespace lossguard::oracle {
+inline const char* grad_sync_name(GradSync g) { return mode_name(g); }
+inline const char* reduce_mode_name(ReduceMode m) { return mode_name(m); }
 
 enum class Op { kAllReduceSum, kAllReduceMax, kBroadcast, kAllToAll, kBarrier };
 const char* op_name(Op op);
@@ -249,6 +289,13 @@ struct ReplayResult {
   bool fault = false;           // an error, block or mismatch
   bool wrong_decision = false;  // some rank decided differently from the expected decision
   std::vector<Finding> findings;
+  bool ok() const { return !fault && !wrong_decision; }
+  // A rank that reached a decision other than the expected one.
+  bool decided_wrong(const RankResult& r) const { return r.skip && *r.skip != expected_skip; }
+  // What a failing case names: the ranks with a wrong outcome (drift, a lost step, a non-finite or
+  // unsynced step: the findings' rank sets, "; "-joined), and the ranks that faulted.
+  std::string wrong_decision_message() const;
+  std::string fault_message() const;
 };
 
 ReplayResult simulate(const ReplayInputs& in);
@@ -270,5 +317,20 @@ namespace lossguard::oracle {
 // the batch's `token_loss` (or -log_probs). nullopt when the batch has neither field.
 std::optional<std::vector<double>> loss_metric_values(const Batch& batch, ReduceMode reduce,
                                                       int64_t global_tokens);
+
+// The last stage's loss metric as the trainer reports it (SPEC §6): its values, the normalised
+// loss, or the fail-fast error that makes the step a distributed fault (a non-zero numerator over a
+// zero denominator).
+struct ReplayMetrics {
+  std::vector<double> values;
+  double loss = 0.0;  // normalised
+  bool no_signal = false;
+  std::string error;  // non-empty: the trainer fails fast
+  bool faults() const { return !error.empty(); }
+  std::vector<Finding> findings() const;  // metrics_fail_fast when it faults
+};
+// nullopt when the batch has neither token_loss nor log_probs.
+std::optional<ReplayMetrics> replay_metrics(const Batch& batch, ReduceMode reduce,
+                                            int64_t global_tokens);
 
 }  // namespace lossguard::oracle

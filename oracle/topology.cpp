@@ -8,32 +8,6 @@
 
 namespace lossguard::oracle {
 
-const char* group_kind_name(GroupKind k) {
-  switch (k) {
-    case GroupKind::kTp:
-      return "tp";
-    case GroupKind::kCp:
-      return "cp";
-    case GroupKind::kDp:
-      return "dp";
-    case GroupKind::kPp:
-      return "pp";
-    case GroupKind::kDpCp:
-      return "dp_cp";
-    case GroupKind::kMp:
-      return "mp";
-    case GroupKind::kWorld:
-      return "world";
-    case GroupKind::kEp:
-      return "ep";
-    case GroupKind::kEdp:
-      return "edp";
-    case GroupKind::kEmp:
-      return "emp";
-  }
-  return "?";
-}
-
 Topology::Topology(int64_t tp, int64_t pp, int64_t cp, int64_t dp, int64_t ep, int64_t etp)
     : tp_(tp), pp_(pp), cp_(cp), dp_(dp), ep_(ep), etp_(etp == 0 ? tp : etp) {
   if (tp < 1 || pp < 1 || cp < 1 || dp < 1) {

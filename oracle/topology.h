@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "core/modes.h"
+
 namespace lossguard::oracle {
 
 // kEp: expert-model-parallel group (Megatron get_ranks('ep') of the expert generator); kEdp:
@@ -18,7 +20,20 @@ namespace lossguard::oracle {
 enum class GroupKind { kTp, kCp, kDp, kPp, kDpCp, kMp, kWorld, kEp, kEdp, kEmp };
 inline constexpr int kNumGroupKinds = 10;
 // "tp", "cp", "dp", "pp", "dp_cp", "mp", "world", "ep", "edp", "emp"
-const char* group_kind_name(GroupKind k);
+}  // namespace lossguard::oracle
+
+namespace lossguard {
+template <>
+struct ModeNames<oracle::GroupKind> {
+  using G = oracle::GroupKind;
+  static constexpr std::pair<G, const char*> kTable[] = {
+      {G::kTp, "tp"}, {G::kCp, "cp"},       {G::kDp, "dp"}, {G::kPp, "pp"},   {G::kDpCp, "dp_cp"},
+      {G::kMp, "mp"}, {G::kWorld, "world"}, {G::kEp, "ep"}, {G::kEdp, "edp"}, {G::kEmp, "emp"}};
+};
+}  // namespace lossguard
+
+namespace lossguard::oracle {
+inline const char* group_kind_name(GroupKind k) { return mode_name(k); }
 inline constexpr GroupKind kAllGroupKinds[] = {GroupKind::kTp, GroupKind::kCp,   GroupKind::kDp,
                                                GroupKind::kPp, GroupKind::kDpCp, GroupKind::kMp};
 inline constexpr GroupKind kExpertGroupKinds[] = {GroupKind::kEp, GroupKind::kEdp, GroupKind::kEmp};

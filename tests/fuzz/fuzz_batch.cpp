@@ -54,7 +54,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const auto placement =
         oracle::place_samples(batch.num_samples(), topo.dp(), 2, Split::kRoundRobin);
     const auto inputs = oracle::make_replay_inputs(
-        batch, topo, placement, oracle::all_protocols()[in.ConsumeIntegralInRange(0, 4)],
+        batch, topo, placement, all_modes<oracle::Protocol>()[in.ConsumeIntegralInRange(0, 4)],
         oracle::ReduceMode::kSampleMean, Policy::kFixed, {});
     oracle::simulate(inputs);
   } catch (const InputError&) {
