@@ -983,7 +983,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
     if (audit_tolerance(c->dtype).loss > audit_tolerance(dtype).loss) dtype = c->dtype;
   }
   const AuditTolerance tol = audit_tolerance(dtype);
-  out.weight_rel_tol = opt.weight_rel_tol > 0 ? opt.weight_rel_tol : tol.weight;
+  out.weight_rel_tol = opt.weight_rel_tol.value_or(tol.weight);
   out.dtype = dtype;
   const bool per_token_objective =
       out.reduce == Reduction::kPerToken || out.reduce == Reduction::kTokenMean;
@@ -1068,6 +1068,11 @@ std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
   std::vector<AuditStep> out;
   for (const auto& [step, ranks] : by_step) out.push_back(audit_step(step, ranks, options));
   return out;
+}
+
+bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale) {
+  return std::any_of(steps.begin(), steps.end(),
+                     [&](const AuditStep& s) { return s.failed(strict_scale); });
 }
 
 }  // namespace lossguard::oracle

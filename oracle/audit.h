@@ -74,7 +74,8 @@ AuditTolerance audit_tolerance(DType dtype);
 
 struct AuditOptions {
   std::optional<Reduction> reduce;  // overrides the objective the captures claim
-  double weight_rel_tol = 0.0;      // 0: from the trainer's recorded dtype (audit_tolerance)
+  std::optional<double>
+      weight_rel_tol;  // none: from the trainer's recorded dtype (audit_tolerance)
   bool strict_scale = false;
   // Name the presets (or single component changes) that reproduce the measured weights: a pass
   // over the tokens per candidate contract, the bulk of a small audit's time.
@@ -84,5 +85,7 @@ struct AuditOptions {
 // One result per step, in step order.
 std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
                                       const AuditOptions& options);
+// The audit's verdict: some step failed.
+bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale);
 
 }  // namespace lossguard::oracle

@@ -1,0 +1,17 @@
+// `audit`'s renderers: each step's checks, the contracts that reproduce its weights, its findings,
+// JSON and JUnit cases, and the SVG of the first step's measured ratios. They only read the steps.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "core/rank_capture.h"
+#include "oracle/audit.h"
+
+namespace lossguard::cli {
+
+void render_audit(const std::vector<oracle::AuditStep>& steps,
+                  const std::vector<RankCapture>& captures, bool strict_scale,
+                  const std::string& svg_path, Report& report, Context& ctx);
+
+}  // namespace lossguard::cli
