@@ -148,14 +148,18 @@ nlohmann::ordered_json render_token_loss(const oracle::TokenLossCheck& t, const 
 
 }  // namespace
 
-void render_check(const oracle::CheckResult& r, const Batch& b, const CheckView& view,
-                  Report& report, Context& ctx) {
-  std::ostream& out = ctx.out;
+void render_check_heading(const Batch& b, const CheckView& view, std::ostream& out) {
   const CheckPlan& plan = *view.plan;
   out << fmt::format("lossguard check: {} samples, policy {}, CP sizes {}, candidate {}{}\n",
                      b.num_samples(), policy_name(plan.policy), fmt::join(plan.cp_sizes, ", "),
                      fmt::join(view.impl_names, " and "),
                      plan.device == kernels::Device::kCuda ? " (kernels on CUDA)" : "");
+}
+
+void render_check(const oracle::CheckResult& r, const CheckView& view, Report& report,
+                  Context& ctx) {
+  std::ostream& out = ctx.out;
+  const CheckPlan& plan = *view.plan;
   nlohmann::ordered_json cases = nlohmann::ordered_json::array();
   for (const oracle::CheckGroup& g : r.groups) render_group(g, report, out, cases);
   nlohmann::ordered_json token_loss_json = nullptr;

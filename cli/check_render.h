@@ -18,7 +18,9 @@ struct CheckView {
   std::string token_loss_is;  // --token-loss-is as given; "" none
 };
 
-void render_check(const oracle::CheckResult& result, const Batch& batch, const CheckView& view,
-                  Report& report, Context& ctx);
+// The heading, printed before the cases run (an error while they run follows it).
+void render_check_heading(const Batch& batch, const CheckView& view, std::ostream& out);
+void render_check(const oracle::CheckResult& result, const CheckView& view, Report& report,
+                  Context& ctx);
 
 }  // namespace lossguard::cli

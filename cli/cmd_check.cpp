@@ -92,9 +92,10 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
     // the trainer's own layout where the dump records it.
     const Placement placement =
         v.layout != nullptr ? *v.layout : o.placement.placement(b, o.dumps.dp_shards);
+    render_check_heading(b, view, ctx.out);
     const oracle::CheckResult result =
         run_check_step(plan, b, placement, global_batch_size_of(o.global_batch_size, b), ctx);
-    render_check(result, b, view, report, ctx);
+    render_check(result, view, report, ctx);
     report.verified();
     if (!result.ok()) report.fail();
   });

@@ -48,22 +48,13 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
     out << "\n";
   }
 
-  std::vector<int64_t> empty_r, fully_masked, sft, t_zero;
-  int64_t effective = 0, kinds[3] = {0, 0, 0};
+  const oracle::BatchSummary sum = oracle::summarize_batch(b);
   nlohmann::ordered_json samples = nlohmann::ordered_json::array();
   out << fmt::format("\n{:>6}  {:<24} {:>7} {:>7} {:>7} {:>7}  {:<5}  {}\n", "sample", "source",
                      "T", "R", "P", "mask", "kind", "notes");
   for (int64_t i = 0; i < b.num_samples(); ++i) {
-    const int64_t m = b.mask_sum(i), r = b.response_lengths[i], t = b.total_lengths[i];
-    const SampleKind kind = b.kind(i, m);
-    kinds[static_cast<int>(kind)]++;
-    effective += m;
-    const oracle::SampleNote note = oracle::classify_sample(b, i, m);
-    if (note.cls == oracle::SampleClass::kTZero) t_zero.push_back(i);
-    if (note.cls == oracle::SampleClass::kEmptyResponse) empty_r.push_back(i);
-    if (note.cls == oracle::SampleClass::kFullyMasked) fully_masked.push_back(i);
-    if (note.sft) sft.push_back(i);
-    const std::string notes = note.text();
+    const int64_t m = sum.mask_sums[i], r = b.response_lengths[i], t = b.total_lengths[i];
+    const SampleClass& c = sum.classes[i];
     if (o.max_rows == 0 || i < o.max_rows) {
       const auto& origin = b.origins[i];
       std::string src = fmt::format(
@@ -71,7 +62,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
           origin.index_in_file);
       if (src.size() > 24) src = "..." + src.substr(src.size() - 21);
       out << fmt::format("{:>6}  {:<24} {:>7} {:>7} {:>7} {:>7}  {:<5}  {}\n", i, src, t, r, t - r,
-                         m, sample_kind_name(kind), notes);
+                         m, sample_kind_name(c.kind), c.notes());
     } else if (i == o.max_rows) {
       out << fmt::format("{:>6}  ... {} more samples (--max-rows 0 shows all)\n", "",
                          b.num_samples() - o.max_rows);
@@ -84,26 +75,26 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
                          {"response_length", r},
                          {"prompt_length", t - r},
                          {"mask_sum", m},
-                         {"kind", sample_kind_name(kind)},
-                         {"fully_masked", r > 0 && m == 0}});
+                         {"kind", sample_kind_name(c.kind)},
+                         {"fully_masked", c.why_empty == NoTokenReason::kFullyMasked}});
   }
   out << fmt::format(
       "\n{} samples: {} rl, {} sft, {} empty; {} tokens, {} response tokens, {} effective (mask = "
       "1)\n",
-      b.num_samples(), kinds[0], kinds[1], kinds[2], b.tokens.size(), b.num_response_tokens(),
-      effective);
+      b.num_samples(), sum.kinds[0], sum.kinds[1], sum.kinds[2], b.tokens.size(),
+      b.num_response_tokens(), sum.effective_tokens);
   if (b.logits)
     out << fmt::format("logits: [{}, {}] {}\n", b.logits->shape[0], b.logits->shape[1],
                        dtype_name(b.logits->dtype));
   if (!b.loss_mask_given) out << "no loss mask in the dump: every response token counts\n";
-  if (!empty_r.empty())
-    out << fmt::format("empty responses (R = 0): samples {}\n", oracle::format_index_list(empty_r));
-  if (!fully_masked.empty())
-    out << fmt::format("fully masked responses: samples {}\n",
-                       oracle::format_index_list(fully_masked));
-  if (!sft.empty())
-    out << fmt::format("SFT samples (R = T): samples {}\n", oracle::format_index_list(sft));
-  if (effective == 0 && b.num_samples() > 0) {
+  const std::pair<const char*, const std::vector<int64_t>*> lists[] = {
+      {"empty responses (R = 0): samples {}\n", &sum.empty_responses},
+      {"fully masked responses: samples {}\n", &sum.fully_masked},
+      {"SFT samples (R = T): samples {}\n", &sum.sft}};
+  for (const auto& [text, list] : lists) {
+    if (!list->empty()) out << fmt::format(fmt::runtime(text), oracle::format_index_list(*list));
+  }
+  if (sum.must_skip()) {
     out << "the batch has ZERO effective tokens: a trainer must skip optimizer.step() for it "
            "(docs/semantics.md §7)\n";
   }
@@ -113,9 +104,9 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
     out << fmt::format(
         "{} optimizer step(s), with the trainer's DP / micro-batch layout from {}:\n",
         b.steps.size(), b.steps.front().source);
-    for (const BatchStep& st : b.steps) {
-      int64_t m = 0;
-      for (int64_t i : st.samples) m += b.mask_sum(i);
+    for (std::size_t k = 0; k < b.steps.size(); ++k) {
+      const BatchStep& st = b.steps[k];
+      const int64_t m = sum.step_effective_tokens[k];
       std::vector<std::string> ranks;
       for (const auto& rank : st.placement) {
         std::vector<std::string> mbs;
@@ -133,9 +124,8 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
                             {"placement", st.placement}});
     }
   }
-  const auto findings = oracle::batch_findings(b);
-  report.add_findings(findings);
-  print_findings(out, findings);
+  report.add_findings(sum.findings);
+  print_findings(out, sum.findings);
 
   auto& res = report.results();
   if (!b.steps.empty()) res["steps"] = steps_json;
@@ -147,7 +137,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
   res["num_samples"] = b.num_samples();
   res["num_tokens"] = b.tokens.size();
   res["num_response_tokens"] = b.num_response_tokens();
-  res["num_effective_tokens"] = effective;
+  res["num_effective_tokens"] = sum.effective_tokens;
   res["logits"] = b.logits ? nlohmann::ordered_json{{"dtype", dtype_name(b.logits->dtype)},
                                                     {"shape", b.logits->shape}}
                            : nlohmann::ordered_json(nullptr);

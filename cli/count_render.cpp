@@ -38,7 +38,7 @@ void render_samples(const oracle::CountResult& r, const Batch& b, const CountVie
   for (std::size_t k = 0; k < r.counts.samples.size(); ++k) {
     const int64_t i = r.counts.samples[k];
     const int64_t t = b.total_lengths[i], len = b.response_lengths[i], m = r.counts.mask_sums[k];
-    const char* kind = sample_kind_name(b.kind(i, m));
+    const char* kind = sample_kind_name(r.classes[k].kind);
     const bool print_row = view.max_rows == 0 || static_cast<int64_t>(k) < view.max_rows;
     if (ctx.want_json) {
       fmt::format_to(fmt::appender(json),
@@ -62,7 +62,7 @@ void render_samples(const oracle::CountResult& r, const Batch& b, const CountVie
     }
     if (print_row) {
       std::vector<std::string> notes;
-      if (!r.notes[k].text().empty()) notes.push_back(r.notes[k].text());
+      if (!r.classes[k].notes().empty()) notes.push_back(r.classes[k].notes());
       if (r.straddles[k]) notes.push_back("straddles CP ranks");
       out << row << " | " << fmt::format("{}", fmt::join(notes, ", ")) << "\n";
     } else if (static_cast<int64_t>(k) == view.max_rows) {

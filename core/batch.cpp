@@ -32,9 +32,28 @@ int64_t Batch::mask_sum(int64_t i) const {
   return sum;
 }
 
-SampleKind Batch::kind(int64_t i, int64_t mask_sum) const {
-  if (mask_sum == 0) return SampleKind::kEmpty;
-  return response_lengths[i] == total_lengths[i] ? SampleKind::kSft : SampleKind::kRl;
+SampleClass Batch::classify(int64_t i, int64_t mask_sum) const {
+  SampleClass c;
+  const int64_t t = total_lengths[i], r = response_lengths[i];
+  c.why_empty = t == 0          ? NoTokenReason::kTZero
+                : r == 0        ? NoTokenReason::kEmptyResponse
+                : mask_sum == 0 ? NoTokenReason::kFullyMasked
+                                : NoTokenReason::kNone;
+  c.kind = mask_sum == 0 ? SampleKind::kEmpty : r == t ? SampleKind::kSft : SampleKind::kRl;
+  c.sft = r == t && t > 0;
+  c.sft_not_preshifted = c.sft && loss_mask[response_offsets[i + 1] - 1] != 0;
+  return c;
+}
+
+std::string SampleClass::notes() const {
+  std::string s = why_empty == NoTokenReason::kTZero           ? "T = 0"
+                  : why_empty == NoTokenReason::kEmptyResponse ? "empty response"
+                  : why_empty == NoTokenReason::kFullyMasked   ? "fully masked"
+                                                               : "";
+  if (sft)
+    s += std::string(s.empty() ? "" : ", ") +
+         (sft_not_preshifted ? "SFT, mask not pre-shifted" : "SFT");
+  return s;
 }
 
 std::string Batch::describe_sample(int64_t i) const {

@@ -17,6 +17,20 @@ namespace lossguard {
 
 enum class SampleKind { kRl, kSft, kEmpty };  // empty: no effective token (R = 0 or fully masked)
 const char* sample_kind_name(SampleKind kind);
+// Why a sample has no effective token (kind empty), most basic first.
+enum class NoTokenReason { kNone, kTZero, kEmptyResponse, kFullyMasked };
+
+// The one classification of a sample that every report uses (SPEC §1): its kind, why it has no
+// effective token, and whether it is an SFT sample (R = T) whose mask is pre-shifted.
+struct SampleClass {
+  SampleKind kind = SampleKind::kRl;
+  NoTokenReason why_empty = NoTokenReason::kNone;  // kNone exactly when kind is not kEmpty
+  bool sft = false;                                // R = T > 0, whatever its mask
+  // Its last mask entry is 1: counted at CP = 1, never owned at CP > 1.
+  bool sft_not_preshifted = false;
+  // "T = 0", "empty response", "fully masked", "SFT", "SFT, mask not pre-shifted", joined by ", ".
+  std::string notes() const;
+};
 
 // Optional per-response-token float fields, by canonical name (SPEC §1).
 inline const std::vector<std::string>& per_token_field_names() {
@@ -66,8 +80,9 @@ struct Batch {
   }
   int64_t prompt_length(int64_t i) const { return total_lengths[i] - response_lengths[i]; }
   int64_t mask_sum(int64_t i) const;
-  SampleKind kind(int64_t i) const { return kind(i, mask_sum(i)); }
-  SampleKind kind(int64_t i, int64_t mask_sum) const;  // when the mask sum is already known
+  SampleClass classify(int64_t i, int64_t mask_sum) const;  // mask_sum: mask_sum(i)
+  SampleKind kind(int64_t i) const { return classify(i, mask_sum(i)).kind; }
+  SampleKind kind(int64_t i, int64_t mask_sum) const { return classify(i, mask_sum).kind; }
   int64_t vocab_size() const { return logits ? logits->shape[1] : 0; }
   // The padded length sample i states, or 0.
   int64_t padded_total_length(int64_t i) const {

@@ -49,15 +49,15 @@ CountResult evaluate_count(const Batch& b, const CountRequest& request) {
         fmt::format("the placement is not a partition: {}", fmt::join(placement_problems, "; "));
   }
   const std::size_t n = r.counts.samples.size();
-  r.notes.reserve(n);
+  r.classes.reserve(n);
   r.straddles.assign(n, 0);
   for (std::size_t k = 0; k < n; ++k) {
     const int64_t i = r.counts.samples[k];
-    const SampleNote note = classify_sample(b, i, r.counts.mask_sums[k]);
-    if (note.cls == SampleClass::kEmptyResponse) r.empty.push_back(i);
-    if (note.cls == SampleClass::kFullyMasked) r.fully_masked.push_back(i);
-    if (note.sft) r.sft.push_back(i);
-    r.notes.push_back(note);
+    const SampleClass c = b.classify(i, r.counts.mask_sums[k]);
+    if (c.why_empty == NoTokenReason::kEmptyResponse) r.empty.push_back(i);
+    if (c.why_empty == NoTokenReason::kFullyMasked) r.fully_masked.push_back(i);
+    if (c.sft) r.sft.push_back(i);
+    r.classes.push_back(c);
     for (std::size_t c = 0; c < cps.size() && !r.straddles[k]; ++c) {
       int64_t ranks_with_tokens = 0;
       for (int64_t rank = 0; rank < cps[c]; ++rank)

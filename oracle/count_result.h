@@ -36,8 +36,8 @@ struct CountResult {
   Policy policy = Policy::kFixed;
   CountSizes sizes;
   OwnedCounts counts;
-  std::vector<SampleNote> notes;   // per counted sample
-  std::vector<uint8_t> straddles;  // per counted sample: tokens on more than one CP rank
+  std::vector<SampleClass> classes;  // per counted sample
+  std::vector<uint8_t> straddles;    // per counted sample: tokens on more than one CP rank
   std::vector<int64_t> empty, fully_masked, sft, straddling;  // global sample indices
   std::vector<int64_t> denominators;                          // N per CP size (sizes.cp_sizes)
   std::vector<InvariantResult> invariants;

@@ -90,33 +90,10 @@ void scan_non_finite(const Batch& b, const std::string& field, const HostArray& 
 
 }  // namespace
 
-SampleNote classify_sample(const Batch& b, int64_t i, int64_t m) {
-  SampleNote n;
-  const int64_t t = b.total_lengths[i], r = b.response_lengths[i];
-  n.cls = t == 0   ? SampleClass::kTZero
-          : r == 0 ? SampleClass::kEmptyResponse
-          : m == 0 ? SampleClass::kFullyMasked
-                   : SampleClass::kRl;
-  n.sft = r == t && t > 0;
-  n.sft_not_preshifted = n.sft && b.loss_mask[b.response_offsets[i + 1] - 1] != 0;
-  return n;
-}
-
-std::string SampleNote::text() const {
-  std::string s = cls == SampleClass::kTZero           ? "T = 0"
-                  : cls == SampleClass::kEmptyResponse ? "empty response"
-                  : cls == SampleClass::kFullyMasked   ? "fully masked"
-                                                       : "";
-  if (sft)
-    s += std::string(s.empty() ? "" : ", ") +
-         (sft_not_preshifted ? "SFT, mask not pre-shifted" : "SFT");
-  return s;
-}
-
 std::vector<Finding> legacy_slicing_findings(const Batch& b) {
   std::vector<int64_t> empty_r;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
-    if (classify_sample(b, i, 0).cls == SampleClass::kEmptyResponse) empty_r.push_back(i);
+    if (b.classify(i, 0).why_empty == NoTokenReason::kEmptyResponse) empty_r.push_back(i);
   }
   if (empty_r.empty()) return {};
   const int64_t i = empty_r.front();
@@ -132,8 +109,8 @@ std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported,
                                     const std::vector<RowStats>* logits_stats) {
   std::vector<Finding> out;
   for (int64_t i = 0; i < b.num_samples(); ++i) {
-    const SampleNote note = classify_sample(b, i, b.mask_sum(i));
-    if (note.cls == SampleClass::kTZero) {
+    const SampleClass note = b.classify(i, b.mask_sum(i));
+    if (note.why_empty == NoTokenReason::kTZero) {
       out.push_back(
           {"zero_length_sample",
            fmt::format("{}: T = 0 (an empty sample; it counts 0 tokens)", b.describe_sample(i)),
@@ -180,6 +157,29 @@ std::vector<Finding> batch_findings(const Batch& b, std::size_t max_reported,
     }
   }
   return out;
+}
+
+BatchSummary summarize_batch(const Batch& b) {
+  BatchSummary s;
+  s.classes.reserve(static_cast<std::size_t>(b.num_samples()));
+  for (int64_t i = 0; i < b.num_samples(); ++i) {
+    const int64_t m = b.mask_sum(i);
+    const SampleClass c = b.classify(i, m);
+    s.kinds[static_cast<int>(c.kind)]++;
+    s.effective_tokens += m;
+    if (c.why_empty == NoTokenReason::kEmptyResponse) s.empty_responses.push_back(i);
+    if (c.why_empty == NoTokenReason::kFullyMasked) s.fully_masked.push_back(i);
+    if (c.sft) s.sft.push_back(i);
+    s.classes.push_back(c);
+    s.mask_sums.push_back(m);
+  }
+  for (const BatchStep& st : b.steps) {
+    int64_t m = 0;
+    for (int64_t i : st.samples) m += s.mask_sums[static_cast<std::size_t>(i)];
+    s.step_effective_tokens.push_back(m);
+  }
+  s.findings = batch_findings(b);
+  return s;
 }
 
 }  // namespace lossguard::oracle

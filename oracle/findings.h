@@ -18,18 +18,21 @@ struct Finding {
   nlohmann::json detail = nlohmann::json::object();
 };
 
-// The one classification of a sample that every report uses (SPEC §1): what kind of response it
-// has, and whether it is an SFT sample (R == T) whose mask is pre-shifted.
-enum class SampleClass { kRl, kTZero, kEmptyResponse, kFullyMasked };
-struct SampleNote {
-  SampleClass cls = SampleClass::kRl;
-  bool sft = false;
-  bool sft_not_preshifted =
-      false;  // its last mask entry is 1: counted at CP = 1, never owned at CP > 1
-  std::string text()
-      const;  // "T = 0", "empty response", "fully masked", "SFT", "SFT, mask not pre-shifted"
+// What `inspect` reports of a batch: each sample's class and mask sum, the samples per kind, the
+// effective tokens, the samples without effective tokens or SFT, each recorded step's effective
+// tokens, and the findings.
+struct BatchSummary {
+  std::vector<SampleClass> classes;
+  std::vector<int64_t> mask_sums;
+  int64_t kinds[3] = {0, 0, 0};  // by SampleKind: rl, sft, empty
+  int64_t effective_tokens = 0;
+  std::vector<int64_t> empty_responses, fully_masked, sft;
+  std::vector<int64_t> step_effective_tokens;  // per batch.steps
+  std::vector<Finding> findings;
+  // A batch of samples with no effective token: a trainer must skip optimizer.step() (SPEC §7).
+  bool must_skip() const { return effective_tokens == 0 && !classes.empty(); }
 };
-SampleNote classify_sample(const Batch& batch, int64_t sample, int64_t mask_sum);
+BatchSummary summarize_batch(const Batch& batch);
 
 // Relax before PR #285 took a sample's targets as tokens[-R:], which for R = 0 is all T tokens: one
 // finding naming the samples with R = 0 and T > 0, if there are any.
