@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The house rules CI enforces (docs/architecture.md), runnable by anyone:
 
-    scripts/check-house.py [--includes] [--format] [--self-test]     (no flag: both checks)
+    scripts/check-house.py [--includes] [--format] [--sizes] [--self-test]   (no flag: every check)
 
 --includes  every `#include "DIR/..."` of a project file follows the dependency rules (an arrow = may
             include): cli -> oracle, trainer, io, distributed, kernels, core; oracle -> core; trainer ->
@@ -9,6 +9,8 @@
             oracle/ never includes LibTorch, CUDA or NCCL headers; NCCL only in distributed/ (and
             kernels/device_info_cuda.cu). Exceptions are listed below with their reason.
 --format    every tracked C++/CUDA file is as clang-format (.clang-format) writes it.
+--sizes     a subcommand file (cli/cmd_*.cpp) has at most 170 lines; a function body of the product
+            (not tests/, bench/) over 80 lines says why in a comment above it that contains "Long:".
 --self-test plants a forbidden include and a misformatted line in a copy and checks both are caught.
 Exit 0 when clean, 1 listing every violation as FILE:LINE: what.
 """
@@ -21,7 +23,7 @@ import sys
 import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-MODULES = ("core", "oracle", "trainer", "kernels", "io", "distributed", "cli")
+MODULES = ("core", "oracle", "trainer", "kernels", "io", "distributed", "fixtures", "cli")
 ALLOWED = {
     "core": {"core"},
     "oracle": {"oracle", "core"},
@@ -29,12 +31,11 @@ ALLOWED = {
     "kernels": {"kernels", "core"},
     "io": {"io", "core"},
     "distributed": {"distributed", "oracle", "core"},
-    "cli": {"cli", "oracle", "trainer", "io", "distributed", "kernels", "core"},
+    "fixtures": {"fixtures", "oracle", "core"},
+    "cli": {"cli", "oracle", "trainer", "io", "distributed", "kernels", "fixtures", "core"},
 }
 # (file, included prefix): why the rule bends there.
 EXCEPTIONS = {
-    ("cli/cmd_gen.cpp", "fixtures"): "`gen` writes the seeded fixture cases; the generators are the "
-                                     "fixtures library (issue: move them out of the product binary)",
     ("kernels/device_info.cu", "nccl"): "`--version` reports the NCCL version the build links (private "
                                         "to lossguard_kernels)",
 }
@@ -81,7 +82,7 @@ def check_includes(root, files=None):
                     dep = path.split("/", 1)[0]
                     if dep in ALLOWED[top] or (f, dep) in EXCEPTIONS:
                         continue
-                    if dep in MODULES or dep in ("fixtures", "tests", "bench"):
+                    if dep in MODULES or dep in ("tests", "bench"):
                         problems.append(f"{f}:{n}: {top}/ may not include {path} ({top} -> "
                                         f"{', '.join(sorted(ALLOWED[top]))})")
                 elif kind == "<":
@@ -106,6 +107,83 @@ def check_format(root, files=None):
     return problems
 
 
+MAX_COMMAND_LINES = 170
+MAX_FUNCTION_LINES = 80
+
+
+def _strip_code(src):
+    """The source with comments, strings and character literals blanked (line breaks kept)."""
+    keep_lines = lambda m: "\n" * m.group(0).count("\n")
+    src = re.sub(r'R"\((.*?)\)"', lambda m: '""' + keep_lines(m), src, flags=re.S)
+    src = re.sub(r"//[^\n]*", "", src)
+    src = re.sub(r"/\*.*?\*/", keep_lines, src, flags=re.S)
+    src = re.sub(r'"(\\.|[^"\\\n])*"', '""', src)
+    return re.sub(r"'(\\.|[^'\\\n])'", "''", src)
+
+
+def function_bodies(text):
+    """(first line, last line) of every function body at namespace or class level, 1-based."""
+    src = _strip_code(text)
+    stack, bodies, line, last = [], [], 1, 0
+    for i, ch in enumerate(src):
+        if ch == "\n":
+            line += 1
+        elif ch == "{":
+            head = src[last:i]
+            kind = "block"
+            if all(k in ("ns", "type") for k, _ in stack):
+                if re.search(r"\bnamespace\b", head) or re.search(r'extern\s*""\s*$', head.strip()):
+                    kind = "ns"
+                elif re.search(r"\b(struct|class|enum|union)\b[^()]*$", head):
+                    kind = "type"
+                elif "(" in head and not head.strip().endswith("="):
+                    kind = "fn"
+            stack.append((kind, line))
+            last = i + 1
+        elif ch == "}":
+            if stack:
+                kind, start = stack.pop()
+                if kind == "fn":
+                    bodies.append((start, line))
+            last = i + 1
+        elif ch == ";":
+            last = i + 1
+    return bodies
+
+
+def _reason_above(lines, brace_line):
+    """Whether the comment block above the signature ending on `brace_line` contains "Long:"."""
+    k = brace_line - 2  # 0-based index of the line above the brace's line
+    while k >= 0 and lines[k].strip() and not lines[k].strip().startswith("//") \
+            and not lines[k].rstrip().endswith((";", "}")):
+        k -= 1  # the signature's earlier lines
+    while k >= 0 and lines[k].strip().startswith("//"):
+        if "Long:" in lines[k]:
+            return True
+        k -= 1
+    return False
+
+
+def check_sizes(root, files=None):
+    problems = []
+    for f in files or tracked(["*.h", "*.cpp", "*.cu", "*.cuh"], root):
+        if f.split("/", 1)[0] not in MODULES:
+            continue
+        with open(os.path.join(root, f), encoding="utf-8") as fh:
+            text = fh.read()
+        lines = text.split("\n")
+        n = len(lines) - (1 if text.endswith("\n") else 0)
+        if re.match(r"cli/cmd_[a-z_]+\.cpp$", f) and n > MAX_COMMAND_LINES:
+            problems.append(f"{f}: {n} lines: a subcommand file wires and renders in at most "
+                            f"{MAX_COMMAND_LINES} (move rendering to cli/*_render.cpp, verdicts to oracle/)")
+        for start, end in function_bodies(text):
+            length = end - start + 1
+            if length > MAX_FUNCTION_LINES and not _reason_above(lines, start):
+                problems.append(f"{f}:{start}: a function of {length} lines: split it along its "
+                                f"seams, or say why not in a comment above it containing \"Long:\"")
+    return problems
+
+
 def self_test():
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, "oracle"))
@@ -113,12 +191,22 @@ def self_test():
         with open(bad, "w") as fh:
             fh.write('#include "trainer/candidate.h"\n#include <torch/torch.h>\n\nint  f( ){return 1;}\n')
         shutil.copy(os.path.join(ROOT, ".clang-format"), tmp)
+        os.makedirs(os.path.join(tmp, "cli"))
+        body = "".join(f"  x += {k};\n" for k in range(85))
+        with open(os.path.join(tmp, "oracle", "long.cpp"), "w") as fh:
+            fh.write(f"int long_one(int x) {{\n{body}  return x;\n}}\n\n"
+                     f"// Long: a planted reason.\nint long_two(int x)\n    const {{\n{body}  return x;\n}}\n")
+        with open(os.path.join(tmp, "cli", "cmd_planted.cpp"), "w") as fh:
+            fh.write("// planted\n" * 171)
         inc = check_includes(tmp, ["oracle/planted.cpp"])
         fmt = check_format(tmp, ["oracle/planted.cpp"])
+        size = check_sizes(tmp, ["oracle/long.cpp", "cli/cmd_planted.cpp"])
         ok = (len(inc) == 2 and "may not include trainer/candidate.h" in inc[0] and "torch" in inc[1]
-              and len(fmt) == 1 and "planted.cpp" in fmt[0])
-        print("check-house self-test:", "the planted include and format errors are caught" if ok else
-              f"MISSED: {inc} {fmt}")
+              and len(fmt) == 1 and "planted.cpp" in fmt[0]
+              and len(size) == 2 and "long.cpp:1: a function of 88 lines" in size[0]
+              and "cmd_planted.cpp: 171 lines" in size[1])
+        print("check-house self-test:", "the planted include, format and size errors are caught"
+              if ok else f"MISSED: {inc} {fmt} {size}")
         return 0 if ok else 1
 
 
@@ -126,16 +214,19 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--includes", action="store_true")
     ap.add_argument("--format", action="store_true")
+    ap.add_argument("--sizes", action="store_true")
     ap.add_argument("--self-test", action="store_true")
     a = ap.parse_args()
     if a.self_test:
         return self_test()
-    both = not (a.includes or a.format)
+    both = not (a.includes or a.format or a.sizes)
     problems = []
     if a.includes or both:
         problems += check_includes(ROOT)
     if a.format or both:
         problems += check_format(ROOT)
+    if a.sizes or both:
+        problems += check_sizes(ROOT)
     for p in problems:
         print(p)
     print(f"check-house: {len(problems)} problem(s)")
