@@ -32,6 +32,8 @@ const char* colour(oracle::Outcome o) {
 // rectangle (a 131,072-rank grid is a few hundred of them, not 131,072 one-pixel cells), the row
 // is at most 1,600 px wide whatever the world size, stage labels are thinned so they never
 // overlap, and the x axis is labelled in DP ranks.
+// Long: one SVG drawn top to bottom (title, stage rows of outcome runs, axis, legend); each part
+// reads its coordinates from the ones drawn before it.
 std::string replay_svg(const oracle::ReplayInputs& in, const oracle::ReplayResult& result,
                        const std::string& title) {
   const oracle::Topology& t = in.topo;

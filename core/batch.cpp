@@ -231,6 +231,8 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
     std::memcpy(bytes.data() + old, converted.data, converted.size_bytes());
 }
 
+// Long: one check per field of a sample, in the order SPEC §1 lists them, each with its own error
+// naming the file, the sample and the field; then the appends.
 void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   LG_CHECK(!batch_.files.empty(), "begin_file before add_sample");
   if (f.tokens == nullptr) fail_sample(idx, "field 'tokens' is missing");
@@ -381,6 +383,8 @@ void BatchBuilder::set_sample_values(int64_t global, int64_t idx, std::optional<
   }
 }
 
+// Long: the packed twin of add_sample: one check per packed field (lengths, offsets, mask,
+// per-token fields, logits), each with its own error, then one append per field.
 void BatchBuilder::add_packed(const PackedFields& f) {
   LG_CHECK(!batch_.files.empty(), "begin_file before add_packed");
   const std::string& file = batch_.files.back();

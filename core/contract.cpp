@@ -12,6 +12,7 @@
 
 namespace lossguard {
 
+// Long: the preset table, one entry per real trainer with the source it was read from.
 const std::vector<ContractPreset>& contract_presets() {
   static const std::vector<ContractPreset> kPresets = {
       {"truth", "the objective itself: every token weighted as --reduce says",
@@ -290,6 +291,7 @@ void apply(Contract& c, const std::string& key, const std::string& value) {
 
 }  // namespace
 
+// Long: the presets' contracts, one branch per preset name: a table of key=value texts.
 Contract preset_contract(const std::string& name, Reduction reduce) {
   const bool per_token = per_token_objective(reduce);
   std::string spec;

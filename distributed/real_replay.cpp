@@ -96,6 +96,8 @@ void record_start(int64_t rank, double timeout_s) {
   ::close(fd);
 }
 
+// Long: one rank's executor — rendezvous, the topology's process groups, the program's collectives
+// each under the deadline, the outcome posted to rank 0 — sharing the store, groups and deadline.
 void run(const RealReplayInput* in, RealReplayOutput* out) {
   const auto run_start = Clock::now();
   g_run_start = run_start;

@@ -213,6 +213,8 @@ void read_terms(const Reader& r, const std::string& prefix, int64_t k, int64_t o
 
 }  // namespace
 
+// Long: the capture format's fields (SPEC §10) read and checked in order, each error naming the
+// file and the field.
 RankCapture read_capture(const std::string& path) {
   const SafetensorsFile file = read_safetensors(path);
   Reader r{path, file, {}};

@@ -361,6 +361,8 @@ std::vector<int64_t> to_int_list(const Value& v, const std::string& where) {
 // `micro_batch_indices`, one flat list over all steps of runs of rank-local indices into
 // `partition`. Step s of rank r is micro-batches [sum(nmb[:s]), sum(nmb[:s+1])). `first` is the
 // batch index of samples[0].
+// Long: slime's format-2 layout read and checked field by field (dp_shards, partition, micro-batch
+// counts), each error naming the dump and the field.
 std::vector<BatchStep> slime_format2_steps(const Value& root, const Value& samples,
                                            const std::string& path, int64_t first) {
   const Value* shards = root.get("dp_shards");

@@ -400,6 +400,8 @@ ValuePtr Unpickler::call(const ValuePtr& callable, const ValuePtr& args) {
   return Value::make_string(g, Kind::kOpaque);
 }
 
+// Long: one case per pickle opcode, as CPython's own load loop (Modules/_pickle.c): the opcode
+// table reads whole.
 void Unpickler::step() {
   switch (op_) {
     case 0x80: {  // PROTO

@@ -79,6 +79,8 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return parse_safetensors(mapping, static_cast<const std::byte*>(mapping->addr), file_size, path);
 }
 
+// Long: the safetensors header checked in the format's order (length, JSON, each tensor's dtype,
+// shape and offsets, overlaps, the file's size), each error naming the file and the tensor.
 SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std::byte* base,
                                   uint64_t file_size, const std::string& path) {
   // A pass over a mapped dump gives back the pages it read (HostArray::drop_pages) only when the

@@ -48,6 +48,8 @@ std::string first_bytes(const std::string& path, std::size_t n) {
 
 }  // namespace
 
+// Long: the torch.save zip read in order (magic, archive, data.pkl, each storage record), each
+// error naming the file and the record.
 ValuePtr read_torch_save(const std::string& path) {
   const std::string head = first_bytes(path, 4);
   if (head.size() < 4 || head.compare(0, 4, "PK\x03\x04") != 0) {

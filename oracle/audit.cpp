@@ -184,6 +184,8 @@ struct RebuiltBatch {
   std::vector<std::string> dummy_problems;
 };
 
+// Long: its four steps (read every holder's samples, find each index's first holder, pack the
+// batch, name disagreements) share the per-holder tables; each step is commented where it starts.
 RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   RebuiltBatch out;
   // Every non-dummy sample as the ranks hold it, in the order they are read; then, per global
@@ -416,6 +418,8 @@ int64_t for_owned(const RankCapture& c, const CapturedMicroBatch& mb, const Audi
   return j;
 }
 
+// Long: one rank's records read micro-batch by micro-batch in the order the trainer wrote them
+// (weights, counts, loss, terms), each check adding to the same Measurement.
 void measure_rank(const RankCapture& c, const AuditStep& out, const SamplePositions& position,
                   bool per_token_objective, double loss_tol, Measurement& m, AuditRank& ar) {
   const Batch& b = out.batch;
@@ -936,6 +940,82 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
   }
 }
 
+// B and L_norm as the captures record them (the trainer's own global batch size when any rank
+// records it), resolved for the step's batch.
+ObjectiveSizes recorded_sizes(const Batch& b, const std::vector<const RankCapture*>& all,
+                              std::optional<int64_t>* recorded_batch) {
+  for (const RankCapture* c : all) {
+    if (c->global_batch_size) *recorded_batch = c->global_batch_size;
+  }
+  ObjectiveSizes sizes;
+  if (*recorded_batch) sizes.global_batch_size = **recorded_batch;
+  if (all.front()->l_norm) sizes.l_norm = *all.front()->l_norm;
+  return resolve_sizes(b, sizes);
+}
+
+// Every loss rank's recorded weights placed on the step's tokens (each rank's AuditRank in
+// out.ranks), and the finding for micro-batch means over zero tokens.
+void measure_ranks(AuditStep& out, const LossRanks& ranks, const SamplePositions& position,
+                   bool per_token_objective, double loss_tol, Measurement& m) {
+  const int64_t step = out.step;
+  for (const auto& [coord, c] : ranks.by_coord) {
+    AuditRank ar{c->rank,    c->dp_rank,
+                 c->cp_rank, c->tp_rank,
+                 c->pp_rank, static_cast<int64_t>(c->microbatches.size()),
+                 0,          c->grad_scale,
+                 c->skipped, c->grad_norm,
+                 c->file};
+    measure_rank(*c, out, position, per_token_objective, loss_tol, m, ar);
+    out.ranks.push_back(ar);
+  }
+  if (m.nan_losses > 0) {
+    out.findings.push_back({"mean_over_zero_tokens",
+                            fmt::format("step {}: {} micro-batch loss value(s) are NaN, a mean "
+                                        "over zero tokens, while their gradient is 0 "
+                                        "(first: {})",
+                                        step, m.nan_losses, m.first_nan),
+                            {{"step", step}, {"microbatches", m.nan_losses}}});
+  }
+}
+
+// The checks that need one weight per token (counts, weights, loss, each term's), the diagnosis and
+// the contracts that reproduce the measured weights.
+void weigh_step(AuditStep& out, const Measurement& m, const std::vector<const RankCapture*>& all,
+                const LossRanks& ranks, const SamplePositions& position,
+                const ObjectiveSizes& sizes, const AuditOptions& opt, const ContractWeights& owned,
+                bool per_token_objective) {
+  const Batch& b = out.batch;
+  const RankCapture& first = *all.front();
+  bool recorded_reduced = false;
+  int64_t contract_count = 0;  // a measured run's N' (names N/N'), from its recorded counts
+  for (const RankCapture* c : all) {
+    recorded_reduced |= c->num_tokens_reduced.has_value();
+    if (c->num_tokens_reduced && per_token_objective) contract_count = *c->num_tokens_reduced;
+  }
+  out.checks.push_back(counts_check(out, m, recorded_reduced, per_token_objective));
+  out.diagnosis = diagnose_weights(b, out.measured, out.truth, out.place, out.layout,
+                                   out.global_tokens, contract_count, out.weight_rel_tol);
+  if (!m.nonfinite_weights.empty()) {
+    out.checks.push_back({"weights", false, "not finite: " + m.nonfinite_weights.text()});
+  } else {
+    out.checks.push_back(
+        {"weights", !out.diagnosis.fails(opt.strict_scale), out.diagnosis.summary()});
+  }
+  const PlacedTokens placed{out.place, owned.problems};  // every candidate contract's placement
+  // Naming the presets an exact step matches is a pass per preset over the tokens: shown for
+  // steps up to 2^20 response tokens; a step that fails is always matched.
+  const bool worth_matching =
+      !out.diagnosis.exact() || b.num_response_tokens() <= kExactMatchTokenLimit;
+  if (opt.match_presets && worth_matching && out.global_tokens > 0 &&
+      out.diagnosis.kind != "non-finite") {
+    out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
+                                   out.weight_rel_tol, &placed);
+  }
+  out.checks.push_back(loss_check(m));
+  audit_terms(out, ranks, first.terms, position, sizes, opt,
+              out.diagnosis.kind == "uniform-scale" ? out.diagnosis.scale : 1.0, placed);
+}
+
 AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
                      const AuditOptions& opt) {
   AuditStep out;
@@ -964,13 +1044,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   for (uint8_t mk : b.loss_mask) out.global_tokens += mk;
   out.expected_skip = out.global_tokens == 0;
   std::optional<int64_t> recorded_batch;
-  for (const RankCapture* c : all) {
-    if (c->global_batch_size) recorded_batch = c->global_batch_size;
-  }
-  ObjectiveSizes sizes;
-  if (recorded_batch) sizes.global_batch_size = *recorded_batch;
-  if (first.l_norm) sizes.l_norm = *first.l_norm;
-  sizes = resolve_sizes(b, sizes);
+  const ObjectiveSizes sizes = recorded_sizes(b, all, &recorded_batch);
   out.truth = true_weights(b, out.reduce, sizes);
   // The ownership each rank's weights are mapped through (a sample placed twice is owned where
   // first placed: the second holder's weights then land on no token of its own, and coverage
@@ -990,27 +1064,9 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   Measurement m;
   m.measured.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
   m.held.assign(static_cast<std::size_t>(b.num_response_tokens()), 0);
-  if (owned.problems.empty()) {
-    for (const auto& [coord, c] : ranks.by_coord) {
-      AuditRank ar{c->rank,    c->dp_rank,
-                   c->cp_rank, c->tp_rank,
-                   c->pp_rank, static_cast<int64_t>(c->microbatches.size()),
-                   0,          c->grad_scale,
-                   c->skipped, c->grad_norm,
-                   c->file};
-      measure_rank(*c, out, rebuilt.position, per_token_objective, tol.loss, m, ar);
-      out.ranks.push_back(ar);
-    }
-  }
+  if (owned.problems.empty())
+    measure_ranks(out, ranks, rebuilt.position, per_token_objective, tol.loss, m);
   out.measured = m.measured;
-  if (m.nan_losses > 0) {
-    out.findings.push_back({"mean_over_zero_tokens",
-                            fmt::format("step {}: {} micro-batch loss value(s) are NaN, a mean "
-                                        "over zero tokens, while their gradient is 0 "
-                                        "(first: {})",
-                                        step, m.nan_losses, m.first_nan),
-                            {{"step", step}, {"microbatches", m.nan_losses}}});
-  }
 
   // 4. The checks. A layout that holds a sample twice has no single weight per token: the checks
   // that need one are not run, and coverage names the duplicate.
@@ -1024,34 +1080,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
       out.checks.push_back({t.name + ".weights", std::nullopt, why});
     out.diagnosis.kind = "not-run";  // not diagnosed; coverage fails the step
   } else {
-    bool recorded_reduced = false;
-    int64_t contract_count = 0;  // a measured run's N' (names N/N'), from its recorded counts
-    for (const RankCapture* c : all) {
-      recorded_reduced |= c->num_tokens_reduced.has_value();
-      if (c->num_tokens_reduced && per_token_objective) contract_count = *c->num_tokens_reduced;
-    }
-    out.checks.push_back(counts_check(out, m, recorded_reduced, per_token_objective));
-    out.diagnosis = diagnose_weights(b, out.measured, out.truth, out.place, out.layout,
-                                     out.global_tokens, contract_count, out.weight_rel_tol);
-    if (!m.nonfinite_weights.empty()) {
-      out.checks.push_back({"weights", false, "not finite: " + m.nonfinite_weights.text()});
-    } else {
-      out.checks.push_back(
-          {"weights", !out.diagnosis.fails(opt.strict_scale), out.diagnosis.summary()});
-    }
-    const PlacedTokens placed{out.place, owned.problems};  // every candidate contract's placement
-    // Naming the presets an exact step matches is a pass per preset over the tokens: shown for
-    // steps up to 2^20 response tokens; a step that fails is always matched.
-    const bool worth_matching =
-        !out.diagnosis.exact() || b.num_response_tokens() <= kExactMatchTokenLimit;
-    if (opt.match_presets && worth_matching && out.global_tokens > 0 &&
-        out.diagnosis.kind != "non-finite") {
-      out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
-                                     out.weight_rel_tol, &placed);
-    }
-    out.checks.push_back(loss_check(m));
-    audit_terms(out, ranks, first.terms, rebuilt.position, sizes, opt,
-                out.diagnosis.kind == "uniform-scale" ? out.diagnosis.scale : 1.0, placed);
+    weigh_step(out, m, all, ranks, rebuilt.position, sizes, opt, owned, per_token_objective);
   }
   out.checks.push_back(decision_check(out, all));
   out.checks.push_back(metrics_check(all));

@@ -162,130 +162,142 @@ std::string explain_differences(const Batch& b, const OwnedCounts& counts,
 
 }  // namespace
 
+namespace {
+
+// N under the policy over every counted sample for CP size c (cp-scaled back under slime).
+int64_t effective_total(Policy policy, const OwnedCounts& counts, std::size_t c) {
+  int64_t s = 0;
+  for (std::size_t k = 0; k < counts.samples.size(); ++k)
+    s += effective_sample_count(policy, counts, c, k);
+  return s;
+}
+
+// I1: the same (effective) denominator for every CP size.
+InvariantResult check_i1(const Batch& b, const OwnedCounts& counts, Policy policy, std::size_t c1) {
+  const std::size_t n = counts.samples.size();
+  InvariantResult r{"I1", "CP-consistency", true, "", nlohmann::json::object()};
+  const int64_t n1 = effective_total(policy, counts, c1);
+  std::vector<std::string> bad;
+  for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
+    if (c == c1) continue;
+    const int64_t nc = effective_total(policy, counts, c);
+    r.data[std::to_string(counts.cp_sizes[c])] = nc;
+    if (nc == n1) continue;
+    r.ok = false;
+    std::map<std::size_t, int64_t> diff;
+    for (std::size_t k = 0; k < n; ++k) {
+      const int64_t d = effective_sample_count(policy, counts, c1, k) -
+                        effective_sample_count(policy, counts, c, k);
+      if (d != 0) diff[k] = d;
+    }
+    bad.push_back(
+        fmt::format("N(cp=1) = {} but N(cp={}) = {}{}: {}", n1, counts.cp_sizes[c],
+                    policy == Policy::kSlime ? nc * counts.cp_sizes[c] : nc,
+                    policy == Policy::kSlime
+                        ? fmt::format(" (/{} for the cp-scaled loss = {})", counts.cp_sizes[c], nc)
+                        : "",
+                    explain_differences(b, counts, diff)));
+  }
+  r.data["1"] = n1;
+  r.detail =
+      r.ok ? fmt::format("N = {} for every CP size", n1) : fmt::format("{}", fmt::join(bad, "\n"));
+  return r;
+}
+
+// I2: every owned response token counted exactly once over the CP group (RL samples, cp > 1).
+InvariantResult check_i2(const Batch& b, const OwnedCounts& counts, Policy policy) {
+  const std::size_t n = counts.samples.size();
+  InvariantResult r{"I2", "Exactly-once", true, "", nlohmann::json::object()};
+  std::vector<std::string> bad;
+  for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
+    if (counts.cp_sizes[c] == 1) continue;
+    std::map<std::size_t, int64_t> diff;
+    for (std::size_t k = 0; k < n; ++k) {
+      const int64_t i = counts.samples[k];
+      if (b.response_lengths[i] == b.total_lengths[i]) continue;  // SFT: see the pre-shift finding
+      const int64_t d = effective_sample_count(policy, counts, c, k) - counts.mask_sums[k];
+      if (d != 0) diff[k] = d;
+    }
+    if (!diff.empty()) {
+      r.ok = false;
+      bad.push_back(fmt::format("cp={}: sum over ranks != m_i: {}", counts.cp_sizes[c],
+                                explain_differences(b, counts, diff)));
+    }
+  }
+  r.detail = r.ok ? "every RL sample's mask sum is counted exactly once over the CP ranks"
+                  : fmt::format("{}", fmt::join(bad, "\n"));
+  return r;
+}
+
+// I3: the denominator does not depend on the DP / micro-batch split (recounted part by part).
+InvariantResult check_i3(const Batch& b, const OwnedCounts& counts, Policy policy,
+                         const ShardLayout& layout, const Placement* placement) {
+  InvariantResult r{"I3", "Partition invariance", true, "", nlohmann::json::object()};
+  if (placement == nullptr) {
+    r.detail = "one part (no --dp / --microbatches split given)";
+    r.data["parts"] = 1;
+  } else {
+    std::vector<std::string> bad;
+    int64_t parts = 0;
+    for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
+      int64_t split_total = 0;
+      for (const auto& dp_rank : *placement) {
+        for (const auto& mb : dp_rank) {
+          OwnedCounts part = count_owned_tokens(b, {counts.cp_sizes[c]}, layout, &mb);
+          split_total += global_denominator(policy, part, 0);
+          if (c == 0) ++parts;
+        }
+      }
+      const int64_t whole = global_denominator(policy, counts, c);
+      if (split_total != whole) {
+        r.ok = false;
+        bad.push_back(fmt::format("cp={}: split N = {} but unsplit N = {}", counts.cp_sizes[c],
+                                  split_total, whole));
+      }
+    }
+    r.data["parts"] = parts;
+    r.detail = r.ok ? fmt::format(
+                          "N over {} DP rank(s) x micro-batches ({} parts) equals the unsplit N "
+                          "for every CP size",
+                          placement->size(), parts)
+                    : fmt::format("{}", fmt::join(bad, "\n"));
+  }
+  return r;
+}
+
+// I4: samples without effective tokens add nothing.
+InvariantResult check_i4(const Batch& b, const OwnedCounts& counts, Policy policy) {
+  const std::size_t n = counts.samples.size();
+  InvariantResult r{"I4", "Empty contributes zero", true, "", nlohmann::json::object()};
+  std::vector<std::string> bad;
+  for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
+    std::map<std::size_t, int64_t> diff;
+    for (std::size_t k = 0; k < n; ++k) {
+      if (counts.mask_sums[k] != 0) continue;
+      const int64_t contributed = effective_sample_count(policy, counts, c, k);
+      if (contributed != 0) diff[k] = contributed;
+    }
+    if (!diff.empty()) {
+      r.ok = false;
+      bad.push_back(
+          fmt::format("cp={}: {}", counts.cp_sizes[c], explain_differences(b, counts, diff)));
+    }
+  }
+  r.detail = r.ok ? "samples without effective tokens add 0 to N"
+                  : fmt::format("{}", fmt::join(bad, "\n"));
+  return r;
+}
+
+}  // namespace
+
 std::vector<InvariantResult> check_invariants(const Batch& b, const OwnedCounts& counts,
                                               Policy policy, const ShardLayout& layout,
                                               const Placement* placement) {
-  std::vector<InvariantResult> out;
   const auto it1 = std::find(counts.cp_sizes.begin(), counts.cp_sizes.end(), 1);
   LG_CHECK(it1 != counts.cp_sizes.end(), "cp = 1 must be counted");
   const std::size_t c1 = static_cast<std::size_t>(it1 - counts.cp_sizes.begin());
-  const std::size_t n = counts.samples.size();
-  auto effective_total = [&](std::size_t c) {
-    int64_t s = 0;
-    for (std::size_t k = 0; k < n; ++k) s += effective_sample_count(policy, counts, c, k);
-    return s;
-  };
-
-  // I1: the same (effective) denominator for every CP size.
-  {
-    InvariantResult r{"I1", "CP-consistency", true, "", nlohmann::json::object()};
-    const int64_t n1 = effective_total(c1);
-    std::vector<std::string> bad;
-    for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
-      if (c == c1) continue;
-      const int64_t nc = effective_total(c);
-      r.data[std::to_string(counts.cp_sizes[c])] = nc;
-      if (nc == n1) continue;
-      r.ok = false;
-      std::map<std::size_t, int64_t> diff;
-      for (std::size_t k = 0; k < n; ++k) {
-        const int64_t d = effective_sample_count(policy, counts, c1, k) -
-                          effective_sample_count(policy, counts, c, k);
-        if (d != 0) diff[k] = d;
-      }
-      bad.push_back(fmt::format(
-          "N(cp=1) = {} but N(cp={}) = {}{}: {}", n1, counts.cp_sizes[c],
-          policy == Policy::kSlime ? nc * counts.cp_sizes[c] : nc,
-          policy == Policy::kSlime
-              ? fmt::format(" (/{} for the cp-scaled loss = {})", counts.cp_sizes[c], nc)
-              : "",
-          explain_differences(b, counts, diff)));
-    }
-    r.data["1"] = n1;
-    r.detail = r.ok ? fmt::format("N = {} for every CP size", n1)
-                    : fmt::format("{}", fmt::join(bad, "\n"));
-    out.push_back(std::move(r));
-  }
-  // I2: every owned response token counted exactly once over the CP group (RL samples, cp > 1).
-  {
-    InvariantResult r{"I2", "Exactly-once", true, "", nlohmann::json::object()};
-    std::vector<std::string> bad;
-    for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
-      if (counts.cp_sizes[c] == 1) continue;
-      std::map<std::size_t, int64_t> diff;
-      for (std::size_t k = 0; k < n; ++k) {
-        const int64_t i = counts.samples[k];
-        if (b.response_lengths[i] == b.total_lengths[i])
-          continue;  // SFT: see the pre-shift finding
-        const int64_t d = effective_sample_count(policy, counts, c, k) - counts.mask_sums[k];
-        if (d != 0) diff[k] = d;
-      }
-      if (!diff.empty()) {
-        r.ok = false;
-        bad.push_back(fmt::format("cp={}: sum over ranks != m_i: {}", counts.cp_sizes[c],
-                                  explain_differences(b, counts, diff)));
-      }
-    }
-    r.detail = r.ok ? "every RL sample's mask sum is counted exactly once over the CP ranks"
-                    : fmt::format("{}", fmt::join(bad, "\n"));
-    out.push_back(std::move(r));
-  }
-  // I3: the denominator does not depend on the DP / micro-batch split (recounted part by part).
-  {
-    InvariantResult r{"I3", "Partition invariance", true, "", nlohmann::json::object()};
-    if (placement == nullptr) {
-      r.detail = "one part (no --dp / --microbatches split given)";
-      r.data["parts"] = 1;
-    } else {
-      std::vector<std::string> bad;
-      int64_t parts = 0;
-      for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
-        int64_t split_total = 0;
-        for (const auto& dp_rank : *placement) {
-          for (const auto& mb : dp_rank) {
-            OwnedCounts part = count_owned_tokens(b, {counts.cp_sizes[c]}, layout, &mb);
-            split_total += global_denominator(policy, part, 0);
-            if (c == 0) ++parts;
-          }
-        }
-        const int64_t whole = global_denominator(policy, counts, c);
-        if (split_total != whole) {
-          r.ok = false;
-          bad.push_back(fmt::format("cp={}: split N = {} but unsplit N = {}", counts.cp_sizes[c],
-                                    split_total, whole));
-        }
-      }
-      r.data["parts"] = parts;
-      r.detail = r.ok ? fmt::format(
-                            "N over {} DP rank(s) x micro-batches ({} parts) equals the unsplit N "
-                            "for every CP size",
-                            placement->size(), parts)
-                      : fmt::format("{}", fmt::join(bad, "\n"));
-    }
-    out.push_back(std::move(r));
-  }
-  // I4: samples without effective tokens add nothing.
-  {
-    InvariantResult r{"I4", "Empty contributes zero", true, "", nlohmann::json::object()};
-    std::vector<std::string> bad;
-    for (std::size_t c = 0; c < counts.cp_sizes.size(); ++c) {
-      std::map<std::size_t, int64_t> diff;
-      for (std::size_t k = 0; k < n; ++k) {
-        if (counts.mask_sums[k] != 0) continue;
-        const int64_t contributed = effective_sample_count(policy, counts, c, k);
-        if (contributed != 0) diff[k] = contributed;
-      }
-      if (!diff.empty()) {
-        r.ok = false;
-        bad.push_back(
-            fmt::format("cp={}: {}", counts.cp_sizes[c], explain_differences(b, counts, diff)));
-      }
-    }
-    r.detail = r.ok ? "samples without effective tokens add 0 to N"
-                    : fmt::format("{}", fmt::join(bad, "\n"));
-    out.push_back(std::move(r));
-  }
-  return out;
+  return {check_i1(b, counts, policy, c1), check_i2(b, counts, policy),
+          check_i3(b, counts, policy, layout, placement), check_i4(b, counts, policy)};
 }
 
 }  // namespace lossguard::oracle

@@ -92,6 +92,8 @@ std::vector<RowStats> oracle_logits_stats(const Batch& b) {
   return logits_stats(b, b.vocab_size());
 }
 
+// Long: SPEC §4's definition written out once in float64 — per-sample sums, each token's
+// coefficient, the loss and its gradient — so it reads against the table it implements.
 OracleLoss oracle_loss(const Batch& b, const LossSpec& spec, bool with_logits_grad,
                        const std::vector<RowStats>* cached) {
   OracleLoss o;

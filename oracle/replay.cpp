@@ -226,6 +226,8 @@ CollectiveCall RankProgram::grad_sync_call(Payload buckets) const {
       expert ? "DDP expert-gradient all-reduce" : "DDP gradient all-reduce"};
 }
 
+// Long: the rank program's transition function, one case per phase of a training step, in the
+// order a step runs them.
 std::optional<CollectiveCall> RankProgram::next() {
   const Topology& t = in_->topo;
   auto group = [&](GroupKind k) { return groups_[static_cast<std::size_t>(k)]; };
@@ -725,6 +727,8 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
   return out;
 }
 
+// Long: the simulator's event loop: issue every rank's next call, match calls per group, complete,
+// block or mismatch them, until every rank finished or none can move.
 ReplayResult simulate(const ReplayInputs& in) {
   const Topology& t = in.topo;
   const int64_t world = t.world();

@@ -262,6 +262,8 @@ struct ContractFactors {
   std::vector<double> per_sample;  // [S]
 };
 
+// Long: SPEC §9's w_t formula in its three steps (counts, denominators, factors), sharing the
+// per-(micro-batch, CP rank) tables; a hot path of `weights` (bench/weights_bench.sh).
 ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const Contract& contract,
                                  const ObjectiveSizes& sizes_in, const PlacedSamples& placed,
                                  const TermMasks& masks) {
@@ -602,6 +604,9 @@ TokenCoord coord_of_span(const Batch& b, const WeightSpan& sp,
   return c;
 }
 
+// Long: the diagnosis ladder in SPEC §9's order (non-finite, masked, uniform, per-rank,
+// per-micro-batch, per-CP-shard, per-sample, mixed); each rung is tried only when the ones before
+// fail, over the same spans.
 template <class Spans>
 WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
                                const std::vector<int32_t>& sample_microbatch, const StepLayout& l,
@@ -1028,6 +1033,8 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
   return std::move(check_split_invariance_terms({term}, base, split, vary).front());
 }
 
+// Long: I5 as one plan (every variation placed once, every term weighed on it, threads over
+// variations); the seams are commented.
 std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
     const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
     Variations vary) {

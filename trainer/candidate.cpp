@@ -45,6 +45,9 @@ at::Tensor borrowed_tensor(const HostArray& a) {
                        at::TensorOptions().dtype(scalar_type(a.dtype)));
 }
 
+// Long: the LibTorch candidate, a trainer's step written out in its order (tensors in the dump's
+// dtype, each CP rank's shard, loss under the contract, backward, gradient streamed out) so it
+// reads as the trainer code it stands for.
 void run(const CandidateInput* in, CandidateOutput* out) {
   // glibc maps and unmaps an allocation over its mmap threshold each time (a page fault per 4 KiB,
   // each page zeroed by the kernel: 40% of the time here); at its largest allowed value (32 MiB)

@@ -78,6 +78,8 @@ double elementwise(const Batch& b, const LossSpec& spec, const HostArray& x_host
 
 }  // namespace
 
+// Long: the kernels candidate in a trainer's order (counts, the device flag, each CP rank's shard
+// through the fused kernel, the gradient streamed out), as the LibTorch one.
 void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
   try {
     const Batch& b = *in.batch;

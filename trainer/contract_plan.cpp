@@ -8,6 +8,8 @@
 
 namespace lossguard::trainer {
 
+// Long: the candidate's contract arithmetic in a trainer's order (placement, counts, all-reduces,
+// factors), written apart from the oracle's (oracle/weights.cpp) so that the two can disagree.
 ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan, int64_t cp,
                                            const ContractRun& run) {
   const Contract& c = *run.contract;

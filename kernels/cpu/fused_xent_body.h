@@ -215,6 +215,8 @@ struct Io<HalfBits> {
 };
 
 template <typename T>
+// Long: a row's one pass over its blocks: the running maximum, the sums, the two scratches and the
+// prefetch position are live across every phase of the hottest loop, kept in one body.
 void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
   const int64_t v = a.vocab, blocks = (v + kBlock - 1) / kBlock;
   // Two scratches: row r's first pass fills one while row r-1's gradient streams out of the
