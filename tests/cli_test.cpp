@@ -60,6 +60,28 @@ TEST(Cli, UsageErrorsExitTwo) {
   EXPECT_EQ(run_cli({"frobnicate"}).code, 2);
 }
 
+// A mode's bad value names the option and lists its choices from the mode's name table; a negative
+// tolerance is refused (it once silently meant "the default").
+TEST(Cli, BadModesAndNegativeTolerancesExitTwoNamingTheChoices) {
+  const std::string dump = fixture("gen_random.json");
+  Result r = run_cli({"check", dump, "--impl", "cuda-graphs"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--impl must be torch or kernels, got 'cuda-graphs'"), std::string::npos)
+      << r.err;
+  r = run_cli({"replay", dump, "--backend", "mpi"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--backend must be sim, gloo or nccl, got 'mpi'"), std::string::npos)
+      << r.err;
+  r = run_cli({"replay", dump, "--flag-group", "pp"});
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.err.find("--flag-group must be tp, cp or dp"), std::string::npos) << r.err;
+  for (const char* tol : {"--rtol", "--atol"}) {
+    r = run_cli({"check", dump, tol, "-0.5"});
+    EXPECT_EQ(r.code, 2) << tol;
+    EXPECT_NE(r.err.find(tol), std::string::npos) << r.err;
+  }
+}
+
 TEST(Cli, InspectShowsSamplesAndFindings) {
   Result r = run_cli({"inspect", fixture("gen_cp-examples.safetensors")});
   ASSERT_EQ(r.code, 0) << r.err;
@@ -986,7 +1008,7 @@ TEST(CliReport, ReplayFailuresNameTheRanks) {
 // 1111): a KL term averaged per micro-batch is named per term, relative to main; the correct
 // three-term contract passes; bad declarations exit 2 naming the term.
 std::string terms_dump() {
-  const auto dir = testing::temp_dir("cli-terms");
+  static const auto dir = testing::temp_dir("cli-terms");  // removed at exit
   const auto path = dir / "three.json";
   testing::write_file(path, R"({"lossguard.schema": "1", "samples": [
     {"tokens": [1, 2, 3, 4, 5], "response_length": 3, "loss_mask": [1, 1, 1]},
