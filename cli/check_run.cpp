@@ -87,10 +87,8 @@ oracle::CheckGroup run_group(const CheckPlan& plan, const Batch& b, LossSpec spe
       in.sink = judge.sink();
       const trainer::CandidateOutput got = trainer::run_candidate(in);
       progress.case_done();
-      group.cases.push_back(
-          {cp, mode_name(impl), impl == trainer::Impl::kTorch, got.dtype, got.denominator, got.loss,
-           got.skip_flag < 0 ? std::nullopt : std::optional<bool>(got.skip_flag == 1),
-           judge.finish(got)});
+      group.cases.push_back({cp, mode_name(impl), impl == trainer::Impl::kTorch, got.dtype,
+                             got.denominator, got.loss, got.skip_flag, judge.finish(got)});
     }
   }
   return group;

@@ -2,6 +2,7 @@
 // the oracle judges (SPEC §5). The trainer fills it; the oracle never sees how.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -64,8 +65,8 @@ struct CandidateResult {
   std::vector<int8_t>
       row_chunk;      // per response row: which of the owner's two chunks (0, 1; -1: none)
   std::string dtype;  // working dtype
-  int64_t skip_flag =
-      -1;  // kernels: the zero-token flag as reduced on the device (1 skip); -1: not computed
+  // The kernels' zero-token flag as reduced on the device (true: skip); none: not computed.
+  std::optional<bool> skip_flag;
 };
 
 }  // namespace lossguard

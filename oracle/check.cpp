@@ -261,7 +261,7 @@ CheckCase CaseJudge::finish(const CandidateResult& got) {
   c.loss_ok = c.loss_diff <= c.loss_bound && (!want.no_signal || got.loss == 0.0);
   c.grad = stream_->finish(got.row_rank, got.row_chunk);
   // The kernels' zero-token flag, reduced on the device, must say what the oracle says.
-  c.flag_ok = got.skip_flag < 0 || (got.skip_flag == 1) == want.no_signal;
+  c.flag_ok = !got.skip_flag || *got.skip_flag == want.no_signal;
 
   if (!c.den_ok) {
     std::vector<int64_t> zero;
@@ -293,8 +293,8 @@ CheckCase CaseJudge::finish(const CandidateResult& got) {
   if (!c.flag_ok) {
     c.why.push_back(
         fmt::format("the device zero-token flag says {} but the batch has {} effective tokens",
-                    got.skip_flag == 1 ? "skip" : "step", want.no_signal ? "no" : "some"));
-  } else if (got.skip_flag == 1) {
+                    *got.skip_flag ? "skip" : "step", want.no_signal ? "no" : "some"));
+  } else if (got.skip_flag.value_or(false)) {
     c.why.push_back(
         "zero-token flag, reduced on the device and read once: skip (no optimizer.step(), no LR "
         "step)");

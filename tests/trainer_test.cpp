@@ -83,9 +83,9 @@ TEST_P(CandidateAgainstOracle, EveryCpSizeLossAndReductionPasses) {
         }
         // The kernels reduce the zero-token flag on the device; LibTorch computes none.
         if (impl == trainer::Impl::kKernels) {
-          EXPECT_EQ(j.got.skip_flag, j.want.no_signal ? 1 : 0);
+          EXPECT_EQ(j.got.skip_flag, std::optional<bool>(j.want.no_signal));
         } else {
-          EXPECT_EQ(j.got.skip_flag, -1);
+          EXPECT_FALSE(j.got.skip_flag.has_value());
         }
       }
     }
@@ -172,7 +172,7 @@ TEST(EvaluateCheck, RejectsEachPlantedError) {
     EXPECT_GT(judge(masked).grad.masked_nonzero, 0);
 
     CandidateResult flag = base.got;
-    flag.skip_flag = 1;  // "skip" on a batch with effective tokens
+    flag.skip_flag = true;  // "skip" on a batch with effective tokens
     EXPECT_FALSE(judge(flag).flag_ok);
   }
 }

@@ -65,7 +65,7 @@ struct TrainerApi {
   int abi_version;
   void (*run)(const CandidateInput* in, CandidateOutput* out);
 };
-inline constexpr int kTrainerAbiVersion = 7;
+inline constexpr int kTrainerAbiVersion = 8;  // 8: skip_flag is std::optional<bool>
 
 // Runs the candidate: `torch` loads the plugin (LOSSGUARD_TRAINER overrides its path), `kernels`
 // runs in process. Throws InputError when it cannot run.

@@ -251,8 +251,9 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     out->loss = total;
     out->row_rank = std::move(plan.row_rank);
     out->row_chunk = std::move(plan.row_chunk);
-    out->skip_flag = kernels::read_skip_decision(decision.as<kernels::SkipDecision>(), device)
-                         .skip;  // the one sync
+    out->skip_flag =
+        kernels::read_skip_decision(decision.as<kernels::SkipDecision>(), device).skip ==
+        1;  // the one sync
   } catch (const std::bad_alloc&) {
     out->error = "out of memory";
     out->error_kind = ErrorKind::kInternal;
