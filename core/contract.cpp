@@ -461,4 +461,35 @@ double scale_value(const ScaleFactor& s, const ScaleSizes& z) {
          p(static_cast<double>(std::max<int64_t>(z.microbatch_max_response, 1)), s.lmb);
 }
 
+const std::vector<std::string>& single_component_changes() {
+  static const std::vector<std::string> kChanges = [] {
+    std::vector<std::string> out;
+    for (CountRule r : all_modes<CountRule>()) out.push_back(fmt::format("count={}", mode_name(r)));
+    for (ClampRule r : all_modes<ClampRule>()) out.push_back(fmt::format("clamp={}", mode_name(r)));
+    for (NormRule r : all_modes<NormRule>()) {
+      if (r == NormRule::kGeneration) continue;  // generation:S needs its S
+      if (r != NormRule::kGlobal) {
+        out.push_back(fmt::format("norm={}", mode_name(r)));
+        continue;
+      }
+      for (ReduceGroup g : all_modes<ReduceGroup>())
+        out.push_back(fmt::format("norm=global:{}", mode_name(g)));
+    }
+    for (SampleRule r : all_modes<SampleRule>())
+      out.push_back(fmt::format("sample={}", mode_name(r)));
+    for (GradRule r : all_modes<GradRule>()) {
+      if (r != GradRule::kMean) {
+        out.push_back(fmt::format("grad={}", mode_name(r)));
+        continue;
+      }
+      for (ReduceGroup g : all_modes<ReduceGroup>())
+        out.push_back(fmt::format("grad=mean:{}", mode_name(g)));
+    }
+    for (const char* f : {"1", "cp", "1/cp", "dp", "1/dp", "1/M", "M"})
+      out.push_back(fmt::format("scale={}", f));
+    return out;
+  }();
+  return kChanges;
+}
+
 }  // namespace lossguard

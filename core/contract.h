@@ -128,6 +128,12 @@ Contract preset_contract(const std::string& name, Reduction reduce);
 // Throws InputError naming the bad component.
 Contract parse_contract(const std::string& text, Reduction reduce);
 
+// Every contract one component away from another, as the key=value text parse_contract appends:
+// each value of each component's name table (norm=global:G and grad=mean:G over every group;
+// norm=generation:S, which needs S, excluded) and the scale factors cp, dp, M and their inverses.
+// `matching_presets` names a measured contract by them.
+const std::vector<std::string>& single_component_changes();
+
 // The components as key=value text (every component, defaults included).
 std::string contract_components(const Contract& c);
 std::string scale_text(const ScaleFactor& s);  // "dp*cp*1/B", "1"

@@ -1220,21 +1220,14 @@ std::vector<std::string> matching_presets(const Batch& b, const StepLayout& layo
   }
   if (!out.empty()) return out;
   // Single component changes: of the truth, then of every preset (the first level that matches).
-  const char* changes[] = {
-      "count=cp-local",    "count=full-sample", "count=samples",   "clamp=none",
-      "clamp=per-sample",  "clamp=at-cp1",      "norm=none",       "norm=microbatch",
-      "norm=rank",         "norm=global:dp",    "norm=global:cp",  "norm=global:world",
-      "norm=global:dp-cp", "sample=mean",       "sample=none",     "grad=sum",
-      "grad=mean:dp",      "grad=mean:cp",      "grad=mean:dp-cp", "grad=mean:world",
-      "scale=1",           "scale=cp",          "scale=1/cp",      "scale=dp",
-      "scale=1/dp",        "scale=1/M",         "scale=M"};
+  const std::vector<std::string>& changes = single_component_changes();
   // Every preset's variations cost a pass each over the tokens: only for batches of modest size.
   const bool all_presets = b.num_response_tokens() <= (1 << 20);
   for (const auto& p : contract_presets()) {
     if (std::string(p.name) != "truth" && !all_presets) break;
     if (p.term_only && !term) continue;
     const Contract base = preset_contract(p.name, reduce);
-    for (const char* change : changes) {
+    for (const std::string& change : changes) {
       const Contract c = parse_contract(contract_components(base) + "," + change, reduce);
       if (c == base) continue;
       const ContractWeights w = contract_weights(b, layout, c, sizes, placed);

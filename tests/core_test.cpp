@@ -2,6 +2,7 @@
 // --term declarations with their contracts. Links only lossguard_core.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,25 @@ TEST(ModeNames, EveryTableRoundTrips) {
   expect_table_round_trips<SampleRule>("SampleRule");
   expect_table_round_trips<GradRule>("GradRule");
   EXPECT_EQ(mode_choices<Split>(), "contiguous or round-robin");
+}
+
+// The single-component changes come from the name tables; written out by hand here, every one of
+// them parses, and they are all the one-component moves there are (generation:S aside).
+TEST(ContractChanges, AreEveryComponentValueOfTheTables) {
+  const std::vector<std::string> by_hand = {
+      "count=cp-local",    "count=full-sample", "count=samples",   "clamp=none",
+      "clamp=per-sample",  "clamp=at-cp1",      "norm=none",       "norm=microbatch",
+      "norm=rank",         "norm=global:dp",    "norm=global:cp",  "norm=global:world",
+      "norm=global:dp-cp", "sample=mean",       "sample=none",     "grad=sum",
+      "grad=mean:dp",      "grad=mean:cp",      "grad=mean:dp-cp", "grad=mean:world",
+      "scale=1",           "scale=cp",          "scale=1/cp",      "scale=dp",
+      "scale=1/dp",        "scale=1/M",         "scale=M"};
+  std::vector<std::string> got = single_component_changes(), want = by_hand;
+  std::sort(got.begin(), got.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(got, want);
+  for (const auto& change : single_component_changes())
+    EXPECT_NO_THROW(parse_contract("relax," + change, Reduction::kPerToken)) << change;
 }
 
 TEST(TermContracts, EachTermTakesItsOwnContractOrMains) {
