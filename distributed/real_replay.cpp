@@ -96,8 +96,212 @@ void record_start(int64_t rank, double timeout_s) {
   ::close(fd);
 }
 
-// Long: one rank's executor — rendezvous, the topology's process groups, the program's collectives
-// each under the deadline, the outcome posted to rank 0 — sharing the store, groups and deadline.
+// The store every rank rendezvous through (a TCPStore served by rank 0 or the launcher's agent,
+// prefixed by the run id), kept in g_store; false with `error` set when it cannot be reached.
+bool connect_store(const LaunchEnv& env, std::chrono::milliseconds timeout, std::string* error) {
+  try {
+    c10d::TCPStoreOptions so;
+    so.port = static_cast<std::uint16_t>(env.port);
+    so.isServer = !env.agent_store && env.rank == 0;
+    if (so.isServer) so.numWorkers = static_cast<std::size_t>(env.world_size);
+    so.waitWorkers = false;
+    so.timeout = timeout;
+    auto base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
+    g_store = new c10::intrusive_ptr<c10d::Store>(
+        c10::make_intrusive<c10d::PrefixStore>(env.run_id, base));
+    return true;
+  } catch (const std::exception& e) {
+    *error = fmt::format("rendezvous with the store at {}:{} failed: {}", env.master_addr, env.port,
+                         first_line(e.what()));
+    return false;
+  }
+}
+
+// Fail fast: every rank posts its state (waiting on which call, failed, done) to the store; a
+// waiting rank reads everyone's and stops waiting as soon as its call can never complete
+// (wait_graph.h: a member that has not issued it failed, finished, or waits in a cycle), instead of
+// at --timeout. A verdict counts only when two reads 200 ms apart agree and no rank posted in
+// between. The store is only an accelerator here: each of its calls may take at most a second (a
+// store that died with rank 0 must not stack reconnect retries on every collective), and after its
+// first failure it is left alone and the deadlines decide.
+class StateBoard {
+ public:
+  StateBoard(c10d::Store& store, const LaunchEnv& env, const oracle::Topology& t)
+      : store_(store), env_(env), t_(t), posted_(static_cast<std::size_t>(env.world_size), false) {
+    try {
+      store_.setTimeout(std::chrono::milliseconds(1000));
+    } catch (const std::exception&) {
+      store_ok_ = false;
+    }
+  }
+
+  // The call's number on its group, from 1 (counted as issued from now on).
+  int issue(GroupKind kind) { return ++issued_[kind]; }
+
+  void post(PostedState::Status status, const oracle::CollectiveCall* call, int seq) {
+    if (!store_ok_) return;
+    try {
+      std::string text = fmt::format("{} {} {} {} {}", ++version_, static_cast<int>(status),
+                                     call ? static_cast<int>(call->group.kind) : 0,
+                                     call ? call->group.id : 0, seq);
+      for (int k = 0; k < oracle::kNumGroupKinds; ++k) {
+        const auto it = issued_.find(static_cast<GroupKind>(k));
+        text += fmt::format(" {}", it == issued_.end() ? 0 : it->second);
+      }
+      store_.set(fmt::format("state/{}", env_.rank), text);
+    } catch (const std::exception&) {  // the store is gone: the others find out by their deadline
+      store_ok_ = false;
+    }
+  }
+
+  // Starts waiting on a call: the confirmations of the previous one do not count.
+  void start_wait() {
+    last_ask_ = Clock::now();
+    seen_versions_.clear();
+  }
+
+  // Why this rank may stop waiting on `call` (#seq on its group) now, or "" to keep waiting.
+  std::string give_up_reason(const oracle::CollectiveCall& call, int seq) {
+    if (Clock::now() - last_ask_ < std::chrono::milliseconds(200)) return "";
+    last_ask_ = Clock::now();
+    std::vector<int> versions;
+    std::vector<PostedState> states;
+    if (!store_ok_) return "";
+    try {
+      states = read_states(&versions);
+    } catch (const std::exception&) {
+      store_ok_ = false;
+      return "";
+    }
+    if (!stuck_ranks(t_, states)[static_cast<std::size_t>(env_.rank)]) {
+      seen_versions_.clear();
+      return "";
+    }
+    if (versions != seen_versions_) {  // confirm on the next read
+      seen_versions_ = versions;
+      return "";
+    }
+    std::vector<int64_t> failed, waiting;
+    for (int64_t i = 0; i < t_.group_size(call.group.kind); ++i) {
+      const int64_t m = t_.member(call.group, i);
+      const PostedState& st = states[static_cast<std::size_t>(m)];
+      const auto k = static_cast<std::size_t>(call.group.kind);
+      if (k < st.issued.size() && st.issued[k] >= seq) continue;
+      (st.status == PostedState::kWaiting ? waiting : failed).push_back(m);
+    }
+    return failed.empty()
+               ? fmt::format(
+                     "rank(s) {} wait elsewhere on calls that can never complete (a "
+                     "deadlock, seen through the store)",
+                     oracle::format_rank_set(waiting, 4))
+               : fmt::format(
+                     "rank(s) {} failed or finished without issuing it (seen through the store)",
+                     oracle::format_rank_set(failed, 4));
+  }
+
+ private:
+  std::vector<PostedState> read_states(std::vector<int>* versions) {
+    std::vector<PostedState> states(static_cast<std::size_t>(env_.world_size));
+    versions->assign(states.size(), 0);
+    for (int64_t r = 0; r < env_.world_size; ++r) {
+      const std::string key = fmt::format("state/{}", r);
+      if (!posted_[r] && !store_.check({key})) continue;
+      posted_[r] = true;
+      const std::vector<uint8_t> bytes = store_.get(key);
+      std::istringstream line(std::string(bytes.begin(), bytes.end()));
+      int status = 0, kind = 0;
+      int64_t id = 0;
+      PostedState& st = states[r];
+      line >> (*versions)[r] >> status >> kind >> id >> st.seq;
+      st.status = static_cast<PostedState::Status>(status);
+      st.group = {static_cast<GroupKind>(kind), id};
+      st.issued.resize(oracle::kNumGroupKinds);
+      for (int& c : st.issued) line >> c;
+    }
+    return states;
+  }
+
+  c10d::Store& store_;
+  const LaunchEnv& env_;
+  const oracle::Topology& t_;
+  std::map<GroupKind, int> issued_;
+  int version_ = 0;
+  bool store_ok_ = true;
+  std::vector<bool> posted_;
+  Clock::time_point last_ask_;
+  std::vector<int> seen_versions_;
+};
+
+// The rank's program over real collectives, call by call, until it finishes or a call is rejected
+// (where torch.distributed checks it), mismatches or blocks. `kill_before`: the test-injected call
+// number at which this rank dies.
+void run_program(oracle::RankProgram& prog, Collectives& coll, StateBoard& board,
+                 const oracle::Topology& t, int kill_before, double timeout_s) {
+  int calls = 0;
+  while (std::optional<oracle::CollectiveCall> call = prog.next()) {
+    if (prog.reject(t, *call)) {
+      board.post(PostedState::kFailed, nullptr, 0);
+      return;
+    }
+    const int seq = board.issue(call->group.kind);
+    if (++calls == kill_before) std::raise(SIGKILL);
+    board.post(PostedState::kWaiting, &*call, seq);
+    board.start_wait();
+    try {
+      const CallResult r = coll.run(*call, [&] { return board.give_up_reason(*call, seq); });
+      if (r.mismatch) {
+        prog.mismatch(*call, seq,
+                      fmt::format("collective #{} on {}: the members issued different "
+                                  "collectives (their op and payload tags differ)",
+                                  seq, t.describe(call->group)));
+        board.post(PostedState::kFailed, nullptr, 0);
+        return;
+      }
+      prog.complete(r.value, r.nonfinite);
+    } catch (const std::exception& e) {
+      const std::string what = first_line(e.what());
+      const bool gave_up = what.find("seen through the store") != std::string::npos;
+      prog.block(*call, seq,
+                 gave_up ? fmt::format("waiting in {}: {}", t.describe(call->group), what)
+                         : fmt::format("waiting in {}: {} (gave up after {} s)",
+                                       t.describe(call->group), what, timeout_s));
+      board.post(PostedState::kFailed, nullptr, 0);
+      return;
+    }
+  }
+}
+
+// Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived. A live
+// rank posts within one deadline of the start (its program blocks at most once), plus start-up
+// skew.
+std::vector<oracle::RankResult> collect_outcomes(c10d::Store& store, const LaunchEnv& env,
+                                                 Clock::time_point deadline, double timeout_s) {
+  std::vector<oracle::RankResult> ranks;
+  g_live_ranks = env.world_size;
+  for (int64_t r = 0; r < env.world_size; ++r) {
+    const std::string key = fmt::format("outcome/{}", r);
+    try {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
+      const std::vector<uint8_t> bytes = store.get(key);
+      ranks.push_back(rank_result_from_json(std::string(bytes.begin(), bytes.end())));
+    } catch (const std::exception&) {
+      --g_live_ranks;
+      oracle::RankResult missing;
+      missing.rank = r;
+      missing.outcome = oracle::Outcome::kError;
+      missing.summary = "never reported an outcome (the process died or never arrived)";
+      missing.detail = fmt::format(
+          "no outcome in the store {} s after the start (the --timeout plus 5 s)", timeout_s);
+      ranks.push_back(missing);
+    }
+  }
+  return ranks;
+}
+
+// One rank's executor: rendezvous, the topology's process groups, the program's collectives each
+// under the deadline, its outcome posted; rank 0 then collects every rank's.
 void run(const RealReplayInput* in, RealReplayOutput* out) {
   const auto run_start = Clock::now();
   g_run_start = run_start;
@@ -109,21 +313,7 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
   const oracle::ReplayInputs& ri = *in->inputs;
   const oracle::Topology& t = ri.topo;
   const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(in->timeout_s * 1000));
-  try {
-    c10d::TCPStoreOptions so;
-    so.port = static_cast<std::uint16_t>(env.port);
-    so.isServer = !env.agent_store && env.rank == 0;
-    if (so.isServer) so.numWorkers = static_cast<std::size_t>(env.world_size);
-    so.waitWorkers = false;
-    so.timeout = timeout;
-    auto base = c10::make_intrusive<c10d::TCPStore>(env.master_addr, so);
-    g_store = new c10::intrusive_ptr<c10d::Store>(
-        c10::make_intrusive<c10d::PrefixStore>(env.run_id, base));
-  } catch (const std::exception& e) {
-    out->error = fmt::format("rendezvous with the store at {}:{} failed: {}", env.master_addr,
-                             env.port, first_line(e.what()));
-    return;
-  }
+  if (!connect_store(env, timeout, &out->error)) return;
   c10d::Store& store = **g_store;
 
   oracle::RankProgram prog(&ri, env.rank);
@@ -139,136 +329,15 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
                           in->timeout_s));
     ready = false;
   }
-
-  std::map<GroupKind, int> issued;
-  // Fail fast: every rank posts its state (waiting on which call, failed, done) to the store; a
-  // waiting rank reads everyone's and stops waiting as soon as its call can never complete
-  // (wait_graph.h: a member that has not issued it failed, finished, or waits in a cycle), instead
-  // of at --timeout. A verdict counts only when two reads 200 ms apart agree and no rank posted in
-  // between.
-  int version = 0;
-  // The store is only an accelerator here: each of its calls may take at most a second (a store
-  // that died with rank 0 must not stack reconnect retries on every collective), and after its
-  // first failure it is left alone and the deadlines decide.
-  bool store_ok = true;
-  try {
-    store.setTimeout(std::chrono::milliseconds(1000));
-  } catch (const std::exception&) {
-    store_ok = false;
-  }
-  auto post_state = [&](PostedState::Status status, const oracle::CollectiveCall* call, int seq) {
-    if (!store_ok) return;
-    try {
-      std::string text = fmt::format("{} {} {} {} {}", ++version, static_cast<int>(status),
-                                     call ? static_cast<int>(call->group.kind) : 0,
-                                     call ? call->group.id : 0, seq);
-      for (int k = 0; k < oracle::kNumGroupKinds; ++k) {
-        const auto it = issued.find(static_cast<GroupKind>(k));
-        text += fmt::format(" {}", it == issued.end() ? 0 : it->second);
-      }
-      store.set(fmt::format("state/{}", env.rank), text);
-    } catch (const std::exception&) {  // the store is gone: the others find out by their deadline
-      store_ok = false;
-    }
-  };
-  std::vector<bool> posted(static_cast<std::size_t>(env.world_size), false);
-  auto read_states = [&](std::vector<int>* versions) {
-    std::vector<PostedState> states(static_cast<std::size_t>(env.world_size));
-    versions->assign(states.size(), 0);
-    for (int64_t r = 0; r < env.world_size; ++r) {
-      const std::string key = fmt::format("state/{}", r);
-      if (!posted[r] && !store.check({key})) continue;
-      posted[r] = true;
-      const std::vector<uint8_t> bytes = store.get(key);
-      std::istringstream line(std::string(bytes.begin(), bytes.end()));
-      int status = 0, kind = 0;
-      int64_t id = 0;
-      PostedState& st = states[r];
-      line >> (*versions)[r] >> status >> kind >> id >> st.seq;
-      st.status = static_cast<PostedState::Status>(status);
-      st.group = {static_cast<GroupKind>(kind), id};
-      st.issued.resize(oracle::kNumGroupKinds);
-      for (int& c : st.issued) line >> c;
-    }
-    return states;
-  };
-  if (!ready) post_state(PostedState::kFailed, nullptr, 0);
-  int calls = 0;
-  while (ready) {
-    std::optional<oracle::CollectiveCall> call = prog.next();
-    if (!call) break;
-    if (prog.reject(t, *call)) {  // where torch.distributed checks it
-      post_state(PostedState::kFailed, nullptr, 0);
-      break;
-    }
-    const int seq = ++issued[call->group.kind];
-    if (++calls == kill_before) std::raise(SIGKILL);
-    post_state(PostedState::kWaiting, &*call, seq);
-    auto last_ask = Clock::now();
-    std::vector<int> seen_versions;
-    auto give_up = [&]() -> std::string {
-      if (Clock::now() - last_ask < std::chrono::milliseconds(200)) return "";
-      last_ask = Clock::now();
-      std::vector<int> versions;
-      std::vector<PostedState> states;
-      if (!store_ok) return "";
-      try {
-        states = read_states(&versions);
-      } catch (const std::exception&) {
-        store_ok = false;
-        return "";
-      }
-      if (!stuck_ranks(t, states)[static_cast<std::size_t>(env.rank)]) {
-        seen_versions.clear();
-        return "";
-      }
-      if (versions != seen_versions) {  // confirm on the next read
-        seen_versions = versions;
-        return "";
-      }
-      std::vector<int64_t> failed, waiting;
-      for (int64_t i = 0; i < t.group_size(call->group.kind); ++i) {
-        const int64_t m = t.member(call->group, i);
-        const PostedState& st = states[static_cast<std::size_t>(m)];
-        const auto k = static_cast<std::size_t>(call->group.kind);
-        if (k < st.issued.size() && st.issued[k] >= seq) continue;
-        (st.status == PostedState::kWaiting ? waiting : failed).push_back(m);
-      }
-      return failed.empty() ? fmt::format(
-                                  "rank(s) {} wait elsewhere on calls that can never complete "
-                                  "(a deadlock, seen through the store)",
-                                  oracle::format_rank_set(waiting, 4))
-                            : fmt::format(
-                                  "rank(s) {} failed or finished without issuing it (seen through "
-                                  "the store)",
-                                  oracle::format_rank_set(failed, 4));
-    };
-    try {
-      const CallResult r = coll->run(*call, give_up);
-      if (r.mismatch) {
-        prog.mismatch(*call, seq,
-                      fmt::format("collective #{} on {}: the members issued different "
-                                  "collectives (their op and payload tags differ)",
-                                  seq, t.describe(call->group)));
-        post_state(PostedState::kFailed, nullptr, 0);
-        break;
-      }
-      prog.complete(r.value, r.nonfinite);
-    } catch (const std::exception& e) {
-      const std::string what = first_line(e.what());
-      const bool gave_up = what.find("seen through the store") != std::string::npos;
-      prog.block(*call, seq,
-                 gave_up ? fmt::format("waiting in {}: {}", t.describe(call->group), what)
-                         : fmt::format("waiting in {}: {} (gave up after {} s)",
-                                       t.describe(call->group), what, in->timeout_s));
-      post_state(PostedState::kFailed, nullptr, 0);
-      break;
-    }
-  }
-  if (prog.finished() && ready) {
+  StateBoard board(store, env, t);
+  if (!ready) {
+    board.post(PostedState::kFailed, nullptr, 0);
+  } else {
+    run_program(prog, *coll, board, t, kill_before, in->timeout_s);
     const oracle::RankResult mine = prog.result();
-    if (mine.outcome == oracle::Outcome::kSkip || mine.outcome == oracle::Outcome::kStep) {
-      post_state(PostedState::kDone, nullptr, 0);
+    if (prog.finished() &&
+        (mine.outcome == oracle::Outcome::kSkip || mine.outcome == oracle::Outcome::kStep)) {
+      board.post(PostedState::kDone, nullptr, 0);
     }
   }
   (void)coll.release();  // never destroyed, see g_store
@@ -285,30 +354,8 @@ void run(const RealReplayInput* in, RealReplayOutput* out) {
     return;
   }
   if (env.rank != 0) return;
-  g_live_ranks = env.world_size;
-  // Rank 0 collects every rank's outcome; a rank that never posts one died or never arrived. A live
-  // rank posts within one deadline of the start (its program blocks at most once), plus start-up
-  // skew.
-  const auto deadline = run_start + timeout + std::chrono::seconds(5);
-  for (int64_t r = 0; r < env.world_size; ++r) {
-    const std::string key = fmt::format("outcome/{}", r);
-    try {
-      const auto left =
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
-      store.wait({key}, std::max(left, std::chrono::milliseconds(1)));
-      const std::vector<uint8_t> bytes = store.get(key);
-      out->ranks.push_back(rank_result_from_json(std::string(bytes.begin(), bytes.end())));
-    } catch (const std::exception&) {
-      --g_live_ranks;
-      oracle::RankResult missing;
-      missing.rank = r;
-      missing.outcome = oracle::Outcome::kError;
-      missing.summary = "never reported an outcome (the process died or never arrived)";
-      missing.detail = fmt::format(
-          "no outcome in the store {} s after the start (the --timeout plus 5 s)", in->timeout_s);
-      out->ranks.push_back(missing);
-    }
-  }
+  out->ranks =
+      collect_outcomes(store, env, run_start + timeout + std::chrono::seconds(5), in->timeout_s);
 }
 
 int agree_exit_code_with_store(const RealReplayInput* in, int code) {
