@@ -45,12 +45,6 @@ class CheckProgress {
   bool shown_ = false;
 };
 
-const HostArray& loss_input_array(const Batch& b, LossInput which) {
-  return which == LossInput::kLogits     ? *b.logits
-         : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
-                                         : b.per_token.at("token_loss");
-}
-
 // Every candidate on every CP size against one (loss, reduction)'s truth.
 oracle::CheckGroup run_group(const CheckPlan& plan, const Batch& b, LossSpec spec,
                              const Placement& placement, int64_t global_batch_size,

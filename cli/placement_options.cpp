@@ -4,15 +4,13 @@
 #include <fmt/format.h>
 
 #include "cli/command.h"
+#include "cli/mode_option.h"
 #include "core/errors.h"
 
 namespace lossguard::cli {
 
 Policy policy_from_option(const std::string& value) {
-  Policy p;
-  if (!parse_policy(value, &p))
-    throw_input_error("--policy must be fixed, legacy or slime, got '{}'", value);
-  return p;
+  return mode_from_option<Policy>("--policy", value);
 }
 
 void add_topology_options(CLI::App& app, TopologySizes& s) {
@@ -45,10 +43,7 @@ ShardLayout LayoutOptions::layout() const {
 
 StepLayout CpLayoutOptions::step_layout(const Batch& b, const Placement& placement, int64_t cp,
                                         int64_t tp, const ShardLayout& shard) const {
-  CpLayout kind;
-  if (!parse_mode(cp_layout, &kind)) {
-    throw_input_error("--cp-layout must be {}, got '{}'", mode_choices<CpLayout>(), cp_layout);
-  }
+  const CpLayout kind = mode_from_option<CpLayout>("--cp-layout", cp_layout);
   if (allgather_pad < 1) throw_input_error("--allgather-pad must be >= 1, got {}", allgather_pad);
   StepLayout l = dynamic_cp > 0
                      ? oracle::dynamic_cp_layout(b.total_lengths, placement, cp, dynamic_cp)
@@ -96,13 +91,7 @@ void add_layout_options(CLI::App& app, LayoutOptions& o) {
 }
 
 oracle::Placement PlacementOptions::placement(const Batch& batch, bool dp_shards) const {
-  Split s;
-  if (split == "contiguous")
-    s = Split::kContiguous;
-  else if (split == "round-robin")
-    s = Split::kRoundRobin;
-  else
-    throw_input_error("--split must be contiguous or round-robin, got '{}'", split);
+  const Split s = mode_from_option<Split>("--split", split);
   if (dp * microbatches > kMaxMicrobatches) {
     throw_input_error(
         "--dp {} x --microbatches {} = {} micro-batches; at most {} are modelled (every one is a "

@@ -693,4 +693,10 @@ LossInput loss_input(const Batch& b, LossKind loss) {
   return LossInput::kLogits;
 }
 
+const HostArray& loss_input_array(const Batch& b, LossInput which) {
+  return which == LossInput::kLogits     ? *b.logits
+         : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
+                                         : b.per_token.at("token_loss");
+}
+
 }  // namespace lossguard

@@ -142,6 +142,9 @@ struct LoadNeeds {
 // Which input the loss reads: nll uses logits when the batch has them, else log_probs. Throws
 // InputError naming the missing fields.
 LossInput loss_input(const Batch& batch, LossKind loss);
+// The array a loss of that input is computed from and differentiated with respect to: the logits,
+// log_probs or token_loss.
+const HostArray& loss_input_array(const Batch& batch, LossInput which);
 
 // Validates and appends samples, one dump after another, into one global batch. Every violation of
 // SPEC §1 throws InputError naming the file, the sample (index within its dump), the field and

@@ -233,7 +233,7 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
     int64_t& first = dense ? first_dense[idx] : first_sparse.try_emplace(idx, -1).first->second;
     if (first < 0) {
       first = static_cast<int64_t>(k);
-      unique.push_back(first);
+      if (!dense) unique.push_back(first);  // dense: read off the table in index order below
       continue;
     }
     const SampleRecord& o = held[first].second;
@@ -248,7 +248,6 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   }
   // The batch in index order, packed (one array per field, as a packed dump's).
   if (dense) {
-    unique.clear();
     for (int64_t idx = 0; idx <= max_idx; ++idx) {
       if (first_dense[idx] >= 0) unique.push_back(first_dense[idx]);
     }
@@ -270,11 +269,12 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   auto* msk = reinterpret_cast<uint8_t*>(masks.mutable_data());
   auto* tl = reinterpret_cast<int64_t*>(total_lengths.mutable_data());
   auto* rl = reinterpret_cast<int64_t*>(response_lengths.mutable_data());
-  std::vector<int64_t> position(dense ? static_cast<std::size_t>(max_idx + 1) : 0, -1);
+  // The first-holder table becomes the position table: an index's entry is now its place in the
+  // batch (absent indices stay -1).
   for (int64_t j = 0; j < n; ++j) {
     const auto& [idx, rec] = held[unique[j]];
     if (dense)
-      position[idx] = j;
+      first_dense[idx] = j;
     else
       out.position.set(idx, j);
     tl[j] = rec.t;
@@ -282,7 +282,7 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
     tok = std::copy(rec.tokens, rec.tokens + rec.t, tok);
     msk = std::copy(rec.mask, rec.mask + rec.r, msk);
   }
-  if (dense) out.position.assign_dense(std::move(position));
+  if (dense) out.position.assign_dense(std::move(first_dense));
   BatchBuilder builder(LoadNeeds{true, false, false});
   builder.begin_file(fmt::format("captures of step {}", step));
   PackedFields f;

@@ -41,9 +41,7 @@ Judged run_and_judge(const Batch& b, trainer::Impl impl, int64_t cp, LossKind lo
   spec.loss = loss;
   spec.reduce = reduce;
   const LossInput which = loss_input(b, loss);
-  const HostArray& x = which == LossInput::kLogits     ? *b.logits
-                       : which == LossInput::kLogProbs ? b.per_token.at("log_probs")
-                                                       : b.per_token.at("token_loss");
+  const HostArray& x = loss_input_array(b, which);
   const oracle::CheckSettings settings;
   spec = oracle::with_rounding_slack(spec, x.dtype, settings);
   Judged j;

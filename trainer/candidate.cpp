@@ -224,9 +224,7 @@ void run(const CandidateInput* in, CandidateOutput* out) {
     const LossSpec& spec = in->spec;
     const int64_t cp = in->cp;
     const LossInput input = loss_input(b, spec.loss);
-    const HostArray& x_host = input == LossInput::kLogits     ? *b.logits
-                              : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
-                                                              : b.per_token.at("token_loss");
+    const HostArray& x_host = loss_input_array(b, input);
     const at::Tensor x = borrowed_tensor(x_host);
     const at::ScalarType dt = x.scalar_type();
     out->dtype = std::string(dtype_name(x_host.dtype));

@@ -87,9 +87,7 @@ void run_kernels_candidate(const CandidateInput& in, CandidateOutput* out) {
     const int64_t cp = in.cp, s = b.num_samples(), rows = b.num_response_tokens();
     const Device device = in.device;
     const LossInput input = loss_input(b, spec.loss);
-    const HostArray& x_host = input == LossInput::kLogits     ? *b.logits
-                              : input == LossInput::kLogProbs ? b.per_token.at("log_probs")
-                                                              : b.per_token.at("token_loss");
+    const HostArray& x_host = loss_input_array(b, input);
     out->dtype = std::string(dtype_name(x_host.dtype));
     ShardPlan plan = plan_shards(b, cp, in.layout);
 

@@ -87,9 +87,7 @@ CandidateOutput run_candidate(const CandidateInput& in_given) {
   // Collect the gradient whole when nobody streams it, or when a mutation edits it afterwards.
   const bool collect = !in_given.sink || (mutation && mutates_output(*mutation));
   const LossInput which = loss_input(*in.batch, in.spec.loss);
-  const HostArray& x = which == LossInput::kLogits     ? *in.batch->logits
-                       : which == LossInput::kLogProbs ? in.batch->per_token.at("log_probs")
-                                                       : in.batch->per_token.at("token_loss");
+  const HostArray& x = loss_input_array(*in.batch, which);
   const int64_t rows = in.batch->num_response_tokens();
   const std::size_t row_bytes =
       rows > 0 ? x.size_bytes() / static_cast<std::size_t>(rows) : dtype_size_bytes(x.dtype);
