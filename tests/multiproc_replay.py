@@ -47,8 +47,19 @@ def free_port():
 
 
 def leftover(tag):
-    out = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True).stdout.split()
-    return [p for p in out if int(p) != os.getpid()]
+    """Processes whose command line holds tag (pgrep -f, read from /proc: a bare machine may lack procps)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if tag in cmdline:
+            found.append(pid)
+    return found
 
 
 def main():
@@ -66,7 +77,10 @@ def main():
     topo = ["--tp", str(args.tp), "--pp", str(args.pp), "--cp", str(args.cp), "--dp", str(args.dp),
             "--ep", str(args.ep)]
     if args.protocols:
-        runs = [(b, p, PARTICIPATION_ARGS[p]) for b in ("gen_random.safetensors", "replay_participation.json")
+        def protocol_args(p):  # a NaN rank that exists: rank 1, or rank 0 in a world of one (one GPU, NCCL)
+            return [a if a != "1" or i == 0 or PARTICIPATION_ARGS[p][i - 1] != "--nan-ranks" or world > 1 else "0"
+                    for i, a in enumerate(PARTICIPATION_ARGS[p])]
+        runs = [(b, p, protocol_args(p)) for b in ("gen_random.safetensors", "replay_participation.json")
                 for p in args.protocols.split(",")]
     else:
         runs = [(b, p, []) for b in ("gen_zero-token.safetensors", "gen_random.safetensors") for p in PROTOCOLS]
@@ -107,6 +121,9 @@ def main():
                     continue
                 got = json.load(open(real_json))
                 checked += 1
+                if "ranks" not in want or "ranks" not in got:  # an error report (exit 2), not a replay
+                    failures.append(f"{name}: no replay: simulated {want.get('error', want)}, real {got.get('error', got)}")
+                    continue
                 if got["backend"] != args.backend or len(got["ranks"]) != world:
                     failures.append(f"{name}: backend {got['backend']}, {len(got['ranks'])} ranks")
                 for w, g in zip(want["ranks"], got["ranks"]):
