@@ -97,7 +97,9 @@ Presets (--reduce picks the per-token or sample-mean form where the trainer has 
 {}Diagnosis of r = w / w*: exact, uniform-scale (named as a product of cp, dp, tp, M), masked-weight,
 per-rank, per-microbatch, per-cp-shard, per-sample or mixed, with the worst token.
 Exit 1 when the weights differ from the objective's on the layout or on a variation of it (a
-uniform scale only with --strict-scale).
+uniform scale s only with --strict-scale or where Adam does not hide it: s < 2^-10 turns eps into
+eps/s, s > 2^64 overflows the trainer's floats; docs/semantics.md §9). I5 varies only layouts the
+trainer can build: none that leaves a micro-batch empty, none uneven for TRL (listed as skipped).
 Terms (docs/semantics.md §11): each --term is weighed over its own mask as its own objective, under
 its own contract, and judged relative to the main term's scale: a term off by any factor relative
 to main fails (a KL averaged per micro-batch while the policy term uses the global count: ×M).

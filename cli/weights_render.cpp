@@ -66,22 +66,33 @@ void print_term(std::ostream& out, const oracle::TermWeights& run, const StepLay
       out << "\n";
     }
   }
-  int64_t broken = 0;
-  for (const auto& r : run.invariance) broken += !r.ok;
+  int64_t broken = 0, skipped = 0;
+  for (const auto& r : run.invariance) {
+    broken += !r.ok;
+    skipped += !r.skipped.empty();
+  }
+  const int64_t weighed = static_cast<int64_t>(run.invariance.size()) - skipped;
   const oracle::InvarianceResult* first_break = run.verdict.first_break;
-  if (run.invariance.empty()) {
+  if (weighed == 0) {
     out << "\nI5 split invariance: not checked (--vary none, or no variation holds the batch)\n";
   } else if (first_break == nullptr) {
     out << fmt::format(
         "\nI5 split invariance: the same weights on all {} variations ({} of 1, 2, 4, 8)\n",
-        run.invariance.size(), fmt::join(view.vary_names, ", "));
+        weighed, fmt::join(view.vary_names, ", "));
   } else {
     out << fmt::format(
         "\nI5 split invariance: BREAKS on {} of {} variations; first: {} (weights differ from this "
         "layout's by up to {:.3g}; sample {} response index {})\n  on {}: {}\n",
-        broken, run.invariance.size(), first_break->label, first_break->max_rel_diff,
-        first_break->worst.sample, first_break->worst.response_index, first_break->label,
+        broken, weighed, first_break->label, first_break->max_rel_diff, first_break->worst.sample,
+        first_break->worst.response_index, first_break->label,
         first_break->against_truth.summary());
+  }
+  if (skipped > 0) {
+    out << fmt::format("  skipped {} variation(s) the trainer cannot produce:", skipped);
+    for (const auto& r : run.invariance) {
+      if (!r.skipped.empty()) out << fmt::format("\n    {}: {}", r.label, r.skipped);
+    }
+    out << "\n";
   }
   if (view.per_token) {
     out << fmt::format("\n{:>6} {:>4} {:>4}  weights (w / w*)\n", "sample", "dp", "mb");
@@ -176,10 +187,11 @@ void add_cases(const oracle::WeightsResult& result, Report& report) {
     for (const auto& inv : r.invariance) {
       report.add_case(
           {"lossguard.weights", "I5 " + inv.label + suffix, inv.ok,
-           inv.ok ? ""
-                  : fmt::format("weights differ from the base layout's by up to {:.3g}; {}",
-                                inv.max_rel_diff, inv.against_truth.summary()),
-           false});
+           !inv.skipped.empty() ? inv.skipped
+           : inv.ok             ? ""
+                    : fmt::format("weights differ from the base layout's by up to {:.3g}; {}",
+                                  inv.max_rel_diff, inv.against_truth.summary()),
+           !inv.skipped.empty()});
     }
   }
 }
@@ -187,10 +199,14 @@ void add_cases(const oracle::WeightsResult& result, Report& report) {
 nlohmann::ordered_json invariance_json(const std::vector<oracle::InvarianceResult>& invariance) {
   nlohmann::ordered_json inv = nlohmann::ordered_json::array();
   for (const auto& r : invariance) {
+    const bool weighed = r.skipped.empty();
     inv.push_back({{"layout", r.layout},
-                   {"ok", r.ok},
-                   {"max_rel_diff", r.max_rel_diff},
-                   {"against_truth", r.against_truth.kind}});
+                   {"ok", weighed ? nlohmann::ordered_json(r.ok) : nlohmann::ordered_json(nullptr)},
+                   {"max_rel_diff", weighed ? nlohmann::ordered_json(r.max_rel_diff)
+                                            : nlohmann::ordered_json(nullptr)},
+                   {"against_truth", r.against_truth.kind},
+                   {"skipped", weighed ? nlohmann::ordered_json(nullptr)
+                                       : nlohmann::ordered_json(r.skipped)}});
   }
   return inv;
 }

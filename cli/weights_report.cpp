@@ -66,8 +66,11 @@ nlohmann::ordered_json coord_json(const oracle::TokenCoord& c) {
 
 nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& d) {
   return {{"kind", d.kind},
-          {"scale", d.kind == "uniform-scale" ? nlohmann::ordered_json(d.scale)
-                                              : nlohmann::ordered_json(nullptr)},
+          {"scale", d.kind == "uniform-scale" || d.kind == "negative-scale"
+                        ? nlohmann::ordered_json(d.scale)
+                        : nlohmann::ordered_json(nullptr)},
+          {"scale_problem", d.scale_problem.empty() ? nlohmann::ordered_json(nullptr)
+                                                    : nlohmann::ordered_json(d.scale_problem)},
           {"named",
            d.named.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(d.named)},
           {"min_ratio", d.min_ratio},

@@ -406,4 +406,25 @@ HostArray HostArray::from_i64(DType dtype, std::vector<int64_t> shape,
   return a;
 }
 
+bool dtype_holds(DType dtype, double v) {
+  if (!std::isfinite(v) || v == 0.0) return true;
+  int e = 0;
+  const double m = std::frexp(std::fabs(v), &e);  // |v| = m·2^e, 0.5 <= m < 1
+  auto fits = [&](int bits) { return std::ldexp(m, bits) == std::floor(std::ldexp(m, bits)); };
+  switch (dtype) {
+    case DType::kBFloat16:  // 8 significant bits; float32's exponent range
+      return std::fabs(v) <= 3.3895313892515355e38 &&
+             (e - 1 >= -126
+                  ? fits(8)
+                  : std::ldexp(std::fabs(v), 133) == std::floor(std::ldexp(std::fabs(v), 133)));
+    case DType::kFloat16:  // 11 significant bits, normal from 2^-14, subnormal steps of 2^-24
+      return std::fabs(v) <= 65504.0 &&
+             (e - 1 >= -14
+                  ? fits(11)
+                  : std::ldexp(std::fabs(v), 24) == std::floor(std::ldexp(std::fabs(v), 24)));
+    default:
+      return true;
+  }
+}
+
 }  // namespace lossguard

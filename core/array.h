@@ -26,6 +26,9 @@ enum class DType {
 std::string_view dtype_name(DType dtype);  // "int64", "bfloat16", ...
 std::size_t dtype_size_bytes(DType dtype);
 bool dtype_is_float(DType dtype);
+// Whether `dtype` holds the value exactly (bfloat16, float16; every value for the others): every
+// value a trainer computing in bf16 records is one, though written widened to float32.
+bool dtype_holds(DType dtype, double value);
 bool parse_dtype(std::string_view name,
                  DType* out);  // accepts lossguard names and safetensors codes
 

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <iterator>
 #include <limits>
 
 #include "core/errors.h"
@@ -282,10 +283,8 @@ void apply(Contract& c, const std::string& key, const std::string& value) {
       c.scale = times(c.scale, parse_scale("cp"));
     }
   } else {
-    throw_input_error(
-        "--contract: unknown component '{}' (count, clamp, norm, sample, scale, grad, count-of or "
-        "policy)",
-        key);
+    throw_input_error("--contract: unknown component '{}' ({})", key,
+                      contract_component_keys_text());
   }
 }
 
@@ -378,6 +377,7 @@ Contract preset_contract(const std::string& name, Reduction reduce) {
   }
   Contract c = parse_contract(spec, reduce);
   c.preset = name;
+  c.equal_microbatches = name.rfind("trl-", 0) == 0;  // TRL's GRPOTrainer layouts
   return c;
 }
 
@@ -404,6 +404,7 @@ Contract parse_contract(const std::string& text, Reduction reduce) {
     pos = comma + 1;
   }
   if (overridden) c.preset.clear();  // a preset with overrides is no longer that preset
+  if (c.norm == NormRule::kGeneration) c.equal_microbatches = true;  // TRL's generation batches
   // A compensation factor a trainer can apply: a float32 normal number. Outside that range the
   // trainer's own arithmetic overflows or flushes to zero (`check` computes inf or 0 gradients),
   // so `weights`, reasoning in float64, must not call it a plain uniform scale.
@@ -415,6 +416,22 @@ Contract parse_contract(const std::string& text, Reduction reduce) {
         text, c.scale.number, lo, hi);
   }
   return c;
+}
+
+bool is_contract_component_key(const std::string& key) {
+  for (const char* k : kContractComponentKeys) {
+    if (key == k) return true;
+  }
+  return false;
+}
+
+std::string contract_component_keys_text() {
+  std::string out;
+  const std::size_t n = std::size(kContractComponentKeys);
+  for (std::size_t i = 0; i < n; ++i) {
+    out += (i == 0 ? "" : i + 1 == n ? " or " : ", ") + std::string(kContractComponentKeys[i]);
+  }
+  return out;
 }
 
 std::string scale_text(const ScaleFactor& s) {
@@ -454,11 +471,23 @@ std::string contract_components(const Contract& c) {
 
 double scale_value(const ScaleFactor& s, const ScaleSizes& z) {
   auto p = [](double base, int e) { return std::pow(base, e); };
-  return s.number * p(static_cast<double>(z.cp), s.cp) * p(static_cast<double>(z.dp), s.dp) *
-         p(static_cast<double>(z.tp), s.tp) * p(static_cast<double>(z.microbatches), s.m) *
-         p(static_cast<double>(z.batch), s.b) * p(static_cast<double>(z.batch_nonzero), s.bnz) *
-         p(z.l_norm, s.l) *
-         p(static_cast<double>(std::max<int64_t>(z.microbatch_max_response, 1)), s.lmb);
+  const double v = s.number * p(static_cast<double>(z.cp), s.cp) *
+                   p(static_cast<double>(z.dp), s.dp) * p(static_cast<double>(z.tp), s.tp) *
+                   p(static_cast<double>(z.microbatches), s.m) *
+                   p(static_cast<double>(z.batch), s.b) *
+                   p(static_cast<double>(z.batch_nonzero), s.bnz) * p(z.l_norm, s.l) *
+                   p(static_cast<double>(std::max<int64_t>(z.microbatch_max_response, 1)), s.lmb);
+  // As parse_contract's check of the literal numbers, on the value the symbols give on this layout
+  // (scale=1e38*M at M = 8 is 8e38: a trainer's float32 overflows; 1e-37*1/M at M = 1024 flushes
+  // to 0), so that a scale no trainer can apply is never weighed as a plain uniform scale.
+  const double lo = std::numeric_limits<float>::min(), hi = std::numeric_limits<float>::max();
+  if (!(v >= lo && v <= hi)) {
+    throw ScaleRangeError(fmt::format(
+        "--contract: scale={} is {:g} on the layout DP {} CP {} TP {} M {} B {}, outside the "
+        "float32 range a trainer can apply ({:g} to {:g})",
+        scale_text(s), v, z.dp, z.cp, z.tp, z.microbatches, z.batch, lo, hi));
+  }
+  return v;
 }
 
 const std::vector<std::string>& single_component_changes() {

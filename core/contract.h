@@ -99,6 +99,11 @@ struct Contract {
   // divides every term by the main loss's token count: finalize_model_grads.py:484-497, 0.16.1).
   bool count_of_main = false;
   std::string preset;  // the preset it came from; empty for key=value
+  // The trainer builds only layouts whose DP x M micro-batches hold the same number of samples
+  // (TRL: a generation batch of per_device_train_batch_size x dp x steps_per_generation
+  // completions, cut evenly): I5 varies only such layouts. Set by the TRL presets and
+  // norm=generation:S; kept through overrides; not a weighing component (not compared).
+  bool equal_microbatches = false;
   bool operator==(const Contract& o) const {
     return count == o.count && clamp == o.clamp && norm == o.norm &&
            (norm != NormRule::kGlobal || norm_group == o.norm_group) &&
@@ -127,6 +132,13 @@ Contract preset_contract(const std::string& name, Reduction reduce);
 // grad=sum). A preset name may be followed by overrides: "megatron-per-token,norm=global:dp".
 // Throws InputError naming the bad component.
 Contract parse_contract(const std::string& text, Reduction reduce);
+
+// The keys of a contract's key=value components, in --help's order: none of them is a term name,
+// whatever order the components come in (--contract policy=legacy,norm=global:dp-cp is main's).
+inline constexpr const char* kContractComponentKeys[] = {"count", "clamp", "norm",     "sample",
+                                                         "scale", "grad",  "count-of", "policy"};
+bool is_contract_component_key(const std::string& key);
+std::string contract_component_keys_text();  // "count, clamp, ..., count-of or policy"
 
 // Every contract one component away from another, as the key=value text parse_contract appends:
 // each value of each component's name table (norm=global:G and grad=mean:G over every group;

@@ -25,6 +25,13 @@ class InputError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A contract whose scale no trainer can apply on a layout tried (core's scale_value): an input
+// error that a search over layouts must not take for "this layout cannot hold the batch".
+class ScaleRangeError : public InputError {
+ public:
+  using InputError::InputError;
+};
+
 // A requested check could not run at all (no samples, no CUDA device): exit code 4.
 class UnverifiedError : public std::runtime_error {
  public:

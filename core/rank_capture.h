@@ -54,9 +54,11 @@ struct RankCapture {
   std::optional<int64_t> num_tokens_reduced, global_batch_size;
   std::optional<double> l_norm;  // seq-mean-token-sum-norm's L_norm as the trainer used it
   std::optional<bool> skipped;
+  std::optional<bool> scheduler_stepped;  // whether the LR scheduler advanced (SPEC §10)
   std::optional<double> grad_norm;
   std::optional<std::vector<double>> metrics_values;
   std::vector<std::string> metrics_keys;
+  std::vector<std::string> unknown_records;  // tensors no part of the format names (typos)
 };
 
 }  // namespace lossguard

@@ -6,8 +6,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 
+#include "core/contract.h"
 #include "core/errors.h"
 
 namespace lossguard {
@@ -34,10 +36,7 @@ bool valid_term_name(const std::string& name) {
     if (!((ch >= 'a' && ch <= 'z') || (ch >= '0' && ch <= '9') || ch == '_' || ch == '-'))
       return false;
   }
-  for (const char* component : {"count", "clamp", "norm", "sample", "scale", "grad"}) {
-    if (name == component) return false;
-  }
-  return true;
+  return !is_contract_component_key(name);
 }
 
 TermMask parse_term_mask(const std::string& text, const std::string& what) {
@@ -73,8 +72,19 @@ double parse_term_coef(const std::string& text, const std::string& what) {
   char* end = nullptr;
   errno = 0;
   const double v = text.empty() ? NAN : std::strtod(text.c_str(), &end);
-  if (text.empty() || end == nullptr || *end != '\0' || errno == ERANGE || !std::isfinite(v)) {
+  if (text.empty()) {
+    throw_input_error("{}: the coefficient is empty (give a number, or leave COEF out: 1)", what);
+  }
+  if (end == nullptr || *end != '\0' || !std::isfinite(v)) {
     throw_input_error("{}: coefficient '{}' is not a finite number", what, text);
+  }
+  // strtod flags ERANGE on overflow (inf, caught above) and on results below the smallest normal
+  // double: a subnormal coefficient is a finite number no trainer's float32 can hold.
+  if (errno == ERANGE || (v != 0.0 && std::fabs(v) < std::numeric_limits<float>::min())) {
+    throw_input_error(
+        "{}: coefficient '{}' is subnormal (nonzero, below {:g}, the smallest normal float32): "
+        "a trainer's float32 loses it; give 0 or a normal number",
+        what, text, std::numeric_limits<float>::min());
   }
   return v;
 }
@@ -94,8 +104,8 @@ Term parse_term(const std::string& text) {
   if (!valid_term_name(t.name)) {
     throw_input_error(
         "--term '{}': '{}' is not a term name ([a-z][a-z0-9_-]*, at most 64 characters, not a "
-        "contract component: count, clamp, norm, sample, scale, grad)",
-        text, t.name);
+        "contract component: {})",
+        text, t.name, contract_component_keys_text());
   }
   const std::string what = fmt::format("--term {}", t.name);
   if (parts.size() < 2)
@@ -104,7 +114,11 @@ Term parse_term(const std::string& text) {
     throw_input_error("{}: reduce '{}' is not {}", what, parts[1], mode_choices<Reduction>());
   }
   std::size_t next = 2;
-  // COEF is optional: a part that starts like a number is the coefficient, else the mask begins.
+  // COEF is optional: a part that starts like a number is the coefficient, else the mask begins;
+  // an empty part (kl:per-token::loss) is an empty coefficient, not an empty mask.
+  if (next < parts.size() && next + 1 < parts.size() && parts[next].empty()) {
+    parse_term_coef(parts[next], what);  // throws: the coefficient is empty
+  }
   if (next < parts.size() && !parts[next].empty() &&
       (std::isdigit(static_cast<unsigned char>(parts[next][0])) || parts[next][0] == '-' ||
        parts[next][0] == '+' || parts[next][0] == '.' || parts[next] == "inf" ||

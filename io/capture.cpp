@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "core/errors.h"
+#include "io/input_files.h"
 #include "io/safetensors.h"
 
 namespace lossguard::io {
@@ -211,21 +212,33 @@ void read_terms(const Reader& r, const std::string& prefix, int64_t k, int64_t o
   }
 }
 
-}  // namespace
-
-// Long: the capture format's fields (SPEC §10) read and checked in order, each error naming the
-// file and the field.
-RankCapture read_capture(const std::string& path) {
-  const SafetensorsFile file = read_safetensors(path);
-  Reader r{path, file, {}};
-  for (const auto& [name, array] : file.tensors) r.by_name[name] = &array;
-  const auto schema = file.metadata.find("lossguard.schema");
-  if (schema == file.metadata.end() || schema->second != kCaptureSchema) {
-    throw_input_error("{}: not an audit capture (metadata lossguard.schema = '{}', expected '{}')",
-                      path, schema == file.metadata.end() ? "" : schema->second, kCaptureSchema);
+// The records SPEC §10 and §11 name: anything else (a misspelled `skiped`) is reported, never
+// silently ignored.
+bool known_step_record(const std::string& name) {
+  for (const char* k : {"grad_scale", "num_tokens_reduced", "skipped", "scheduler_stepped",
+                        "grad_norm", "global_batch_size", "l_norm", "metrics.values"}) {
+    if (name == k) return true;
   }
-  RankCapture c;
-  c.file = path;
+  return false;
+}
+
+bool known_microbatch_record(const std::string& field) {
+  for (const char* k :
+       {"sample_indices", "total_lengths", "response_lengths", "tokens", "loss_masks", "cp_size",
+        "num_tokens", "loss", "dummy", "token_weight", "token_loss", "sample_denoms"}) {
+    if (field == k) return true;
+  }
+  if (field.rfind("term.", 0) != 0) return false;
+  const std::size_t dot = field.rfind('.');
+  const std::string leaf = field.substr(dot + 1);
+  return dot > 5 &&
+         (leaf == "token_weight" || leaf == "token_loss" || leaf == "mask" || leaf == "num_tokens");
+}
+
+// The rank's place: step, rank, the TP/PP/CP/DP sizes and coordinates, and the claimed world,
+// bounded before anything multiplies or loops over it.
+void read_coordinates(const Reader& r, RankCapture& c) {
+  const std::string& path = c.file;
   c.step = r.meta_int("step");
   c.rank = r.meta_int("rank");
   c.world_size = r.meta_int("world_size");
@@ -244,6 +257,124 @@ RankCapture read_capture(const std::string& path) {
         "{}: rank {} has coordinates tp {}/{} pp {}/{} cp {}/{} dp {}/{} that do not fit", path,
         c.rank, c.tp_rank, c.tp, c.pp_rank, c.pp, c.cp_rank, c.cp, c.dp_rank, c.dp);
   }
+  // A claimed world is bounded before anything multiplies or loops over it (the product of four
+  // sizes near 2^40 overflows int64); whether the captures given fill it is audit's check.
+  constexpr int64_t kMaxWorld = int64_t{1} << 40;
+  const auto world = static_cast<__int128>(c.tp) * c.pp * c.cp * c.dp;
+  if (c.world_size < 1 || c.world_size > kMaxWorld || world > kMaxWorld) {
+    throw_input_error(
+        "{}: metadata claims world_size {} (tp {} pp {} cp {} dp {}); at most 2^40 ranks are "
+        "modelled",
+        path, c.world_size, c.tp, c.pp, c.cp, c.dp);
+  }
+}
+
+// Micro-batch k's records (mb.{k}.*), each length checked against the samples it holds.
+CapturedMicroBatch read_microbatch(const Reader& r, RankCapture& c, int64_t k) {
+  const std::string& path = c.file;
+  const std::string p = "mb." + std::to_string(k) + ".";
+  CapturedMicroBatch mb;
+  mb.index = k;
+  mb.sample_indices = r.ints(p + "sample_indices");
+  const auto n = static_cast<int64_t>(mb.sample_indices.size());
+  mb.total_lengths = r.ints(p + "total_lengths", n);
+  mb.response_lengths = r.ints(p + "response_lengths", n);
+  int64_t sum_t = 0, sum_r = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (mb.total_lengths[i] < 0 || mb.response_lengths[i] < 0 ||
+        mb.response_lengths[i] > mb.total_lengths[i]) {
+      throw_input_error(
+          "{}: micro-batch {} sample {} (global index {}): response length {} and total length "
+          "{} do not fit",
+          path, k, i, mb.sample_indices[i], mb.response_lengths[i], mb.total_lengths[i]);
+    }
+    sum_t += mb.total_lengths[i];
+    sum_r += mb.response_lengths[i];
+  }
+  mb.tokens = r.ints(p + "tokens", sum_t);
+  const std::vector<int64_t> masks = r.ints(p + "loss_masks", sum_r);
+  mb.loss_masks.resize(masks.size());
+  for (std::size_t t = 0; t < masks.size(); ++t) {
+    if (masks[t] != 0 && masks[t] != 1) {
+      throw_input_error("{}: micro-batch {}: loss_masks[{}] = {} is not 0 or 1", path, k, t,
+                        masks[t]);
+    }
+    mb.loss_masks[t] = static_cast<uint8_t>(masks[t]);
+  }
+  mb.cp_size = r.find(p + "cp_size") ? r.scalar_int(p + "cp_size") : c.cp;
+  mb.dummy = r.find(p + "dummy") ? r.scalar_int(p + "dummy") != 0 : false;
+  mb.num_tokens = r.opt_int(p + "num_tokens");
+  mb.loss = r.opt_float(p + "loss");
+  mb.token_weight = r.floats(p + "token_weight");
+  if (k == 0) c.dtype = r.need(p + "token_weight").dtype;
+  if (r.find(p + "token_loss")) {
+    mb.token_loss = r.floats(p + "token_loss", static_cast<int64_t>(mb.token_weight.size()));
+  }
+  if (r.find(p + "sample_denoms")) mb.sample_denoms = r.floats(p + "sample_denoms", n);
+  read_terms(r, p, k, static_cast<int64_t>(mb.token_weight.size()), sum_r, mb);
+  return mb;
+}
+
+// Every tensor is a record this format names: a micro-batch beyond num_microbatches (or a typo)
+// would otherwise be dropped without a word; a name the format does not have is kept to report.
+void classify_records(const SafetensorsFile& file, int64_t num_mb, RankCapture& c) {
+  const std::string& path = c.file;
+  for (const auto& [name, array] : file.tensors) {
+    if (name.rfind("mb.", 0) == 0) {
+      const std::size_t dot = name.find('.', 3);
+      const std::string index = name.substr(3, dot == std::string::npos ? dot : dot - 3);
+      const bool digits =
+          !index.empty() && index.size() < 10 &&
+          std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      if (!digits || std::stoll(index) >= num_mb) {
+        throw_input_error(
+            "{}: tensor '{}' names micro-batch '{}' but metadata num_microbatches = {} "
+            "(micro-batches "
+            "0..{})",
+            path, name, index, num_mb, num_mb - 1);
+      }
+      if (!known_microbatch_record(dot == std::string::npos ? "" : name.substr(dot + 1)))
+        c.unknown_records.push_back(name);
+    } else if (!known_step_record(name)) {
+      c.unknown_records.push_back(name);
+    }
+  }
+}
+
+// The step's records: the scale, count, decision, scheduler, norm and metrics.
+void read_step_records(const Reader& r, RankCapture& c) {
+  const std::string& path = c.file;
+  const HostArray& scale = r.need("grad_scale");
+  if (scale.numel() != 1) throw_input_error("{}: 'grad_scale' must be a scalar", path);
+  c.grad_scale = scale.get_f64(0);
+  c.num_tokens_reduced = r.opt_int("num_tokens_reduced");
+  c.global_batch_size = r.opt_int("global_batch_size");
+  c.l_norm = r.opt_float("l_norm");
+  if (c.l_norm && !(*c.l_norm >= 1.0 && *c.l_norm <= 1e12)) {
+    throw_input_error("{}: l_norm = {} is not a length in tokens (1 to 1e12)", path, *c.l_norm);
+  }
+  if (auto s = r.opt_int("skipped")) c.skipped = *s != 0;
+  if (auto s = r.opt_int("scheduler_stepped")) c.scheduler_stepped = *s != 0;
+  c.grad_norm = r.opt_float("grad_norm");
+  if (r.find("metrics.values")) c.metrics_values = r.floats("metrics.values");
+}
+
+}  // namespace
+
+// The capture format's fields (SPEC §10) read and checked in order, each error naming the file
+// and the field.
+RankCapture read_capture(const std::string& path) {
+  const SafetensorsFile file = read_safetensors(path);
+  Reader r{path, file, {}};
+  for (const auto& [name, array] : file.tensors) r.by_name[name] = &array;
+  const auto schema = file.metadata.find("lossguard.schema");
+  if (schema == file.metadata.end() || schema->second != kCaptureSchema) {
+    throw_input_error("{}: not an audit capture (metadata lossguard.schema = '{}', expected '{}')",
+                      path, schema == file.metadata.end() ? "" : schema->second, kCaptureSchema);
+  }
+  RankCapture c;
+  c.file = path;
+  read_coordinates(r, c);
   if (auto it = file.metadata.find("cp_layout");
       it != file.metadata.end() && !parse_mode(it->second, &c.cp_layout)) {
     throw_input_error("{}: metadata cp_layout = '{}' is not {}", path, it->second,
@@ -264,49 +395,7 @@ RankCapture read_capture(const std::string& path) {
   }
   const int64_t num_mb = r.meta_int("num_microbatches", std::nullopt);
   if (num_mb < 0) throw_input_error("{}: num_microbatches = {}", path, num_mb);
-  for (int64_t k = 0; k < num_mb; ++k) {
-    const std::string p = "mb." + std::to_string(k) + ".";
-    CapturedMicroBatch mb;
-    mb.index = k;
-    mb.sample_indices = r.ints(p + "sample_indices");
-    const auto n = static_cast<int64_t>(mb.sample_indices.size());
-    mb.total_lengths = r.ints(p + "total_lengths", n);
-    mb.response_lengths = r.ints(p + "response_lengths", n);
-    int64_t sum_t = 0, sum_r = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      if (mb.total_lengths[i] < 0 || mb.response_lengths[i] < 0 ||
-          mb.response_lengths[i] > mb.total_lengths[i]) {
-        throw_input_error(
-            "{}: micro-batch {} sample {} (global index {}): response length {} and total length "
-            "{} do not fit",
-            path, k, i, mb.sample_indices[i], mb.response_lengths[i], mb.total_lengths[i]);
-      }
-      sum_t += mb.total_lengths[i];
-      sum_r += mb.response_lengths[i];
-    }
-    mb.tokens = r.ints(p + "tokens", sum_t);
-    const std::vector<int64_t> masks = r.ints(p + "loss_masks", sum_r);
-    mb.loss_masks.resize(masks.size());
-    for (std::size_t t = 0; t < masks.size(); ++t) {
-      if (masks[t] != 0 && masks[t] != 1) {
-        throw_input_error("{}: micro-batch {}: loss_masks[{}] = {} is not 0 or 1", path, k, t,
-                          masks[t]);
-      }
-      mb.loss_masks[t] = static_cast<uint8_t>(masks[t]);
-    }
-    mb.cp_size = r.find(p + "cp_size") ? r.scalar_int(p + "cp_size") : c.cp;
-    mb.dummy = r.find(p + "dummy") ? r.scalar_int(p + "dummy") != 0 : false;
-    mb.num_tokens = r.opt_int(p + "num_tokens");
-    mb.loss = r.opt_float(p + "loss");
-    mb.token_weight = r.floats(p + "token_weight");
-    if (k == 0) c.dtype = r.need(p + "token_weight").dtype;
-    if (r.find(p + "token_loss")) {
-      mb.token_loss = r.floats(p + "token_loss", static_cast<int64_t>(mb.token_weight.size()));
-    }
-    if (r.find(p + "sample_denoms")) mb.sample_denoms = r.floats(p + "sample_denoms", n);
-    read_terms(r, p, k, static_cast<int64_t>(mb.token_weight.size()), sum_r, mb);
-    c.microbatches.push_back(std::move(mb));
-  }
+  for (int64_t k = 0; k < num_mb; ++k) c.microbatches.push_back(read_microbatch(r, c, k));
   if (auto it = file.metadata.find("dtype"); it != file.metadata.end()) {
     if (!parse_dtype(it->second, &c.dtype) || !dtype_is_float(c.dtype)) {
       throw_input_error(
@@ -315,58 +404,14 @@ RankCapture read_capture(const std::string& path) {
           path, it->second);
     }
   }
-  // Every tensor is a record this format names: a micro-batch beyond num_microbatches (or a typo)
-  // would otherwise be dropped without a word.
-  for (const auto& [name, array] : file.tensors) {
-    if (name.rfind("mb.", 0) == 0) {
-      const std::size_t dot = name.find('.', 3);
-      const std::string index = name.substr(3, dot == std::string::npos ? dot : dot - 3);
-      const bool digits =
-          !index.empty() && index.size() < 10 &&
-          std::all_of(index.begin(), index.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-      if (!digits || std::stoll(index) >= num_mb) {
-        throw_input_error(
-            "{}: tensor '{}' names micro-batch '{}' but metadata num_microbatches = {} "
-            "(micro-batches "
-            "0..{})",
-            path, name, index, num_mb, num_mb - 1);
-      }
-    }
-  }
-  const HostArray& scale = r.need("grad_scale");
-  if (scale.numel() != 1) throw_input_error("{}: 'grad_scale' must be a scalar", path);
-  c.grad_scale = scale.get_f64(0);
-  c.num_tokens_reduced = r.opt_int("num_tokens_reduced");
-  c.global_batch_size = r.opt_int("global_batch_size");
-  c.l_norm = r.opt_float("l_norm");
-  if (c.l_norm && !(*c.l_norm >= 1.0 && *c.l_norm <= 1e12)) {
-    throw_input_error("{}: l_norm = {} is not a length in tokens (1 to 1e12)", path, *c.l_norm);
-  }
-  if (auto s = r.opt_int("skipped")) c.skipped = *s != 0;
-  c.grad_norm = r.opt_float("grad_norm");
-  if (r.find("metrics.values")) c.metrics_values = r.floats("metrics.values");
+  classify_records(file, num_mb, c);
+  read_step_records(r, c);
   return c;
 }
 
 std::vector<RankCapture> read_captures(const std::vector<std::string>& paths) {
-  std::vector<std::string> files;
-  for (const auto& p : paths) {
-    std::error_code ec;
-    if (fs::is_directory(p, ec)) {
-      std::vector<std::string> found;
-      for (const auto& e : fs::recursive_directory_iterator(p, ec)) {
-        if (e.is_regular_file() && e.path().extension() == ".safetensors")
-          found.push_back(e.path().string());
-      }
-      std::sort(found.begin(), found.end());
-      if (found.empty()) throw_input_error("{}: directory holds no captures (*.safetensors)", p);
-      files.insert(files.end(), found.begin(), found.end());
-    } else if (!fs::exists(p, ec)) {
-      throw_input_error("{}: no such file or directory", p);
-    } else {
-      files.push_back(p);
-    }
-  }
+  static const InputFileKind kCaptures{{".safetensors"}, true, "captures (*.safetensors)"};
+  const std::vector<std::string> files = expand_input_paths(paths, kCaptures);
   // Files are independent: read on every core (a 16k-GPU job writes thousands per step), each
   // into its own slot; the first failing file in path order is the one reported, as a sequential
   // read would.

@@ -17,6 +17,7 @@
 
 #include "core/errors.h"
 #include "io/dump_values.h"
+#include "io/input_files.h"
 #include "io/safetensors.h"
 #include "io/torch_zip.h"
 
@@ -299,35 +300,14 @@ const std::vector<std::string>& batch_field_names() {
 }
 
 std::vector<std::string> expand_dump_paths(const std::vector<std::string>& paths) {
-  std::vector<std::string> out;
-  for (const auto& p : paths) {
-    std::error_code ec;
-    if (fs::is_directory(p, ec)) {
-      std::vector<std::string> files;
-      for (const auto& e : fs::directory_iterator(p, ec)) {
-        const std::string ext = e.path().extension().string();
-        if (e.is_regular_file() &&
-            (ext == ".safetensors" || ext == ".pt" || ext == ".pth" || ext == ".json")) {
-          files.push_back(e.path().string());
-        }
-      }
-      std::sort(files.begin(), files.end());
-      if (files.empty())
-        throw_input_error("{}: directory holds no dump files (*.safetensors, *.pt, *.pth, *.json)",
-                          p);
-      out.insert(out.end(), files.begin(), files.end());
-    } else if (!fs::exists(p, ec)) {
-      throw_input_error("{}: no such file or directory", p);
-    } else {
-      out.push_back(p);
-    }
-  }
-  return out;
+  static const InputFileKind kDumps{{".safetensors", ".pt", ".pth", ".json"},
+                                    false,
+                                    "dump files (*.safetensors, *.pt, *.pth, *.json)"};
+  return expand_input_paths(paths, kDumps);
 }
 
 DumpFormat detect_format(const std::string& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) throw_input_error("{}: no such file or directory", path);
+  require_regular_file(path);
   std::ifstream f(path, std::ios::binary);
   if (!f) throw_input_error("{}: cannot open: {}", path, std::strerror(errno));
   char head[9] = {};
@@ -339,6 +319,7 @@ DumpFormat detect_format(const std::string& path) {
   if (n >= 9 && head[8] == '{') {
     uint64_t header_len = 0;
     for (int k = 7; k >= 0; --k) header_len = (header_len << 8) | static_cast<uint8_t>(head[k]);
+    std::error_code ec;
     const auto size = fs::file_size(path, ec);
     if (!ec && header_len >= 2 && header_len <= size - 8) return DumpFormat::kSafetensors;
   }

@@ -160,17 +160,31 @@ LossRanks loss_ranks(int64_t step, const std::vector<const RankCapture*>& all) {
           step, it->second->file, c->file, c->dp_rank, c->cp_rank);
     }
   }
-  std::vector<std::string> missing;
-  for (int64_t d = 0; d < first.dp; ++d) {
-    for (int64_t c = 0; c < first.cp; ++c) {
-      if (!out.by_coord.count({d, c})) missing.push_back(fmt::format("DP {} CP {}", d, c));
-    }
+  // Every (DP, CP) coordinate the metadata claims must have its capture. The work is bounded by
+  // the captures given, not by the claim (a world of 2^40 in four 9 KB files): count the ones
+  // present, and look for the first missing coordinate among at most that many + 1.
+  int64_t present = 0;
+  for (const auto& [coord, c] : out.by_coord) {
+    if (coord.first >= 0 && coord.first < first.dp && coord.second >= 0 && coord.second < first.cp)
+      ++present;
   }
-  if (!missing.empty()) {
+  const auto claimed = static_cast<__int128>(first.dp) * static_cast<__int128>(first.cp);
+  if (claimed > present) {
+    std::string where;
+    for (int64_t d = 0; d < first.dp && where.empty(); ++d) {
+      for (int64_t c = 0; c < first.cp; ++c) {
+        if (!out.by_coord.count({d, c})) {
+          where = fmt::format("DP {} CP {}", d, c);
+          break;
+        }
+      }
+    }
+    const auto more = static_cast<unsigned long long>(claimed - present - 1);
     throw_input_error(
-        "step {}: no capture from the loss-computing rank (last pipeline stage, TP rank 0) of {}{}",
-        step, missing.front(),
-        missing.size() > 1 ? fmt::format(" and {} more", missing.size() - 1) : "");
+        "step {}: no capture from the loss-computing rank (last pipeline stage, TP rank 0) of "
+        "{}{} (the metadata claims DP {} x CP {}; {} capture(s) of loss-computing ranks given)",
+        step, where, more > 0 ? fmt::format(" and {} more", more) : "", first.dp, first.cp,
+        present);
   }
   return out;
 }
@@ -643,6 +657,18 @@ AuditCheck decision_check(const AuditStep& out, const std::vector<const RankCapt
                                *c->grad_norm,
                                c->skipped && !*c->skipped ? " and stepped on it" : ""));
     }
+    // The LR scheduler advances exactly when the optimizer steps (SPEC §7: a skipped step
+    // advances neither); without `skipped`, against the expected decision.
+    if (c->scheduler_stepped) {
+      const bool optimizer_stepped = c->skipped ? !*c->skipped : !out.expected_skip;
+      if (*c->scheduler_stepped != optimizer_stepped) {
+        problems.add(fmt::format("rank {} {} the LR scheduler while its optimizer {}", c->rank,
+                                 *c->scheduler_stepped ? "advanced" : "did not advance",
+                                 c->skipped ? (*c->skipped ? "skipped" : "stepped")
+                                            : (out.expected_skip ? "should skip" : "should step")));
+      }
+      if (!c->skipped) ++recorded;
+    }
     if (!c->skipped) continue;
     ++recorded;
     if (*c->skipped != out.expected_skip) {
@@ -927,14 +953,14 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
     TermMeasurement m = measure_term(out, ranks, decl, tb, position);
     at.measured = std::move(m.measured);
     at.diagnosis = diagnose_weights(tb, at.measured, at.truth, out.place, out.layout, at.tokens, 0,
-                                    out.weight_rel_tol);
+                                    out.term_weight_rel_tol);
     judge_term(out, at, m);
     if (opt.match_presets && at.tokens > 0 && !at.diagnosis.exact() &&
         at.diagnosis.kind != "non-finite" && decl.coef != 0.0) {
       std::vector<double> plain = at.measured;
       for (double& w : plain) w /= decl.coef * relative_to;
-      at.matches =
-          matching_presets(tb, out.layout, plain, decl.reduce, sizes, out.weight_rel_tol, &placed);
+      at.matches = matching_presets(tb, out.layout, plain, decl.reduce, sizes,
+                                    out.term_weight_rel_tol, &placed);
     }
     out.terms.push_back(std::move(at));
   }
@@ -1016,11 +1042,106 @@ void weigh_step(AuditStep& out, const Measurement& m, const std::vector<const Ra
               out.diagnosis.kind == "uniform-scale" ? out.diagnosis.scale : 1.0, placed);
 }
 
+// Records no part of the format names (a misspelled `skiped`): a finding per rank, an input error
+// under --strict.
+void report_unknown_records(AuditStep& out, const std::vector<const RankCapture*>& all,
+                            bool strict) {
+  for (const RankCapture* c : all) {
+    if (c->unknown_records.empty()) continue;
+    const std::string names = fmt::format("'{}'", fmt::join(c->unknown_records, "', '"));
+    if (strict) {
+      throw_input_error(
+          "{}: record(s) {} are not part of the capture format (SPEC §10, §11); a misspelling? "
+          "(without --strict: a warning)",
+          c->file, names);
+    }
+    out.findings.push_back(
+        {"unknown_record",
+         fmt::format("step {}: {}: record(s) {} are not part of the capture format and were "
+                     "ignored (a misspelling? --strict makes this an error)",
+                     out.step, c->file, names),
+         {{"rank", c->rank}, {"records", c->unknown_records}}});
+  }
+}
+
+// A recorded B below the samples held is right only when B counts something coarser than samples
+// (slime's step_global_batch_size counts rollouts); counted in samples, the objective divides by
+// too few. A finding, not a failure: the captures cannot say which B counts.
+void note_batch_size_below_samples(AuditStep& out, int64_t recorded_batch) {
+  const int64_t held = out.batch.num_samples();
+  if (recorded_batch >= held) return;
+  out.findings.push_back(
+      {"global_batch_size_below_samples",
+       fmt::format("step {}: the captures record global_batch_size = {} but hold {} samples: the "
+                   "objective divides by {} (right if B counts rollouts of several samples; if it "
+                   "counts samples, samples were duplicated or B is miscounted)",
+                   out.step, recorded_batch, held, recorded_batch),
+       {{"step", out.step}, {"global_batch_size", recorded_batch}, {"samples", held}}});
+}
+
+// The first main-term value (token_weight, token_loss) of any loss-computing rank that `dtype`
+// cannot hold, as "file: record[i] = v"; "" when every one fits.
+std::string value_outside(DType dtype, const LossRanks& ranks) {
+  for (const auto& [coord, c] : ranks.by_coord) {
+    for (const CapturedMicroBatch& mb : c->microbatches) {
+      auto first_outside = [&](const std::vector<double>& values, const char* record) {
+        for (std::size_t t = 0; t < values.size(); ++t) {
+          if (!dtype_holds(dtype, values[t]))
+            return fmt::format("{}: mb.{}.{}[{}] = {:.9g}", c->file, mb.index, record, t,
+                               values[t]);
+        }
+        return std::string();
+      };
+      std::string found = first_outside(mb.token_weight, "token_weight");
+      if (found.empty() && mb.token_loss) found = first_outside(*mb.token_loss, "token_loss");
+      if (!found.empty()) return found;
+    }
+  }
+  return {};
+}
+
+// Tolerances from the dtype the step claims, its least precise rank's (SPEC §10). One trainer
+// computes its per-token loss in one dtype, and every value it records is one that dtype holds:
+// where any loss-computing rank's main records hold a value the claimed bf16/fp16 cannot, the
+// claim is not believed for the main term (a float32 trainer, or one rank's metadata, cannot
+// widen the tolerance to pass a 0.5% weight error) and a finding names the value. Named terms
+// keep the claim (a bf16 KL beside a float32 policy loss is common), and so does the loss check,
+// a sum over every term. Returns the loss tolerance.
+double set_tolerances(AuditStep& out, const std::vector<const RankCapture*>& all,
+                      const LossRanks& ranks, const AuditOptions& opt) {
+  DType claimed = all.front()->dtype;
+  const RankCapture* claimant = all.front();
+  for (const RankCapture* c : all) {
+    if (audit_tolerance(c->dtype).loss > audit_tolerance(claimed).loss) {
+      claimed = c->dtype;
+      claimant = c;
+    }
+  }
+  DType main = claimed;
+  if (claimed == DType::kBFloat16 || claimed == DType::kFloat16) {
+    if (const std::string outside = value_outside(claimed, ranks); !outside.empty()) {
+      main = DType::kFloat32;
+      out.findings.push_back(
+          {"dtype_claim",
+           fmt::format("step {}: {} claims dtype = {}, but {} is not a {} value: the main term's "
+                       "records were not computed in {}; judged with float32's tolerance",
+                       out.step, claimant->file, dtype_name(claimed), outside, dtype_name(claimed),
+                       dtype_name(claimed)),
+           {{"claimed", std::string(dtype_name(claimed))}, {"value", outside}}});
+    }
+  }
+  out.weight_rel_tol = opt.weight_rel_tol.value_or(audit_tolerance(main).weight);
+  out.term_weight_rel_tol = opt.weight_rel_tol.value_or(audit_tolerance(claimed).weight);
+  out.dtype = main;
+  return audit_tolerance(claimed).loss;
+}
+
 AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
                      const AuditOptions& opt) {
   AuditStep out;
   out.step = step;
   check_metadata(step, all);
+  report_unknown_records(out, all, opt.strict_records);
   const RankCapture& first = *all.front();
   const LossRanks ranks = loss_ranks(step, all);
   if (opt.reduce) {
@@ -1045,6 +1166,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   out.expected_skip = out.global_tokens == 0;
   std::optional<int64_t> recorded_batch;
   const ObjectiveSizes sizes = recorded_sizes(b, all, &recorded_batch);
+  if (recorded_batch) note_batch_size_below_samples(out, *recorded_batch);
   out.truth = true_weights(b, out.reduce, sizes);
   // The ownership each rank's weights are mapped through (a sample placed twice is owned where
   // first placed: the second holder's weights then land on no token of its own, and coverage
@@ -1052,20 +1174,14 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   const ContractWeights owned =
       contract_weights(b, out.layout, preset_contract("truth", out.reduce), sizes);
   out.place = owned.place;
-  DType dtype = first.dtype;
-  for (const RankCapture* c : all) {
-    if (audit_tolerance(c->dtype).loss > audit_tolerance(dtype).loss) dtype = c->dtype;
-  }
-  const AuditTolerance tol = audit_tolerance(dtype);
-  out.weight_rel_tol = opt.weight_rel_tol.value_or(tol.weight);
-  out.dtype = dtype;
+  const double loss_tol = set_tolerances(out, all, ranks, opt);
   const bool per_token_objective =
       out.reduce == Reduction::kPerToken || out.reduce == Reduction::kTokenMean;
   Measurement m;
   m.measured.assign(static_cast<std::size_t>(b.num_response_tokens()), 0.0);
   m.held.assign(static_cast<std::size_t>(b.num_response_tokens()), 0);
   if (owned.problems.empty())
-    measure_ranks(out, ranks, rebuilt.position, per_token_objective, tol.loss, m);
+    measure_ranks(out, ranks, rebuilt.position, per_token_objective, loss_tol, m);
   out.measured = m.measured;
 
   // 4. The checks. A layout that holds a sample twice has no single weight per token: the checks

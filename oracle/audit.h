@@ -58,8 +58,9 @@ struct AuditStep {
   TokenPlace place;
   int64_t global_tokens = 0;
   bool expected_skip = false;
-  double weight_rel_tol = 1e-5;
-  DType dtype = DType::kFloat32;  // the trainer's per-token loss dtype the tolerances come from
+  double weight_rel_tol = 1e-5;       // main's weights: from the dtype its records support
+  double term_weight_rel_tol = 1e-5;  // named terms' weights: from the claimed dtype
+  DType dtype = DType::kFloat32;  // the dtype main's weight tolerance comes from (believed claim)
   std::vector<Finding> findings;
   std::vector<AuditTerm> terms;  // declared or hooked terms besides main; empty: single-term
   bool failed(bool strict_scale) const;
@@ -77,6 +78,7 @@ struct AuditOptions {
   std::optional<double>
       weight_rel_tol;  // none: from the trainer's recorded dtype (audit_tolerance)
   bool strict_scale = false;
+  bool strict_records = false;  // a record the format does not name is an input error
   // Name the presets (or single component changes) that reproduce the measured weights: a pass
   // over the tokens per candidate contract, the bulk of a small audit's time.
   bool match_presets = true;

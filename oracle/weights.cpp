@@ -604,6 +604,24 @@ TokenCoord coord_of_span(const Batch& b, const WeightSpan& sp,
   return c;
 }
 
+std::string scale_problem(double scale) {
+  if (!(scale > 0.0) || !std::isfinite(scale)) return "not a positive finite factor";
+  if (scale < kHiddenScaleMin) {
+    return fmt::format(
+        "too small for Adam to hide: gradients ×{:.3g} are Adam with eps ×{:.3g} (eps/s), which "
+        "shrinks or stops the update (hidden only for 2^-10 <= s <= 2^64; docs/semantics.md §9)",
+        scale, 1.0 / scale);
+  }
+  if (scale > kHiddenScaleMax) {
+    return fmt::format(
+        "too large for a trainer's arithmetic: losses and gradients ×{:.3g} overflow float16 and "
+        "leave float32/bfloat16 a few powers of ten from inf (hidden only for 2^-10 <= s <= 2^64; "
+        "docs/semantics.md §9)",
+        scale);
+  }
+  return {};
+}
+
 // Long: the diagnosis ladder in SPEC §9's order (non-finite, masked, uniform, per-rank,
 // per-micro-batch, per-CP-shard, per-sample, mixed); each rung is tried only when the ones before
 // fail, over the same spans.
@@ -667,9 +685,15 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
     dg.scale = 0.0;
     return dg;
   }
+  if (uniform && r0 < 0.0) {
+    dg.kind = "negative-scale";  // the optimizer climbs the loss: no optimizer hides a sign
+    dg.scale = r0;
+    return dg;
+  }
   if (uniform) {
     dg.kind = "uniform-scale";
     dg.scale = r0;
+    dg.scale_problem = scale_problem(r0);
     dg.named = name_factor(r0, l, tol);
     if (dg.named.empty() && contract_count > 0 &&
         same(r0, static_cast<double>(true_count) / static_cast<double>(contract_count), tol)) {
@@ -790,9 +814,16 @@ std::string WeightDiagnosis::summary() const {
         "masked tokens carry weight: {} token(s) with mask 0 have w != 0; first: {}, w = {:.6g}",
         masked_weighted, where(), worst.got);
   }
+  if (kind == "negative-scale") {
+    return fmt::format(
+        "uniform scale ×{:.6g}: every weight has the wrong sign: the optimizer climbs the loss "
+        "(gradient ascent) on all {} effective tokens",
+        scale, tokens);
+  }
   if (kind == "uniform-scale") {
-    return fmt::format("uniform scale ×{:.6g}{}: every token's weight is off by the same factor",
-                       scale, named.empty() ? "" : fmt::format(" = {}", named));
+    return fmt::format("uniform scale ×{:.6g}{}: every token's weight is off by the same factor{}",
+                       scale, named.empty() ? "" : fmt::format(" = {}", named),
+                       scale_problem.empty() ? "" : "; " + scale_problem);
   }
   std::string unit = kind == "per-rank"         ? "per-DP-rank"
                      : kind == "per-microbatch" ? "per-micro-batch"
@@ -1084,6 +1115,33 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   for (int64_t x : {1, 2, 4, 8}) {
     if (vary.cp && x != base.cp) variants.push_back({base.dp, base_m, x, fmt::format("CP {}", x)});
   }
+  // Only layouts the trainer can produce are compared (reported as skipped otherwise): none that
+  // leaves a micro-batch without samples, and for a trainer that cuts equal micro-batches (TRL),
+  // none where DP x M does not divide the batch, nor (norm=generation:S) where M is not a multiple
+  // of S: the generation batch would reach into another optimizer step, which the dump does not
+  // hold.
+  auto skip_reason = [&](const Variant& v) -> std::string {
+    const int64_t n = b0.num_samples(), cells = v.dp * v.m;
+    if (cells > n) {
+      return fmt::format("leaves micro-batches empty ({} samples over DP {} x {} micro-batches)", n,
+                         v.dp, v.m);
+    }
+    for (const TermInvariance& t : terms) {
+      if (t.contract->equal_microbatches && n % cells != 0) {
+        return fmt::format(
+            "a layout the trainer never builds: DP {} x {} micro-batches does not divide the {} "
+            "samples into equal micro-batches",
+            v.dp, v.m, n);
+      }
+      if (t.contract->norm == NormRule::kGeneration && v.m % t.contract->generation != 0) {
+        return fmt::format(
+            "a layout the trainer never builds within one step: {} micro-batches is not a "
+            "multiple of the generation batch's S = {}",
+            v.m, t.contract->generation);
+      }
+    }
+    return {};
+  };
   // The base layout's weights of every term as runs (the same factors as base_weights).
   std::vector<TermMasks> masks;
   std::vector<CachedRuns> base_runs;
@@ -1096,6 +1154,16 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   // and, when they differ, token by token against the truth. Empty: a layout that cannot hold the
   // batch.
   auto evaluate = [&](const Variant& v) -> std::vector<InvarianceResult> {
+    if (std::string why = skip_reason(v); !why.empty()) {
+      std::vector<InvarianceResult> out(terms.size());
+      for (InvarianceResult& res : out) {
+        res.layout = {{"dp", v.dp}, {"cp", v.cp}, {"microbatches", v.m}};
+        res.label = v.label;
+        res.skipped = why;
+        res.against_truth.kind = "not-run";
+      }
+      return out;
+    }
     StepLayout l =
         static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp, base.tp, base.shard);
     l.cp_layout = base.cp_layout;
@@ -1116,6 +1184,8 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       LayoutWeights w;
       try {
         w = layout_weights(b, l, *terms[k].contract, terms[k].sizes, masks[k], &slots);
+      } catch (const ScaleRangeError&) {
+        throw;  // the contract's fault on every layout: exit 2, not a layout left out
       } catch (const InputError&) {
         return {};
       }

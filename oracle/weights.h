@@ -81,22 +81,37 @@ struct TokenCoord {
       0;  // effective tokens in the unit the diagnosis names (rank, micro-batch, ...)
 };
 
+// The uniform scales s an optimizer hides (SPEC §9: a uniform scale passes unless --strict-scale).
+// Adam (and AdamW) fed gradients ×s step exactly as Adam fed the true gradients with eps/s
+// (m ×s, sqrt(v) ×s): hidden while eps/s stays far below the gradients' magnitude. Below 2^-10
+// the default eps 1e-8 becomes >= 1e-5, the order of a large model's per-element gradient (norm 1
+// over 10^10 parameters): the update shrinks towards SGD's, or stops (×1e-30). Above 2^64 a loss
+// or gradient ×s overflows float16 at once and leaves float32/bfloat16 (3.4e38) little headroom.
+// The derivation is written out in docs/semantics.md.
+inline constexpr double kHiddenScaleMin = 1.0 / 1024.0;
+inline constexpr double kHiddenScaleMax = 18446744073709551616.0;  // 2^64
+// Why a uniform scale is not hidden by the optimizer, or "" when it is.
+std::string scale_problem(double scale);
+
 struct WeightDiagnosis {
-  std::string kind;    // exact, non-finite, zero, uniform-scale, masked-weight, per-rank,
-                       // per-microbatch, per-cp-shard, per-sample, mixed
-  double scale = 1.0;  // uniform-scale: the common ratio
-  std::string named;   // uniform-scale: "1/cp", "dp*cp", ... when a simple product fits
+  std::string kind;    // exact, non-finite, zero, negative-scale, uniform-scale, masked-weight,
+                       // per-rank, per-microbatch, per-cp-shard, per-sample, mixed
+  double scale = 1.0;  // uniform-scale, negative-scale: the common ratio
+  std::string scale_problem;  // uniform-scale: why no optimizer hides it ("" when one does)
+  std::string named;          // uniform-scale: "1/cp", "dp*cp", ... when a simple product fits
   double min_ratio = 1.0, max_ratio = 1.0;
   int64_t tokens = 0;           // tokens with w* > 0
   int64_t mismatched = 0;       // of those, ratio != 1
   int64_t masked_weighted = 0;  // tokens with w* = 0 but w != 0
   int64_t non_finite = 0;       // tokens whose w or w* is inf or NaN (never a pass)
   TokenCoord worst;  // the greatest |log ratio|, or the first non-finite or masked-but-weighted
-  // Fails the gate: anything but exact, and a uniform scale only when strict. A non-finite weight,
-  // and a step whose every weight is 0 (a trainer that applies no gradient), always fail.
+  // Fails the gate: anything but exact, and a uniform scale only when strict or when no optimizer
+  // hides it (scale_problem). A non-finite weight, a step whose every weight is 0 (a trainer that
+  // applies no gradient) and a negative scale (gradient ascent) always fail.
   bool exact() const { return kind == "exact"; }
+  bool hidden_scale() const { return kind == "uniform-scale" && scale_problem.empty(); }
   bool fails(bool strict_scale) const {
-    return !(kind == "exact" || (kind == "uniform-scale" && !strict_scale));
+    return !(kind == "exact" || (hidden_scale() && !strict_scale));
   }
   std::string summary() const;  // one line a person reads
 };
@@ -123,7 +138,8 @@ std::vector<ShardRatio> shard_ratios(const Batch& batch, const std::vector<doubl
 struct InvarianceResult {
   nlohmann::ordered_json layout;  // {"dp", "cp", "microbatches"}
   std::string label;              // "DP 4"
-  bool ok = true;                 // the same weights as on the base layout
+  bool ok = true;                 // the same weights as on the base layout (true when skipped)
+  std::string skipped;            // not weighed: a layout the trainer cannot produce, and why
   double max_rel_diff = 0.0;
   TokenCoord worst;
   WeightDiagnosis against_truth;  // the contract on this layout against the objective

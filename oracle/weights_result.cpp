@@ -115,6 +115,17 @@ Variations parse_variations(const std::vector<std::string>& names) {
 }
 
 WeightsResult evaluate_weights(const Batch& b, const WeightsRequest& q) {
+  // Each term holds its own per-micro-batch tables at once: the terms together get the budget of
+  // one term at the largest layout the options allow (2^22 micro-batches), so that memory follows
+  // the input, not the count of --term flags (1,000 terms at DP 2^20 held ~33 GB).
+  const auto rows =
+      static_cast<double>(q.terms.size()) * static_cast<double>(q.layout.microbatches.size());
+  if (q.terms.size() > 1 && rows > kMaxTermRows) {
+    throw_input_error(
+        "{} terms x {} micro-batches = {:.0f} rows to weigh; at most {:.0f} are modelled at once "
+        "(give fewer terms or a smaller layout)",
+        q.terms.size(), q.layout.microbatches.size(), rows, kMaxTermRows);
+  }
   WeightsResult result;
   std::vector<TermWeights>& runs = result.terms;
   // Main first: the other terms are judged relative to its scale.

@@ -12,6 +12,9 @@
 
 namespace lossguard::oracle {
 
+// The most (terms x micro-batches) rows one weights run models: one term at --dp 2^20 x M 4.
+inline constexpr double kMaxTermRows = 4194304.0;  // 2^22
+
 struct WeightsRequest {
   std::vector<TermContract> terms;  // main first (parse_term_contracts)
   StepLayout layout;

@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cmath>
@@ -1108,5 +1109,171 @@ TEST(CliWeightsTerms, BadDeclarationsExitTwoNamingTheTerm) {
           "two contracts for term kl");
   expect2({"--term", "kl:per-token:field"}, "a field mask is recorded by a trainer");
 }
+
+// ---- The gate never lies, round 2: a red-team catalogue. Each row was a false green, a false red,
+// a crash or an unclear message found by an adversarial pass (commands on the bundled 6-sample
+// batch); the expected exit code and the words the message must hold are the documented ones.
+struct RedTeamCase {
+  std::vector<std::string> args;  // after the dump
+  std::string command = "weights";
+  int code;
+  std::string needle;  // in stdout + stderr
+};
+
+TEST(CliRedTeam, EachCaseExitsAsDocumentedAndSaysWhy) {
+  const std::string dump = fixture("gen_random.safetensors");
+  const std::vector<RedTeamCase> cases = {
+      // a scale outside float32 reached through symbols, on the given layout or an I5 variation
+      {{"--contract", "megatron-per-token,scale=1e38*M", "--microbatches", "8"},
+       "weights",
+       2,
+       "outside the float32 range"},
+      {{"--contract", "megatron-per-token,scale=M*M*M*M*M*M*M", "--microbatches", "1048576"},
+       "weights",
+       2,
+       "outside the float32 range"},
+      {{"--contract", "megatron-per-token,scale=1e-37*1/M", "--microbatches", "1024"},
+       "weights",
+       2,
+       "outside the float32 range"},
+      // 1e38 at the given M = 1; 4e38 on the I5 variation M = 4
+      {{"--contract", "megatron-per-token,scale=1e38*M"},
+       "weights",
+       2,
+       "on the layout DP 1 CP 1 TP 1 M 4"},
+      // a uniform scale no optimizer hides
+      {{"--contract", "megatron-per-token,scale=1e-30"}, "weights", 1, "too small for Adam"},
+      {{"--contract", "megatron-per-token,scale=1e20"}, "weights", 1, "too large"},
+      {{"--contract", "megatron-per-token,scale=2"}, "weights", 0, "uniform scale ×2"},
+      // components in any order, never read as a term name
+      {{"--contract", "count-of=term,norm=global:dp-cp"}, "weights", 0, "pass"},
+      // NaN and infinities in every numeric option
+      {{"--contract", "truth", "--reduce", "seq-mean-token-sum-norm", "--l-norm", "nan"},
+       "weights",
+       2,
+       "--l-norm"},
+      {{"--rtol", "nan", "--cp", "1"}, "check", 2, "--rtol"},
+      {{"--atol", "nan", "--cp", "1"}, "check", 2, "--atol"},
+      {{"--atol", "-inf", "--cp", "1"}, "check", 2, "--atol"},
+      {{"--eps-low", "nan", "--cp", "1", "--loss", "ppo-clip"}, "check", 2, "--eps-low"},
+      // coefficients: subnormal and empty say so
+      {{"--contract", "megatron-per-token", "--term", "kl:per-token:1e-320"},
+       "weights",
+       2,
+       "subnormal"},
+      {{"--contract", "megatron-per-token", "--term", "kl:per-token:1e-39"},
+       "weights",
+       2,
+       "subnormal"},
+      {{"--contract", "megatron-per-token", "--term", "kl:per-token::loss"},
+       "weights",
+       2,
+       "coefficient is empty"},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {c.command, dump};
+    args.insert(args.end(), c.args.begin(), c.args.end());
+    Result r = run_cli(args);
+    const std::string all = r.out + r.err;
+    EXPECT_EQ(r.code, c.code) << fmt::format("{}", fmt::join(args, " ")) << "\n" << all;
+    EXPECT_NE(all.find(c.needle), std::string::npos)
+        << fmt::format("{}", fmt::join(args, " ")) << ": no '" << c.needle << "' in\n"
+        << all;
+  }
+  // The same components in both orders give the same verdict.
+  Result a =
+      run_cli({"weights", dump, "--contract", "policy=legacy,norm=global:dp-cp", "--json", "-"});
+  Result b =
+      run_cli({"weights", dump, "--contract", "norm=global:dp-cp,policy=legacy", "--json", "-"});
+  EXPECT_NE(a.code, 2) << a.err;  // was "no term 'policy'"
+  EXPECT_EQ(a.code, b.code);
+  EXPECT_EQ(nlohmann::json::parse(a.out)["contract"], nlohmann::json::parse(b.out)["contract"]);
+}
+
+TEST(CliRedTeam, ThousandTermsAtAHugeLayoutAreRefusedByTheirSize) {
+  const std::string dump = fixture("gen_random.safetensors");
+  std::vector<std::string> args = {"weights", dump,     "--contract", "megatron-per-token",
+                                   "--dp",    "1048576"};
+  for (int k = 0; k < 1000; ++k) {
+    args.push_back("--term");
+    args.push_back(fmt::format("t{}:per-token:0.1", k));
+  }
+  Result r = run_cli(args);
+  EXPECT_EQ(r.code, 2) << r.out << r.err;
+  EXPECT_NE(r.err.find("1001 terms x 1048576 micro-batches"), std::string::npos) << r.err;
+}
+
+TEST(CliRedTeam, PathsThatAreNotRegularFilesAreRefusedWithTheirKind) {
+  const auto dir = testing::temp_dir("cli-fifo");
+  const std::string fifo = (dir / "p.safetensors").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const char* command : {"inspect", "count", "audit"}) {
+    Result r = run_cli({command, fifo});  // open() on a FIFO would block: status first
+    EXPECT_EQ(r.code, 2) << command << r.err;
+    EXPECT_NE(r.err.find("is a pipe or FIFO, not a regular file"), std::string::npos) << r.err;
+  }
+  Result dev = run_cli({"inspect", "/dev/null"});
+  EXPECT_EQ(dev.code, 2);
+  EXPECT_NE(dev.err.find("a character device"), std::string::npos) << dev.err;
+  // Inside a directory such entries are skipped, as before.
+  testing::write_file(
+      dir / "b.json",
+      R"({"samples": [{"tokens": [1, 2, 3], "response_length": 2, "loss_mask": [1, 1]}]})");
+  Result skip = run_cli({"count", dir.string()});
+  EXPECT_EQ(skip.code, 0) << skip.err;
+}
+
+// The TRL presets on the completions TRL really batches (8, 24, 48 at DP x M dividing them):
+// exact, every I5 variation TRL cannot build skipped and said so (they failed 'first on DP 8').
+TEST(CliRedTeam, TrlPresetsPassAtTheLayoutsTrlBuilds) {
+  const auto dir = testing::temp_dir("cli-trl");
+  struct Preset {
+    const char* contract;
+    std::vector<std::string> objective;
+  };
+  const std::vector<Preset> presets = {
+      {"trl-grpo", {"--reduce", "sample-mean"}},
+      {"trl-luspo", {"--reduce", "seq-mean-token-sum"}},
+      {"trl-dapo", {"--reduce", "per-token"}},
+      {"trl-dr-grpo", {"--reduce", "seq-mean-token-sum-norm", "--l-norm", "8"}}};
+  for (int n : {8, 24, 48}) {
+    const std::string batch = (dir / fmt::format("b{}.safetensors", n)).string();
+    ASSERT_EQ(run_cli({"gen", "--out", batch, "--samples", std::to_string(n), "--vocab", "0",
+                       "--max-response", "8", "--seed", std::to_string(n)})
+                  .code,
+              0);
+    for (const auto& p : presets) {
+      std::vector<std::string> args = {
+          "weights",        batch, "--contract", p.contract,        "--dp",   "2",
+          "--microbatches", "2",   "--vary",     "dp,microbatches", "--json", "-"};
+      args.insert(args.end(), p.objective.begin(), p.objective.end());
+      Result r = run_cli(args);
+      EXPECT_EQ(r.code, 0) << n << " " << p.contract << "\n" << r.out.substr(0, 3000) << r.err;
+      if (r.out.empty() || r.out[0] != '{') continue;
+      const auto doc = nlohmann::json::parse(r.out);
+      int skipped = 0, weighed = 0;
+      for (const auto& inv : doc["steps"][0]["invariance"]) {
+        if (inv["skipped"].is_null()) {
+          ++weighed;
+          EXPECT_EQ(inv["ok"], true) << inv;
+        } else {
+          ++skipped;
+          const int dp = inv["layout"]["dp"], m = inv["layout"]["microbatches"];
+          EXPECT_TRUE(dp * m > n || n % (dp * m) != 0) << inv;
+        }
+      }
+      EXPECT_GT(weighed, 0) << n << " " << p.contract;
+      EXPECT_EQ(skipped > 0, n % 16 != 0 || n < 16) << n << " " << p.contract << r.out;
+    }
+  }
+  // norm=generation:S with S = M weighs as the plain preset (variations with M < S skipped).
+  const std::string b24 = (dir / "b24.safetensors").string();
+  Result gen = run_cli({"weights", b24, "--reduce", "per-token", "--contract",
+                        "trl-dapo,norm=generation:4,scale=dp*4*1/M", "--dp", "2", "--microbatches",
+                        "4", "--vary", "dp,microbatches"});
+  EXPECT_EQ(gen.code, 0) << gen.out << gen.err;
+  EXPECT_NE(gen.out.find("not a multiple of the generation batch"), std::string::npos) << gen.out;
+}
+
 }  // namespace
 }  // namespace lossguard::cli

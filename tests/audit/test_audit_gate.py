@@ -417,3 +417,120 @@ def test_many_captures_are_read_in_parallel_and_the_first_broken_file_is_named(t
     code, doc, err = audit(d)
     assert code == 2, (doc, err)
     assert "rank00017" in err and "rank00061" not in err, err
+
+
+# ---- round 2 (the gate never lies): each case below was a false green, a false red, a crash or a
+# hang found by an adversarial pass; every one starts from the correct DP 2 x CP 2 captures.
+
+def every_rank(good, tmp_path, change, meta_change=None, world=4):
+    d = tmp_path / "all-ranks"
+    shutil.copytree(good, d)
+    for rank in range(world):
+        rewrite(d, rank, change, meta_change)
+    return d
+
+
+def scale_grad(factor):
+    def change(t):
+        t["grad_scale"] = t["grad_scale"] * factor
+    return change
+
+
+def test_gradient_ascent_fails_on_every_rank_alike(good, tmp_path):
+    """grad_scale = -1 on every rank: every weight negated is gradient ascent, which Adam does not hide
+    (it passed as 'uniform scale x-1')."""
+    code, doc, err = audit(every_rank(good, tmp_path, scale_grad(-1.0)))
+    assert code == 1, (doc, err)
+    diag = doc["steps"][0]["diagnosis"]
+    assert diag["kind"] == "negative-scale" and diag["scale"] == pytest.approx(-1.0), diag
+    assert "gradient ascent" in failed_checks(doc)["weights"]
+
+
+@pytest.mark.parametrize("factor,passes", [(2.0, True), (2.0 ** -9, True), (1e-30, False),
+                                           (2.0 ** -11, False), (2.0 ** 63, True), (1e20, False)])
+def test_a_uniform_scale_passes_only_where_adam_hides_it(good, tmp_path, factor, passes):
+    """Adam fed gradients x s steps as Adam with eps/s (docs/semantics.md §9): hidden for
+    2^-10 <= s <= 2^64; x1e-30 means no update at all and must fail, with the reason."""
+    code, doc, err = audit(every_rank(good, tmp_path, scale_grad(factor)))
+    diag = doc["steps"][0]["diagnosis"]
+    assert diag["kind"] == "uniform-scale" and diag["scale"] == pytest.approx(factor), diag
+    if passes:
+        assert code == 0 and diag["scale_problem"] is None, (diag, err)
+        assert audit(every_rank(good, tmp_path / "strict", scale_grad(factor)), "--strict-scale")[0] == 1
+    else:
+        assert code == 1, (diag, err)
+        assert ("Adam" in diag["scale_problem"]) == (factor < 1), diag["scale_problem"]
+        assert "scale" in failed_checks(doc)["weights"]
+
+
+def test_a_claimed_world_of_2_to_the_40_is_refused_in_seconds(good, tmp_path):
+    """Four small captures whose metadata claims DP 2^39 x CP 2: exit 2 at once naming the first
+    missing coordinate (it grew to 22 GB, one string per missing pair)."""
+    import time
+    d = every_rank(good, tmp_path, lambda t: None,
+                   lambda m: m.update(world_size=str(2 ** 40), dp=str(2 ** 39)))
+    start = time.monotonic()
+    code, _, err = audit(d)
+    assert time.monotonic() - start < 20
+    assert code == 2, err
+    assert "DP 2 CP 0" in err and "more" in err and "claims DP 549755813888 x CP 2" in err, err
+    d2 = every_rank(good, tmp_path / "over", lambda t: None,
+                    lambda m: m.update(world_size=str(2 ** 62), dp=str(2 ** 61)))
+    code, _, err = audit(d2)
+    assert code == 2 and "at most 2^40" in err, err
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_or_pipe_is_refused_with_its_kind_not_opened(good, tmp_path):
+    fifo = tmp_path / "p.safetensors"
+    os.mkfifo(fifo)
+    code, _, err = audit(fifo)  # audit() has a 120 s timeout: a blocking open() fails the test
+    assert code == 2 and "pipe or FIFO" in err and "p.safetensors" in err, err
+    r = subprocess.run(["bash", "-c", f'"{LOSSGUARD}" audit <(cat "{good}/step000000-rank00000.safetensors")'],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "pipe or FIFO" in r.stderr, r.stderr
+
+
+def test_a_bf16_claim_the_values_contradict_keeps_float32_tolerance(good, tmp_path):
+    """Float32 captures whose metadata claims bfloat16 on every rank, one token's weight x1.005: the
+    claimed bf16 tolerance (7.8e-3) hid it; the values are no bf16 values, so float32's 1e-5 judges."""
+    def bump(t):
+        w = t["mb.0.token_weight"].clone()
+        w[first_nonzero(t, "mb.0.token_weight")] *= 1.005
+        t["mb.0.token_weight"] = w
+    d = every_rank(good, tmp_path, lambda t: None, lambda m: m.update(dtype="bfloat16"))
+    rewrite(d, 1, bump)
+    code, doc, err = audit(d)
+    assert code == 1 and "weights" in failed_checks(doc), (doc, err)
+    kinds = [f["kind"] for f in doc["steps"][0].get("findings", doc.get("findings", []))]
+    assert "dtype_claim" in json.dumps(doc), kinds
+
+
+def test_a_misspelled_record_is_reported_and_an_error_under_strict(good, tmp_path):
+    def change(t):
+        t["skiped"] = torch.tensor(1, dtype=torch.int64)
+    d = edited(good, tmp_path, 2, change)
+    code, doc, err = audit(d)
+    assert code == 0, err
+    assert "unknown_record" in json.dumps(doc) and "skiped" in json.dumps(doc)
+    code, _, err = audit(d, "--strict")
+    assert code == 2 and "skiped" in err and "rank00002" in err, err
+
+
+def test_global_batch_size_below_the_samples_held_is_a_finding(tmp_path):
+    write_step(str(tmp_path), 2, 2, STATIC, global_batch_size=2)
+    code, doc, err = audit(tmp_path)
+    assert "global_batch_size_below_samples" in json.dumps(doc), doc
+
+
+@pytest.mark.parametrize("skipped,scheduler,ok", [(0, 1, True), (0, 0, False), (None, 0, False)])
+def test_the_lr_scheduler_advances_exactly_when_the_optimizer_steps(good, tmp_path, skipped, scheduler, ok):
+    def change(t):
+        t["scheduler_stepped"] = torch.tensor(scheduler, dtype=torch.int64)
+        if skipped is None:
+            t.pop("skipped", None)
+    code, doc, err = audit(edited(good, tmp_path, 3, change))
+    if ok:
+        assert code == 0, (failed_checks(doc), err)
+    else:
+        assert code == 1 and "LR scheduler" in failed_checks(doc)["decision"], (doc, err)

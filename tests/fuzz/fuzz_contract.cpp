@@ -1,8 +1,10 @@
 // libFuzzer target: `weights` on contracts x layouts. A contract built from random components and
 // scale terms (numbers from 1e-300 to 1e300 among them), a small batch and a layout (DP,
 // micro-batches, static or dynamic CP), then the weights, the diagnosis, I5 and the verdict.
-// Besides ASan and UBSan it traps when the verdict passes a non-finite or all-zero weight, or calls
-// weights "exact" that an independent comparison with the objective's finds different.
+// Besides ASan and UBSan it traps when the verdict passes a non-finite or all-zero weight, a
+// uniform scale Adam does not hide (<= 0, below 2^-10, above 2^64), or calls weights "exact" that an
+// independent comparison with the objective's finds different; and it runs a second term with
+// coefficients and masks of every kind through parse_term_contracts and evaluate_weights.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cmath>
@@ -14,7 +16,9 @@
 #include "core/contract.h"
 #include "core/errors.h"
 #include "oracle/placement.h"
+#include "core/term.h"
 #include "oracle/weights.h"
+#include "oracle/weights_result.h"
 
 namespace {
 
@@ -117,8 +121,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (uint8_t x : batch.loss_mask) n += x;
   const oracle::WeightDiagnosis dg =
       oracle::diagnose_weights(batch, w.weight, truth, w.place, layout, n, w.global_count);
-  const auto inv = oracle::check_split_invariance(batch, layout, contract, sizes,
-                                                  Split::kContiguous, truth, {}, &w);
+  std::vector<oracle::InvarianceResult> inv;
+  try {
+    inv = oracle::check_split_invariance(batch, layout, contract, sizes, Split::kContiguous, truth,
+                                         {}, &w);
+  } catch (const ScaleRangeError&) {
+    return 0;  // a scale no trainer applies on some layout tried: exit 2, as the CLI says
+  }
   const bool strict = in.ConsumeBool();
   const oracle::WeightsVerdict v = oracle::weights_verdict(dg, w, inv, strict);
   bool non_finite = false, all_zero = n > 0;
@@ -127,6 +136,42 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (truth[t] != 0.0 && w.weight[t] != 0.0) all_zero = false;
   }
   if ((non_finite || all_zero) && !v.here_fails) __builtin_trap();
+  // A uniform scale passes only where Adam hides it (docs/semantics.md §9): 2^-10 <= s <= 2^64.
+  // Independently: every effective token's ratio w/w* the same value s.
+  if (!v.here_fails && !strict) {
+    double s = NAN;
+    bool uniform = true;
+    for (std::size_t t = 0; t < w.weight.size(); ++t) {
+      if (truth[t] == 0.0) continue;
+      const double r = w.weight[t] / truth[t];
+      if (std::isnan(s)) s = r;
+      uniform &= std::fabs(r - s) <= 1e-9 * std::fabs(s);
+    }
+    if (uniform && !std::isnan(s) && !(s >= 0x1p-10 && s <= 0x1p64)) __builtin_trap();
+  }
+  // A second term (SPEC §11) with a coefficient that may be subnormal, empty or huge and a mask of
+  // any kind, through the same path as `weights --term`: refused with exit 2 or weighed, never a crash.
+  if (in.ConsumeBool()) {
+    static const char* coefs[] = {"0.1", "1e-320", "", "1e308", "-2", "nan", "1e-39", "3"};
+    static const char* masks[] = {"loss", "all", "shift:1", "shift:40", "roll:2", "field", ""};
+    std::string term = "kl:" + std::string(mode_name(reduce));
+    const std::string coef = coefs[in.ConsumeIntegralInRange<std::size_t>(0, 7)];
+    const std::string mask = masks[in.ConsumeIntegralInRange<std::size_t>(0, 6)];
+    if (in.ConsumeBool()) term += ":" + coef;
+    if (!mask.empty()) term += ":" + mask;
+    std::vector<std::string> contracts = {text};
+    if (in.ConsumeBool()) contracts.push_back("kl=" + random_contract(in));
+    try {
+      oracle::WeightsRequest q;
+      q.terms = parse_term_contracts(std::string(mode_name(reduce)), contracts, {term});
+      q.layout = layout;
+      q.sizes = oracle::resolve_sizes(batch, sizes);
+      q.strict_scale = strict;
+      const oracle::WeightsResult r = oracle::evaluate_weights(batch, q);
+      if (r.terms.size() != 2) __builtin_trap();
+    } catch (const InputError&) {
+    }
+  }
   if (dg.exact()) {  // an independent look at "exact"
     for (std::size_t t = 0; t < w.weight.size(); ++t) {
       const double a = w.weight[t], e = truth[t];
