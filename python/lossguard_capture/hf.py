@@ -2,11 +2,12 @@
 compute_loss never calls cross_entropy: sft_trainer.py:1612 in trl 1.16.0 — use lossguard_capture.trl).
 
     import lossguard_capture.hf
-    lossguard_capture.hf.attach(trainer, "captures")      # capture step 0, audit it, stop on FAIL
-    trainer.train()
+    run = lossguard_capture.hf.attach(trainer, "captures")   # capture step 0, audit it, stop on FAIL
+    trainer.train()                                          # run.paths, run.results, run.verdicts
 
-or ``trainer.add_callback(lossguard_capture.hf.AuditCallback("captures"))`` (the callback finds its
-trainer when training begins).  On every rank, for each step in ``steps`` (default ``[0]``), it writes
+(lossguard_capture.adapter: every adapter is entered this way), or
+``trainer.add_callback(lossguard_capture.hf.AuditCallback("captures"))`` (the callback finds its trainer
+when training begins).  On every rank, for each step in ``steps`` (default ``[0]``), it writes
 ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` (docs/semantics.md §10); after the audited
 step (default: the first captured one) rank 0 runs ``lossguard audit captures/step{n:06d}``, every rank
 learns the exit code through the process group's store (bounded waits), and every rank raises
@@ -54,6 +55,11 @@ Qwen2.5-VL, Gemma 4 in this release; trainer.py:518) it averages each micro-batc
 number of micro-batches — the user still means per-token, and ``lossguard audit`` fails that step with
 the ``hf-ga`` shape.
 
+The callback (:class:`TrainerAudit`) is shared with :mod:`lossguard_capture.trl`: the wiring into the
+Trainer (``compute_loss``, ``Accelerator.backward``, ``_get_grad_norm``, ``on_pre_optimizer_step``), the
+sample layout's indices, DDP's ``grad_scale`` and the step's rows are written once; each adapter says how
+its trainer's per-token loss is found (:meth:`TrainerAudit._measure`) and what its step records.
+
 Unsupported (an error at attach, naming the reason): transformers outside :data:`SUPPORTED`,
 DataParallel (``n_gpu > 1``), DeepSpeed/FSDP/XLA/Megatron, tensor/context/sequence parallelism, label
 smoothing, a loss that does not go through ``torch.nn.functional.cross_entropy`` exactly once per
@@ -61,51 +67,28 @@ micro-batch with 2-D logits, class-index targets, no ``weight``, no ``label_smoo
 first captured micro-batch).
 """
 
-import itertools
-import os
 import sys
-import weakref
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
-from .recorder import MicroBatch, StepRecorder, check_reduce
+from .adapter import Adapter, Spec
+from .recorder import MicroBatch, StepRecorder
 
-try:
-    import transformers
-    from transformers import TrainerCallback
-except ImportError as e:            # pragma: no cover - the adapter needs transformers
-    raise ImportError("lossguard_capture.hf needs transformers (pip install 'lossguard-capture[hf]'); "
-                      "supported: transformers>=5.24.0,<5.25.0") from e
-
-__all__ = ["attach", "AuditCallback", "SUPPORTED", "check_version"]
+__all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "check_version"]
 
 #: transformers versions whose internals this adapter was checked against: [low, high).
-SUPPORTED = ("5.24.0", "5.25.0")
-_SUPPORTED_TEXT = f"transformers>={SUPPORTED[0]},<{SUPPORTED[1]}"
+SPEC = Spec("lossguard_capture.hf", "transformers", ("5.24.0", "5.25.0"), lambda: transformers.__version__,
+            "it hooks Trainer.compute_loss, fixed_cross_entropy and Accelerator.backward as these versions have them")
+SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
+transformers = SPEC.require("transformers", "pip install 'lossguard-capture[hf]'")
+from transformers import TrainerCallback  # noqa: E402
 
-_ATTACH_IDS = itertools.count()
 
-
-def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
-    """RuntimeError naming the supported range when ``version`` (default: the installed transformers)
-    is outside :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
-    from packaging.version import Version      # a dependency of transformers
-    v = version or transformers.__version__
-    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
-    if lo <= vt and vt.release < hi.release:      # 5.25.0.dev0 / rc1 count as 5.25: outside
-        return
-    msg = (f"lossguard_capture.hf supports {_SUPPORTED_TEXT} (it hooks Trainer.compute_loss, "
-           f"fixed_cross_entropy and Accelerator.backward as these versions have them); transformers {v} "
-           f"is installed.  Install a supported version (scripts/setup-trainers.sh pins one), or pass "
-           f"allow_unsupported=True to try anyway: the adapter then still measures the real weights, but an "
-           f"unverified loss path may be missed or mis-described.")
-    if not allow_unsupported:
-        raise RuntimeError(msg)
-    import warnings
-    warnings.warn(msg)
+class CannotMeasure(Exception):
+    """A captured micro-batch whose loss path is not the one the adapter reads (becomes a RuntimeError
+    naming the step and the micro-batch; the step is dropped)."""
 
 
 class _CEState:
@@ -162,7 +145,7 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
     return cross_entropy
 
 
-def _find_trainer(callback: "AuditCallback") -> Any:
+def _find_trainer(callback: "TrainerAudit") -> Any:
     """The Trainer whose callback handler holds ``callback``: a caller's ``self`` up the stack (the
     callback handler calls on_train_begin from Trainer.train)."""
     f: Optional[FrameType] = sys._getframe(1)
@@ -174,67 +157,63 @@ def _find_trainer(callback: "AuditCallback") -> Any:
     return None
 
 
-class AuditCallback(TrainerCallback):
-    """Captures ``steps`` of a ``transformers.Trainer`` run for ``lossguard audit`` and, with
-    ``fail_fast``, audits one of them (``audit_step``, default the first of ``steps``) from rank 0 and
-    raises :class:`lossguard_capture.AuditFailed` on every rank when it FAILS, before that step's
-    optimizer update.  ``steps=None`` captures every step.
+class TrainerAudit(Adapter, TrainerCallback):
+    """The one ``TrainerCallback`` of the transformers-based adapters (this module's and
+    :mod:`lossguard_capture.trl`'s): captures ``steps`` and, with ``fail_fast``, audits ``audit_step`` and
+    raises :class:`lossguard_capture.AuditFailed` on every rank before that step's optimizer update (the
+    options and results are :class:`lossguard_capture.adapter.Adapter`'s).
 
-    ``lossguard_bin``: the binary (else ``$LOSSGUARD_BIN``, else ``lossguard`` on ``PATH``);
-    ``audit_args``: extra ``lossguard audit`` arguments (e.g. ``["--strict-scale"]``); ``timeout``: seconds
-    for audit and for each rank's wait; ``reduce``: the objective claimed (per-token: what the Trainer's
-    ``num_items_in_batch`` normalisation means).  ``results`` maps each audited step to its
-    :class:`lossguard_capture.AuditResult`."""
+    Written once here: the wiring (``compute_loss``, ``accelerator.backward`` and ``_get_grad_norm`` wrapped
+    on the instance; finish and fail fast at ``on_pre_optimizer_step``), the refusals every Trainer shares, a
+    row's global sample index, DDP's ``grad_scale = 1/world`` and the step's rows.  A subclass says what
+    differs: :meth:`_bind` (the trainer it accepts), :meth:`_refusals`, :meth:`_measure` (where the per-token
+    loss is found, one micro-batch), :meth:`_begin_step` (the step's declared terms), :meth:`_step_records`
+    (what the step's counts are)."""
 
-    def __init__(self, out_dir: str, *, steps: Optional[Iterable[int]] = (0,), fail_fast: bool = True,
-                 audit_step: Optional[int] = None, lossguard_bin: Optional[str] = None,
-                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: str = "per-token",
-                 strict: bool = True, allow_unsupported: bool = False):
-        self.out_dir = out_dir
-        self.steps = None if steps is None else sorted({int(s) for s in steps})
-        if self.steps is not None and not self.steps:
-            raise ValueError("steps is empty (None captures every step)")
-        self.fail_fast = bool(fail_fast)
-        if audit_step is None:
-            audit_step = 0 if self.steps is None else self.steps[0]
-        if self.steps is not None and audit_step not in self.steps:
-            raise ValueError(f"audit_step {audit_step} is not one of the captured steps {self.steps}")
-        self.audit_step = int(audit_step)
-        self.lossguard_bin = lossguard_bin
-        self.audit_args = list(audit_args)
-        self.timeout = float(timeout)
-        self.reduce = check_reduce(reduce)
-        self.strict = strict
-        self.allow_unsupported = allow_unsupported
-        self.results: Dict[int, AuditResult] = {}
-        self.paths: Dict[int, str] = {}              # step -> this rank's capture file
-        self._trainer_ref: Any = None
-        self._id = next(_ATTACH_IDS)
-        self._train_runs = 0
+    def __init__(self, out_dir: str, **options: Any):
+        super().__init__(out_dir, **options)
         self._step: Optional[StepRecorder] = None
         self._k = 0                                   # micro-batches of the open step
         self._rows = 0                                # rows (samples) of the open step on this rank
-        self._num_items: Any = None
+        self._num_items: Any = None                   # the Trainer's num_items_in_batch (compute_loss's argument)
         self._pending: Optional[MicroBatch] = None    # compute_loss done, backward not yet
-        self._last_col: List[torch.Tensor] = []       # shifted labels of each row's last logit (must be ignored)
+        self._handles: List[Any] = []                 # hooks of the open step (removed when it ends)
         self._grad_norm: Any = None
+
+    # -- what each Trainer adapter says ---------------------------------------------------------
+    def _bind(self, trainer: Any) -> None:
+        """Accept ``trainer`` (or raise RuntimeError), and settle what depends on its type."""
+
+    def _refusals(self, trainer: Any) -> List[str]:
+        """What of ``trainer``'s configuration this adapter cannot measure, besides the shared refusals."""
+        return []
+
+    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> "Tuple[Any, MicroBatch, int]":
+        """Run ``orig(model, inputs, *args, **kwargs)`` (the Trainer's compute_loss) measuring one micro-batch:
+        return its output, the recorder's micro-batch (hooked) and its number of rows.  CannotMeasure when the
+        loss path is not the one this adapter reads."""
+        raise NotImplementedError
+
+    def _begin_step(self, step: int) -> Optional[Dict[str, Any]]:
+        """A captured step opens: reset per-step state; return the step's declared terms (or None)."""
+        return None
+
+    def _step_records(self, step: int) -> Dict[str, Any]:
+        """The step's own records for ``finish`` (``num_tokens_reduced``, ``l_norm``); may raise."""
+        return {"num_tokens_reduced": self._num_items}
 
     # -- wiring ---------------------------------------------------------------------------------
     @property
     def trainer(self) -> Any:
-        return None if self._trainer_ref is None else self._trainer_ref()
+        return self.target
 
-    def attach(self, trainer: Any) -> "AuditCallback":
-        """Wire the callback into ``trainer`` (idempotent): checks the version and configuration, wraps
-        ``trainer.compute_loss``, ``trainer.accelerator.backward`` and ``trainer._get_grad_norm`` (instance
-        attributes; the class is untouched), and adds the callback if it is not there yet."""
-        if self.trainer is trainer:
-            return self
-        if self.trainer is not None:
-            raise RuntimeError("this AuditCallback is already attached to another Trainer")
-        check_version(allow_unsupported=self.allow_unsupported)
+    def _attach(self, trainer: Any, **where: Any) -> None:
+        """Checks the trainer and its configuration, wraps ``trainer.compute_loss``,
+        ``trainer.accelerator.backward`` and ``trainer._get_grad_norm`` (instance attributes; the classes are
+        untouched), and adds the callback if it is not there yet."""
+        self._bind(trainer)
         self._check_config(trainer)
-        self._trainer_ref = weakref.ref(trainer)
         cb = self
 
         orig_compute_loss = trainer.compute_loss
@@ -265,18 +244,6 @@ class AuditCallback(TrainerCallback):
 
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        if trainer.args.process_index == 0:
-            mode = ("normalises by num_items_in_batch" if trainer.model_accepts_loss_kwargs else
-                    "averages each micro-batch (the model does not accept loss kwargs: the hf-ga shape)")
-            print(f"lossguard_capture.hf: capturing steps {self.steps if self.steps is not None else 'all'} "
-                  f"into {self.out_dir} (reduce={self.reduce}; the Trainer {mode})", file=sys.stderr)
-            if self.fail_fast:
-                try:
-                    find_lossguard(self.lossguard_bin)
-                except AuditError as e:
-                    print(f"lossguard_capture.hf: warning: {e}; step {self.audit_step} will raise AuditError",
-                          file=sys.stderr)
-        return self
 
     def _check_config(self, trainer: Any) -> None:
         args = trainer.args
@@ -291,141 +258,109 @@ class AuditCallback(TrainerCallback):
             sizes = {n: getattr(pc, n + "_size", 1) or 1 for n in ("tp", "cp", "sp")}
             if any(v > 1 for v in sizes.values()):
                 bad.append(f"parallelism_config {sizes} (only data parallelism)")
-        if getattr(trainer, "label_smoother", None) is not None:
-            bad.append("label_smoothing_factor != 0 (the LabelSmoother does not go through cross_entropy)")
         if getattr(trainer.accelerator, "gradient_accumulation_steps", 1) != 1:
             bad.append(f"accelerator.gradient_accumulation_steps = {trainer.accelerator.gradient_accumulation_steps} "
                        f"(the Trainer sets 1 and divides itself)")
+        bad += self._refusals(trainer)
         if bad:
-            raise RuntimeError("lossguard_capture.hf does not support: " + "; ".join(bad))
+            raise RuntimeError(f"{self.spec.module} does not support: " + "; ".join(bad))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.trainer is None:
             trainer = _find_trainer(self)
             if trainer is None:
-                raise RuntimeError("AuditCallback could not find its Trainer: use "
-                                   "lossguard_capture.hf.attach(trainer, out_dir) instead of add_callback")
+                raise RuntimeError(f"{type(self).__name__} could not find its Trainer: use "
+                                   f"{self.spec.module}.attach(trainer, out_dir) instead of add_callback")
             self.attach(trainer)
-        self._train_runs += 1
 
     # -- capture --------------------------------------------------------------------------------
-    def _captures(self, step: int) -> bool:
-        return self.steps is None or step in self.steps
-
-    def _step_dir(self, step: int) -> str:
-        return os.path.join(self.out_dir, f"step{step:06d}")
-
     def _compute_loss(self, orig: Callable[..., Any], model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.trainer
-        step = trainer.state.global_step
-        if not (model.training and self._captures(step)):
+        step = self.trainer.state.global_step
+        if not (model.training and self.should_capture(step)):
             return orig(model, inputs, *args, **kwargs)
         if self._step is not None and self._step.step != step:     # not finished (should not happen)
-            self._step.abort()
-            self._step = None
+            self._abort()
         if self._step is None:
             self._open(step)
         try:
-            mb, rows, index = self._microbatch(inputs)
-            num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
-            nn_f = torch.nn.functional
-            ce = _CEState(mb, rows, index, nn_f.cross_entropy)
-            wrapper = _make_cross_entropy(ce)
-            nn_f.cross_entropy = wrapper
-            try:
-                out = orig(model, inputs, *args, **kwargs)
-            finally:
-                replaced = nn_f.cross_entropy is not wrapper
-                nn_f.cross_entropy = ce.real
-            problems = list(ce.problems)
-            if replaced:
-                problems.append("torch.nn.functional.cross_entropy was replaced by someone else during compute_loss")
-            if ce.calls == 0:
-                problems.append("the loss did not call torch.nn.functional.cross_entropy (a fused or custom "
-                                "loss kernel, or a model without labels)")
-            if problems:
-                raise RuntimeError(f"lossguard_capture.hf: step {step} micro-batch {mb.index}: cannot measure the "
-                                   f"Trainer's loss: " + "; ".join(problems))
+            out, mb, rows = self._measure(orig, model, inputs, args, kwargs)
+        except CannotMeasure as e:
+            self._abort()
+            raise RuntimeError(f"{self.spec.module}: step {step} micro-batch {self._k}: cannot measure the "
+                               f"trainer's loss: {e}") from None
         except BaseException:
-            if self._step is not None:
-                self._step.abort()
-            self._step = None
+            self._abort()
             raise
+        self._k += 1
+        self._rows += rows
+        self._num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
         self._pending = mb
-        self._num_items = num_items
         return out
 
     def _open(self, step: int) -> None:
-        args = self.trainer.args
-        world = args.world_size
-        self._step = StepRecorder(self._step_dir(step), step, args.process_index, world, dp=world,
-                                  dp_rank=args.process_index, reduce=self.reduce, strict=self.strict)
         self._k = 0
         self._rows = 0
         self._num_items = None
         self._pending = None
-        self._last_col = []
+        self._handles = []
         self._grad_norm = None
-
-    def _microbatch(self, inputs: Any) -> "tuple[MicroBatch, int, torch.Tensor]":
+        terms = self._begin_step(step)
         args = self.trainer.args
-        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
-        if ids is None or ids.dim() != 2:
-            raise RuntimeError("lossguard_capture.hf: the batch has no 2-D input_ids [batch, seq]")
-        if inputs.get("shift_labels") is not None:
-            shifted = inputs["shift_labels"]
-        elif inputs.get("labels") is not None:
-            # the shift of ForCausalLMLoss (loss/loss_utils.py:65-66): logit j predicts labels[j+1]
-            shifted = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[..., 1:]
-        else:
-            raise RuntimeError("lossguard_capture.hf: the batch has no labels (the Trainer computes no loss)")
-        B, L = ids.shape
-        if tuple(shifted.shape) != (B, L):
-            raise RuntimeError(f"lossguard_capture.hf: labels {tuple(shifted.shape)} do not match input_ids {(B, L)}")
+        self._step = self.recorder(step, rank=args.process_index, world_size=args.world_size, dp=args.world_size,
+                                   dp_rank=args.process_index, terms=terms)
+
+    def _release(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _abort(self) -> None:
+        self._release()
+        if self._step is not None:
+            self._step.abort()
+        self._step = None
+
+    def _first_index(self, B: int) -> int:
+        """The global sample index of this micro-batch's first row: micro-batch ``k`` of DP rank ``d`` holds
+        rows ``(k*dp + d)*bs ...`` (accelerate hands rank ``d`` the batches ``d, d+dp, ...``)."""
+        args = self.trainer.args
         bs = args.per_device_train_batch_size
         if B > bs:
-            raise RuntimeError(f"lossguard_capture.hf: a micro-batch of {B} rows > per_device_train_batch_size {bs}")
-        dp, d, k = args.world_size, args.process_index, self._k
-        first = (k * dp + d) * bs
-        mask = (shifted[:, : L - 1] != -100).to(torch.int64)
-        self._last_col.append(shifted[:, L - 1].detach())
+            raise CannotMeasure(f"a micro-batch of {B} rows > per_device_train_batch_size {bs}")
+        return (self._k * args.world_size + args.process_index) * bs
+
+    def _row_microbatch(self, ids: torch.Tensor, mask: torch.Tensor, **records: Any) -> MicroBatch:
+        """A micro-batch whose rows ``ids`` [B, L] are one sample each: prompt length 1, response length
+        ``L-1`` (response index ``j`` is token ``j+1``), loss mask ``mask`` [B, L-1]."""
+        B, L = ids.shape
+        first = self._first_index(B)
         assert self._step is not None
-        mb = self._step.microbatch(
-            sample_indices=torch.arange(first, first + B, dtype=torch.int64),
-            tokens=ids.reshape(-1), total_lengths=torch.full((B,), L, dtype=torch.int64),
-            response_lengths=torch.full((B,), L - 1, dtype=torch.int64),
-            loss_masks=mask.reshape(-1), cp_size=1)
-        # the hooked tensor holds every position of the [B, L] batch (row-major, as ForCausalLMLoss's
-        # logits.view(-1, vocab)); the owned ones are each row's first L-1
-        index = (torch.arange(B, dtype=torch.int64)[:, None] * L
-                 + torch.arange(L - 1, dtype=torch.int64)[None, :]).reshape(-1)
-        self._k += 1
-        self._rows += B
-        return mb, B * L, index
+        return self._step.microbatch(
+            sample_indices=torch.arange(first, first + B, dtype=torch.int64), tokens=ids.reshape(-1),
+            total_lengths=torch.full((B,), L, dtype=torch.int64),
+            response_lengths=torch.full((B,), L - 1, dtype=torch.int64), loss_masks=mask.reshape(-1), cp_size=1,
+            **records)
 
     def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         s = self._step
         if s is None or s.step != state.global_step:
             return
-        self._step = None
         try:
-            self._finish(s)
+            path = self._finish(s)
         except BaseException:
-            s.abort()
+            self._abort()
             raise
-        if self.fail_fast and s.step == self.audit_step:
-            self._audit(s.step)
+        self._release()
+        self._step = None
+        self.finished(s.step, path)          # fail fast: before the optimizer applies the step
 
-    def _finish(self, s: StepRecorder) -> None:
+    def _finish(self, s: StepRecorder) -> str:
         trainer = self.trainer
         args = trainer.args
         if self._pending is not None:
-            raise RuntimeError(f"lossguard_capture.hf: step {s.step}: a micro-batch's loss never reached "
+            raise RuntimeError(f"{self.spec.module}: step {s.step}: a micro-batch's loss never reached "
                                f"accelerator.backward")
-        for col in self._last_col:
-            if bool((col != -100).any()):
-                raise RuntimeError("lossguard_capture.hf: a row's last logit has a label (shift_labels without "
-                                   "-100 at the end): the prompt-1 layout cannot hold it")
+        records = self._step_records(s.step)
         world = args.world_size
         rows = torch.tensor(self._rows, dtype=torch.int64)
         grad_scale = 1.0
@@ -433,48 +368,106 @@ class AuditCallback(TrainerCallback):
             import torch.distributed as dist
             ddp = trainer.model_wrapped
             if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-                raise RuntimeError(f"lossguard_capture.hf: {world} processes but the model is wrapped in "
+                raise RuntimeError(f"{self.spec.module}: {world} processes but the model is wrapped in "
                                    f"{type(ddp).__name__}, not DistributedDataParallel")
             # DDP averages the gradients over its process group
             grad_scale = 1.0 / dist.get_world_size(ddp.process_group)
             t = rows.to(args.device)
             dist.all_reduce(t)
             rows = t.cpu()
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        dt = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
         # Without a grad scaler the Trainer always steps (it has no zero-token skip): skipped is known.
-        skipped = False if scaler is None and dt != "DEEPSPEED" else None
+        skipped = False if getattr(trainer.accelerator, "scaler", None) is None else None
         grad_norm = self._grad_norm
         if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
             grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
-        self.paths[s.step] = s.finish(grad_scale=grad_scale, num_tokens_reduced=self._num_items, skipped=skipped,
-                                      grad_norm=grad_norm, global_batch_size=rows)
-
-    def _audit(self, step: int) -> None:
-        step_dir = self._step_dir(step)
-        json_path = os.path.join(self.out_dir, f"audit-step{step:06d}.json")
-
-        def compute() -> Dict[str, Any]:
-            return run_audit([step_dir], binary=self.lossguard_bin, args=self.audit_args, timeout=self.timeout,
-                             json_path=json_path, step=step).to_json()
-
-        key = f"hf/{self._id}/{self._train_runs}/step{step}"
-        got = agree(key, compute, timeout=self.timeout)
-        if "error" in got:
-            raise AuditError(f"lossguard_capture.hf: step {step}: no audit verdict: {got['error']}")
-        result = AuditResult.from_json(got)
-        self.results[step] = result
-        if self.trainer.args.process_index == 0:
-            print(f"lossguard_capture.hf: lossguard audit {step_dir}: {result.verdict.upper()} "
-                  f"(exit {result.exit_code})", file=sys.stderr)
-        result.raise_for_verdict()
+        return s.finish(grad_scale=grad_scale, skipped=skipped, grad_norm=grad_norm, global_batch_size=rows,
+                        **records)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._step is not None:           # a captured step that never reached the optimizer
-            self._step.abort()
-            self._step = None
+            self._abort()
 
 
-def attach(trainer: Any, out_dir: str, **kwargs: Any) -> AuditCallback:
-    """``AuditCallback(out_dir, **kwargs).attach(trainer)``: one line before ``trainer.train()``."""
-    return AuditCallback(out_dir, **kwargs).attach(trainer)
+class AuditCallback(TrainerAudit):
+    """Captures ``steps`` of a ``transformers.Trainer`` run, measured on its own loss path (the module
+    docstring), for ``lossguard audit``; with ``fail_fast`` audits ``audit_step`` and raises
+    :class:`lossguard_capture.AuditFailed` on every rank before that step's optimizer update.  ``reduce``:
+    the objective claimed (per-token: what the Trainer's ``num_items_in_batch`` normalisation means).  The
+    other options and the results (``paths``, ``results``, ``verdicts``) are
+    :class:`lossguard_capture.adapter.Adapter`'s."""
+
+    spec = SPEC
+
+    def __init__(self, out_dir: str, **options: Any):
+        super().__init__(out_dir, **options)
+        self._last_col: List[torch.Tensor] = []       # shifted labels of each row's last logit (must be ignored)
+
+    def _refusals(self, trainer: Any) -> List[str]:
+        if getattr(trainer, "label_smoother", None) is not None:
+            return ["label_smoothing_factor != 0 (the LabelSmoother does not go through cross_entropy)"]
+        return []
+
+    def _describe(self) -> str:
+        mode = ("normalises by num_items_in_batch" if self.trainer.model_accepts_loss_kwargs else
+                "averages each micro-batch (the model does not accept loss kwargs: the hf-ga shape)")
+        return f"reduce={self.reduce}; the Trainer {mode}"
+
+    def _begin_step(self, step: int) -> Optional[Dict[str, Any]]:
+        self._last_col = []
+        return None
+
+    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> "Tuple[Any, MicroBatch, int]":
+        ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
+        if ids is None or ids.dim() != 2:
+            raise CannotMeasure("the batch has no 2-D input_ids [batch, seq]")
+        if inputs.get("shift_labels") is not None:
+            shifted = inputs["shift_labels"]
+        elif inputs.get("labels") is not None:
+            # the shift of ForCausalLMLoss (loss/loss_utils.py:65-66): logit j predicts labels[j+1]
+            shifted = torch.nn.functional.pad(inputs["labels"], (0, 1), value=-100)[..., 1:]
+        else:
+            raise CannotMeasure("the batch has no labels (the Trainer computes no loss)")
+        B, L = ids.shape
+        if tuple(shifted.shape) != (B, L):
+            raise CannotMeasure(f"labels {tuple(shifted.shape)} do not match input_ids {(B, L)}")
+        mb = self._row_microbatch(ids, (shifted[:, : L - 1] != -100).to(torch.int64))
+        self._last_col.append(shifted[:, L - 1].detach())
+        # the hooked tensor holds every position of the [B, L] batch (row-major, as ForCausalLMLoss's
+        # logits.view(-1, vocab)); the owned ones are each row's first L-1
+        index = (torch.arange(B, dtype=torch.int64)[:, None] * L
+                 + torch.arange(L - 1, dtype=torch.int64)[None, :]).reshape(-1)
+        nn_f = torch.nn.functional
+        ce = _CEState(mb, B * L, index, nn_f.cross_entropy)
+        wrapper = _make_cross_entropy(ce)
+        nn_f.cross_entropy = wrapper
+        try:
+            out = orig(model, inputs, *args, **kwargs)
+        finally:
+            replaced = nn_f.cross_entropy is not wrapper
+            nn_f.cross_entropy = ce.real
+        problems = list(ce.problems)
+        if replaced:
+            problems.append("torch.nn.functional.cross_entropy was replaced by someone else during compute_loss")
+        if ce.calls == 0:
+            problems.append("the loss did not call torch.nn.functional.cross_entropy (a fused or custom "
+                            "loss kernel, or a model without labels)")
+        if problems:
+            raise CannotMeasure("; ".join(problems))
+        return out, mb, B
+
+    def _step_records(self, step: int) -> Dict[str, Any]:
+        for col in self._last_col:
+            if bool((col != -100).any()):
+                raise RuntimeError(f"{self.spec.module}: a row's last logit has a label (shift_labels without -100 "
+                                   f"at the end): the prompt-1 layout cannot hold it")
+        return {"num_tokens_reduced": self._num_items}
+
+
+def attach(trainer: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+           **options: Any) -> AuditCallback:
+    """Capture ``steps`` of ``trainer`` (a ``transformers.Trainer``; every rank, before ``trainer.train()``)
+    into ``out_dir/step{n:06d}/`` and, with ``fail_fast``, stop on a FAIL before the optimizer applies the
+    audited step.  ``options``: :class:`AuditCallback`'s.  Returns the callback: ``paths``, ``results``,
+    ``verdicts``."""
+    return AuditCallback(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)

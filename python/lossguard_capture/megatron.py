@@ -3,8 +3,9 @@ scaling of what it returns, ``DistributedDataParallel``'s gradient reduction and
 
     import lossguard_capture.megatron as lcm
 
-    audit = lcm.MegatronAudit("captures", steps=[0])           # after initialize_model_parallel, every rank
-    audit.attach(config, model=model, optimizer=optimizer)     # wraps config.finalize_model_grads_func, optimizer.step
+    audit = lcm.attach(config, "captures", model=model, optimizer=optimizer)   # steps=(0,), fail_fast=True;
+                                    # after initialize_model_parallel, every rank; wraps
+                                    # config.finalize_model_grads_func and the optimizer's step
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)                             # the FULL micro-batch rows, before the CP split
@@ -20,6 +21,18 @@ scaling of what it returns, ``DistributedDataParallel``'s gradient reduction and
 
 On every rank of each step in ``steps`` it writes ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors``
 (docs/semantics.md §10) when the ``with`` block ends; ``lossguard audit captures/step{n:06d}`` judges it.
+``audit.paths``, ``audit.results`` and ``audit.verdicts`` are the results (lossguard_capture.adapter: every
+adapter is entered and read this way).
+
+Fail fast (``fail_fast=True``, the audited step ``audit_step``, default the first of ``steps``): with the
+optimizer given to ``attach``, the audited step's capture is written when Megatron's optimizer is about to
+apply it — its ``step_with_ready_grads`` (optimizer/optimizer.py:1242, called by ``step()`` once
+``prepare_grads`` found no inf/NaN, after the gradient norm) is wrapped — rank 0 audits it, every rank
+learns the verdict, and on FAIL every rank raises :class:`lossguard_capture.AuditFailed` from
+``optimizer.step()``: the parameters are those of the step's start.  That capture records ``skipped =
+False`` and the norm ``get_grad_norm`` / ``clip_grad_norm`` returned in that call (none: omitted);
+``MegatronStep.set`` must come before ``optimizer.step()`` to count.  A step the optimizer skips, or a
+loop without ``optimizer=``, is audited when its ``with`` block ends (after the optimizer call).
 
 What is measured, and where (megatron-core 0.16.1; line numbers of that release, identical in 0.16.0):
 
@@ -111,29 +124,16 @@ does not run either: moe_utils.py:1192 reads ``te_general_gemm``, left undefined
 :22-39, a NameError.)
 """
 
-import os
-import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .recorder import MicroBatch, StepRecorder, check_reduce
+from .adapter import Adapter, Spec, deprecated_alias
+from .recorder import MicroBatch, StepRecorder
 from .zigzag import zigzag_owned_logit_positions
 
-try:
-    from megatron.core import package_info as _mc_info
-    from megatron.core import parallel_state as _ps
-    from megatron.core.distributed import DistributedDataParallel as _MegatronDDP
-    from megatron.core.utils import get_batch_on_this_cp_rank as _get_batch_on_this_cp_rank
-except ImportError as e:            # pragma: no cover - the adapter needs megatron-core
-    raise ImportError("lossguard_capture.megatron needs megatron-core (pip install megatron-core==0.16.1; "
-                      "scripts/setup-trainers.sh); supported: megatron-core>=0.16.0,<0.17.0") from e
-
-__all__ = ["MegatronAudit", "SUPPORTED", "check_version", "megatron_version"]
-
-#: megatron-core versions whose loss path this adapter was checked against: [low, high).
-SUPPORTED = ("0.16.0", "0.17.0")
-_SUPPORTED_TEXT = f"megatron-core>={SUPPORTED[0]},<{SUPPORTED[1]}"
+__all__ = ["attach", "MegatronAdapter", "MegatronAudit", "MegatronStep", "SPEC", "SUPPORTED", "check_version",
+           "megatron_version"]
 
 
 def megatron_version() -> str:
@@ -141,24 +141,17 @@ def megatron_version() -> str:
     return str(_mc_info.__version__)
 
 
-def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
-    """RuntimeError naming the supported range when ``version`` (default: the installed megatron-core)
-    is outside :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
-    from packaging.version import Version      # a dependency of megatron-core
-    v = version or megatron_version()
-    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
-    if lo <= vt and vt.release < hi.release:
-        return
-    msg = (f"lossguard_capture.megatron supports {_SUPPORTED_TEXT} (it relies on forward_step_calc_loss, "
-           f"DistributedDataParallel's gradient scaling and finalize_model_grads as these versions have them: "
-           f"0.15 added the clamp of num_tokens, 0.13 moved the count's all-reduce from DP to DP x CP and "
-           f"dropped the x CP of the 3-tuple); megatron-core {v} is installed.  Install a supported version "
-           f"(scripts/setup-trainers.sh pins one), or pass allow_unsupported=True: the adapter still measures "
-           f"the real weights, but an unverified loss path may be missed or mis-described.")
-    if not allow_unsupported:
-        raise RuntimeError(msg)
-    import warnings
-    warnings.warn(msg)
+#: megatron-core versions whose loss path this adapter was checked against: [low, high).
+SPEC = Spec("lossguard_capture.megatron", "megatron-core", ("0.16.0", "0.17.0"), megatron_version,
+            "it relies on forward_step_calc_loss, DistributedDataParallel's gradient scaling and finalize_model_grads "
+            "as these versions have them: 0.15 added the clamp of num_tokens, 0.13 moved the count's all-reduce from "
+            "DP to DP x CP and dropped the x CP of the 3-tuple")
+SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
+SPEC.require("megatron.core", "pip install megatron-core==0.16.1; scripts/setup-trainers.sh")
+from megatron.core import package_info as _mc_info  # noqa: E402
+from megatron.core import parallel_state as _ps  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel as _MegatronDDP  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank as _get_batch_on_this_cp_rank  # noqa: E402
 
 
 def _is_float_01(t: torch.Tensor) -> bool:
@@ -181,7 +174,7 @@ class _MTPScalerProxy:
     the ``mtp_loss`` GPTModel hands it (``scale * loss_mask * l [/ num_tokens]``, gpt_model.py:655-661) and
     calls the real one with the same arguments; everything else is the real class's."""
 
-    def __init__(self, audit: "MegatronAudit", real: Any):
+    def __init__(self, audit: "MegatronAdapter", real: Any):
         self.audit = audit
         self.real = real
 
@@ -207,16 +200,18 @@ class _StepState:
         self.grad_norm: Any = None
         self.skipped_override: Any = None
         self.grad_norm_override: Any = None
+        self.seen_grad_norm: Any = None        # what the optimizer's get_grad_norm / clip_grad_norm returned
+        self.written = False                   # the capture is written (fail fast: before the update)
 
 
 class MegatronStep:
-    """The context manager :meth:`MegatronAudit.step` returns; ``with`` it around one iteration (the
+    """The context manager :meth:`MegatronAdapter.step` returns; ``with`` it around one iteration (the
     forward-backward call and ``optimizer.step()``).  ``active`` says whether this step is captured.
     Leaving the block normally writes the capture (``path``); by an exception, nothing is written.
     :meth:`set` overrides what the wrapped optimizer would record (``skipped``, ``grad_norm``) for a loop
-    that does not pass its optimizer to :meth:`MegatronAudit.attach`."""
+    that does not pass its optimizer to :func:`attach`."""
 
-    def __init__(self, audit: "MegatronAudit", step: int, global_batch_size: Any):
+    def __init__(self, audit: "MegatronAdapter", step: int, global_batch_size: Any):
         self.audit = audit
         self.step = int(step)
         self.global_batch_size = global_batch_size
@@ -250,36 +245,30 @@ class MegatronStep:
             return False
         self.audit._state = None
         self.audit._mtp_end()
+        if st.written:                 # fail fast wrote (and audited) it before the optimizer's update
+            self.path = st.rec.path
+            return False
         if exc_type is not None:
             st.rec.abort()
             return False
-        try:
-            self.path = self.audit._finish(st)
-        except BaseException:
-            st.rec.abort()
-            raise
-        self.audit.paths[self.step] = self.path
+        self.path = self.audit._write(st)
         return False
 
 
-class MegatronAudit:
-    """Captures ``steps`` of a Megatron-core training loop for ``lossguard audit`` (module docstring).
+class MegatronAdapter(Adapter):
+    """Captures ``steps`` of a Megatron-core training loop for ``lossguard audit`` (module docstring); made by
+    :func:`attach`.
 
-    Construct it on every rank after ``parallel_state.initialize_model_parallel``; TP, CP, DP and this
-    rank's coordinates are read from there.  ``reduce`` is the objective claimed (``per-token``: every
-    effective token weighs ``1/N`` — what ``calculate_per_token_loss`` computes; without it Megatron's
-    per-micro-batch mean is judged against it and fails with the ``megatron-mean`` shape).  ``steps=None``
-    captures every step.  ``paths`` maps each captured step to this rank's file."""
+    TP, CP, DP and this rank's coordinates are read from ``parallel_state`` (initialised before).
+    ``reduce`` is the objective claimed (``per-token``: every effective token weighs ``1/N`` — what
+    ``calculate_per_token_loss`` computes; without it Megatron's per-micro-batch mean is judged against it
+    and fails with the ``megatron-mean`` shape).  The other options (``steps``, ``fail_fast``, ...) and the
+    results (``paths``, ``results``, ``verdicts``) are :class:`lossguard_capture.adapter.Adapter`'s."""
 
-    def __init__(self, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), reduce: str = "per-token",
-                 strict: bool = True, allow_unsupported: bool = False):
-        check_version(allow_unsupported=allow_unsupported)
-        self.reduce = check_reduce(reduce)
-        self.out_dir = out_dir
-        self.strict = strict
-        self.steps = None if steps is None else sorted({int(s) for s in steps})
-        if self.steps is not None and not self.steps:
-            raise ValueError("steps is empty (None captures every step)")
+    spec = SPEC
+
+    def __init__(self, out_dir: str, **options: Any):
+        super().__init__(out_dir, **options)
         if not _ps.model_parallel_is_initialized():
             raise RuntimeError("lossguard_capture.megatron: megatron.core.parallel_state is not initialised "
                                "(call initialize_model_parallel first)")
@@ -299,7 +288,6 @@ class MegatronAudit:
         if self.tp * self.cp * self.dp != self.world_size:
             raise RuntimeError(f"lossguard_capture.megatron: TP {self.tp} x CP {self.cp} x DP {self.dp} != world "
                                f"{self.world_size} (expert or partial data parallelism are not supported)")
-        self.paths: Dict[int, str] = {}
         self.config: Any = None
         self._state: Optional[_StepState] = None
         self._index_cache: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -311,14 +299,12 @@ class MegatronAudit:
         self._mtp_saved: Any = None                         # gpt_model.MTPLossAutoScaler while the proxy is in
 
     # -- wiring ---------------------------------------------------------------------------------
-    def attach(self, config: Any, *, model: Any = None, optimizer: Any = None) -> "MegatronAudit":
+    def _attach(self, config: Any, *, model: Any = None, optimizer: Any = None) -> None:
         """Wrap ``config.finalize_model_grads_func`` (required: it is where DP x CP reduce the gradients and
-        the count) and, when given, ``optimizer.step`` (instance attributes; the classes are untouched).
-        ``model``: the model chunks (or one), checked now rather than at the first captured step."""
-        if self.config is not None:
-            if config is not self.config:
-                raise RuntimeError("this MegatronAudit is already attached to another config")
-            return self
+        the count) and, when given, the optimizer's ``step`` (its result: the skip decision and the norm) and,
+        with fail fast, ``step_with_ready_grads`` / ``get_grad_norm`` / ``clip_grad_norm`` (instance
+        attributes; the classes are untouched).  ``model``: the model chunks (or one), checked now rather than
+        at the first captured step."""
         bad = []
         if getattr(config, "finalize_model_grads_func", None) is None:
             bad.append("config.finalize_model_grads_func is None (set it to megatron.core.distributed."
@@ -382,12 +368,40 @@ class MegatronAudit:
                 return out
             optimizer.step = step
             self._optimizer_wrapped = True
-        if self.rank == 0:
-            print(f"lossguard_capture.megatron: capturing steps {self.steps if self.steps is not None else 'all'} "
-                  f"into {self.out_dir} (reduce={self.reduce}; TP {self.tp} CP {self.cp} DP {self.dp}; "
-                  f"calculate_per_token_loss={getattr(config, 'calculate_per_token_loss', None)}"
-                  + (f"; MTP terms {', '.join(self.mtp_terms)}" if self.mtp_terms else "") + ")", file=sys.stderr)
-        return self
+            if self.fail_fast:
+                self._wrap_update(optimizer)
+
+    def _wrap_update(self, optimizer: Any) -> None:
+        """Fail fast before the update: the optimizer's ``step_with_ready_grads`` (reached once ``prepare_grads``
+        found no inf/NaN, after the norm) writes and audits the audited step first; ``get_grad_norm`` and
+        ``clip_grad_norm`` keep the norm for that capture."""
+        audit = self
+        for name in ("get_grad_norm", "clip_grad_norm"):
+            orig_norm = getattr(optimizer, name, None)
+            if orig_norm is None:
+                continue
+
+            def norm(*args: Any, _orig: Any = orig_norm, **kwargs: Any) -> Any:
+                out = _orig(*args, **kwargs)
+                if audit._state is not None:
+                    audit._state.seen_grad_norm = out
+                return out
+            setattr(optimizer, name, norm)
+        orig_update = optimizer.step_with_ready_grads
+
+        def step_with_ready_grads(*args: Any, **kwargs: Any) -> Any:
+            st = audit._state
+            if st is not None and not st.written and st.rec.step == audit.audit_step:
+                st.optimizer_called, st.update_successful = True, True      # no inf/NaN: it is about to update
+                st.grad_norm = st.seen_grad_norm
+                audit._write(st)                                             # AuditFailed: no update
+            return orig_update(*args, **kwargs)
+        optimizer.step_with_ready_grads = step_with_ready_grads
+
+    def _describe(self) -> str:
+        return (f"reduce={self.reduce}; TP {self.tp} CP {self.cp} DP {self.dp}; calculate_per_token_loss="
+                f"{getattr(self.config, 'calculate_per_token_loss', None)}"
+                + (f"; MTP terms {', '.join(self.mtp_terms)}" if self.mtp_terms else ""))
 
     @staticmethod
     def _gpt_model(chunk: Any) -> Any:
@@ -444,9 +458,6 @@ class MegatronAudit:
             return "num_distributed_optimizer_instances > 1"
         return None
 
-    def should_capture(self, step: int) -> bool:
-        return self.steps is None or int(step) in self.steps
-
     def step(self, step: int, *, global_batch_size: Any = None) -> MegatronStep:
         """The context manager of iteration ``step`` (captured when in ``steps``).  ``global_batch_size``:
         the step's rows over all DP ranks, recorded when given."""
@@ -455,10 +466,9 @@ class MegatronAudit:
         return MegatronStep(self, step, global_batch_size)
 
     def _recorder(self, step: int) -> StepRecorder:
-        return StepRecorder(os.path.join(self.out_dir, f"step{step:06d}"), step, self.rank, self.world_size,
-                            tp=self.tp, pp=1, cp=self.cp, dp=self.dp, tp_rank=self.tp_rank, pp_rank=0,
-                            cp_rank=self.cp_rank, dp_rank=self.dp_rank, cp_layout="zigzag", reduce=self.reduce,
-                            strict=self.strict, terms=self.mtp_terms or None)
+        return self.recorder(step, rank=self.rank, world_size=self.world_size, tp=self.tp, pp=1, cp=self.cp,
+                             dp=self.dp, tp_rank=self.tp_rank, pp_rank=0, cp_rank=self.cp_rank, dp_rank=self.dp_rank,
+                             cp_layout="zigzag", terms=self.mtp_terms or None)
 
     # -- micro-batches --------------------------------------------------------------------------
     def loss_func(self, loss_func: Callable[..., Any], *, tokens: torch.Tensor, loss_mask: torch.Tensor,
@@ -696,3 +706,31 @@ class MegatronAudit:
         path = st.rec.finish(grad_scale=st.grad_scale, num_tokens_reduced=st.num_tokens_reduced, skipped=skipped,
                              grad_norm=grad_norm, global_batch_size=st.global_batch_size)
         return path
+
+    def _write(self, st: _StepState) -> str:
+        """Write the step's capture (nothing on an error), keep its path and, fail fast, audit it."""
+        try:
+            path = self._finish(st)
+        except BaseException:
+            st.rec.abort()
+            raise
+        st.written = True
+        self.finished(st.rec.step, path)
+        return path
+
+
+def attach(config: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+           model: Any = None, optimizer: Any = None, **options: Any) -> MegatronAdapter:
+    """Capture ``steps`` of a Megatron-core loop (every rank, after ``initialize_model_parallel``) into
+    ``out_dir/step{n:06d}/``: wraps ``config.finalize_model_grads_func`` and, given, ``optimizer``'s step;
+    ``model``: the model chunks (checked now; needed for MTP).  With ``fail_fast`` a FAIL of the audited step
+    raises AuditFailed from ``optimizer.step()`` before the update (module docstring).  Then in the loop:
+    ``with audit.step(it):`` around each iteration and ``audit.loss_func(...)`` in the forward step.
+    ``options``: :class:`MegatronAdapter`'s.  Returns the adapter: ``paths``, ``results``, ``verdicts``."""
+    return MegatronAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(config, model=model,
+                                                                                         optimizer=optimizer)
+
+
+#: The first entry (a constructor, then ``.attach(config, model=, optimizer=)``), without fail fast.
+MegatronAudit = deprecated_alias(MegatronAdapter, "MegatronAudit",
+                                 "lossguard_capture.megatron.attach(config, out_dir, ...)", fail_fast=False)

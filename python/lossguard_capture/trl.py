@@ -1,11 +1,13 @@
 """Audit captures of TRL's ``GRPOTrainer`` and ``SFTTrainer``, measured on the trainers' OWN per-token loss tensors.
 
     import lossguard_capture.trl
-    lossguard_capture.trl.attach(trainer, "captures")     # a GRPOTrainer or an SFTTrainer; every rank
-    trainer.train()
+    run = lossguard_capture.trl.attach(trainer, "captures")   # a GRPOTrainer or an SFTTrainer; every rank
+    trainer.train()                                           # run.paths, run.results, run.verdicts
 
-(or ``trainer.add_callback(lossguard_capture.trl.AuditCallback("captures"))``).  As
-:mod:`lossguard_capture.hf`: on every rank, for each step in ``steps`` (default ``[0]``), it writes
+(or ``trainer.add_callback(lossguard_capture.trl.AuditCallback("captures"))``).  The callback is
+:class:`lossguard_capture.hf.TrainerAudit`, told only what differs (the trainers it accepts, where the
+per-token loss tensor is found, the entropy term, the step's counts).  As :mod:`lossguard_capture.hf`: on
+every rank, for each step in ``steps`` (default ``[0]``), it writes
 ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` (docs/semantics.md §10); after the audited step
 rank 0 runs ``lossguard audit``, every rank learns the verdict through the process group's store (bounded
 waits, :func:`lossguard_capture.audit.agree`), and every rank raises :class:`lossguard_capture.AuditFailed`
@@ -79,34 +81,28 @@ capture, and audit's weights describe the other terms only); SFT with ``compute_
 smoothing (no per-token tensor of TRL's); an active ``sys.setprofile`` profiler during a captured step.
 """
 
-import itertools
-import os
 import sys
-import weakref
 from types import FrameType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
-from .recorder import MicroBatch, StepRecorder, check_reduce
-
-try:
-    import transformers
-    from transformers import TrainerCallback
-    import trl
-    from trl import GRPOTrainer, SFTTrainer
-except ImportError as e:            # pragma: no cover - the adapter needs TRL
-    raise ImportError("lossguard_capture.trl needs trl: pip install 'trl>=1.16.0,<1.17.0' "
-                      "'transformers>=5.24.0,<5.25.0' (scripts/setup-trainers.sh pins them)") from e
+from .recorder import MicroBatch
 
 from . import hf as _hf
+from .adapter import Spec
+from .hf import CannotMeasure, TrainerAudit
 
-__all__ = ["attach", "AuditCallback", "SUPPORTED", "OBJECTIVES", "check_version"]
+__all__ = ["attach", "AuditCallback", "SPEC", "SUPPORTED", "OBJECTIVES", "check_version"]
 
 #: TRL versions whose internals this adapter was checked against: [low, high).
-SUPPORTED = ("1.16.0", "1.17.0")
-_SUPPORTED_TEXT = f"trl>={SUPPORTED[0]},<{SUPPORTED[1]}"
+SPEC = Spec("lossguard_capture.trl", "trl", ("1.16.0", "1.17.0"), lambda: trl.__version__,
+            "it reads GRPOTrainer._compute_loss's and SFTTrainer.compute_loss's per-token loss tensor as these "
+            "versions build it")
+SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
+trl = SPEC.require("trl", "pip install 'trl>=1.16.0,<1.17.0' 'transformers>=5.24.0,<5.25.0'; "
+                          "scripts/setup-trainers.sh pins them")
+from trl import GRPOTrainer, SFTTrainer  # noqa: E402
 
 #: The objective each GRPO ``loss_type`` claims (the ``reduce`` written into the capture), from TRL's own
 #: documentation of ``loss_type`` (grpo_config.py) and docs/semantics.md §4/§9:
@@ -127,27 +123,6 @@ OBJECTIVES: Dict[str, str] = {
     "dapo": "per-token", "cispo": "per-token", "vespo": "per-token", "luspo": "seq-mean-token-sum",
 }
 
-_ATTACH_IDS = itertools.count()
-
-
-def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
-    """RuntimeError naming the supported range when ``version`` (default: the installed trl) is outside
-    :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
-    from packaging.version import Version
-    v = version or trl.__version__
-    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
-    if lo <= vt and vt.release < hi.release:      # 1.17.0.dev0 / rc1 count as 1.17: outside
-        return
-    msg = (f"lossguard_capture.trl supports {_SUPPORTED_TEXT} (it reads GRPOTrainer._compute_loss's and "
-           f"SFTTrainer.compute_loss's per-token loss tensor as these versions build it); trl {v} is installed.  "
-           f"Install a supported version (scripts/setup-trainers.sh pins one), or pass allow_unsupported=True to try "
-           f"anyway: the adapter then still measures the real weights of the tensor it finds, but an unverified loss "
-           f"path may be missed or mis-described.")
-    if not allow_unsupported:
-        raise RuntimeError(msg)
-    import warnings
-    warnings.warn(msg)
-
 
 def _code(fn: Any) -> Any:
     while hasattr(fn, "__wrapped__"):          # profiling_decorator and the like (functools.wraps)
@@ -158,10 +133,6 @@ def _code(fn: Any) -> Any:
 #: The frames whose locals are read: GRPOTrainer._compute_loss, SFTTrainer.compute_loss.
 _GRPO_CODE = _code(GRPOTrainer._compute_loss)
 _SFT_CODE = _code(SFTTrainer.compute_loss)
-
-
-class _CannotMeasure(Exception):
-    """A captured micro-batch whose loss path is not the one this adapter reads (becomes a RuntimeError)."""
 
 
 class _ReturnLocals:
@@ -218,17 +189,7 @@ class _Spread:
         self.handle.remove()
 
 
-def _find_trainer(callback: "AuditCallback") -> Any:
-    f: Optional[FrameType] = sys._getframe(1)
-    while f is not None:
-        obj = f.f_locals.get("self")
-        if isinstance(obj, transformers.Trainer) and callback in getattr(obj.callback_handler, "callbacks", ()):
-            return obj
-        f = f.f_back
-    return None
-
-
-class AuditCallback(TrainerCallback):
+class AuditCallback(TrainerAudit):
     """Captures ``steps`` of a TRL ``GRPOTrainer`` or ``SFTTrainer`` run for ``lossguard audit`` and, with
     ``fail_fast``, audits ``audit_step`` (default the first of ``steps``) from rank 0 and raises
     :class:`lossguard_capture.AuditFailed` on every rank when it FAILS, before that step's optimizer update.
@@ -236,64 +197,24 @@ class AuditCallback(TrainerCallback):
     ``reduce``: the objective claimed; ``None`` takes :data:`OBJECTIVES` of the GRPO ``loss_type``
     (``per-token`` for SFT).  GRPO's entropy bonus is recorded as the declared term ``entropy``.
     ``allow_untracked_terms``: capture even when an MoE aux loss is active (its gradient is then not in the
-    capture).  The other
-    arguments are :class:`lossguard_capture.hf.AuditCallback`'s.  ``results`` maps each audited step to its
-    :class:`lossguard_capture.AuditResult`; ``paths`` each captured step to this rank's file."""
+    capture).  The other options and the results (``paths``, ``results``, ``verdicts``) are
+    :class:`lossguard_capture.adapter.Adapter`'s; ``kind`` (``"grpo"`` or ``"sft"``) and ``loss_type`` are
+    set at attach."""
 
-    def __init__(self, out_dir: str, *, steps: Optional[Iterable[int]] = (0,), fail_fast: bool = True,
-                 audit_step: Optional[int] = None, lossguard_bin: Optional[str] = None,
-                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: Optional[str] = None,
-                 strict: bool = True, allow_unsupported: bool = False, allow_untracked_terms: bool = False):
-        self.out_dir = out_dir
-        self.steps = None if steps is None else sorted({int(s) for s in steps})
-        if self.steps is not None and not self.steps:
-            raise ValueError("steps is empty (None captures every step)")
-        self.fail_fast = bool(fail_fast)
-        if audit_step is None:
-            audit_step = 0 if self.steps is None else self.steps[0]
-        if self.steps is not None and audit_step not in self.steps:
-            raise ValueError(f"audit_step {audit_step} is not one of the captured steps {self.steps}")
-        self.audit_step = int(audit_step)
-        self.lossguard_bin = lossguard_bin
-        self.audit_args = list(audit_args)
-        self.timeout = float(timeout)
-        self.reduce = None if reduce is None else check_reduce(reduce)
-        self.strict = strict
-        self.allow_unsupported = allow_unsupported
+    spec = SPEC
+    requires = (_hf.SPEC,)
+
+    def __init__(self, out_dir: str, *, reduce: Optional[str] = None, allow_untracked_terms: bool = False,
+                 **options: Any):
+        super().__init__(out_dir, reduce=reduce, **options)
         self.allow_untracked_terms = allow_untracked_terms
         self.kind: Optional[str] = None              # "grpo" or "sft", set at attach
         self.loss_type: Optional[str] = None
-        self.results: Dict[int, AuditResult] = {}
-        self.paths: Dict[int, str] = {}
-        self._trainer_ref: Any = None
-        self._id = next(_ATTACH_IDS)
-        self._train_runs = 0
-        self._step: Optional[StepRecorder] = None
-        self._k = 0
-        self._rows = 0
-        self._pending: Optional[MicroBatch] = None
-        self._spreads: List[_Spread] = []
-        self._num_items: List[Any] = []               # GRPO: each micro-batch's inputs["num_items_in_batch"]
-        self._num_items_step: Any = None              # SFT: the Trainer's num_items_in_batch
-        self._grad_norm: Any = None
+        self._generation_counts: List[Any] = []       # GRPO: each micro-batch's inputs["num_items_in_batch"]
         self._entropy_coef: Optional[float] = None    # GRPO: the step's applied entropy coefficient (term declared)
         self._entropy_field = False                   # ... over the high-entropy mask (top_entropy_quantile < 1)
 
-    # -- wiring ---------------------------------------------------------------------------------
-    @property
-    def trainer(self) -> Any:
-        return None if self._trainer_ref is None else self._trainer_ref()
-
-    def attach(self, trainer: Any) -> "AuditCallback":
-        """Wire the callback into ``trainer`` (idempotent): checks the versions and configuration, wraps
-        ``trainer.compute_loss``, ``trainer.accelerator.backward`` and ``trainer._get_grad_norm`` (instance
-        attributes; the classes are untouched), and adds the callback if it is not there yet."""
-        if self.trainer is trainer:
-            return self
-        if self.trainer is not None:
-            raise RuntimeError("this AuditCallback is already attached to another Trainer")
-        check_version(allow_unsupported=self.allow_unsupported)
-        _hf.check_version(allow_unsupported=self.allow_unsupported)
+    def _bind(self, trainer: Any) -> None:
         if isinstance(trainer, GRPOTrainer):
             self.kind, self.loss_type = "grpo", trainer.loss_type
             if self.loss_type not in OBJECTIVES:
@@ -308,68 +229,9 @@ class AuditCallback(TrainerCallback):
         else:
             raise RuntimeError(f"lossguard_capture.trl supports GRPOTrainer and SFTTrainer, not "
                                f"{type(trainer).__name__} (a plain transformers.Trainer: lossguard_capture.hf)")
-        self._check_config(trainer)
-        self._trainer_ref = weakref.ref(trainer)
-        cb = self
 
-        orig_compute_loss = trainer.compute_loss
-
-        def compute_loss(model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-            return cb._compute_loss(orig_compute_loss, model, inputs, *args, **kwargs)
-        trainer.compute_loss = compute_loss
-
-        acc = trainer.accelerator
-        orig_backward = acc.backward
-
-        def backward(loss: Any, **kwargs: Any) -> Any:
-            if cb._pending is not None:
-                cb._pending.loss(loss)
-                cb._pending = None
-            return orig_backward(loss, **kwargs)
-        acc.backward = backward
-
-        if hasattr(trainer, "_get_grad_norm"):
-            orig_grad_norm = trainer._get_grad_norm
-
-            def get_grad_norm(*args: Any, **kwargs: Any) -> Any:
-                r = orig_grad_norm(*args, **kwargs)
-                if cb._step is not None:
-                    cb._grad_norm = r
-                return r
-            trainer._get_grad_norm = get_grad_norm
-
-        if self not in trainer.callback_handler.callbacks:
-            trainer.add_callback(self)
-        if trainer.args.process_index == 0:
-            what = (f"GRPOTrainer loss_type={self.loss_type}" if self.kind == "grpo"
-                    else f"SFTTrainer loss_type={self.loss_type}")
-            print(f"lossguard_capture.trl: capturing steps {self.steps if self.steps is not None else 'all'} of the "
-                  f"{what} into {self.out_dir} (reduce={self.reduce})", file=sys.stderr)
-            if self.fail_fast:
-                try:
-                    find_lossguard(self.lossguard_bin)
-                except AuditError as e:
-                    print(f"lossguard_capture.trl: warning: {e}; step {self.audit_step} will raise AuditError",
-                          file=sys.stderr)
-        return self
-
-    def _check_config(self, trainer: Any) -> None:
-        args = trainer.args
-        bad = []
-        if getattr(args, "n_gpu", 1) > 1:
-            bad.append(f"torch.nn.DataParallel (n_gpu = {args.n_gpu}); launch one process per device instead")
-        dt = str(getattr(trainer.accelerator.distributed_type, "value", trainer.accelerator.distributed_type))
-        if dt in ("DEEPSPEED", "FSDP", "XLA", "MEGATRON_LM"):
-            bad.append(f"distributed type {dt} (only plain DDP: its gradient mean is grad_scale = 1/world)")
-        pc = getattr(trainer.accelerator, "parallelism_config", None)
-        if pc is not None:
-            sizes = {n: getattr(pc, n + "_size", 1) or 1 for n in ("tp", "cp", "sp")}
-            if any(v > 1 for v in sizes.values()):
-                bad.append(f"parallelism_config {sizes} (only data parallelism)")
-        if getattr(trainer.accelerator, "gradient_accumulation_steps", 1) != 1:
-            bad.append(f"accelerator.gradient_accumulation_steps = {trainer.accelerator.gradient_accumulation_steps} "
-                       f"(the Trainer sets 1 and divides itself)")
-        untracked = []
+    def _refusals(self, trainer: Any) -> List[str]:
+        bad, untracked = [], []
         if self.kind == "grpo":
             # the entropy bonus (grpo_trainer.py:3189-3211) is recorded as the declared term `entropy`
             if getattr(trainer, "aux_loss_enabled", False):
@@ -385,116 +247,59 @@ class AuditCallback(TrainerCallback):
         if untracked and not self.allow_untracked_terms:
             bad.append("a loss term outside the per-token loss tensor: " + ", ".join(untracked) +
                        " (pass allow_untracked_terms=True to capture the per-token term alone)")
-        if bad:
-            raise RuntimeError("lossguard_capture.trl does not support: " + "; ".join(bad))
+        return bad
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.trainer is None:
-            trainer = _find_trainer(self)
-            if trainer is None:
-                raise RuntimeError("AuditCallback could not find its Trainer: use "
-                                   "lossguard_capture.trl.attach(trainer, out_dir) instead of add_callback")
-            self.attach(trainer)
-        self._train_runs += 1
+    def _describe(self) -> str:
+        what = "GRPOTrainer" if self.kind == "grpo" else "SFTTrainer"
+        return f"the {what} loss_type={self.loss_type}; reduce={self.reduce}"
 
-    # -- capture --------------------------------------------------------------------------------
-    def _captures(self, step: int) -> bool:
-        return self.steps is None or step in self.steps
-
-    def _step_dir(self, step: int) -> str:
-        return os.path.join(self.out_dir, f"step{step:06d}")
-
-    def _compute_loss(self, orig: Callable[..., Any], model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        trainer = self.trainer
-        step = trainer.state.global_step
-        if not (model.training and self._captures(step)):
-            return orig(model, inputs, *args, **kwargs)
-        if self._step is not None and self._step.step != step:     # not finished (should not happen)
-            self._abort()
-        if self._step is None:
-            self._open(step)
-        try:
-            if self.kind == "grpo":
-                grab = _ReturnLocals(_GRPO_CODE, ("per_token_loss", "mask", "entropies", "effective_mask",
-                                                  "apply_coef"))
-            else:
-                grab = _ReturnLocals(_SFT_CODE, ("per_token_loss", "outputs"))
-            with grab:
-                out = orig(model, inputs, *args, **kwargs)
-            where = "GRPOTrainer._compute_loss" if self.kind == "grpo" else "SFTTrainer.compute_loss"
-            if grab.returns != 1 or grab.found is None:
-                raise _CannotMeasure(f"{where} ran {grab.returns} times in one compute_loss (expected once)")
-            if self.kind == "grpo":
-                mb = self._grpo_microbatch(inputs, grab.found)
-            else:
-                num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
-                mb = self._sft_microbatch(inputs, grab.found, num_items)
-        except _CannotMeasure as e:
-            self._abort()
-            raise RuntimeError(f"lossguard_capture.trl: step {step} micro-batch {self._k}: cannot measure the "
-                               f"trainer's loss: {e}") from None
-        except BaseException:
-            self._abort()
-            raise
-        self._pending = mb
-        return out
-
-    def _abort(self) -> None:
-        for s in self._spreads:
-            s.remove()
-        self._spreads = []
-        if self._step is not None:
-            self._step.abort()
-        self._step = None
-
-    def _open(self, step: int) -> None:
-        trainer = self.trainer
-        args = trainer.args
-        world = args.world_size
+    def _begin_step(self, step: int) -> Optional[Dict[str, Any]]:
         # The beta KL penalty is inside per_token_loss (grpo_trainer.py:3149-3150): part of the main term, nothing
         # to declare.  The entropy bonus is a term of its own (:3189-3211): declared with the coefficient this
         # step applies (:3206-3209), as it enters the loss (`loss - apply_coef * entropy_loss`, :3211).
-        terms = None
+        trainer = self.trainer
+        self._generation_counts = []
         self._entropy_coef, self._entropy_field = None, False
-        if self.kind == "grpo" and getattr(trainer, "_entropy_bonus_enabled", False):
-            coef = float(trainer.entropy_coef)
-            if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= args.entropy_target:
-                coef = 0.0
-            if coef != 0.0:
-                self._entropy_coef = coef
-                self._entropy_field = trainer.top_entropy_quantile < 1.0
-                terms = {"entropy": dict(reduce="per-token", coef=-coef,
-                                         mask="field" if self._entropy_field else "loss")}
-        self._step = StepRecorder(self._step_dir(step), step, args.process_index, world, dp=world,
-                                  dp_rank=args.process_index, reduce=self.reduce, strict=self.strict, terms=terms)
-        self._k = 0
-        self._rows = 0
-        self._pending = None
-        self._spreads = []
-        self._num_items = []
-        self._num_items_step = None
-        self._grad_norm = None
+        if self.kind != "grpo" or not getattr(trainer, "_entropy_bonus_enabled", False):
+            return None
+        coef = float(trainer.entropy_coef)
+        if trainer.use_adaptive_entropy and not trainer._last_world_entropy <= trainer.args.entropy_target:
+            coef = 0.0
+        if coef == 0.0:
+            return None
+        self._entropy_coef = coef
+        self._entropy_field = trainer.top_entropy_quantile < 1.0
+        return {"entropy": dict(reduce="per-token", coef=-coef, mask="field" if self._entropy_field else "loss")}
 
-    def _first_index(self, B: int) -> int:
-        args = self.trainer.args
-        bs = args.per_device_train_batch_size
-        if B > bs:
-            raise _CannotMeasure(f"a micro-batch of {B} rows > per_device_train_batch_size {bs}")
-        dp, d, k = args.world_size, args.process_index, self._k
-        return (k * dp + d) * bs
+    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: Tuple[Any, ...],
+                 kwargs: Dict[str, Any]) -> "Tuple[Any, MicroBatch, int]":
+        if self.kind == "grpo":
+            grab = _ReturnLocals(_GRPO_CODE, ("per_token_loss", "mask", "entropies", "effective_mask", "apply_coef"))
+        else:
+            grab = _ReturnLocals(_SFT_CODE, ("per_token_loss", "outputs"))
+        with grab:
+            out = orig(model, inputs, *args, **kwargs)
+        if grab.returns != 1 or grab.found is None:
+            where = "GRPOTrainer._compute_loss" if self.kind == "grpo" else "SFTTrainer.compute_loss"
+            raise CannotMeasure(f"{where} ran {grab.returns} times in one compute_loss (expected once)")
+        if self.kind == "grpo":
+            mb, rows = self._grpo_microbatch(inputs, grab.found)
+        else:
+            mb, rows = self._sft_microbatch(inputs, grab.found)
+        return out, mb, rows
 
-    def _grpo_microbatch(self, inputs: Any, found: Dict[str, Any]) -> MicroBatch:
+    def _grpo_microbatch(self, inputs: Any, found: Dict[str, Any]) -> "Tuple[MicroBatch, int]":
         X, mask = found["per_token_loss"], found["mask"]
         comp = inputs["completion_ids"]
         B, C = comp.shape
         if not isinstance(X, torch.Tensor) or not isinstance(mask, torch.Tensor):
-            raise _CannotMeasure("GRPOTrainer._compute_loss has no per_token_loss / mask tensor (another loss path?)")
+            raise CannotMeasure("GRPOTrainer._compute_loss has no per_token_loss / mask tensor (another loss path?)")
         if tuple(mask.shape) != (B, C):
-            raise _CannotMeasure(f"mask {tuple(mask.shape)} does not match completion_ids {(B, C)}")
+            raise CannotMeasure(f"mask {tuple(mask.shape)} does not match completion_ids {(B, C)}")
         if not X.is_floating_point() or X.dim() != 2 or X.shape[0] != B or X.shape[1] not in (1, C):
-            raise _CannotMeasure(f"per_token_loss {tuple(X.shape)} {X.dtype} is neither [B, C] = {[B, C]} nor [B, 1]")
+            raise CannotMeasure(f"per_token_loss {tuple(X.shape)} {X.dtype} is neither [B, C] = {[B, C]} nor [B, 1]")
         if not X.requires_grad:
-            raise _CannotMeasure("per_token_loss does not require grad (no autograd in compute_loss?)")
+            raise CannotMeasure("per_token_loss does not require grad (no autograd in compute_loss?)")
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"].bool()
         m = mask.detach().to(torch.int64)
         first = self._first_index(B)
@@ -513,13 +318,11 @@ class AuditCallback(TrainerCallback):
             # one loss per sequence, broadcast by `per_token_loss * mask` over the tokens: each token's copy
             # weighs a_i m_t, and dL/dl_i = a_i m_i
             mf = mask.detach().to(X.dtype)
-            self._spreads.append(_Spread(mb, X, mf / mf.sum(-1, keepdim=True).clamp(min=1)))
+            self._handles.append(_Spread(mb, X, mf / mf.sum(-1, keepdim=True).clamp(min=1)))
         self._grpo_entropy(mb, found, B, C)
         if "num_items_in_batch" in inputs:
-            self._num_items.append(inputs["num_items_in_batch"])
-        self._k += 1
-        self._rows += B
-        return mb
+            self._generation_counts.append(inputs["num_items_in_batch"])
+        return mb, B
 
     def _grpo_entropy(self, mb: MicroBatch, found: Dict[str, Any], B: int, C: int) -> None:
         """The entropy bonus's per-token entropies [B, C] hooked as term ``entropy`` (see the module docstring),
@@ -527,134 +330,65 @@ class AuditCallback(TrainerCallback):
         applied = found.get("apply_coef")
         if self._entropy_coef is None:
             if applied is not None and float(applied) != 0.0:
-                raise _CannotMeasure(f"the entropy bonus applies coefficient {float(applied)} but the step began with "
+                raise CannotMeasure(f"the entropy bonus applies coefficient {float(applied)} but the step began with "
                                      f"none (use_adaptive_entropy state changed within the step?)")
             return
         H, e = found.get("entropies"), found.get("effective_mask")
         if applied is None or float(applied) != self._entropy_coef:
-            raise _CannotMeasure(f"the entropy bonus applies coefficient {applied} but the step declared "
+            raise CannotMeasure(f"the entropy bonus applies coefficient {applied} but the step declared "
                                  f"{self._entropy_coef} (grpo_trainer.py:3206-3209)")
         if not isinstance(H, torch.Tensor) or tuple(H.shape) != (B, C) or not H.requires_grad:
-            raise _CannotMeasure(f"the entropies of the entropy bonus are not a [B, C] = {[B, C]} tensor that "
+            raise CannotMeasure(f"the entropies of the entropy bonus are not a [B, C] = {[B, C]} tensor that "
                                  f"requires grad (got {None if H is None else (tuple(H.shape), H.requires_grad)})")
         if not isinstance(e, torch.Tensor) or tuple(e.shape) != (B, C):
-            raise _CannotMeasure("the entropy bonus has no [B, C] effective_mask")
+            raise CannotMeasure("the entropy bonus has no [B, C] effective_mask")
         e = e.detach()
         extra = {"mask": e.reshape(-1)} if self._entropy_field else {}
         mb.hook(H, index=torch.arange(B * C, dtype=torch.int64), term="entropy", **extra)
         mb.set(num_tokens=e.sum(), term="entropy")          # the micro-batch's count it divides by (:3200)
 
-    def _sft_microbatch(self, inputs: Any, found: Dict[str, Any], num_items: Any) -> MicroBatch:
+    def _sft_microbatch(self, inputs: Any, found: Dict[str, Any]) -> "Tuple[MicroBatch, int]":
         X, outputs = found["per_token_loss"], found["outputs"]
         if X is None or outputs is None:
-            raise _CannotMeasure("SFTTrainer.compute_loss did not build per_token_loss from the fused LM head "
-                               "(compute_loss_func, label smoothing or sequence parallelism take another path)")
+            raise CannotMeasure("SFTTrainer.compute_loss did not build per_token_loss from the fused LM head "
+                                "(compute_loss_func, label smoothing or sequence parallelism take another path)")
         label_mask = getattr(outputs, "label_mask", None)
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         if ids is None or ids.dim() != 2:
-            raise _CannotMeasure("the batch has no 2-D input_ids [batch, seq]")
+            raise CannotMeasure("the batch has no 2-D input_ids [batch, seq]")
         B, L = ids.shape
         if label_mask is None or tuple(label_mask.shape) != (B, L - 1) or tuple(X.shape) != (B, L - 1):
-            raise _CannotMeasure(f"per_token_loss {tuple(X.shape)} / label_mask "
-                               f"{None if label_mask is None else tuple(label_mask.shape)} are not [B, L-1] = "
-                               f"{[B, L - 1]} (shift_labels / padding-free batches are not supported)")
+            raise CannotMeasure(f"per_token_loss {tuple(X.shape)} / label_mask "
+                                f"{None if label_mask is None else tuple(label_mask.shape)} are not [B, L-1] = "
+                                f"{[B, L - 1]} (shift_labels / padding-free batches are not supported)")
         if not X.requires_grad:
-            raise _CannotMeasure("per_token_loss does not require grad (no autograd in compute_loss?)")
-        m = label_mask.detach().to(torch.int64)
-        first = self._first_index(B)
-        assert self._step is not None
-        mb = self._step.microbatch(
-            sample_indices=torch.arange(first, first + B, dtype=torch.int64), tokens=ids.reshape(-1),
-            total_lengths=torch.full((B,), L, dtype=torch.int64),
-            response_lengths=torch.full((B,), L - 1, dtype=torch.int64), loss_masks=m.reshape(-1), cp_size=1)
+            raise CannotMeasure("per_token_loss does not require grad (no autograd in compute_loss?)")
+        mb = self._row_microbatch(ids, label_mask.detach().to(torch.int64))
         # positions with label -100 are constant zeros of the fused head: weight dL/dl_t * m_t
-        self._spreads.append(_Spread(mb, X, label_mask.detach()))
-        self._num_items_step = num_items
-        self._k += 1
-        self._rows += B
-        return mb
+        self._handles.append(_Spread(mb, X, label_mask.detach()))
+        return mb, B
 
-    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        s = self._step
-        if s is None or s.step != state.global_step:
-            return
-        try:
-            self._finish(s)
-        except BaseException:
-            self._abort()
-            raise
-        for sp in self._spreads:
-            sp.remove()
-        self._spreads = []
-        self._step = None
-        if self.fail_fast and s.step == self.audit_step:
-            self._audit(s.step)
-
-    def _finish(self, s: StepRecorder) -> None:
-        trainer = self.trainer
-        args = trainer.args
-        if self._pending is not None:
-            raise RuntimeError(f"lossguard_capture.trl: step {s.step}: a micro-batch's loss never reached "
-                               f"accelerator.backward")
-        world = args.world_size
-        rows = torch.tensor(self._rows, dtype=torch.int64)
-        grad_scale = 1.0
-        if world > 1:
-            import torch.distributed as dist
-            ddp = trainer.model_wrapped
-            if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
-                raise RuntimeError(f"lossguard_capture.trl: {world} processes but the model is wrapped in "
-                                   f"{type(ddp).__name__}, not DistributedDataParallel")
-            grad_scale = 1.0 / dist.get_world_size(ddp.process_group)
-            t = rows.to(args.device)
-            dist.all_reduce(t)
-            rows = t.cpu()
+    def _step_records(self, step: int) -> Dict[str, Any]:
+        if self.kind != "grpo":
+            return {"num_tokens_reduced": self._num_items}
+        # one generation batch for the whole step (its micro-batches are slices of one buffered batch and share
+        # the very tensor): the count it divided by.  Not with steps_per_generation < GA: each micro-batch then
+        # has its own generation batch's count.
+        n0 = self._generation_counts[0] if self._generation_counts else None
         num_tokens_reduced = None
-        if self.kind == "grpo":
-            # one generation batch for the whole step (its micro-batches are slices of one buffered batch and
-            # share the very tensor): the count it divided by.  Not with steps_per_generation < GA: each
-            # micro-batch then has its own generation batch's count.
-            n0 = self._num_items[0] if self._num_items else None
-            if self.loss_type in ("dapo", "cispo", "vespo") and n0 is not None and \
-                    all(v is n0 for v in self._num_items):
-                num_tokens_reduced = n0
-        else:
-            num_tokens_reduced = self._num_items_step
-        scaler = getattr(trainer.accelerator, "scaler", None)
-        skipped = False if scaler is None else None
-        grad_norm = self._grad_norm
-        if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
-            grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
-        # dr_grpo divides by max_completion_length (grpo_trainer.py:3163-3167): recorded, so audit's L_norm is
-        # the trainer's, not the step's longest completion
-        l_norm = args.max_completion_length if self.kind == "grpo" and self.loss_type == "dr_grpo" else None
-        self.paths[s.step] = s.finish(grad_scale=grad_scale, num_tokens_reduced=num_tokens_reduced, skipped=skipped,
-                                      grad_norm=grad_norm, global_batch_size=rows, l_norm=l_norm)
-
-    def _audit(self, step: int) -> None:
-        step_dir = self._step_dir(step)
-        json_path = os.path.join(self.out_dir, f"audit-step{step:06d}.json")
-
-        def compute() -> Dict[str, Any]:
-            return run_audit([step_dir], binary=self.lossguard_bin, args=self.audit_args, timeout=self.timeout,
-                             json_path=json_path, step=step).to_json()
-
-        key = f"trl/{self._id}/{self._train_runs}/step{step}"
-        got = agree(key, compute, timeout=self.timeout)
-        if "error" in got:
-            raise AuditError(f"lossguard_capture.trl: step {step}: no audit verdict: {got['error']}")
-        result = AuditResult.from_json(got)
-        self.results[step] = result
-        if self.trainer.args.process_index == 0:
-            print(f"lossguard_capture.trl: lossguard audit {step_dir}: {result.verdict.upper()} "
-                  f"(exit {result.exit_code})", file=sys.stderr)
-        result.raise_for_verdict()
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self._step is not None:           # a captured step that never reached the optimizer
-            self._abort()
+        if self.loss_type in ("dapo", "cispo", "vespo") and n0 is not None and \
+                all(v is n0 for v in self._generation_counts):
+            num_tokens_reduced = n0
+        # dr_grpo divides by max_completion_length (grpo_trainer.py:3163-3167): recorded, so audit's L_norm is the
+        # trainer's, not the step's longest completion
+        l_norm = self.trainer.args.max_completion_length if self.loss_type == "dr_grpo" else None
+        return {"num_tokens_reduced": num_tokens_reduced, "l_norm": l_norm}
 
 
-def attach(trainer: Any, out_dir: str, **kwargs: Any) -> AuditCallback:
-    """``AuditCallback(out_dir, **kwargs).attach(trainer)``: one line before ``trainer.train()``."""
-    return AuditCallback(out_dir, **kwargs).attach(trainer)
+def attach(trainer: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+           **options: Any) -> AuditCallback:
+    """Capture ``steps`` of ``trainer`` (a ``GRPOTrainer`` or an ``SFTTrainer``; every rank, before
+    ``trainer.train()``) into ``out_dir/step{n:06d}/`` and, with ``fail_fast``, stop on a FAIL before the
+    optimizer applies the audited step.  ``options``: :class:`AuditCallback`'s.  Returns the callback:
+    ``paths``, ``results``, ``verdicts``."""
+    return AuditCallback(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)

@@ -2,8 +2,8 @@
 loss, its KL and entropy terms and ``agg_loss``, for every ``loss_agg_mode``.
 
     import lossguard_capture.verl
-    lossguard_capture.verl.attach(engine, "captures", steps=[0])     # the actor's engine, every rank
-    ... worker.update_actor(...)                                      # verl trains as usual
+    cap = lossguard_capture.verl.attach(engine, "captures")   # the actor's engine, every rank; steps=(0,), fail_fast
+    ... worker.update_actor(...)                              # verl trains as usual; cap.paths, cap.verdicts
 
 ``attach`` wraps, on this instance only, ``engine.train_batch`` (one call = one optimizer step: forward and
 backward of every micro-batch, then ``optimizer_step``) and, for the duration of a captured call, the loss
@@ -12,8 +12,13 @@ capture ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors`` of the whol
 term is its main term and, when verl's loss has them, the KL term (``use_kl_loss``) and the entropy term
 (``entropy_coeff != 0``) are declared terms ``kl`` and ``entropy`` (SPEC §11); ``lossguard audit
 captures/step000000`` judges every term, each relative to the main term's scale (docs/semantics.md §10).
-Without ``attach``: :meth:`VerlCapture.wrap` the loss function and call :meth:`VerlCapture.begin_step` /
-:meth:`VerlCapture.finish_step` around one optimizer step.
+With ``fail_fast`` (the default) rank 0 audits the audited step (``audit_step``, default the first of
+``steps``) as soon as it is written, inside the wrapped ``optimizer_step`` and before verl's own, and on FAIL
+every rank raises :class:`lossguard_capture.AuditFailed` from ``train_batch``: the update is not applied.
+``attach`` returns the :class:`VerlAdapter` (``paths``, ``results``, ``verdicts``: lossguard_capture.adapter,
+as every adapter).  Without an engine: :meth:`VerlAdapter.wrap` the loss function and call
+:meth:`VerlAdapter.begin_step` / :meth:`VerlAdapter.finish_step` around one optimizer step (fail fast audits in
+``finish_step``).
 
 What is measured, and where (verl 0.9.1; line numbers of that release):
 
@@ -82,28 +87,24 @@ nor a per-sample ``torch.mean``, an entropy present in some micro-batches of a s
 
 import functools
 import inspect
-import os
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .recorder import CaptureWarning, MicroBatch, StepRecorder, check_reduce
+from .adapter import Adapter, Spec, deprecated_alias
+from .recorder import CaptureWarning, MicroBatch, StepRecorder
 
-try:
-    import verl
-    from verl.trainer.ppo import core_algos
-    from verl.workers.utils import losses as verl_losses
-except ImportError as e:            # pragma: no cover - the adapter needs verl
-    raise ImportError("lossguard_capture.verl needs verl (scripts/setup-trainers.sh pins verl==0.9.1 in "
-                      "~/.cache/lossguard/venv-verl); supported: verl>=0.9.1,<0.9.2") from e
-
-__all__ = ["attach", "VerlCapture", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS", "SAMPLE_INDEX_KEY", "TERMS",
-           "check_version", "check_loss_agg_mode"]
+__all__ = ["attach", "VerlAdapter", "VerlCapture", "SPEC", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS",
+           "SAMPLE_INDEX_KEY", "TERMS", "check_version", "check_loss_agg_mode"]
 
 #: verl versions whose loss path this adapter was checked against: [low, high).
-SUPPORTED = ("0.9.1", "0.9.2")
-_SUPPORTED_TEXT = f"verl>={SUPPORTED[0]},<{SUPPORTED[1]}"
+SPEC = Spec("lossguard_capture.verl", "verl", ("0.9.1", "0.9.2"), lambda: verl.__version__,
+            "it hooks losses.ppo_loss, core_algos.agg_loss and the FSDP engine's train_batch as that release has them")
+SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
+verl = SPEC.require("verl", "scripts/setup-trainers.sh pins verl==0.9.1 in ~/.cache/lossguard/venv-verl")
+from verl.trainer.ppo import core_algos  # noqa: E402
+from verl.workers.utils import losses as verl_losses  # noqa: E402
 
 #: the modes ``core_algos.agg_loss`` knows in verl 0.9.1 (core_algos.py:1170-1204; also
 #: ``ActorConfig.__post_init__``, workers/config/actor.py).
@@ -125,24 +126,6 @@ TERMS: Tuple[str, ...] = ("kl", "entropy")
 
 #: the per-sample key :func:`attach` adds to the mini-batch (global sample indices for the captures).
 SAMPLE_INDEX_KEY = "lossguard_sample_index"
-
-
-def check_version(version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
-    """RuntimeError naming the supported range when ``version`` (default: the installed verl) is outside
-    :data:`SUPPORTED`; a warning instead with ``allow_unsupported``."""
-    from packaging.version import Version
-    v = version or verl.__version__
-    vt, lo, hi = Version(v), Version(SUPPORTED[0]), Version(SUPPORTED[1])
-    if lo <= vt and vt.release < hi.release:
-        return
-    msg = (f"lossguard_capture.verl supports {_SUPPORTED_TEXT} (it hooks losses.ppo_loss, core_algos.agg_loss "
-           f"and the FSDP engine's train_batch as that release has them); verl {v} is installed.  Install a "
-           f"supported version (scripts/setup-trainers.sh pins one), or pass allow_unsupported=True to try "
-           f"anyway: the adapter then still measures the real weights, but an unverified loss path may be "
-           f"missed or mis-described.")
-    if not allow_unsupported:
-        raise RuntimeError(msg)
-    warnings.warn(msg)
 
 
 def check_loss_agg_mode(mode: Any) -> str:
@@ -304,36 +287,75 @@ class _OpenStep:
         self.warned: set = set()
 
 
-class VerlCapture:
-    """Captures ``steps`` of verl's actor loss (``losses.ppo_loss``) for ``lossguard audit``.
+class VerlAdapter(Adapter):
+    """Captures ``steps`` of verl's actor loss (``losses.ppo_loss``) for ``lossguard audit``; made by
+    :func:`attach`.
 
-    ``out_dir``: the captures go to ``out_dir/step{n:06d}/``.  ``steps``: the optimizer steps to capture,
-    counted per engine from 0 (one ``train_batch`` call = one step; ``None``: every step).  ``reduce``: the
-    objective claimed, instead of :data:`CLAIMS` of the configured ``loss_agg_mode`` (the declared terms
-    claim it too).  ``kl`` / ``entropy``: record the KL term (``use_kl_loss``) / the entropy term
-    (``entropy_coeff != 0``) as declared terms.  ``paths`` maps each finished step to this rank's file."""
+    ``steps`` are the optimizer steps counted per engine from 0 (one ``train_batch`` call = one step).
+    ``reduce``: the objective claimed, instead of :data:`CLAIMS` of the configured ``loss_agg_mode`` (the
+    declared terms claim it too).  ``kl`` / ``entropy``: record the KL term (``use_kl_loss``) / the entropy
+    term (``entropy_coeff != 0``) as declared terms.  The other options (``steps``, ``fail_fast``, ...) and
+    the results (``paths``, ``results``, ``verdicts``) are :class:`lossguard_capture.adapter.Adapter`'s."""
 
-    def __init__(self, out_dir: str, *, steps: Optional[Sequence[int]] = None, reduce: Optional[str] = None,
-                 kl: bool = True, entropy: bool = True, strict: bool = True, allow_unsupported: bool = False):
-        check_version(allow_unsupported=allow_unsupported)
-        self.out_dir = out_dir
-        self.steps = None if steps is None else frozenset(int(s) for s in steps)
-        self.reduce = None if reduce is None else check_reduce(reduce)
+    spec = SPEC
+
+    def __init__(self, out_dir: str, *, reduce: Optional[str] = None, kl: bool = True, entropy: bool = True,
+                 **options: Any):
+        super().__init__(out_dir, reduce=reduce, **options)
         self.kl = bool(kl)
         self.entropy = bool(entropy)
-        self.strict = strict
-        self.allow_unsupported = allow_unsupported
-        self.paths: Dict[int, str] = {}
         self._open: Optional[_OpenStep] = None
         self._calls = 0
 
+    # -- wiring ---------------------------------------------------------------------------------
+    def _attach(self, engine: Any, **where: Any) -> None:
+        """Wrap ``engine.train_batch`` (instance attribute; the class is untouched): a captured call numbers its
+        samples, opens the step, wraps the loss function it is handed and ``engine.optimizer_step``, whose
+        wrapper writes the capture (and, fail fast, audits it) before verl's optimizer step."""
+        _check_engine(engine)
+        cap = self
+        orig_train_batch = engine.train_batch
+
+        def train_batch(data: Any, loss_function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+            n = cap._calls
+            cap._calls += 1
+            if not cap.should_capture(n):
+                return orig_train_batch(data, loss_function, *args, **kw)
+            dp, dp_rank = int(engine.get_data_parallel_size()), int(engine.get_data_parallel_rank())
+            local = len(data)
+            if SAMPLE_INDEX_KEY in data.keys():
+                raise RuntimeError(f"lossguard_capture.verl: the mini-batch already holds {SAMPLE_INDEX_KEY!r}")
+            dev = data["input_ids"].device if "input_ids" in data.keys() else torch.device("cpu")
+            first = dp_rank * local
+            data[SAMPLE_INDEX_KEY] = torch.arange(first, first + local, dtype=torch.int64, device=dev)
+            cap.begin_step(n, dp=dp, dp_rank=dp_rank, global_batch_size=_nt(data, "global_batch_size", None))
+            orig_step = engine.optimizer_step
+
+            def optimizer_step(*a: Any, **k: Any) -> Any:
+                if cap._open is not None:
+                    cap.finish_step(grad_scale=1.0 / dp)      # FSDP's mean over the DP group; fail fast here
+                return orig_step(*a, **k)
+            engine.optimizer_step = optimizer_step
+            try:
+                return orig_train_batch(data, cap.wrap(loss_function), *args, **kw)
+            except BaseException:
+                cap.abort_step()
+                raise
+            finally:
+                if engine.__dict__.get("optimizer_step") is optimizer_step:
+                    del engine.optimizer_step
+                if SAMPLE_INDEX_KEY in data.keys():
+                    del data[SAMPLE_INDEX_KEY]
+                if cap._open is not None:          # optimizer_step never came: nothing is written
+                    cap.abort_step()
+
+        engine.train_batch = train_batch
+        engine.lossguard_capture = cap
+
+    def _describe(self) -> str:
+        return f"reduce={self.reduce or 'the loss_agg_mode claim'}; kl={self.kl}, entropy={self.entropy}"
+
     # -- steps ----------------------------------------------------------------------------------
-    def should_capture(self, step: int) -> bool:
-        return self.steps is None or int(step) in self.steps
-
-    def step_dir(self, step: int) -> str:
-        return os.path.join(self.out_dir, f"step{int(step):06d}")
-
     def begin_step(self, step: int, *, dp: int, dp_rank: int, global_batch_size: Optional[int] = None,
                    rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
         """Open optimizer step ``step`` on this rank: the wrapped loss function records into it until
@@ -367,7 +389,7 @@ class VerlCapture:
     def finish_step(self, *, grad_scale: float, skipped: Any = None, grad_norm: Any = None) -> str:
         """Write the open step's capture (after every micro-batch's backward, before the optimizer applies
         the step) and return its path; ``grad_scale``: what the rank multiplies its gradients by (``1/dp``
-        under FSDP; every term's)."""
+        under FSDP; every term's).  Fail fast: the audited step is audited here (AuditFailed on FAIL)."""
         st = self._open
         if st is None:
             raise RuntimeError("lossguard_capture.verl: no step is open")
@@ -383,7 +405,7 @@ class VerlCapture:
             self.abort_step()
             raise
         self._open = None
-        self.paths[st.step] = out
+        self.finished(st.step, out)
         return out
 
     # -- the loss function ----------------------------------------------------------------------
@@ -427,8 +449,8 @@ class VerlCapture:
                 st.terms["kl"] = dict(reduce=st.reduce, coef=coef, mask="loss")
         if entropy:
             st.terms["entropy"] = dict(reduce=st.reduce, coef=-float(cfg.entropy_coeff), mask="loss")
-        st.rec = StepRecorder(self.step_dir(st.step), st.step, st.rank, st.world, dp=st.dp, dp_rank=st.dp_rank,
-                              reduce=st.reduce, strict=self.strict, terms=st.terms)
+        st.rec = self.recorder(st.step, rank=st.rank, world_size=st.world, dp=st.dp, dp_rank=st.dp_rank,
+                               reduce=st.reduce, terms=st.terms)
         return st.rec
 
     def _warn_once(self, st: _OpenStep, key: str, msg: str) -> None:
@@ -573,49 +595,18 @@ class VerlCapture:
         return out
 
 
-def attach(engine: Any, out_dir: str, **kwargs: Any) -> VerlCapture:
-    """Capture the actor's loss on ``engine`` (a verl FSDP engine; every rank): ``VerlCapture(out_dir,
-    **kwargs)`` with ``engine.train_batch`` wrapped (instance attribute; the class is untouched)."""
-    cap = VerlCapture(out_dir, **kwargs)
-    _check_engine(engine)
-    orig_train_batch = engine.train_batch
+def attach(engine: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+           **options: Any) -> VerlAdapter:
+    """Capture ``steps`` of the actor's loss on ``engine`` (a verl FSDP engine; every rank) into
+    ``out_dir/step{n:06d}/``; with ``fail_fast`` a FAIL of the audited step raises AuditFailed from
+    ``train_batch`` before the optimizer applies it.  ``options``: :class:`VerlAdapter`'s.  Returns the adapter:
+    ``paths``, ``results``, ``verdicts``."""
+    return VerlAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(engine)
 
-    def train_batch(data: Any, loss_function: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        n = cap._calls
-        cap._calls += 1
-        if not cap.should_capture(n):
-            return orig_train_batch(data, loss_function, *args, **kw)
-        dp, dp_rank = int(engine.get_data_parallel_size()), int(engine.get_data_parallel_rank())
-        local = len(data)
-        if SAMPLE_INDEX_KEY in data.keys():
-            raise RuntimeError(f"lossguard_capture.verl: the mini-batch already holds {SAMPLE_INDEX_KEY!r}")
-        dev = data["input_ids"].device if "input_ids" in data.keys() else torch.device("cpu")
-        first = dp_rank * local
-        data[SAMPLE_INDEX_KEY] = torch.arange(first, first + local, dtype=torch.int64, device=dev)
-        cap.begin_step(n, dp=dp, dp_rank=dp_rank, global_batch_size=_nt(data, "global_batch_size", None))
-        orig_step = engine.optimizer_step
 
-        def optimizer_step(*a: Any, **k: Any) -> Any:
-            if cap._open is not None:
-                cap.finish_step(grad_scale=1.0 / dp)      # FSDP's mean over the DP group
-            return orig_step(*a, **k)
-        engine.optimizer_step = optimizer_step
-        try:
-            return orig_train_batch(data, cap.wrap(loss_function), *args, **kw)
-        except BaseException:
-            cap.abort_step()
-            raise
-        finally:
-            if engine.__dict__.get("optimizer_step") is optimizer_step:
-                del engine.optimizer_step
-            if SAMPLE_INDEX_KEY in data.keys():
-                del data[SAMPLE_INDEX_KEY]
-            if cap._open is not None:          # optimizer_step never came: nothing is written
-                cap.abort_step()
-
-    engine.train_batch = train_batch
-    engine.lossguard_capture = cap
-    return cap
+#: The first lower-level entry: every step, no fail fast.
+VerlCapture = deprecated_alias(VerlAdapter, "VerlCapture", "lossguard_capture.verl.attach(engine, out_dir, ...) or "
+                               "VerlAdapter(out_dir, ...)", steps=None, fail_fast=False)
 
 
 def _check_engine(engine: Any) -> None:

@@ -54,6 +54,10 @@ optimizer), ``params-step{n}-rank{r}.pt`` (the parameters the step's forward use
 ``captures/step{n:06d}/`` and, from rank 0, ``ref-grads-step{n}.pt``: ``sum_t w_t grad(l_t)`` with the
 captured weights ``w_t = token_weight_t * grad_scale`` and ``l_t`` recomputed in float64 on the full rows
 with the step's parameters.
+
+``--guards`` (world 1) also runs the refusals and, when the lossguard binary is built (``$LOSSGUARD_BIN`` or
+build/cli/lossguard), fail fast: ``attach(..., fail_fast=True)`` on path b (audit FAILs step 0: AuditFailed
+from ``optimizer.step()``, the parameters unchanged) and on path a (PASS: the step is applied).
 """
 import argparse
 import json
@@ -65,6 +69,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, HERE)
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 
 import warnings  # noqa: E402
 
@@ -232,8 +237,8 @@ def run(path, out, cp, adapter):
     audit = None
     if adapter:
         import lossguard_capture.megatron as lcm
-        audit = lcm.MegatronAudit(os.path.join(out, "captures"), steps=range(STEPS))
-        audit.attach(config, model=[ddp], optimizer=opt)
+        audit = lcm.attach(config, os.path.join(out, "captures"), steps=range(STEPS), fail_fast=False, model=[ddp],
+                           optimizer=opt)
 
     kept = []
     if kind == "tuple3":
@@ -396,6 +401,7 @@ def guards(out, cp):
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     import lossguard_capture.megatron as lcm
+    from lossguard_capture import AuditFailed
     results = {}
 
     def record(name, fn):
@@ -411,10 +417,10 @@ def guards(out, cp):
         results[name] = {"error": err, "files": files, "extra": extra}
 
     def one_step(d, *, loss=None, mask=None, forward=None, step_it=True, packed=None, steps=(0,), step=0,
-                 attach_model=True, mtp=False, per_token=True, model_loss_mask=True):
+                 attach_model=True, mtp=False, per_token=True, model_loss_mask=True, fail_fast=False):
         config, ddp, opt = build(cp, per_token, mtp)
-        audit = lcm.MegatronAudit(os.path.join(d, "captures"), steps=steps)
-        audit.attach(config, model=[ddp] if attach_model else None, optimizer=opt)
+        audit = lcm.attach(config, os.path.join(d, "captures"), steps=steps, fail_fast=fail_fast,
+                           model=[ddp] if attach_model else None, optimizer=opt, lossguard_bin=LOSSGUARD, timeout=60)
         full = microbatches(0, 1, 0)
         if mask is not None:
             for k, mb in enumerate(full):
@@ -438,11 +444,21 @@ def guards(out, cp):
             return output, wrapped
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        with audit.step(step, global_batch_size=ROWS):
-            forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter(full), model=[ddp],
-                                           num_microbatches=M, seq_length=S, micro_batch_size=ROWS // M)
-            if step_it:
-                opt.step()
+        start = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        try:
+            with audit.step(step, global_batch_size=ROWS):
+                forward_backward_no_pipelining(forward_step_func=forward_step, data_iterator=iter(full), model=[ddp],
+                                               num_microbatches=M, seq_length=S, micro_batch_size=ROWS // M)
+                if step_it:
+                    stepped = opt.step()
+                    if fail_fast:           # what optimizer.step() returned (the capture was written before)
+                        seen["opt_grad_norm"] = None if stepped[1] is None else float(stepped[1])
+        except AuditFailed as e:        # fail fast: raised from opt.step() before the update
+            seen["audit_failed"] = {"step": e.step, "exit_code": e.exit_code}
+        if fail_fast:
+            seen["params_unchanged"] = all(torch.equal(p.detach(), start[n]) for n, p in ddp.module.named_parameters())
+            seen["verdicts"] = {str(k): v for k, v in audit.verdicts.items()}
+            seen["paths"] = sorted(audit.paths)
         if mtp:
             from megatron.core.models.gpt import gpt_model
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
@@ -453,11 +469,11 @@ def guards(out, cp):
     def no_finalize(d):
         config, ddp, opt = build(cp, True)
         config.finalize_model_grads_func = None
-        lcm.MegatronAudit(os.path.join(d, "captures")).attach(config, model=[ddp], optimizer=opt)
+        lcm.attach(config, os.path.join(d, "captures"), fail_fast=False, model=[ddp], optimizer=opt)
 
     def not_ddp(d):
         config, ddp, opt = build(cp, True)
-        lcm.MegatronAudit(os.path.join(d, "captures")).attach(config, model=[ddp.module], optimizer=opt)
+        lcm.attach(config, os.path.join(d, "captures"), fail_fast=False, model=[ddp.module], optimizer=opt)
 
     def last_position(d):
         def mask(k, m):
@@ -487,7 +503,7 @@ def guards(out, cp):
 
     def mtp_without_model(d):
         config, ddp, opt = build(cp, True, mtp=True)
-        lcm.MegatronAudit(os.path.join(d, "captures")).attach(config, optimizer=opt)
+        lcm.attach(config, os.path.join(d, "captures"), fail_fast=False, optimizer=opt)
 
     def mtp_empty_rolled_mask(d):
         # no per-token loss; micro-batch 0's rows carry loss at position 0 only: its main count is 2, its MTP
@@ -515,12 +531,15 @@ def guards(out, cp):
     record("mtp-without-model", mtp_without_model)
     record("mtp-empty-rolled-mask", mtp_empty_rolled_mask)
     record("mtp-model-without-loss-mask", mtp_model_without_loss_mask)
+    if os.access(LOSSGUARD, os.X_OK):
+        record("fail-fast-fail", lambda d: one_step(d, per_token=False, fail_fast=True))     # path b: FAIL
+        record("fail-fast-pass", lambda d: one_step(d, fail_fast=True))                      # path a: PASS
     with open(os.path.join(out, "guards.json"), "w") as f:
         json.dump(results, f, indent=1)
 
 
 def pp_guard(out):
-    """World 2: parallel_state re-initialised with PP = 2; MegatronAudit must refuse it."""
+    """World 2: parallel_state re-initialised with PP = 2; attach must refuse it (before the config is read)."""
     from megatron.core import parallel_state as ps
 
     import lossguard_capture.megatron as lcm
@@ -528,7 +547,7 @@ def pp_guard(out):
     ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     err = None
     try:
-        lcm.MegatronAudit(os.path.join(out, "pp-guard"))
+        lcm.attach(make_config(1, True), os.path.join(out, "pp-guard"), fail_fast=False)
     except Exception as e:          # noqa: BLE001
         err = f"{type(e).__name__}: {e}"
     if dist.get_rank() == 0:

@@ -616,6 +616,29 @@ def test_refusals_and_skip(runs):
     assert pp["files"] is False and re.search(r"does not support pipeline parallelism \(PP = 2", pp["error"]), pp
 
 
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+def test_fail_fast_before_the_update(runs):
+    """attach(config, ..., fail_fast=True): path b's step 0 is written and audited when the optimizer is about to
+    apply it; audit FAILS, AuditFailed comes out of optimizer.step() and the parameters are those of the step's
+    start.  Path a PASSES and the step is applied.  The capture written then records what optimizer.step()
+    returns: not skipped, its gradient norm."""
+    d = runs[(1, 1, 1)]
+    with open(os.path.join(d, "guards.json")) as f:
+        g = json.load(f)
+    one = ["captures/step000000/step000000-rank00000.safetensors"]
+    fail, ok = g["fail-fast-fail"], g["fail-fast-pass"]
+    assert fail["error"] is None and fail["files"] == one, fail
+    assert fail["extra"]["audit_failed"] == {"step": 0, "exit_code": 1}, fail
+    assert fail["extra"]["params_unchanged"] is True and fail["extra"]["verdicts"] == {"0": "fail"}, fail
+    assert fail["extra"]["paths"] == [0], fail
+    assert ok["error"] is None and ok["files"] == one and "audit_failed" not in ok["extra"], ok
+    assert ok["extra"]["params_unchanged"] is False and ok["extra"]["verdicts"] == {"0": "pass"}, ok
+    t = load_file(os.path.join(d, "guards", "fail-fast-pass", one[0]))
+    assert t["skipped"].item() == 0 and t["grad_norm"].item() == ok["extra"]["opt_grad_norm"], (t.keys(), ok)
+    code, doc, err, text = audit(os.path.join(d, "guards", "fail-fast-fail", "captures"))
+    assert code == 1, text
+
+
 def test_unsupported_version_names_the_range():
     import lossguard_capture.megatron as lcm
     with pytest.raises(RuntimeError, match=r"megatron-core>=0\.16\.0,<0\.17\.0.*megatron-core 0\.15\.3 is installed"):

@@ -536,7 +536,7 @@ def _call(cap, loss_fn, model, mb, entropy=False):
 def test_unknown_loss_agg_mode_is_an_error_and_nothing_is_recorded(tmp_path):
     cfg = drv.actor_config("token-mean")
     object.__setattr__(cfg, "loss_agg_mode", "seq-mean")      # ActorConfig itself refuses it; bypassed here
-    cap = lverl.VerlCapture(str(tmp_path / "caps"))
+    cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
     loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
     model, mb = _microbatch()
     real = (verl_losses.agg_loss, core_algos.agg_loss, verl_losses.get_policy_loss_fn, verl_losses.kl_penalty,
@@ -562,7 +562,7 @@ def test_a_policy_loss_passing_an_unknown_mode_is_an_error(tmp_path):
     try:
         cfg = drv.actor_config("token-mean")
         object.__setattr__(cfg, "policy_loss", drv.PolicyLossConfig(loss_mode="lossguard_test_bad_mode"))
-        cap = lverl.VerlCapture(str(tmp_path / "caps"))
+        cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
         loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
         model, mb = _microbatch()
         cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
@@ -574,8 +574,9 @@ def test_a_policy_loss_passing_an_unknown_mode_is_an_error(tmp_path):
 
 
 def test_wrap_without_attach_and_dp1(tmp_path):
-    """The lower-level API: wrap + begin_step/finish_step; dp 1, one micro-batch, token-mean: w = m / N."""
-    cap = lverl.VerlCapture(str(tmp_path / "caps"))
+    """The lower-level API (no engine): VerlAdapter + wrap + begin_step/finish_step; dp 1, one micro-batch,
+    token-mean: w = m / N."""
+    cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
     loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=drv.actor_config("token-mean")))
     model, mb = _microbatch()
     plain = partial(verl_losses.ppo_loss, config=drv.actor_config("token-mean"))
@@ -607,7 +608,7 @@ def test_terms_in_one_capture_dp1(tmp_path):
         model_output={"log_probs": model(mb["input_ids"]), "entropy": model.entropy(mb["input_ids"])}, data=mb,
         dp_group=None)[0]
     for kw, named in (({}, ["kl", "entropy"]), ({"kl": False}, ["entropy"]), ({"entropy": False}, ["kl"])):
-        cap = lverl.VerlCapture(str(tmp_path / f"caps{len(kw)}{''.join(kw)}"), **kw)
+        cap = lverl.VerlAdapter(str(tmp_path / f"caps{len(kw)}{''.join(kw)}"), fail_fast=False, **kw)
         loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
         model.zero_grad()
         cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
@@ -632,7 +633,7 @@ def test_terms_in_one_capture_dp1(tmp_path):
             assert math.isclose(t["mb.0.loss"].item(), total, rel_tol=1e-5)
     object.__setattr__(cfg, "kl_loss_coef", 0.0)
     object.__setattr__(cfg, "entropy_coeff", 0.0)        # an entropy computed for the metrics only: no term
-    cap = lverl.VerlCapture(str(tmp_path / "caps-zero"))
+    cap = lverl.VerlAdapter(str(tmp_path / "caps-zero"), fail_fast=False)
     loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
     cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
     with pytest.warns(lc.CaptureWarning, match="kl_loss_coef = 0"):
@@ -643,7 +644,7 @@ def test_terms_in_one_capture_dp1(tmp_path):
 
 def test_an_entropy_in_some_microbatches_only_is_an_error(tmp_path):
     cfg = drv.actor_config("token-mean-kl-entropy")
-    cap = lverl.VerlCapture(str(tmp_path / "caps"))
+    cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
     loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
     model, mb = _microbatch("token-mean-kl-entropy")
     cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
@@ -663,7 +664,7 @@ def test_which_policy_losses_force_a_mode(tmp_path):
             continue
         cfg = drv.actor_config("token-mean")
         object.__setattr__(cfg, "policy_loss", drv.PolicyLossConfig(loss_mode=name, dro_beta=0.1))
-        cap = lverl.VerlCapture(str(tmp_path / name))
+        cap = lverl.VerlAdapter(str(tmp_path / name), fail_fast=False)
         loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
         model, mb = _microbatch()
         cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
@@ -693,7 +694,7 @@ def test_unsupported_version_names_the_range():
 
 
 def test_guards(tmp_path):
-    cap = lverl.VerlCapture(str(tmp_path / "caps"))
+    cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
     with pytest.raises(RuntimeError, match="measures verl.workers.utils.losses.ppo_loss"):
         cap.wrap(lambda model_output, data, dp_group=None: None)
     with pytest.raises(RuntimeError, match="only verl's FSDP engine"):
@@ -704,3 +705,25 @@ def test_guards(tmp_path):
         lverl.attach(eng, str(tmp_path / "caps"))
     with pytest.raises(RuntimeError, match="world size 1 != DP size 2"):
         cap.begin_step(0, dp=2, dp_rank=0, rank=0, world_size=1)
+
+
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
+    """attach(engine, ..., fail_fast=True) on the planted KL bug, DP 2: rank 0's audit of step 0 FAILS (kl.weights);
+    every rank raises AuditFailed from train_batch before verl's optimizer step (parameters unchanged), and the job
+    exits non-zero."""
+    config = "token-mean-kl-bug"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(drv.DP), DRIVER,
+           "--out", str(tmp_path), "--fail-fast", config, "--lossguard-bin", LOSSGUARD]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
+    assert "AuditFailed" in r.stderr
+    for rank in range(drv.DP):
+        with open(tmp_path / config / f"failfast-rank{rank}.json") as f:
+            got = json.load(f)
+        assert got["step"] == 0 and got["exit_code"] == 1 and got["verdicts"] == {"0": "fail"}, got
+        assert got["params_unchanged"] is True, got
+        assert "kl.weights" in got["text"] and "lossguard audit FAILED step 0" in got["message"], got["text"]
+    assert os.path.exists(tmp_path / config / "captures" / "step000000" / "step000000-rank00001.safetensors")
+    assert not (tmp_path / config / "captures" / "step000001").exists()

@@ -38,6 +38,10 @@ loss values, in order), ``grads-step{n}-rank{r}.pt`` (the gradients the optimize
 ``params-step{n}.pt`` (the parameters the step's forward used), ``batch-step{n}.pt`` (the mini-batch, global
 order) and, with the adapter, ``captures/step{n:06d}/`` (one capture per rank and step: the policy term as
 main, the KL and entropy terms declared).
+
+``--fail-fast CONFIG``: only that config, with the adapter and fail_fast (``--lossguard-bin``); a rank that gets
+``lossguard_capture.AuditFailed`` writes ``DIR/failfast-rank{r}.json`` (the step, exit code, text, whether the
+parameters were still those of the step's start) and re-raises, so the process exits non-zero.
 """
 import argparse
 import functools
@@ -89,6 +93,7 @@ from verl.workers.engine.utils import detach_tree  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
 
+import lossguard_capture as lc  # noqa: E402
 import lossguard_capture.verl as lverl  # noqa: E402
 
 SEED = 4321
@@ -344,23 +349,24 @@ def plant(bug):
     return undo
 
 
-def run(config, out, rank, world, adapter):
+def run(config, out, rank, world, adapter, fail_fast=False, lossguard_bin=None):
     undo = plant(CONFIGS[config]["bug"]) if CONFIGS[config]["bug"] else None
     try:
-        _run(config, out, rank, world, adapter)
+        _run(config, out, rank, world, adapter, fail_fast, lossguard_bin)
     finally:
         if undo is not None:
             undo()
 
 
-def _run(config, out, rank, world, adapter):
+def _run(config, out, rank, world, adapter, fail_fast, lossguard_bin):
     os.makedirs(out, exist_ok=True)
     layout, micro, dynbsz, entropy = (CONFIGS[config][k] for k in ("layout", "micro", "dynbsz", "entropy"))
     model = make_model()
     engine = CPUEngine(model, out, rank, world)
     cap = None
     if adapter:
-        cap = lverl.attach(engine, os.path.join(out, "captures"), steps=range(STEPS))
+        cap = lverl.attach(engine, os.path.join(out, "captures"), steps=range(STEPS), fail_fast=fail_fast,
+                           lossguard_bin=lossguard_bin, timeout=60)
     loss_fn = partial(ppo_loss, config=actor_config(config))       # as ActorRolloutRefWorker sets it
     losses, warned = [], []
     for step in range(STEPS):
@@ -370,10 +376,18 @@ def _run(config, out, rank, world, adapter):
             torch.save(samples, os.path.join(out, f"batch-step{step}.pt"))
             torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
                        os.path.join(out, f"params-step{step}.pt"))
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            output = engine.train_batch(rank_batch(samples, rank, layout, micro, dynbsz, entropy),
-                                        loss_function=loss_fn)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                output = engine.train_batch(rank_batch(samples, rank, layout, micro, dynbsz, entropy),
+                                            loss_function=loss_fn)
+        except lc.AuditFailed as e:
+            unchanged = all(torch.equal(p.detach(), start[n]) for n, p in model.named_parameters())
+            with open(os.path.join(out, f"failfast-rank{rank}.json"), "w") as f:
+                json.dump({"step": step, "exit_code": e.exit_code, "text": e.text, "message": str(e),
+                           "params_unchanged": unchanged, "verdicts": cap.verdicts if cap else None}, f)
+            raise
         warned += [str(x.message) for x in w if issubclass(x.category, lverl.CaptureWarning)]
         losses += [torch.tensor(v, dtype=torch.float64) for v in output["loss"]]
     torch.save(losses, os.path.join(out, f"losses-rank{rank}.pt"))
@@ -387,10 +401,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--fail-fast", default=None, metavar="CONFIG", help="only CONFIG, adapter with fail_fast")
+    ap.add_argument("--lossguard-bin", default=None)
     a = ap.parse_args()
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     assert world == DP, f"run with {DP} processes"
+    if a.fail_fast:
+        run(a.fail_fast, os.path.join(a.out, a.fail_fast), rank, world, True, True, a.lossguard_bin)
+        torch.distributed.destroy_process_group()
+        return
     for config in [c for c in a.configs.split(",") if c]:
         run(config, os.path.join(a.out, config, "adapter"), rank, world, True)
         run(config, os.path.join(a.out, config, "plain"), rank, world, False)

@@ -1,0 +1,272 @@
+"""One adapter shape: what every trainer adapter of lossguard_capture does the same way, written once.
+
+Every adapter is entered the same way, on every rank, before training::
+
+    import lossguard_capture.hf                    # or .trl, .megatron, .verl
+    run = lossguard_capture.hf.attach(target, "captures", steps=(0,), fail_fast=True)
+    ...                                            # train as usual
+    run.paths                                      # {step: this rank's capture file}
+    run.results, run.verdicts                      # {step: AuditResult}, {step: "pass" / "fail" / ...}
+
+``target`` is what the trainer's loss path hangs off (a ``transformers.Trainer``, a Megatron
+``TransformerConfig``, a verl engine).  ``steps``: the optimizer steps recorded (``None``: every step);
+``fail_fast``: audit one of them (``audit_step``, default the first) from rank 0 and, when ``lossguard
+audit`` says FAIL, raise :class:`lossguard_capture.AuditFailed` on every rank before the optimizer applies
+that step (where the trainer's structure allows: each adapter's docstring says where it audits).
+
+As nccl-tests keeps one struct of callbacks per collective around one shared engine, each adapter module
+says only what differs — a :class:`Spec` (its package, the versions it was checked against, what it relies
+on) and a subclass of :class:`Adapter` whose ``_attach`` wires the trainer: where its per-token loss, its
+scaling and its step decision are found.  This module holds the rest, once:
+
+* the version gate (:meth:`Spec.check_version`: a clear error naming the package, the installed version
+  and the supported ones; ``allow_unsupported=True`` only warns);
+* step selection (:meth:`Adapter.should_capture`) and the step directory naming
+  (:func:`step_dir`: ``out_dir/step{n:06d}/``, one capture per rank inside);
+* the recorder, built through :class:`lossguard_capture.Capture` (:meth:`Adapter.recorder`);
+* fail fast (:meth:`Adapter.finished`: record the written path and, for the audited step, run ``lossguard
+  audit`` on rank 0, hand the verdict to every rank with bounded waits, :func:`lossguard_capture.audit.agree`,
+  and raise on FAIL);
+* the results (``paths``, ``results``, ``verdicts``) on the object ``attach`` returns.
+"""
+
+import importlib
+import itertools
+import os
+import sys
+import warnings
+import weakref
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+
+from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
+from .capture import Capture, _rank_and_world
+from .recorder import StepRecorder, check_reduce
+
+__all__ = ["Spec", "Adapter", "step_dir", "deprecated_alias"]
+
+_ADAPTER_IDS = itertools.count()
+
+
+def step_dir(out_dir: str, step: int) -> str:
+    """The folder of optimizer step ``step``'s captures: ``out_dir/step{step:06d}`` (what ``lossguard audit``
+    is given; one ``step{n:06d}-rank{r:05d}.safetensors`` per rank inside)."""
+    return os.path.join(out_dir, f"step{int(step):06d}")
+
+
+class Spec:
+    """What an adapter was checked against: the ``package`` (its distribution name), the ``supported``
+    versions ``[low, high)``, how to read the ``installed`` version, and what the adapter ``relies_on``
+    (said in the error).  ``module`` names the adapter in messages (``lossguard_capture.hf``)."""
+
+    def __init__(self, module: str, package: str, supported: Tuple[str, str], installed: Callable[[], str],
+                 relies_on: str):
+        self.module, self.package, self.supported = module, package, (str(supported[0]), str(supported[1]))
+        self.installed, self.relies_on = installed, relies_on
+
+    def require(self, name: str, install: str) -> Any:
+        """Import and return module ``name`` (what the adapter needs); ImportError saying what to ``install``
+        and the supported range when it is missing."""
+        try:
+            return importlib.import_module(name)
+        except ImportError as e:
+            raise ImportError(f"{self.module} needs {name} ({install}); supported: {self.requirement}") from e
+
+    @property
+    def requirement(self) -> str:
+        """``package>=low,<high``."""
+        return f"{self.package}>={self.supported[0]},<{self.supported[1]}"
+
+    def supports(self, version: str) -> bool:
+        """Whether ``version`` is in ``[low, high)``; a pre-release of ``high`` (``high.dev0``, ``high rc1``)
+        counts as ``high``: outside."""
+        from packaging.version import Version      # a dependency of every trainer adapted here
+        v, lo, hi = Version(version), Version(self.supported[0]), Version(self.supported[1])
+        return lo <= v and v.release < hi.release
+
+    def check_version(self, version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
+        """RuntimeError naming the package, ``version`` (default: the installed one) and the supported range
+        when it is outside :attr:`supported`; a warning instead with ``allow_unsupported``."""
+        v = version or self.installed()
+        if self.supports(v):
+            return
+        msg = (f"{self.module} supports {self.requirement} ({self.relies_on}); {self.package} {v} is installed.  "
+               f"Install a supported version (scripts/setup-trainers.sh pins one), or pass allow_unsupported=True to "
+               f"try anyway: the adapter then still measures the real weights, but an unverified loss path may be "
+               f"missed or mis-described.")
+        if not allow_unsupported:
+            raise RuntimeError(msg)
+        warnings.warn(msg)
+
+    def __repr__(self) -> str:
+        return f"Spec({self.module!r}, {self.requirement!r})"
+
+
+def _ref(obj: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+class Adapter:
+    """The shared engine of every adapter, and the results object ``attach`` returns (module docstring).
+
+    ``out_dir``: the captures go to ``out_dir/step{n:06d}/``.  ``steps``: the optimizer steps recorded
+    (``None``: every step).  ``fail_fast``: audit ``audit_step`` (default: the first of ``steps``) and raise
+    :class:`lossguard_capture.AuditFailed` on every rank when it FAILS (:class:`lossguard_capture.AuditError`
+    when there is no verdict: no binary, a timeout, captures audit refused).  ``lossguard_bin``: the binary
+    (else ``$LOSSGUARD_BIN``, else ``lossguard`` on ``PATH``); ``audit_args``: extra ``lossguard audit``
+    arguments (e.g. ``["--strict-scale"]``); ``timeout``: seconds for audit and for each rank's wait.
+    ``reduce``: the objective claimed (``None``: the adapter's own claim).  ``strict``: inconsistent records
+    raise in ``finish()``.  ``allow_unsupported``: an unsupported version only warns.
+
+    Results: ``paths`` maps each written step to this rank's file, ``results`` each audited step to its
+    :class:`lossguard_capture.AuditResult`, ``verdicts`` each audited step to its verdict.
+
+    A subclass sets ``spec`` (and ``requires``: further packages it checks) and implements ``_attach``."""
+
+    spec: ClassVar[Spec]
+    requires: ClassVar[Tuple[Spec, ...]] = ()
+
+    def __init__(self, out_dir: str, *, steps: Optional[Iterable[int]] = (0,), fail_fast: bool = True,
+                 audit_step: Optional[int] = None, lossguard_bin: Optional[str] = None,
+                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: Optional[str] = "per-token",
+                 strict: bool = True, allow_unsupported: bool = False):
+        self.allow_unsupported = bool(allow_unsupported)
+        for spec in (self.spec, *self.requires):
+            spec.check_version(allow_unsupported=self.allow_unsupported)
+        self.out_dir = out_dir
+        self.steps: Optional[List[int]] = None if steps is None else sorted({int(s) for s in steps})
+        if self.steps is not None and not self.steps:
+            raise ValueError("steps is empty (None captures every step)")
+        self.fail_fast = bool(fail_fast)
+        if audit_step is None:
+            audit_step = 0 if self.steps is None else self.steps[0]
+        if self.steps is not None and int(audit_step) not in self.steps:
+            raise ValueError(f"audit_step {audit_step} is not one of the captured steps {self.steps}")
+        self.audit_step = int(audit_step)
+        self.lossguard_bin = lossguard_bin
+        self.audit_args = list(audit_args)
+        self.timeout = float(timeout)
+        self.reduce: Optional[str] = None if reduce is None else check_reduce(reduce)
+        self.strict = strict
+        self.paths: Dict[int, str] = {}
+        self.results: Dict[int, AuditResult] = {}
+        self._target_ref: Optional[Callable[[], Any]] = None
+        self._id = next(_ADAPTER_IDS)
+        self._audits = 0
+
+    # -- what each adapter says -----------------------------------------------------------------
+    def _attach(self, target: Any, **where: Any) -> None:
+        """Check ``target`` and wire the adapter into it (instance attributes; classes untouched)."""
+        raise NotImplementedError
+
+    def _describe(self) -> str:
+        """What the attach message says about the trainer (on rank 0)."""
+        return f"reduce={self.reduce}"
+
+    # -- entry ----------------------------------------------------------------------------------
+    @property
+    def target(self) -> Any:
+        """What the adapter is attached to (None before :meth:`attach`)."""
+        return None if self._target_ref is None else self._target_ref()
+
+    def attach(self, target: Any, **where: Any) -> "Adapter":
+        """Wire the adapter into ``target`` (idempotent; another target is an error) and return it."""
+        current = self.target
+        if current is target:
+            return self
+        if current is not None:
+            raise RuntimeError(f"this {type(self).__name__} is already attached to another {type(current).__name__}")
+        self._attach(target, **where)
+        self._target_ref = _ref(target)
+        if self.is_main_rank():
+            steps = "all" if self.steps is None else self.steps
+            print(f"{self.spec.module}: capturing steps {steps} into {self.out_dir} ({self._describe()})",
+                  file=sys.stderr)
+            if self.fail_fast:
+                try:
+                    find_lossguard(self.lossguard_bin)
+                except AuditError as e:
+                    print(f"{self.spec.module}: warning: {e}; step {self.audit_step} will raise AuditError",
+                          file=sys.stderr)
+        return self
+
+    @staticmethod
+    def is_main_rank() -> bool:
+        """Rank 0 (of torch.distributed, else of the launcher's ``RANK``): the one that prints and audits."""
+        return _rank_and_world()[0] == 0
+
+    # -- steps ----------------------------------------------------------------------------------
+    def should_capture(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is recorded (``steps=None``: every step)."""
+        return self.steps is None or int(step) in self.steps
+
+    def step_dir(self, step: int) -> str:
+        """``out_dir/step{step:06d}``."""
+        return step_dir(self.out_dir, step)
+
+    def recorder(self, step: int, *, reduce: Optional[str] = None, terms: Any = None,
+                 **coordinates: Any) -> StepRecorder:
+        """Step ``step``'s recorder, writing into :meth:`step_dir`, built through
+        :class:`lossguard_capture.Capture` with this rank's ``coordinates`` (``rank``, ``world_size``, ``tp``,
+        ``cp``, ``dp``, ``tp_rank``...; what is not given is found) and the step's declared ``terms``."""
+        cap = Capture(self.step_dir(step), reduce=reduce or self.reduce, strict=self.strict,
+                      terms=terms, **coordinates)
+        rec = cap.step(step)
+        assert isinstance(rec, StepRecorder)          # Capture(steps=None) records every step it is asked
+        return rec
+
+    # -- a finished step: results and fail fast -------------------------------------------------
+    def finished(self, step: int, path: str) -> None:
+        """Step ``step``'s capture is written at ``path``: keep it and, with ``fail_fast``, audit the audited
+        step now (:meth:`audit`).  Every rank calls it at the same point: the adapter's last moment before the
+        optimizer applies the step."""
+        self.paths[int(step)] = path
+        if self.fail_fast and int(step) == self.audit_step:
+            self.audit(int(step))
+
+    def audit(self, step: int) -> AuditResult:
+        """``lossguard audit out_dir/step{n:06d}`` on rank 0 (a JSON report beside it,
+        ``audit-step{n:06d}.json``); every rank learns the verdict (bounded waits), keeps it in
+        ``results`` and raises AuditFailed on FAIL, AuditError when there is none.  Call it on every rank."""
+        where = self.step_dir(step)
+        json_path = os.path.join(self.out_dir, f"audit-step{int(step):06d}.json")
+
+        def compute() -> Dict[str, Any]:
+            return run_audit([where], binary=self.lossguard_bin, args=self.audit_args, timeout=self.timeout,
+                             json_path=json_path, step=step).to_json()
+
+        self._audits += 1
+        got = agree(f"{self.spec.module}/{self._id}/{self._audits}/step{step}", compute, timeout=self.timeout)
+        if "error" in got:
+            raise AuditError(f"{self.spec.module}: step {step}: no audit verdict: {got['error']}")
+        result = AuditResult.from_json(got)
+        self.results[int(step)] = result
+        if self.is_main_rank():
+            print(f"{self.spec.module}: lossguard audit {where}: {result.verdict.upper()} (exit {result.exit_code})",
+                  file=sys.stderr)
+        result.raise_for_verdict()
+        return result
+
+    @property
+    def verdicts(self) -> Dict[int, str]:
+        """Each audited step's verdict: ``pass``, ``fail``, ``error``, ``fault`` or ``unverified``."""
+        return {s: r.verdict for s, r in self.results.items()}
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.out_dir!r}, steps={self.steps}, fail_fast={self.fail_fast}, "
+                f"paths={len(self.paths)}, verdicts={self.verdicts})")
+
+
+def deprecated_alias(cls: Type[Adapter], name: str, use: str, **old_defaults: Any) -> Type[Adapter]:
+    """A subclass of ``cls`` called ``name`` that keeps an old entry's defaults (``old_defaults``) and warns
+    (DeprecationWarning) that ``use`` replaces it."""
+    def __init__(self: Adapter, out_dir: str, **options: Any) -> None:
+        warnings.warn(f"{cls.spec.module}.{name} is deprecated: use {use}", DeprecationWarning, stacklevel=2)
+        cls.__init__(self, out_dir, **{**old_defaults, **options})
+
+    doc = (f"Deprecated: {cls.__name__} with the old defaults "
+           f"({', '.join(f'{k}={v!r}' for k, v in old_defaults.items())}); use {use}.")
+    return type(name, (cls,), {"__init__": __init__, "__doc__": doc, "__module__": cls.__module__,
+                               "__qualname__": name})

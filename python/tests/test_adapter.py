@@ -1,0 +1,223 @@
+"""lossguard_capture.adapter: the one adapter shape every trainer adapter shares — the version gate, step
+selection, the step directory naming, the recorder built through Capture, fail fast and the results — on a
+toy "trainer" (a plain torch loop) that says only what differs, as the real adapters do."""
+import os
+import stat
+import sys
+import warnings
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+import lossguard_capture as lc  # noqa: E402
+from lossguard_capture.adapter import Adapter, Spec, deprecated_alias, step_dir  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOSSGUARD_BIN"):
+        monkeypatch.delenv(k, raising=False)
+
+
+TOY_SPEC = Spec("lossguard_capture.toy", "toy-trainer", ("1.2.0", "1.3.0"), lambda: "1.2.5",
+                "it hooks ToyTrainer.loss as these versions have it")
+
+
+class ToyTrainer:
+    """A trainer with one micro-batch of two samples per step: loss = mean over the masked tokens."""
+
+    def __init__(self):
+        self.w = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+        self.applied = []               # the steps whose update was applied
+
+    def loss(self, step):
+        tokens = torch.tensor([1, 2, 0, 2, 1, 1])       # two samples of 3 response tokens, packed
+        mask = torch.tensor([1, 1, 0, 1, 0, 1])
+        l = self.w[tokens] * (step + 1)                 # per-token losses [6]
+        return l, mask, (l * mask).sum() / mask.sum()
+
+    def train(self, steps):
+        for step in range(steps):
+            l, mask, loss = self.loss(step)
+            loss.backward()
+            self.before_update(step)
+            with torch.no_grad():
+                self.w -= 0.1 * self.w.grad
+            self.w.grad = None
+            self.applied.append(step)
+
+    def before_update(self, step):
+        pass
+
+
+class ToyAdapter(Adapter):
+    """All a toy adapter says: its spec, and where the toy trainer's per-token loss, scaling and step
+    decision are found."""
+
+    spec = TOY_SPEC
+
+    def _attach(self, trainer, **where):
+        adapter, orig_loss = self, trainer.loss
+        self._rec = None
+
+        def loss(step):
+            l, mask, value = orig_loss(step)
+            if adapter.should_capture(step):
+                adapter._rec = adapter.recorder(step, rank=0, world_size=1)
+                mb = adapter._rec.microbatch(sample_indices=[0, 1], tokens=[[1, 2, 0], [2, 1, 1]],
+                                             total_lengths=[3, 3], response_lengths=[3, 3], loss_masks=mask)
+                mb.hook(l)
+                mb.loss(value)
+            return l, mask, value
+
+        def before_update(step):
+            if adapter._rec is not None:
+                rec, adapter._rec = adapter._rec, None
+                adapter.finished(step, rec.finish(grad_scale=1.0, num_tokens_reduced=4, skipped=False))
+        trainer.loss, trainer.before_update = loss, before_update
+
+
+def attach(trainer, out_dir, *, steps=(0,), fail_fast=True, **options):
+    return ToyAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)
+
+
+def _fake_lossguard(tmp_path, code):
+    p = tmp_path / f"lossguard-{code}"
+    p.write_text(f"#!/bin/sh\necho 'verdict exit {code}'\necho \"args: $*\" >&2\nexit {code}\n")
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    return str(p)
+
+
+# ---- the version gate ------------------------------------------------------------------------------
+def test_version_gate_names_the_package_the_installed_and_the_supported_versions():
+    with pytest.raises(RuntimeError, match=r"^lossguard_capture\.toy supports toy-trainer>=1\.2\.0,<1\.3\.0 \(it hooks "
+                                           r"ToyTrainer\.loss as these versions have it\); toy-trainer 1\.1\.0 is "
+                                           r"installed\."):
+        TOY_SPEC.check_version("1.1.0")
+    for v in ("1.3.0", "1.3.0.dev0", "1.3.0rc1", "1.2.0rc1", "2.0"):
+        with pytest.raises(RuntimeError, match=f"toy-trainer {v} is installed"):
+            TOY_SPEC.check_version(v)
+    TOY_SPEC.check_version("1.2.0")
+    TOY_SPEC.check_version()                                   # the installed one: 1.2.5
+    with pytest.warns(UserWarning, match="supports toy-trainer"):
+        TOY_SPEC.check_version("1.4.0", allow_unsupported=True)
+    assert TOY_SPEC.requirement == "toy-trainer>=1.2.0,<1.3.0"
+
+
+def test_an_adapter_of_an_unsupported_version_is_refused_at_construction(tmp_path):
+    class Old(ToyAdapter):
+        spec = Spec("lossguard_capture.toy", "toy-trainer", ("1.2.0", "1.3.0"), lambda: "1.1.9", "reasons")
+
+    class Also(ToyAdapter):
+        requires = (Old.spec,)
+    for cls in (Old, Also):
+        with pytest.raises(RuntimeError, match="toy-trainer 1.1.9 is installed"):
+            cls(str(tmp_path))
+        with pytest.warns(UserWarning):
+            cls(str(tmp_path), allow_unsupported=True)
+
+
+# ---- steps, naming, the recorder -------------------------------------------------------------------
+def test_step_selection_and_audit_step():
+    a = ToyAdapter("c", steps=[5, 0, 5], fail_fast=False)
+    assert a.steps == [0, 5] and a.audit_step == 0
+    assert [s for s in range(7) if a.should_capture(s)] == [0, 5]
+    assert ToyAdapter("c", steps=None).should_capture(12345) and ToyAdapter("c", steps=None).audit_step == 0
+    assert ToyAdapter("c", steps=range(3), audit_step=2).audit_step == 2
+    with pytest.raises(ValueError, match="steps is empty"):
+        ToyAdapter("c", steps=[])
+    with pytest.raises(ValueError, match="audit_step 4 is not one of the captured steps"):
+        ToyAdapter("c", steps=[0, 1], audit_step=4)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        ToyAdapter("c", reduce="mean")
+
+
+def test_step_dir_naming():
+    assert step_dir("caps", 7) == os.path.join("caps", "step000007")
+    assert ToyAdapter("caps").step_dir(123456) == os.path.join("caps", "step123456")
+
+
+def test_recorder_is_built_through_capture(tmp_path):
+    a = ToyAdapter(str(tmp_path), reduce="sample-mean")
+    rec = a.recorder(3, rank=5, world_size=8, tp=2, cp=2, terms={"kl": dict(coef=0.5)})
+    assert isinstance(rec, lc.StepRecorder)
+    assert rec.out_dir == os.path.join(str(tmp_path), "step000003") and rec.step == 3
+    # Capture's coordinates (Megatron order): 5 = tp 1 + 2*(cp 0 + 2*dp 1)
+    assert (rec.tp, rec.cp, rec.dp, rec.tp_rank, rec.cp_rank, rec.dp_rank) == (2, 2, 2, 1, 0, 1)
+    assert rec.reduce == "sample-mean" and rec.terms == {"kl": {"reduce": "sample-mean", "coef": "0.5", "mask": "loss"}}
+    rec.abort()
+
+
+# ---- entry, results, fail fast ---------------------------------------------------------------------
+def test_attach_records_the_steps_and_changes_nothing(tmp_path):
+    plain, toy = ToyTrainer(), ToyTrainer()
+    plain.train(3)
+    run = attach(toy, str(tmp_path / "caps"), steps=[0, 2], fail_fast=False)
+    assert run.attach(toy) is run                                             # idempotent
+    with pytest.raises(RuntimeError, match="already attached to another ToyTrainer"):
+        run.attach(ToyTrainer())
+    toy.train(3)
+    assert torch.equal(toy.w, plain.w) and toy.applied == [0, 1, 2]
+    assert sorted(run.paths) == [0, 2] and run.results == {} and run.verdicts == {}
+    for n, path in run.paths.items():
+        assert path == os.path.join(str(tmp_path / "caps"), f"step{n:06d}", f"step{n:06d}-rank00000.safetensors")
+        t = load_file(path)
+        m = t["mb.0.loss_masks"].float()
+        torch.testing.assert_close(t["mb.0.token_weight"], m / m.sum())          # the mean's weights: m / N
+        with safe_open(path, "pt") as f:
+            assert f.metadata()["reduce"] == "per-token"
+
+
+def test_fail_fast_pass_keeps_the_verdict(tmp_path, capsys):
+    toy = ToyTrainer()
+    run = attach(toy, str(tmp_path / "caps"), steps=[0, 1], audit_step=1, lossguard_bin=_fake_lossguard(tmp_path, 0),
+                 audit_args=["--strict-scale"])
+    toy.train(2)
+    assert toy.applied == [0, 1] and sorted(run.paths) == [0, 1]
+    assert list(run.results) == [1] and run.verdicts == {1: "pass"}
+    r = run.results[1]
+    assert r.paths == [os.path.join(str(tmp_path / "caps"), "step000001")]
+    assert r.command[-3:] == ["--strict-scale", "--json", os.path.join(str(tmp_path / "caps"), "audit-step000001.json")]
+    err = capsys.readouterr().err
+    assert "lossguard_capture.toy: capturing steps [0, 1] into" in err and "step000001: PASS (exit 0)" in err
+
+
+def test_fail_fast_fail_stops_before_the_update(tmp_path):
+    toy = ToyTrainer()
+    w0 = toy.w.detach().clone()
+    run = attach(toy, str(tmp_path / "caps"), lossguard_bin=_fake_lossguard(tmp_path, 1))
+    with pytest.raises(lc.AuditFailed, match="lossguard audit FAILED step 0") as e:
+        toy.train(2)
+    assert e.value.step == 0 and e.value.exit_code == 1
+    assert toy.applied == [] and torch.equal(toy.w.detach(), w0)          # the step was not applied
+    assert list(run.paths) == [0] and run.verdicts == {0: "fail"}
+
+
+def test_fail_fast_without_a_verdict_is_an_error(tmp_path, capsys):
+    toy = ToyTrainer()
+    run = attach(toy, str(tmp_path / "caps"), lossguard_bin=str(tmp_path / "no-such-lossguard"))
+    err = capsys.readouterr().err
+    assert "no-such-lossguard" in err and "step 0 will raise AuditError" in err          # said at attach
+    with pytest.raises(lc.AuditError, match=r"lossguard_capture\.toy: step 0: no audit verdict: .*no-such-lossguard"):
+        toy.train(1)
+    assert toy.applied == [] and list(run.paths) == [0] and run.results == {}
+    toy2 = ToyTrainer()
+    attach(toy2, str(tmp_path / "caps2"), lossguard_bin=_fake_lossguard(tmp_path, 2))
+    with pytest.raises(lc.AuditError, match="no verdict"):
+        toy2.train(1)
+
+
+def test_deprecated_alias_keeps_the_old_defaults_and_warns(tmp_path):
+    Old = deprecated_alias(ToyAdapter, "OldToy", "lossguard_capture.toy.attach(...)", steps=None, fail_fast=False)
+    assert issubclass(Old, ToyAdapter) and Old.__name__ == "OldToy" and "Deprecated" in Old.__doc__
+    with pytest.warns(DeprecationWarning, match=r"lossguard_capture\.toy\.OldToy is deprecated: use "
+                                                r"lossguard_capture\.toy\.attach"):
+        old = Old(str(tmp_path))
+    assert old.steps is None and old.fail_fast is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        assert Old(str(tmp_path), steps=[3], fail_fast=True).steps == [3]
