@@ -3,6 +3,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -26,6 +27,18 @@ enum class DType {
 std::string_view dtype_name(DType dtype);  // "int64", "bfloat16", ...
 std::size_t dtype_size_bytes(DType dtype);
 bool dtype_is_float(DType dtype);
+// The number of ones among n bytes that are each 0 or 1 (a loss mask), eight at a time: one
+// multiply-and-shift sums a word's eight bytes (their sum, at most 8, fits the top byte).
+inline int64_t count_mask_ones(const uint8_t* p, int64_t n) {
+  int64_t sum = 0, j = 0;
+  for (; j + 8 <= n; j += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + j, 8);
+    sum += static_cast<int64_t>((w * 0x0101010101010101ull) >> 56);
+  }
+  for (; j < n; ++j) sum += p[j];
+  return sum;
+}
 // Whether `dtype` holds the value exactly (bfloat16, float16; every value for the others): every
 // value a trainer computing in bf16 records is one, though written widened to float32.
 bool dtype_holds(DType dtype, double value);

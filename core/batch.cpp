@@ -27,9 +27,8 @@ const char* sample_kind_name(SampleKind kind) {
 }
 
 int64_t Batch::mask_sum(int64_t i) const {
-  int64_t sum = 0;
-  for (int64_t j = response_offsets[i]; j < response_offsets[i + 1]; ++j) sum += loss_mask[j];
-  return sum;
+  return count_mask_ones(loss_mask.data() + response_offsets[i],
+                         response_offsets[i + 1] - response_offsets[i]);
 }
 
 SampleClass Batch::classify(int64_t i, int64_t mask_sum) const {

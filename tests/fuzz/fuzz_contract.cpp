@@ -2,8 +2,8 @@
 // scale terms (numbers from 1e-300 to 1e300 among them), a small batch and a layout (DP,
 // micro-batches, static or dynamic CP), then the weights, the diagnosis, I5 and the verdict.
 // Besides ASan and UBSan it traps when the verdict passes a non-finite or all-zero weight, a
-// uniform scale Adam does not hide (<= 0, below 2^-10, above 2^64), or calls weights "exact" that an
-// independent comparison with the objective's finds different; and it runs a second term with
+// uniform scale Adam does not hide (<= 0, below 2^-10, above 2^64), or calls weights "exact" that
+// an independent comparison with the objective's finds different; and it runs a second term with
 // coefficients and masks of every kind through parse_term_contracts and evaluate_weights.
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -15,8 +15,8 @@
 #include "core/batch.h"
 #include "core/contract.h"
 #include "core/errors.h"
-#include "oracle/placement.h"
 #include "core/term.h"
+#include "oracle/placement.h"
 #include "oracle/weights.h"
 #include "oracle/weights_result.h"
 
@@ -150,7 +150,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (uniform && !std::isnan(s) && !(s >= 0x1p-10 && s <= 0x1p64)) __builtin_trap();
   }
   // A second term (SPEC §11) with a coefficient that may be subnormal, empty or huge and a mask of
-  // any kind, through the same path as `weights --term`: refused with exit 2 or weighed, never a crash.
+  // any kind, through the same path as `weights --term`: refused with exit 2 or weighed, never a
+  // crash.
   if (in.ConsumeBool()) {
     static const char* coefs[] = {"0.1", "1e-320", "", "1e308", "-2", "nan", "1e-39", "3"};
     static const char* masks[] = {"loss", "all", "shift:1", "shift:40", "roll:2", "field", ""};
