@@ -64,6 +64,12 @@ run weights "$EX/gen_random.safetensors" --contract hf-ga --dp 2 --microbatches 
 step "Its fix (num_items_in_batch counted across devices; the Trainer has no CP, so I5 varies DP and micro-batches), and Megatron's per-token contract under CP 2"
 run weights "$EX/gen_random.safetensors" --contract hf-num-items-across-devices --dp 2 --microbatches 3 --vary dp,microbatches
 run weights "$EX/gen_random.safetensors" --contract megatron-per-token --dp 2 --microbatches 3 --cp 2
+step "A uniform scale passes only where Adam hides it: gradients x s are Adam with eps/s, so x1e-30 stops the update (and a negative scale, gradient ascent, always fails)"
+run weights "$EX/gen_random.safetensors" --contract megatron-per-token,scale=1e-30 --vary dp,microbatches | grep -E "^weights:|^verdict"
+step "A scale no trainer can apply, reached through symbols on a layout I5 tries (1e38 x M at M = 4), is refused by name"
+run weights "$EX/gen_random.safetensors" --contract megatron-per-token,scale=1e38*M
+step "The same trainer's own layout for TRL: DP x M must cut the completions evenly; other layouts are skipped and said so"
+run weights "$EX/gen_random.safetensors" --reduce sample-mean --contract trl-grpo --dp 2 --microbatches 3 --vary dp,microbatches | tail -6
 step "The same bug through a trainer's real autograd: check --contract trains every micro-batch under it"
 run check "$EX/gen_random.safetensors" --cp 1,2 --dp 2 --microbatches 3 --contract hf-ga --impl torch,kernels
 
