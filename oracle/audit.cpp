@@ -1082,7 +1082,9 @@ void note_batch_size_below_samples(AuditStep& out, int64_t recorded_batch) {
 // The first main-term value (token_weight, token_loss) of any loss-computing rank that `dtype`
 // cannot hold, as "file: record[i] = v"; "" when every one fits.
 std::string value_outside(DType dtype, const LossRanks& ranks) {
-  for (const auto& [coord, c] : ranks.by_coord) {
+  for (const auto& entry : ranks.by_coord) {
+    const RankCapture* c =
+        entry.second;  // (a lambda may not capture a structured binding in C++17)
     for (const CapturedMicroBatch& mb : c->microbatches) {
       auto first_outside = [&](const std::vector<double>& values, const char* record) {
         for (std::size_t t = 0; t < values.size(); ++t) {

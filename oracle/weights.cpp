@@ -227,9 +227,6 @@ PlacedSamples place_sample_slots(const Batch& b, const StepLayout& layout) {
   return out;
 }
 
-// What a contract reads of a batch's masks, once per batch and contract: each sample's effective
-// tokens (its own mask), and the mask it counts (its own, or main's for count-of=main) with its
-// sums per sample.
 // The counted mask's CP-local counts of every sample on each of its zig-zag owners, per CP size:
 // they depend on the sample, the CP size and the padding, not on where the sample sits, so the ten
 // layouts I5 weighs share four of them instead of reading every mask byte ten times. Filled on
@@ -240,11 +237,14 @@ struct OwnedCounts {
   std::optional<ShardLayout> shard;  // the geometry they were counted under
 };
 
+// What a contract reads of a batch's masks, once per batch and contract: each sample's effective
+// tokens (its own mask), and the mask it counts (its own, or main's for count-of=main) with its
+// sums per sample.
 struct TermMasks {
   std::vector<int64_t> own_sum;                   // [S]
   std::vector<int64_t> counted_sum;               // [S]
   const std::vector<uint8_t>* counted = nullptr;  // [sum R]
-  std::shared_ptr<OwnedCounts> owned = std::make_shared<OwnedCounts>();
+  std::shared_ptr<OwnedCounts> owned = std::make_shared<OwnedCounts>();  // shared by copies
 };
 
 bool same_shard(const ShardLayout& a, const ShardLayout& b) {
