@@ -11,17 +11,19 @@ widened (mini_trainer.DIM / VOCAB) and its batch lengthened (a batch generator w
 make_batch signature: P in [1, --prompt-len], R in [1, --response-len], ~75 % of mask entries 1; the same
 batch every step unless --vary-batch, so that every step does the same work) so a step costs tens to
 hundreds of milliseconds; everything else — placement, zig-zag ownership, per-token NLL,
-gradient accumulation, all-reduce, grad_scale, SGD, and in capture mode the Recorder calls and the
-capture file finish() writes (under --out, a temporary directory by default) — is the trainer's own code.
+gradient accumulation, all-reduce, grad_scale, SGD, and in capture mode the recorder's calls (one
+lc.Capture per mode, a step recorder per step) and the capture file finish() writes (under --out, a
+temporary directory by default) — is the trainer's own code.
 
 Timing: after --warmup steps of each mode, --steps pairs of steps, interleaved (ABBA order, so drift
 and neighbour noise hit both modes alike), each mode training its own model from the same seed on the
 same batches; per-step wall time (time.perf_counter around run_step, gc collected before each step).
 Reported: min and median per mode; end-to-end overhead = median(on)/median(off) - 1 (and by min, and the
 median of the paired differences, as % of the no-capture median); and, far less noisy on a shared machine,
-the time spent inside the recorder's own calls (Recorder.__init__/microbatch/finish, MicroBatch.hook/loss/
-set; median per step, finish() separately) as % of the no-capture median.  That one leaves out the backward
-hook's callback (a detach and an append per micro-batch) and the arguments the trainer builds for the calls.
+the time spent inside the recorder's own calls (Capture.step, StepRecorder.microbatch/finish,
+MicroBatch.hook/loss/set; median per step, finish() separately) as % of the no-capture median.  That one
+leaves out the backward hook's callback (a detach and an append per micro-batch), the step recorder's
+`with` exit and the arguments the trainer builds for the calls.
 
 Host synchronisation: one extra step per mode with torch.Tensor.item/cpu/tolist/numpy/__int__/__float__/
 __bool__ wrapped to count calls (the set python/tests checks), split into calls made before finish()
@@ -86,10 +88,10 @@ def trainer_args(args, no_capture):
 
 
 class CallTimer:
-    """Wraps the recorder's entry points (Recorder.__init__/microbatch/finish, MicroBatch.hook/loss/set)
-    to add up the wall time spent inside them (a perf_counter pair per call, ~10 calls a step)."""
+    """Wraps the recorder's entry points (Capture.step, StepRecorder.microbatch/finish, MicroBatch.hook/
+    loss/set) to add up the wall time spent inside them (a perf_counter pair per call, ~10 calls a step)."""
 
-    TIMED = (("Recorder", "__init__"), ("Recorder", "microbatch"), ("Recorder", "finish"),
+    TIMED = (("Capture", "step"), ("StepRecorder", "microbatch"), ("StepRecorder", "finish"),
              ("MicroBatch", "hook"), ("MicroBatch", "loss"), ("MicroBatch", "set"))
 
     def __init__(self):
@@ -147,7 +149,7 @@ class SyncCounter:
                 counter.counts[key] = counter.counts.get(key, 0) + 1
                 return _orig(t, *a, **k)
             setattr(torch.Tensor, n, wrapped)
-        self.orig_finish = lc.Recorder.finish
+        self.orig_finish = lc.StepRecorder.finish
 
         def finish(rec, *a, **k):
             counter.in_finish = True
@@ -155,13 +157,13 @@ class SyncCounter:
                 return counter.orig_finish(rec, *a, **k)
             finally:
                 counter.in_finish = False
-        lc.Recorder.finish = finish
+        lc.StepRecorder.finish = finish
         return self
 
     def __exit__(self, *exc):
         for n, f in self.saved.items():
             setattr(torch.Tensor, n, f)
-        lc.Recorder.finish = self.orig_finish
+        lc.StepRecorder.finish = self.orig_finish
 
     def total(self, phase=None, who=None):
         return sum(v for (p, w, _), v in self.counts.items()
@@ -205,11 +207,12 @@ def main(argv=None):
         modes = {}
         for name, off in (("capture", False), ("no-capture", True)):
             model = mt.make_model(args.seed, dtype)
-            modes[name] = (trainer_args(args, off), model, mt.SGD(model.parameters(), lr=0.1))
+            cap = lc.Capture(out_dir, reduce="per-token", steps=() if off else None)   # as mini_trainer.main
+            modes[name] = (trainer_args(args, off), model, mt.SGD(model.parameters(), lr=0.1), cap)
 
         def step(name, k):
-            targs, model, opt = modes[name]
-            mt.run_step(targs, "none", model, opt, k, out_dir, 0, 1, 0, 0, None)
+            targs, model, opt, cap = modes[name]
+            mt.run_step(targs, "none", model, opt, k, cap, out_dir, 0, 0, 0, None)
 
         for k in range(args.warmup):
             for name in modes:

@@ -1,11 +1,30 @@
 """lossguard-capture: record a trainer's own loss-normalisation numbers for `lossguard audit` (docs/semantics.md §10).
 
-* :class:`Capture` — one per run; ``with cap.step(n) as s:`` records rank-local step ``n``.
+Two ways in, nothing else:
+
 * :mod:`lossguard_capture.hf`, ``.trl``, ``.megatron``, ``.verl`` — the trainer adapters (imported on use), all
-  entered the same way: ``attach(target, out_dir, *, steps=(0,), fail_fast=True, ...)``, returning the
-  written ``paths`` and the audit ``verdicts`` (:mod:`lossguard_capture.adapter`, their shared base).
-* :class:`Recorder` — the first, positional API (one object per step, coordinates given).
-* :func:`run_audit` / :class:`AuditFailed` — run ``lossguard audit`` from the training job (fail fast).
+  entered the same way, on every rank before training::
+
+      run = lossguard_capture.hf.attach(trainer, "captures", steps=(0,), fail_fast=True)
+      trainer.train()          # run.paths, run.results, run.verdicts
+
+  (``attach(target, out_dir, *, steps=..., fail_fast=..., ...)``; :mod:`lossguard_capture.adapter` is their
+  shared base).
+* :class:`Capture` — any other trainer: one per run; ``with cap.step(n) as s:`` records rank-local step ``n``::
+
+      cap = lossguard_capture.Capture("captures", reduce="per-token", cp=cp)
+      with cap.step(n) as s:
+          h = s.microbatch(sample_indices=..., tokens=..., total_lengths=..., response_lengths=...,
+                           loss_masks=..., cp_size=cp)
+          loss = (h.hook(per_token_loss) * mask).sum() / num_tokens
+          h.loss(loss)
+          loss.backward()
+          ...
+          s.finish(grad_scale=..., num_tokens_reduced=..., skipped=..., grad_norm=...)
+
+:func:`run_audit` / :class:`AuditFailed` run ``lossguard audit`` from the training job (fail fast).
+:class:`Recorder`, the first, positional API, is deprecated (a ``DeprecationWarning``): it is kept so that the
+code that wrote older captures still runs; new code uses :class:`Capture`.
 """
 
 from ._version import __version__

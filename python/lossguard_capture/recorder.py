@@ -1,7 +1,8 @@
 """Per-rank, per-step audit capture (lossguard docs/semantics.md §10, schema ``audit/1``).
 
-The step recorder (:class:`StepRecorder`, made by :meth:`lossguard_capture.Capture.step`) and the
-older positional :class:`Recorder` write the same file; both are thin fronts over :class:`_Step`::
+The step recorder (:class:`StepRecorder`, made by :meth:`lossguard_capture.Capture.step`) writes it; the
+deprecated positional :class:`Recorder` (kept for the code that wrote older captures) writes the same file.
+Both are thin fronts over :class:`_Step`::
 
     cap = Capture(out_dir, cp=2, reduce="per-token")          # rank, world, coordinates found
     with cap.step(n) as s:
@@ -470,7 +471,7 @@ class _Step:
     """One rank's records of one optimizer step; writes ``<out_dir>/step{step:06d}-rank{rank:05d}.safetensors``.
 
     The shared core of :class:`StepRecorder` (keyword-only, a context manager) and :class:`Recorder`
-    (positional, the first API)."""
+    (positional, the first API, deprecated)."""
 
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
@@ -685,15 +686,25 @@ class StepRecorder(_Step):
 
 
 class Recorder(_Step):
-    """The first, positional API (kept for existing trainers; new code: :class:`lossguard_capture.Capture`).
+    """Deprecated: use :class:`lossguard_capture.Capture` (``cap = Capture(out_dir, reduce=..., cp=...)``
+    once per run, ``with cap.step(n) as s:`` per step) or a trainer adapter (``lossguard_capture.hf`` /
+    ``.trl`` / ``.megatron`` / ``.verl`` ``.attach(target, out_dir)``).  Constructing it warns
+    ``DeprecationWarning``.
 
-    ``Recorder(out_dir, step, rank, world_size, tp=.., pp=.., cp=.., dp=.., tp_rank=.., ...)`` records
-    one rank's step; the coordinates are given, not found.  Same file as :class:`StepRecorder`."""
+    The first, positional API, kept so that the code that wrote older captures still runs:
+    ``Recorder(out_dir, step, rank, world_size, tp=.., pp=.., cp=.., dp=.., tp_rank=.., ...)`` records one
+    rank's step, the coordinates given, not found.  It writes the same file as :class:`StepRecorder`
+    (``Capture(out_dir, rank=rank, world_size=world_size, tp=.., ..., tp_rank=.., ...).step(step)`` is its
+    equivalent, with keyword-only ``microbatch()``/``finish()``)."""
 
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
                  cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
                  terms: Optional[Mapping[str, Any]] = None):
+        warnings.warn("lossguard_capture.Recorder is deprecated: use lossguard_capture.Capture "
+                      "(cap = Capture(out_dir, ...) once per run; with cap.step(n) as s: ... s.finish(...)) "
+                      "or a trainer adapter (lossguard_capture.hf/trl/megatron/verl.attach)",
+                      DeprecationWarning, stacklevel=2)
         super().__init__(out_dir, step, rank, world_size, tp=tp, pp=pp, cp=cp, dp=dp, tp_rank=tp_rank,
                          pp_rank=pp_rank, cp_rank=cp_rank, dp_rank=dp_rank, cp_layout=cp_layout, reduce=reduce,
                          strict=strict, terms=terms)

@@ -1,4 +1,6 @@
-"""Recorder: SPEC §10 file format round trip, the backward hook, and no host sync before finish()."""
+"""Recorder (the deprecated positional API, kept for the code that wrote older captures): SPEC §10 file
+format round trip, the backward hook, no host sync before finish(), its DeprecationWarning, and the same
+file as Capture's step recorder.  The only tests that construct it: every other one uses Capture."""
 import os
 import sys
 
@@ -9,7 +11,63 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lossguard_capture as lc  # noqa: E402
-from lossguard_capture import Recorder, zigzag_owned  # noqa: E402
+from lossguard_capture import Capture, Recorder, zigzag_owned  # noqa: E402
+
+# every Recorder(...) here warns; test_recorder_is_deprecated checks the warning itself
+pytestmark = pytest.mark.filterwarnings("ignore:lossguard_capture.Recorder is deprecated:DeprecationWarning")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_recorder_is_deprecated(tmp_path):
+    with pytest.warns(DeprecationWarning, match="Recorder is deprecated: use lossguard_capture.Capture"):
+        Recorder(str(tmp_path), 0, 0, 1)
+    assert "Deprecated" in Recorder.__doc__ and "Capture" in Recorder.__doc__
+
+
+def test_recorder_writes_what_capture_writes(tmp_path):
+    cap = Capture(str(tmp_path / "new"), rank=1, world_size=2, dp=2)
+    x = torch.arange(5, dtype=torch.float32, requires_grad=True)
+    mask = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0])
+    with cap.step(7) as s:
+        h = s.microbatch(sample_indices=[4, 9], tokens=[[1, 2, 3], [4, 5, 6, 7]], total_lengths=[3, 4],
+                         response_lengths=[2, 3], loss_masks=[[1, 0], [1, 1, 1]], cp_size=1, num_tokens=4)
+        l = x * 2
+        h.hook(l)
+        loss = (l * mask).sum() / 4
+        h.loss(loss)
+        loss.backward()
+        path = s.finish(grad_scale=0.5, num_tokens_reduced=8, skipped=False, grad_norm=1.0, global_batch_size=4)
+    rec = Recorder(str(tmp_path / "old"), 7, 1, 2, dp=2, dp_rank=1)
+    h = rec.microbatch([4, 9], [[1, 2, 3], [4, 5, 6, 7]], [3, 4], [2, 3], [[1, 0], [1, 1, 1]], 1, num_tokens=4)
+    l = x * 2
+    h.hook(l)
+    loss = (l * mask).sum() / 4
+    h.loss(loss)
+    loss.backward()
+    old = rec.finish(0.5, 8, False, 1.0, 4)
+    assert os.path.basename(path) == os.path.basename(old) == "step000007-rank00001.safetensors"
+    a, b = load_file(path), load_file(old)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    with safe_open(path, "pt") as f, safe_open(old, "pt") as g:
+        assert f.metadata() == g.metadata()
+        assert f.metadata()["dtype"] == "float32" and f.metadata()["dp_rank"] == "1"
+    assert a["mb.0.token_weight"].tolist() == [0.25, 0.0, 0.25, 0.25, 0.25]
+
+
+def test_recorder_validates_as_capture(tmp_path):
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        Recorder(str(tmp_path), 0, 0, 1, reduce="sum")
+    for terms, match in (({"main": {}}, "'main'"), ({"kl": dict(mask="shift:0")}, "'kl'.*mask"),
+                         ({"kl": dict(coef=float("nan"))}, "'kl'.*coef")):
+        with pytest.raises(ValueError, match=match):
+            Recorder(str(tmp_path), 0, 0, 1, terms=terms)
+    rec = Recorder(str(tmp_path), 0, 0, 1, terms={"kl": dict(coef=0.1)})
+    assert rec.terms == {"kl": {"reduce": "per-token", "coef": "0.1", "mask": "loss"}}
 
 
 def _two_samples():

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import lossguard_capture as lc  # noqa: E402
-from lossguard_capture import Capture, CaptureWarning, Recorder, zigzag_owned  # noqa: E402
+from lossguard_capture import Capture, CaptureWarning, zigzag_owned  # noqa: E402
 
 BASE_META = {"lossguard.schema", "step", "rank", "world_size", "tp", "pp", "cp", "dp", "tp_rank", "pp_rank",
              "cp_rank", "dp_rank", "cp_layout", "reduce", "num_microbatches"}
@@ -94,31 +94,33 @@ def test_terms_on_a_cp_rank_in_owned_order_and_shape_check(tmp_path):
     owned = [zigzag_owned(16, 8, 2, 1), zigzag_owned(5, 4, 2, 1)]
     om = torch.tensor([float(masks[i][j]) for i in range(2) for j in owned[i]])
 
-    def mb(rec):
-        return rec.microbatch([10, 11], [list(range(16)), [3, 4, 5, 6, 7]], [16, 5], [8, 4], masks, cp_size=2)
+    def mb(s):
+        return s.microbatch(sample_indices=[10, 11], tokens=[list(range(16)), [3, 4, 5, 6, 7]], total_lengths=[16, 5],
+                            response_lengths=[8, 4], loss_masks=masks, cp_size=2)
 
-    rec = Recorder(str(tmp_path), 0, 1, 2, cp=2, cp_rank=1, terms={"aux": dict(coef=0.5, mask="all")})
-    h = mb(rec)
-    l, a = torch.randn(7, requires_grad=True) * 1.0, torch.randn(7, requires_grad=True) * 1.0
-    h.hook(l)
-    h.hook(a, term="aux")
-    (((l * om).sum() + 0.5 * a.sum()) / 4).backward()
-    t = load_file(rec.finish(grad_scale=1.0))
+    # rank 1 of 2 with cp=2: cp_rank 1
+    with Capture(str(tmp_path), rank=1, world_size=2, cp=2, terms={"aux": dict(coef=0.5, mask="all")}).step(0) as s:
+        h = mb(s)
+        l, a = torch.randn(7, requires_grad=True) * 1.0, torch.randn(7, requires_grad=True) * 1.0
+        h.hook(l)
+        h.hook(a, term="aux")
+        (((l * om).sum() + 0.5 * a.sum()) / 4).backward()
+        t = load_file(s.finish(grad_scale=1.0))
     torch.testing.assert_close(t["mb.0.token_weight"], om / 4)
     torch.testing.assert_close(t["mb.0.term.aux.token_weight"], torch.full((7,), 0.125))
 
-    rec = Recorder(str(tmp_path), 0, 1, 2, cp=2, cp_rank=1)
-    h = mb(rec)
-    h.hook(torch.zeros(7))
-    h.hook(torch.zeros(6), term="kl")
     with pytest.raises(ValueError, match="term 'kl'.*owns 7"):
-        rec.finish(grad_scale=1.0)
-    rec = Recorder(str(tmp_path), 0, 1, 2, cp=2, cp_rank=1, strict=False)
-    h = mb(rec)
-    h.hook(torch.zeros(7))
-    h.hook(torch.zeros(6), term="kl")
-    with pytest.warns(CaptureWarning, match="term 'kl'"):
-        rec.finish(grad_scale=1.0)
+        with Capture(str(tmp_path), rank=1, world_size=2, cp=2).step(0) as s:
+            h = mb(s)
+            h.hook(torch.zeros(7))
+            h.hook(torch.zeros(6), term="kl")
+            s.finish(grad_scale=1.0)
+    with Capture(str(tmp_path), rank=1, world_size=2, cp=2, strict=False).step(0) as s:
+        h = mb(s)
+        h.hook(torch.zeros(7))
+        h.hook(torch.zeros(6), term="kl")
+        with pytest.warns(CaptureWarning, match="term 'kl'"):
+            s.finish(grad_scale=1.0)
 
 
 def test_undeclared_term_is_written(tmp_path):
@@ -139,12 +141,18 @@ def test_undeclared_term_is_written(tmp_path):
     assert not any(n.startswith("mb.0.term.kl.") for n in t)    # declared, never hooked: not run
 
 
+def tiny_mb(s, **kw):
+    # sample 0: T=3, R=2, mask 1 1
+    return s.microbatch(sample_indices=[0], tokens=[1, 2, 3], total_lengths=[3], response_lengths=[2],
+                        loss_masks=[1, 1], cp_size=1, **kw)
+
+
 def test_undeclared_terms_without_any_declaration(tmp_path):
-    rec = Recorder(str(tmp_path), 0, 0, 1)
-    h = rec.microbatch([0], [1, 2, 3], [3], [2], [1, 1], cp_size=1)
-    h.hook(torch.zeros(2))
-    h.hook(torch.zeros(2), term="kl")
-    path = rec.finish(grad_scale=1.0)
+    with Capture(str(tmp_path)).step(0) as s:
+        h = tiny_mb(s)
+        h.hook(torch.zeros(2))
+        h.hook(torch.zeros(2), term="kl")
+        path = s.finish(grad_scale=1.0)
     assert "terms" not in meta_of(path)
     assert load_file(path)["mb.0.term.kl.token_weight"].tolist() == [0.0, 0.0]
 
@@ -165,8 +173,6 @@ def test_undeclared_terms_without_any_declaration(tmp_path):
 def test_bad_declarations_raise(tmp_path, terms, match):
     with pytest.raises(ValueError, match=match):
         Capture(str(tmp_path), terms=terms)
-    with pytest.raises(ValueError, match=match):
-        Recorder(str(tmp_path), 0, 0, 1, terms=terms)
 
 
 def test_good_declarations(tmp_path):
@@ -201,54 +207,55 @@ def test_field_mask(tmp_path):
     assert "mb.0.term.aux.mask" not in t and meta_of(path)["term.kl.mask"] == "field"
 
     def with_mask(mask):
-        rec = Recorder(str(tmp_path), 0, 0, 1, terms={"kl": dict(mask="field")})
-        h = rec.microbatch([4], [5, 6, 7, 8, 9, 10], [6], [4], [1, 0, 1, 1], cp_size=1)
-        h.hook(torch.zeros(4))
-        h.hook(torch.zeros(4), term="kl", mask=mask)
-        return rec
+        with Capture(str(tmp_path), terms={"kl": dict(mask="field")}).step(0) as s:
+            h = one_sample_mb(s)
+            h.hook(torch.zeros(4))
+            h.hook(torch.zeros(4), term="kl", mask=mask)
+            return s.finish(grad_scale=1.0)
     with pytest.raises(ValueError, match="'kl': the field mask has 3 entries"):
-        with_mask([1, 1, 1]).finish(grad_scale=1.0)
+        with_mask([1, 1, 1])
     with pytest.raises(ValueError, match="'kl': the field mask holds values other than 0 and 1"):
-        with_mask([1, 2, 0, 1]).finish(grad_scale=1.0)
-    assert load_file(with_mask([1.0, 0.0, 0.0, 1.0]).finish(grad_scale=1.0))["mb.0.term.kl.mask"].dtype == torch.int64
+        with_mask([1, 2, 0, 1])
+    assert load_file(with_mask([1.0, 0.0, 0.0, 1.0]))["mb.0.term.kl.mask"].dtype == torch.int64
 
 
 def test_one_hook_per_term_and_bad_calls(tmp_path):
-    rec = Recorder(str(tmp_path), 0, 0, 1, terms={"kl": {}})
-    h = rec.microbatch([4], [5, 6, 7, 8, 9, 10], [6], [4], [1, 0, 1, 1], cp_size=1)
-    h.hook(torch.zeros(4), term="kl")
-    with pytest.raises(RuntimeError, match="'kl'.*already hooked"):
+    with Capture(str(tmp_path), terms={"kl": {}}).step(0) as s:
+        h = one_sample_mb(s)
         h.hook(torch.zeros(4), term="kl")
-    h.hook(torch.zeros(4))                                # the main term is independent
-    with pytest.raises(RuntimeError, match="already hooked"):
-        h.hook(torch.zeros(4))
-    h.hook(torch.zeros(4), term="mtp")                    # another term too
-    for bad in ("main", "KL", "a,b", ""):
-        with pytest.raises(ValueError):
-            h.hook(torch.zeros(4), term=bad)
-    with pytest.raises(ValueError, match="sample_denoms"):
-        h.set(sample_denoms=[3], term="kl")
-    with pytest.raises(TypeError):
-        h.hook(torch.zeros(4, dtype=torch.int64), term="z")
-    t = load_file(rec.finish(grad_scale=1.0))
+        with pytest.raises(RuntimeError, match="'kl'.*already hooked"):
+            h.hook(torch.zeros(4), term="kl")
+        h.hook(torch.zeros(4))                                # the main term is independent
+        with pytest.raises(RuntimeError, match="already hooked"):
+            h.hook(torch.zeros(4))
+        h.hook(torch.zeros(4), term="mtp")                    # another term too
+        for bad in ("main", "KL", "a,b", ""):
+            with pytest.raises(ValueError):
+                h.hook(torch.zeros(4), term=bad)
+        with pytest.raises(ValueError, match="sample_denoms"):
+            h.set(sample_denoms=[3], term="kl")
+        with pytest.raises(TypeError):
+            h.hook(torch.zeros(4, dtype=torch.int64), term="z")
+        t = load_file(s.finish(grad_scale=1.0))
     assert {n for n in t if ".term." in n} == {"mb.0.term.kl.token_weight", "mb.0.term.kl.token_loss",
                                                 "mb.0.term.mtp.token_weight", "mb.0.term.mtp.token_loss"}
 
 
 def test_term_count_without_hook(tmp_path):
     # a rank that owns nothing of the micro-batch may set a term's count without hooking: zero-length weights
-    rec = Recorder(str(tmp_path), 0, 0, 2, cp=2, cp_rank=0)
-    h = rec.microbatch([0], list(range(10)), [10], [4], [1] * 4, cp_size=2)
-    h.set(num_tokens=0, term="kl")
-    t = load_file(rec.finish(grad_scale=1.0))
+    with Capture(str(tmp_path), rank=0, world_size=2, cp=2).step(0) as s:        # cp_rank 0
+        h = s.microbatch(sample_indices=[0], tokens=list(range(10)), total_lengths=[10], response_lengths=[4],
+                         loss_masks=[1] * 4, cp_size=2)
+        h.set(num_tokens=0, term="kl")
+        t = load_file(s.finish(grad_scale=1.0))
     assert t["mb.0.term.kl.token_weight"].shape == (0,) and t["mb.0.term.kl.num_tokens"].item() == 0
     # one that owns tokens must hook the term it counts
-    rec = Recorder(str(tmp_path), 0, 0, 1)
-    h = rec.microbatch([0], [1, 2, 3], [3], [2], [1, 1], cp_size=1)
-    h.hook(torch.zeros(2))
-    h.set(num_tokens=2, term="kl")
     with pytest.raises(ValueError, match="'kl': num_tokens was set but no per-token loss"):
-        rec.finish(grad_scale=1.0)
+        with Capture(str(tmp_path)).step(0) as s:
+            h = tiny_mb(s)
+            h.hook(torch.zeros(2))
+            h.set(num_tokens=2, term="kl")
+            s.finish(grad_scale=1.0)
 
 
 @pytest.mark.parametrize("main, terms, want", [
@@ -257,16 +264,16 @@ def test_term_count_without_hook(tmp_path):
     (torch.bfloat16, [torch.float16], "bfloat16"),
 ])
 def test_dtype_is_the_least_precise_over_every_term(tmp_path, main, terms, want):
-    rec = Recorder(str(tmp_path), 0, 0, 1)
-    h = rec.microbatch([0], [1, 2, 3], [3], [2], [1, 1], cp_size=1)
-    h.hook(torch.ones(2, dtype=main, requires_grad=True) * 1)
-    tensors = [torch.ones(2, dtype=d, requires_grad=True) * 1 for d in terms]
-    for i, x in enumerate(tensors):
-        h.hook(x, term=f"t{i}")
-    sum(x.sum().to(torch.float32) for x in tensors).backward()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", CaptureWarning)      # terms in other dtypes than main: no warning
-        path = rec.finish(grad_scale=1.0)
+    with Capture(str(tmp_path)).step(0) as s:
+        h = tiny_mb(s)
+        h.hook(torch.ones(2, dtype=main, requires_grad=True) * 1)
+        tensors = [torch.ones(2, dtype=d, requires_grad=True) * 1 for d in terms]
+        for i, x in enumerate(tensors):
+            h.hook(x, term=f"t{i}")
+        sum(x.sum().to(torch.float32) for x in tensors).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CaptureWarning)      # terms in other dtypes than main: no warning
+            path = s.finish(grad_scale=1.0)
     assert meta_of(path)["dtype"] == want
     t = load_file(path)
     for i, d in enumerate(terms):
@@ -314,23 +321,25 @@ def test_inactive_step_takes_the_term_arguments(tmp_path):
 
 
 def test_no_host_sync_with_terms(tmp_path, monkeypatch):
-    rec = Recorder(str(tmp_path), 0, 0, 1, terms={"kl": dict(mask="field")})
+    cap = Capture(str(tmp_path), terms={"kl": dict(mask="field")})
     originals = {n: getattr(torch.Tensor, n) for n in ("item", "cpu", "tolist", "numpy", "__int__", "__float__")}
 
     def forbid(name):
         def f(self, *a, **k):
             raise AssertionError(f"host sync: Tensor.{name} called before finish()")
         return f
-    for n in originals:
-        monkeypatch.setattr(torch.Tensor, n, forbid(n))
-    h = rec.microbatch([0], torch.tensor([1, 2, 3]), torch.tensor([3]), torch.tensor([2]), torch.tensor([1, 1]),
-                       cp_size=1)
-    x, y = torch.ones(2, requires_grad=True) * 1, torch.ones(2, requires_grad=True) * 1
-    h.hook(x)
-    h.hook(y, term="kl", mask=torch.tensor([1, 0]))
-    h.set(num_tokens=torch.tensor(1), term="kl")
-    (x.sum() + 0.5 * y.sum()).backward()
-    for n, f in originals.items():
-        monkeypatch.setattr(torch.Tensor, n, f)
-    t = load_file(rec.finish(grad_scale=1.0))
+    with cap.step(0) as s:
+        for n in originals:
+            monkeypatch.setattr(torch.Tensor, n, forbid(n))
+        h = s.microbatch(sample_indices=torch.tensor([0]), tokens=torch.tensor([1, 2, 3]),
+                         total_lengths=torch.tensor([3]), response_lengths=torch.tensor([2]),
+                         loss_masks=torch.tensor([1, 1]), cp_size=1)
+        x, y = torch.ones(2, requires_grad=True) * 1, torch.ones(2, requires_grad=True) * 1
+        h.hook(x)
+        h.hook(y, term="kl", mask=torch.tensor([1, 0]))
+        h.set(num_tokens=torch.tensor(1), term="kl")
+        (x.sum() + 0.5 * y.sum()).backward()
+        for n, f in originals.items():
+            monkeypatch.setattr(torch.Tensor, n, f)
+        t = load_file(s.finish(grad_scale=1.0))
     assert t["mb.0.term.kl.token_weight"].tolist() == [0.5, 0.5] and t["mb.0.term.kl.mask"].tolist() == [1, 0]

@@ -68,7 +68,7 @@ With several bugs (--bug a,b or --bug all) each runs from the same initial model
 Captures: DIR/step{k:06d}-rank{r:05d}.safetensors.  With --check-grad also
 DIR/grad-step{k}-rank{r}.pt (the final all-reduced, scaled gradient, by parameter name) and
 DIR/params-step{k}-rank{r}.pt (the parameters the step's forward used).  --no-capture trains the same way
-without a recorder (no capture file; for bench/capture_overhead.py).
+without recording (Capture(steps=()): no capture file; for bench/capture_overhead.py).
 """
 import argparse
 import copy
@@ -215,7 +215,8 @@ def per_token_nll(model, tokens, T, R, owned):
     return -lp.gather(1, torch.tensor(tgt, dtype=torch.int64)[:, None])[:, 0]
 
 
-def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank, dp_group):
+def run_step(args, bug, model, opt, step, cap, out_dir, rank, dp_rank, cp_rank, dp_group):
+    """One step of the single-term objective; records it through `cap` (lc.Capture) when it selects the step."""
     dp, cp, M = args.dp, args.cp, args.microbatches
     empty = args.empty_step is not None and (args.empty_step == "all" or int(args.empty_step) == step)
     sparse = args.sparse_step is not None and args.sparse_step == step
@@ -225,92 +226,94 @@ def run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()},
                    os.path.join(out_dir, f"params-step{step}-rank{rank}.pt"))
 
-    capture = not getattr(args, "no_capture", False)
-    rec = lc.Recorder(out_dir, step, rank, world, tp=1, pp=1, cp=cp, dp=dp, tp_rank=0, pp_rank=0,
-                      cp_rank=cp_rank, dp_rank=dp_rank, cp_layout="zigzag", reduce="per-token") if capture else None
     opt.zero_grad()
     count_local = 0          # the trainer's own count (sum of its num_tokens)
     owned_local = 0          # docs/semantics.md §3 fixed count on this rank
     loss_sum = torch.zeros((), dtype=torch.float64)
-    for k, idx in enumerate(mbs):
-        samples = [batch[i] for i in idx]
-        if not samples:      # uneven split: a dummy micro-batch that carries no loss
-            if capture:
-                rec.microbatch([], [], [], [], [], cp_size=cp, num_tokens=0, dummy=True)
-            continue
-        pieces, masks = [], []
-        for s in samples:
-            owned = lc.zigzag_owned(s["T"], s["R"], cp, cp_rank)
-            if owned:
-                pieces.append(per_token_nll(model, s["tokens"], s["T"], s["R"], owned))
-                masks.append(s["mask"][torch.tensor(owned, dtype=torch.int64)])
-        if pieces:
-            l = torch.cat(pieces)
-            m = torch.cat(masks).to(l.dtype)
-        else:                # owns nothing here: an empty per-token loss still on the graph
-            l = model.head.bias[:0] * 1.0
-            m = torch.zeros(0, dtype=l.dtype)
-        n_owned = int(sum(int(x.sum()) for x in masks))
-        m_full = [int(s["mask"].sum()) for s in samples]
-        clamped = sum(max(x, 1) for x in m_full)
-        if bug == "full-sample-count":
-            num_tokens = sum(m_full)
-        elif bug == "missing-cp-scale" or (bug == "clamp-cp1" and cp == 1):
-            num_tokens = clamped
-        else:
-            num_tokens = n_owned
-        if capture:
-            h = rec.microbatch(idx, [s["tokens"] for s in samples], [s["T"] for s in samples],
-                               [s["R"] for s in samples], [s["mask"] for s in samples], cp_size=cp,
-                               num_tokens=torch.tensor(num_tokens, dtype=torch.int64))
-            h.hook(l)
-        summed = (l * m).sum()
+    with cap.step(step) as rec:      # --no-capture: an inactive step; `rec.active` skips building the records
+        for k, idx in enumerate(mbs):
+            samples = [batch[i] for i in idx]
+            if not samples:      # uneven split: a dummy micro-batch that carries no loss
+                if rec.active:
+                    rec.microbatch(sample_indices=[], tokens=[], total_lengths=[], response_lengths=[],
+                                   loss_masks=[], cp_size=cp, num_tokens=0, dummy=True)
+                continue
+            pieces, masks = [], []
+            for s in samples:
+                owned = lc.zigzag_owned(s["T"], s["R"], cp, cp_rank)
+                if owned:
+                    pieces.append(per_token_nll(model, s["tokens"], s["T"], s["R"], owned))
+                    masks.append(s["mask"][torch.tensor(owned, dtype=torch.int64)])
+            if pieces:
+                l = torch.cat(pieces)
+                m = torch.cat(masks).to(l.dtype)
+            else:                # owns nothing here: an empty per-token loss still on the graph
+                l = model.head.bias[:0] * 1.0
+                m = torch.zeros(0, dtype=l.dtype)
+            n_owned = int(sum(int(x.sum()) for x in masks))
+            m_full = [int(s["mask"].sum()) for s in samples]
+            clamped = sum(max(x, 1) for x in m_full)
+            if bug == "full-sample-count":
+                num_tokens = sum(m_full)
+            elif bug == "missing-cp-scale" or (bug == "clamp-cp1" and cp == 1):
+                num_tokens = clamped
+            else:
+                num_tokens = n_owned
+            if rec.active:
+                h = rec.microbatch(sample_indices=idx, tokens=[s["tokens"] for s in samples],
+                                   total_lengths=[s["T"] for s in samples],
+                                   response_lengths=[s["R"] for s in samples],
+                                   loss_masks=[s["mask"] for s in samples], cp_size=cp,
+                                   num_tokens=torch.tensor(num_tokens, dtype=torch.int64))
+                h.hook(l)
+            summed = (l * m).sum()
+            if bug == "microbatch-mean":
+                if n_owned > 0:
+                    L = summed / n_owned / M
+                else:            # a mean over zero tokens: NaN value, zero gradient (as cross_entropy's mean)
+                    L = summed * 0.0 + float("nan")
+            else:
+                L = summed
+            if rec.active:
+                h.loss(L)
+            L.backward()
+            count_local += num_tokens
+            owned_local += n_owned
+            loss_sum += summed.detach().to(torch.float64)
+
+        counts = torch.tensor([count_local, owned_local], dtype=torch.int64)
+        dist.all_reduce(counts)
+        n_used, n_fixed = int(counts[0]), int(counts[1])
+        dist.all_reduce(loss_sum)
+        num_tokens_reduced = n_used
         if bug == "microbatch-mean":
-            if n_owned > 0:
-                L = summed / n_owned / M
-            else:            # a mean over zero tokens: NaN value, zero gradient (as cross_entropy's mean)
-                L = summed * 0.0 + float("nan")
+            grad_scale = 1.0 / (dp * cp)
+            num_tokens_reduced = None
+        elif bug == "count-dp-only":
+            n_dp = torch.tensor(count_local, dtype=torch.int64)
+            dist.all_reduce(n_dp, group=dp_group)
+            num_tokens_reduced = int(n_dp)
+            grad_scale = 1.0 / max(num_tokens_reduced, 1)
         else:
-            L = summed
-        if capture:
-            h.loss(L)
-        L.backward()
-        count_local += num_tokens
-        owned_local += n_owned
-        loss_sum += summed.detach().to(torch.float64)
+            grad_scale = 1.0 / max(n_used, 1)
 
-    counts = torch.tensor([count_local, owned_local], dtype=torch.int64)
-    dist.all_reduce(counts)
-    n_used, n_fixed = int(counts[0]), int(counts[1])
-    dist.all_reduce(loss_sum)
-    num_tokens_reduced = n_used
-    if bug == "microbatch-mean":
-        grad_scale = 1.0 / (dp * cp)
-        num_tokens_reduced = None
-    elif bug == "count-dp-only":
-        n_dp = torch.tensor(count_local, dtype=torch.int64)
-        dist.all_reduce(n_dp, group=dp_group)
-        num_tokens_reduced = int(n_dp)
-        grad_scale = 1.0 / max(num_tokens_reduced, 1)
-    else:
-        grad_scale = 1.0 / max(n_used, 1)
-
-    params = list(model.parameters())
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    if bug == "count-dp-only":   # per-rank scale: applied before the sum keeps replicas identical
-        flat.mul_(grad_scale)
-        dist.all_reduce(flat)
-    else:
-        dist.all_reduce(flat)
-        flat.mul_(grad_scale)
-    skipped = (owned_local == 0) if bug == "local-skip" else (n_used == 0)
-    grad_norm = apply_step(model, params, flat, opt, skipped, args, out_dir, step, rank)
-    if not capture:
-        return
-    denom = n_fixed if bug == "microbatch-mean" else (num_tokens_reduced if num_tokens_reduced is not None else n_used)
-    rec.finish(grad_scale, num_tokens_reduced=num_tokens_reduced, skipped=skipped, grad_norm=grad_norm,
-               global_batch_size=len(batch), metrics_values=torch.stack([torch.tensor(float(denom), dtype=torch.float64), loss_sum]),
-               metrics_keys=["nll"])
+        params = list(model.parameters())
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if bug == "count-dp-only":   # per-rank scale: applied before the sum keeps replicas identical
+            flat.mul_(grad_scale)
+            dist.all_reduce(flat)
+        else:
+            dist.all_reduce(flat)
+            flat.mul_(grad_scale)
+        skipped = (owned_local == 0) if bug == "local-skip" else (n_used == 0)
+        grad_norm = apply_step(model, params, flat, opt, skipped, args, out_dir, step, rank)
+        if rec.active:
+            denom = n_fixed if bug == "microbatch-mean" else (num_tokens_reduced if num_tokens_reduced is not None
+                                                               else n_used)
+            rec.finish(grad_scale=grad_scale, num_tokens_reduced=num_tokens_reduced, skipped=skipped,
+                       grad_norm=grad_norm, global_batch_size=len(batch),
+                       metrics_values=torch.stack([torch.tensor(float(denom), dtype=torch.float64), loss_sum]),
+                       metrics_keys=["nll"])
 
 
 def term_targets(tokens, T, R, owned):
@@ -484,16 +487,18 @@ def main(argv=None):
             os.makedirs(out_dir, exist_ok=True)
             model = make_model(args.seed, dtype, mtp=args.terms)
             opt = SGD(model.parameters(), lr=0.1)
+            terms = None
             if args.terms:
                 ref = copy.deepcopy(model).requires_grad_(False)       # frozen: the initial model
                 terms = {n: d for n, d in TERMS.items() if not (bug == "aux-undeclared" and n == "aux")}
-                cap = lc.Capture(out_dir, reduce="per-token", cp=args.cp, terms=terms,
-                                 steps=() if args.no_capture else None)
+            # one per run: rank, world and the coordinates (cp_rank, dp_rank) found from the process group
+            cap = lc.Capture(out_dir, reduce="per-token", cp=args.cp, terms=terms,
+                             steps=() if args.no_capture else None)
             for step in range(args.steps):
                 if args.terms:
                     run_terms_step(args, bug, model, ref, opt, step, cap, out_dir, rank)
                 else:
-                    run_step(args, bug, model, opt, step, out_dir, rank, world, dp_rank, cp_rank, dp_group)
+                    run_step(args, bug, model, opt, step, cap, out_dir, rank, dp_rank, cp_rank, dp_group)
         dist.barrier()
     finally:
         dist.destroy_process_group()

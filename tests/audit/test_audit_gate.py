@@ -48,20 +48,24 @@ def write_step(out, dp, cp, layout, dtype=torch.float32, global_batch_size=None,
     gen = torch.Generator().manual_seed(0)
     for d in range(dp):
         for c in range(cp):
-            rec = lc.Recorder(out, 0, d * cp + c, dp * cp, cp=cp, dp=dp, cp_rank=c, dp_rank=d, reduce=reduce)
-            for cp_size, groups in layout[d]:
-                idx = groups[c // cp_size]
-                owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
-                mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js], dtype=dtype)
-                h = rec.microbatch(idx, [tokens_of(i) for i in idx], [SAMPLES[i][0] for i in idx],
-                                   [SAMPLES[i][1] for i in idx], [SAMPLES[i][2] for i in idx], cp_size)
-                per_token = (torch.rand(mask.numel(), generator=gen) * 3).to(dtype).requires_grad_()
-                h.hook(per_token)
-                loss = (per_token * mask).sum() / denominator
-                h.loss(loss)
-                loss.backward()
-            rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0,
-                       global_batch_size=global_batch_size, l_norm=l_norm if record_l_norm else None)
+            # rank d * cp + c: Megatron's order gives it cp_rank c, dp_rank d
+            cap = lc.Capture(out, reduce=reduce, cp=cp, dp=dp, rank=d * cp + c, world_size=dp * cp)
+            with cap.step(0) as s:
+                for cp_size, groups in layout[d]:
+                    idx = groups[c // cp_size]
+                    owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
+                    mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js], dtype=dtype)
+                    h = s.microbatch(sample_indices=idx, tokens=[tokens_of(i) for i in idx],
+                                     total_lengths=[SAMPLES[i][0] for i in idx],
+                                     response_lengths=[SAMPLES[i][1] for i in idx],
+                                     loss_masks=[SAMPLES[i][2] for i in idx], cp_size=cp_size)
+                    per_token = (torch.rand(mask.numel(), generator=gen) * 3).to(dtype).requires_grad_()
+                    h.hook(per_token)
+                    loss = (per_token * mask).sum() / denominator
+                    h.loss(loss)
+                    loss.backward()
+                s.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0,
+                         global_batch_size=global_batch_size, l_norm=l_norm if record_l_norm else None)
 
 
 STATIC = [[(2, [[0, 1]]), (2, [[2]])], [(2, [[3, 4]])]]                # DP 2 x CP 2, M = 2 / 1
@@ -199,7 +203,8 @@ def test_a_dropped_sample_fails_coverage(tmp_path):
 
 def test_captures_without_samples_verify_nothing(tmp_path):
     for r in range(2):
-        lc.Recorder(str(tmp_path), 0, r, 2, dp=2, dp_rank=r).finish(grad_scale=0.5)
+        with lc.Capture(str(tmp_path), rank=r, world_size=2).step(0) as s:      # DP 2: dp_rank r
+            s.finish(grad_scale=0.5)
     code, doc, err = audit(tmp_path)
     assert code == 4, (code, err)
     assert "no sample" in err
@@ -302,22 +307,25 @@ def write_terms_step(out):
     terms = {"kl": dict(reduce="per-token", coef=KL_COEF, mask="loss")}
     for d in range(2):
         for c in range(2):
-            rec = lc.Recorder(out, 0, d * 2 + c, 4, cp=2, dp=2, cp_rank=c, dp_rank=d, terms=terms)
-            for cp_size, groups in STATIC[d]:
-                idx = groups[c // cp_size]
-                owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
-                mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js],
-                                    dtype=torch.float32)
-                h = rec.microbatch(idx, [tokens_of(i) for i in idx], [SAMPLES[i][0] for i in idx],
-                                   [SAMPLES[i][1] for i in idx], [SAMPLES[i][2] for i in idx], cp_size)
-                main = (torch.rand(mask.numel(), generator=gen) * 3).requires_grad_()
-                kl = torch.rand(mask.numel(), generator=gen).requires_grad_()
-                h.hook(main)
-                h.hook(kl, term="kl")
-                loss = (main * mask).sum() / N + KL_COEF * (kl * mask).sum() / N
-                h.loss(loss)
-                loss.backward()
-            rec.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0)
+            cap = lc.Capture(out, cp=2, dp=2, rank=d * 2 + c, world_size=4, terms=terms)   # cp_rank c, dp_rank d
+            with cap.step(0) as s:
+                for cp_size, groups in STATIC[d]:
+                    idx = groups[c // cp_size]
+                    owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp_size, c % cp_size) for i in idx]
+                    mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js],
+                                        dtype=torch.float32)
+                    h = s.microbatch(sample_indices=idx, tokens=[tokens_of(i) for i in idx],
+                                     total_lengths=[SAMPLES[i][0] for i in idx],
+                                     response_lengths=[SAMPLES[i][1] for i in idx],
+                                     loss_masks=[SAMPLES[i][2] for i in idx], cp_size=cp_size)
+                    main = (torch.rand(mask.numel(), generator=gen) * 3).requires_grad_()
+                    kl = torch.rand(mask.numel(), generator=gen).requires_grad_()
+                    h.hook(main)
+                    h.hook(kl, term="kl")
+                    loss = (main * mask).sum() / N + KL_COEF * (kl * mask).sum() / N
+                    h.loss(loss)
+                    loss.backward()
+                s.finish(grad_scale=1.0, num_tokens_reduced=N, skipped=False, grad_norm=1.0)
 
 
 @pytest.fixture(scope="module")
