@@ -241,9 +241,9 @@ struct OwnedCounts {
 // tokens (its own mask), and the mask it counts (its own, or main's for count-of=main) with its
 // sums per sample.
 struct TermMasks {
-  std::vector<int64_t> own_sum;                   // [S]
-  std::vector<int64_t> counted_sum;               // [S]
-  const std::vector<uint8_t>* counted = nullptr;  // [sum R]
+  std::vector<int64_t> own_sum;                                          // [S]
+  std::vector<int64_t> counted_sum;                                      // [S]
+  const std::vector<uint8_t>* counted = nullptr;                         // [sum R]
   std::shared_ptr<OwnedCounts> owned = std::make_shared<OwnedCounts>();  // shared by copies
 };
 
