@@ -646,6 +646,46 @@ AuditCheck loss_check(const Measurement& m) {
   return {"loss", true, "every loss is the sum of token_weight x token_loss"};
 }
 
+// Pipeline stages (SPEC §10): a stage before the last computes no loss; it must apply the scaling
+// the last stage of its (DP, CP) coordinate applied and hold the count that stage reduced
+// (Megatron's finalize_model_grads broadcasts it from the last stage). Judged only when PP > 1.
+AuditCheck stages_check(const LossRanks& ranks, const std::vector<const RankCapture*>& all) {
+  Problems problems;
+  int64_t compared = 0;
+  for (const RankCapture* c : all) {
+    if (c->pp_rank == c->pp - 1) continue;
+    if (!c->microbatches.empty()) {
+      problems.add(
+          fmt::format("{} is pipeline stage {} of {} but records {} micro-batch(es): only "
+                      "the last stage computes the loss",
+                      where(*c), c->pp_rank, c->pp, c->microbatches.size()));
+    }
+    const auto it = ranks.by_coord.find({c->dp_rank, c->cp_rank});
+    if (it == ranks.by_coord.end()) continue;  // reported as missing (exit 2) before this
+    const RankCapture& last = *it->second;
+    ++compared;
+    const double a = c->grad_scale, b = last.grad_scale;
+    if (!(std::fabs(a - b) <= 1e-12 * std::max(std::fabs(a), std::fabs(b)))) {
+      problems.add(
+          fmt::format("{} scaled its gradients by {:.9g} where the last stage ({}) scaled "
+                      "by {:.9g}: the stages train with different normalisations",
+                      where(*c), a, last.file, b));
+    }
+    if (c->num_tokens_reduced && last.num_tokens_reduced &&
+        *c->num_tokens_reduced != *last.num_tokens_reduced) {
+      problems.add(
+          fmt::format("{} holds num_tokens_reduced {} where the last stage ({}) reduced {}: "
+                      "the count did not reach it",
+                      where(*c), *c->num_tokens_reduced, last.file, *last.num_tokens_reduced));
+    }
+  }
+  if (!problems.empty()) return {"stages", false, problems.text()};
+  return {"stages", true,
+          fmt::format("{} rank(s) of the earlier stage(s) applied the last stage's gradient scale "
+                      "and hold its count",
+                      compared)};
+}
+
 // The skip decision: expected from the global fixed count, identical on every rank; a stepping
 // rank's norm finite, a skipping rank's 0.
 AuditCheck decision_check(const AuditStep& out, const std::vector<const RankCapture*>& all) {
@@ -672,9 +712,11 @@ AuditCheck decision_check(const AuditStep& out, const std::vector<const RankCapt
     if (!c->skipped) continue;
     ++recorded;
     if (*c->skipped != out.expected_skip) {
-      problems.add(fmt::format("rank {} {} (expected {}: N = {})", c->rank,
-                               *c->skipped ? "skipped" : "stepped",
-                               out.expected_skip ? "skip" : "step", out.global_tokens));
+      problems.add(fmt::format(
+          "rank {}{} {} (expected {}: N = {})", c->rank,
+          c->pp > 1 ? fmt::format(" (pipeline stage {} of {})", c->pp_rank, c->pp) : std::string(),
+          *c->skipped ? "skipped" : "stepped", out.expected_skip ? "skip" : "step",
+          out.global_tokens));
     }
     if (*c->skipped && c->grad_norm && *c->grad_norm != 0.0 && std::isfinite(*c->grad_norm))
       problems.add(fmt::format("rank {} skipped but reports grad_norm {}", c->rank, *c->grad_norm));
@@ -1200,6 +1242,7 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   } else {
     weigh_step(out, m, all, ranks, rebuilt.position, sizes, opt, owned, per_token_objective);
   }
+  if (first.pp > 1) out.checks.push_back(stages_check(ranks, all));
   out.checks.push_back(decision_check(out, all));
   out.checks.push_back(metrics_check(all));
   return out;

@@ -881,9 +881,19 @@ std::string WeightDiagnosis::summary() const {
         scale, tokens);
   }
   if (kind == "uniform-scale") {
-    return fmt::format("uniform scale ×{:.6g}{}: every token's weight is off by the same factor{}",
-                       scale, named.empty() ? "" : fmt::format(" = {}", named),
-                       scale_problem.empty() ? "" : "; " + scale_problem);
+    // 1/tp: the count (or the mean) spans the tensor-parallel replicas, which hold the same
+    // tokens: TP ranks counted as data-parallel ranks (SPEC §10; transformers #39674's shape).
+    const bool tp_named = (" or " + named + " or ").find(" or 1/tp or ") != std::string::npos;
+    const std::string replicas =
+        !tp_named ? std::string()
+                  : fmt::format(
+                        " ({}tensor-parallel replicas counted as data-parallel ranks: a count "
+                        "or mean over the whole world)",
+                        named == "1/tp" ? "" : "if 1/tp: ");
+    return fmt::format(
+        "uniform scale ×{:.6g}{}{}: every token's weight is off by the same factor{}", scale,
+        named.empty() ? "" : fmt::format(" = {}", named), replicas,
+        scale_problem.empty() ? "" : "; " + scale_problem);
   }
   std::string unit = kind == "per-rank"         ? "per-DP-rank"
                      : kind == "per-microbatch" ? "per-micro-batch"
