@@ -556,7 +556,7 @@ class _Step:
     def _tensors(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                  global_batch_size: Any, metrics_values: Any,
                  metrics_keys: Optional[Sequence[str]],
-                 l_norm: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                 l_norm: Any = None, scheduler_stepped: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         out: Dict[str, torch.Tensor] = {}
         for mb in self.microbatches:
             out.update(mb._tensors(self.cp_rank, self.cp_layout, self.strict))
@@ -568,6 +568,9 @@ class _Step:
             out["num_tokens_reduced"] = _int_or_float64(_as_tensor(num_tokens_reduced).cpu().reshape(()), "num_tokens_reduced")
         if skipped is not None:
             out["skipped"] = torch.tensor(1 if bool(_as_tensor(skipped).cpu().reshape(())) else 0, dtype=torch.int64)
+        if scheduler_stepped is not None:          # whether the LR scheduler advanced this step (§10)
+            out["scheduler_stepped"] = torch.tensor(1 if bool(_as_tensor(scheduler_stepped).cpu().reshape(())) else 0,
+                                                    dtype=torch.int64)
         if grad_norm is not None:
             out["grad_norm"] = _as_tensor(grad_norm).cpu().reshape(()).to(torch.float64)
         if global_batch_size is not None:
@@ -603,12 +606,12 @@ class _Step:
 
     def _finish(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                 global_batch_size: Any, metrics_values: Any, metrics_keys: Optional[Sequence[str]],
-                l_norm: Any = None) -> str:
+                l_norm: Any = None, scheduler_stepped: Any = None) -> str:
         from safetensors.torch import save_file
 
         self._check_open()
         tensors, meta = self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                                      metrics_values, metrics_keys, l_norm)
+                                      metrics_values, metrics_keys, l_norm, scheduler_stepped)
         os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, capture_filename(self.step, self.rank))
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=self.out_dir)
@@ -655,20 +658,24 @@ class StepRecorder(_Step):
 
     def tensors(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                 grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-                metrics_keys: Optional[Sequence[str]] = None,
-                l_norm: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None,
+                scheduler_stepped: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         """The (tensors, metadata) that :meth:`finish` writes, for inspection."""
         return self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                             metrics_values, metrics_keys, l_norm)
+                             metrics_values, metrics_keys, l_norm, scheduler_stepped)
 
     def finish(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-               metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None) -> str:
+               metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None,
+               scheduler_stepped: Any = None) -> str:
         """Write the step's capture file (atomically) and return its path.  ``grad_scale`` is the factor
         this rank applied to its gradients after backward; the rest are optional step records (§10);
-        ``l_norm``: seq-mean-token-sum-norm's L_norm as the trainer used it."""
+        ``l_norm``: seq-mean-token-sum-norm's L_norm as the trainer used it; ``scheduler_stepped``: whether
+        the LR scheduler advanced (a skipped step advances neither it nor the optimizer).  A rank that
+        computes no loss (a pipeline stage before the last) records no micro-batch: only these step
+        records, which audit judges with the last stage's."""
         return self._finish(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                            metrics_values, metrics_keys, l_norm)
+                            metrics_values, metrics_keys, l_norm, scheduler_stepped)
 
     def __enter__(self) -> "StepRecorder":
         return self
