@@ -24,10 +24,10 @@ CONFIGURE = if [ ! -f $(BUILD)/build.ninja ]; then \
 configure: setup
 	@$(CONFIGURE)
 
-# The demo's set-up: the base venv and the Hugging Face venv its last steps run (not Megatron's or
+# The demo's set-up: the base venv and the Hugging Face and Megatron venvs its last steps run (not
 # verl's, which only the tests use).
 configure-demo:
-	@scripts/setup.sh && scripts/setup-trainers.sh hf
+	@scripts/setup.sh && scripts/setup-trainers.sh hf megatron
 	@$(CONFIGURE)
 
 build: configure

@@ -112,5 +112,20 @@ else
   echo "(skipped: $HF_PY is missing; scripts/setup-trainers.sh creates it)"
 fi
 
+step "Megatron-core at the shapes RL trainers run: pipeline stages, a loss over logits, the loop's own skip decision"
+MG_PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}-megatron/bin/python"
+if [ -x "$MG_PY" ]; then
+  MGCAP=$(mktemp -d /tmp/lossguard-demo-megatron.XXXX)
+  printf '$ torchrun --nproc-per-node 4 tests/trainers/megatron_shapes_driver.py --pp 2 --scenarios pt,first-stage-src   # PP 2 x DP 2, CPU\n'
+  OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$MG_PY" -m torch.distributed.run --standalone --nproc-per-node 4 \
+    tests/trainers/megatron_shapes_driver.py --out "$MGCAP" --pp 2 --scenarios pt,first-stage-src 2>&1 \
+    | grep -E "^lossguard_capture" | head -1 || true
+  run audit "$MGCAP/pt/adapter/captures/step000001"
+  step "The skip decision broadcast from the pipeline's first stage (it holds no loss): every stage skips a step with 12 tokens"
+  run audit "$MGCAP/first-stage-src/adapter/captures/step000000"
+else
+  echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
+fi
+
 step "And a hostile pickle is refused by name; nothing is executed"
 run inspect "$EX/hostile_os_system.pt"

@@ -3,13 +3,14 @@ scaling of what it returns, ``DistributedDataParallel``'s gradient reduction and
 
     import lossguard_capture.megatron as lcm
 
-    audit = lcm.attach(config, "captures", model=model, optimizer=optimizer)   # steps=(0,), fail_fast=True;
-                                    # after initialize_model_parallel, every rank; wraps
-                                    # config.finalize_model_grads_func and the optimizer's step
+    audit = lcm.attach(config, "captures", model=model, optimizer=optimizer,    # steps=(0,), fail_fast=True;
+                       scheduler=opt_param_scheduler)  # after initialize_model_parallel, every rank of every
+                                    # stage; wraps config.finalize_model_grads_func, the optimizer's and the
+                                    # LR scheduler's step
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)                             # the FULL micro-batch rows, before the CP split
-        local = get_batch_on_this_cp_rank(dict(batch))
+        local = get_batch_on_this_cp_rank({k: batch[k] for k in ("tokens", "labels", "loss_mask", "position_ids")})
         output = model(local["tokens"], local["position_ids"], None, labels=local["labels"])
         return output, audit.loss_func(partial(loss_func, local["loss_mask"]), tokens=batch["tokens"],
                                        loss_mask=batch["loss_mask"], sample_indices=batch["sample_indices"])
@@ -18,6 +19,15 @@ scaling of what it returns, ``DistributedDataParallel``'s gradient reduction and
         with audit.step(it):
             forward_backward_func(forward_step_func=forward_step, ...)
             update_successful, grad_norm, num_zeros = optimizer.step()
+            opt_param_scheduler.step(increment=global_batch_size)
+
+A loss function over LOGITS (a model called without labels) hands its per-token losses over where it forms
+them: ``token_loss = audit.per_token(vocab_parallel_cross_entropy(logits, labels))`` (and
+``audit.per_token(t, term="entropy")`` for a term declared in ``attach(..., terms=...)``).  With pipeline
+parallelism (the 1F1B schedule) every stage attaches and wraps its forward step's loss_func: the last stage
+records the samples and weights, the earlier stages their step records (``grad_scale``, the count
+``finalize_model_grads`` broadcast to them, ``skipped``, ``scheduler_stepped``, ``grad_norm``); ``lossguard
+audit``'s stages check compares them with the last stage's.
 
 On every rank of each step in ``steps`` it writes ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors``
 (docs/semantics.md §10) when the ``with`` block ends; ``lossguard audit captures/step{n:06d}`` judges it.
@@ -51,7 +61,9 @@ What is measured, and where (megatron-core 0.16.1; line numbers of that release,
 * ``mb.{k}.loss`` is that backpropagated scalar: the tensor the ``loss_func`` returned, read after the
   schedule's in-place scaling (at ``finalize_model_grads``, when every backward is done), times the loss
   scale (``config.grad_scale_func(1)``, as schedules.py:283-287 reads it).  ``mb.{k}.num_tokens`` is the
-  3-tuple's count as returned (a 2-tuple returns none: not written).
+  3-tuple's count as returned, under ``calculate_per_token_loss`` (the count the schedule sums into N);
+  otherwise it is only the micro-batch mean's divisor (slime returns a constant 1 there), whose effect the
+  weights show, and a 2-tuple returns none: not written.
 * ``grad_scale`` is read from the model, not assumed: ``DistributedDataParallel`` multiplies every
   bucket's gradients by its ``gradient_scaling_factor`` (1 with ``calculate_per_token_loss``, else
   ``1/|DP x CP|``; distributed/distributed_data_parallel.py:254-288) before a SUM all-reduce over the
@@ -83,12 +95,13 @@ indices in the step's batch (the user's data layout: Megatron's sampler gives mi
 ``d`` the rows ``(k*dp + d)*b ... + b-1``).
 
 Refused, with the reason (a RuntimeError, nothing recorded): megatron-core outside :data:`SUPPORTED`;
-pipeline parallelism (PP > 1, virtual PP); hybrid context parallelism; a model chunk that is not
+the interleaved pipeline schedule (virtual PP: not yet run with the adapter); hybrid context parallelism; a model chunk that is not
 ``megatron.core.distributed.DistributedDataParallel`` (Megatron FSDP, torch DDP); several distributed-
 optimizer instances; buckets with different scaling factors (expert parameters scaled unlike dense
 ones); THD packed sequences (``packed_seq_params``: their CP split is Transformer Engine's
-``thd_get_partitioned_indices``, utils.py:2041-2083); a ``loss_func`` that does not return a 2- or
-3-tuple or does not receive the per-token losses ``[b, s/cp]``; a row whose last position carries loss;
+``thd_get_partitioned_indices``, utils.py:2041-2083, and slime's own per-sample split is not yet placed);
+a ``loss_func`` that does not return a 2- or 3-tuple, or receives logits and hands no ``per_token``; a row
+whose last position carries loss;
 ``mtp_num_layers`` without ``model=`` (or without a GPTModel / MTP block in it).
 
 Multi-token prediction (``config.mtp_num_layers = D``; docs/semantics.md §11): each depth ``j`` is the loss
@@ -169,6 +182,15 @@ class _MB:
         self.mtp_scaled: List[torch.Tensor] = []      # what GPTModel handed MTPLossAutoScaler, per depth
 
 
+class _Current:
+    """The micro-batch whose wrapped loss_func is running: what :meth:`MegatronAdapter.per_token` hooks into."""
+
+    def __init__(self, entry: _MB, index: torch.Tensor, b: int, s_local: int):
+        self.entry, self.index, self.b, self.s_local = entry, index, b, s_local
+        self.hooked = False                 # the main term's per-token losses were handed over
+        self.terms: set = set()             # the terms handed over (main included)
+
+
 class _MTPScalerProxy:
     """``megatron.core.models.gpt.gpt_model.MTPLossAutoScaler`` during a captured step: ``apply`` remembers
     the ``mtp_loss`` GPTModel hands it (``scale * loss_mask * l [/ num_tokens]``, gpt_model.py:655-661) and
@@ -201,6 +223,9 @@ class _StepState:
         self.skipped_override: Any = None
         self.grad_norm_override: Any = None
         self.seen_grad_norm: Any = None        # what the optimizer's get_grad_norm / clip_grad_norm returned
+        self.scheduler_called = False          # the wrapped LR scheduler's step() ran in this step
+        self.before_update = False             # written by fail fast before the update (and the scheduler)
+        self.current: Any = None               # the micro-batch whose wrapped loss_func is running (per_token)
         self.written = False                   # the capture is written (fail fast: before the update)
 
 
@@ -267,31 +292,41 @@ class MegatronAdapter(Adapter):
 
     spec = SPEC
 
-    def __init__(self, out_dir: str, **options: Any):
+    def __init__(self, out_dir: str, *, terms: Optional[Dict[str, Dict[str, Any]]] = None, **options: Any):
         super().__init__(out_dir, **options)
+        #: the terms besides the main one the user's loss function hands over with per_token(term=...)
+        #: (SPEC §11: name -> reduce, coef, mask), then the MTP depths' when mtp_num_layers is set
+        self.user_terms: Dict[str, Dict[str, Any]] = {str(k): dict(v) for k, v in (terms or {}).items()}
         if not _ps.model_parallel_is_initialized():
             raise RuntimeError("lossguard_capture.megatron: megatron.core.parallel_state is not initialised "
                                "(call initialize_model_parallel first)")
         pp = _ps.get_pipeline_model_parallel_world_size()
         vpp = _ps.get_virtual_pipeline_model_parallel_world_size()
-        if pp != 1 or (vpp is not None and vpp > 1):
-            raise RuntimeError(f"lossguard_capture.megatron does not support pipeline parallelism (PP = {pp}, "
-                               f"virtual PP = {vpp}): only forward_backward_no_pipelining is handled")
+        if vpp is not None and vpp > 1:
+            raise RuntimeError(f"lossguard_capture.megatron does not support the interleaved pipeline schedule "
+                               f"(virtual PP = {vpp}): it has not been run with the adapter yet; "
+                               f"forward_backward_no_pipelining and forward_backward_pipelining_without_interleaving "
+                               f"are handled")
         import torch.distributed as dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.pp, self.pp_rank = pp, _ps.get_pipeline_model_parallel_rank()
+        #: the stage that computes the loss (forward_step_calc_loss calls loss_func there only,
+        #: pipeline_parallel/schedules.py:251-255); the others record their step records only
+        self.last_stage = bool(_ps.is_pipeline_last_stage(ignore_virtual=True))
         self.tp = _ps.get_tensor_model_parallel_world_size()
         self.cp = _ps.get_context_parallel_world_size()
         self.dp = _ps.get_data_parallel_world_size(with_context_parallel=False)
         self.tp_rank = _ps.get_tensor_model_parallel_rank()
         self.cp_rank = _ps.get_context_parallel_rank()
         self.dp_rank = _ps.get_data_parallel_rank(with_context_parallel=False)
-        if self.tp * self.cp * self.dp != self.world_size:
-            raise RuntimeError(f"lossguard_capture.megatron: TP {self.tp} x CP {self.cp} x DP {self.dp} != world "
-                               f"{self.world_size} (expert or partial data parallelism are not supported)")
+        if self.tp * self.cp * self.dp * self.pp != self.world_size:
+            raise RuntimeError(f"lossguard_capture.megatron: TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp} "
+                               f"!= world {self.world_size} (expert or partial data parallelism are not supported)")
         self.config: Any = None
         self._state: Optional[_StepState] = None
         self._index_cache: Dict[Tuple[int, int], torch.Tensor] = {}
         self._optimizer_wrapped = False
+        self._scheduler_wrapped = False
         self.mtp_layers = 0                 # config.mtp_num_layers (0: no MTP loss)
         self.mtp_terms: Dict[str, Dict[str, Any]] = {}      # the declared MTP terms, depth order
         self._lm_losses: List[torch.Tensor] = []            # compute_language_model_loss outputs, this forward
@@ -299,12 +334,13 @@ class MegatronAdapter(Adapter):
         self._mtp_saved: Any = None                         # gpt_model.MTPLossAutoScaler while the proxy is in
 
     # -- wiring ---------------------------------------------------------------------------------
-    def _attach(self, config: Any, *, model: Any = None, optimizer: Any = None) -> None:
+    def _attach(self, config: Any, *, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> None:
         """Wrap ``config.finalize_model_grads_func`` (required: it is where DP x CP reduce the gradients and
         the count) and, when given, the optimizer's ``step`` (its result: the skip decision and the norm) and,
         with fail fast, ``step_with_ready_grads`` / ``get_grad_norm`` / ``clip_grad_norm`` (instance
         attributes; the classes are untouched).  ``model``: the model chunks (or one), checked now rather than
-        at the first captured step."""
+        at the first captured step.  ``scheduler``: the LR scheduler (Megatron's ``OptimizerParamScheduler``,
+        or anything with ``step``): whether its ``step`` ran in a captured step is ``scheduler_stepped``."""
         bad = []
         if getattr(config, "finalize_model_grads_func", None) is None:
             bad.append("config.finalize_model_grads_func is None (set it to megatron.core.distributed."
@@ -313,8 +349,6 @@ class MegatronAdapter(Adapter):
             bad.append("hybrid_context_parallel")
         if getattr(config, "overlap_moe_expert_parallel_comm", False):
             bad.append("overlap_moe_expert_parallel_comm (the combined 1F1B schedule)")
-        if getattr(config, "pipeline_model_parallel_size", 1) not in (None, 1):
-            bad.append(f"pipeline_model_parallel_size = {config.pipeline_model_parallel_size}")
         chunks = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
         for chunk in chunks:
             why = self._check_chunk(chunk)
@@ -346,6 +380,9 @@ class MegatronAdapter(Adapter):
                               for j, name in enumerate(names, start=1)}
             for lm in language_models:
                 self._wrap_language_model_loss(lm)
+        clash = sorted(set(self.mtp_terms) & set(self.user_terms))
+        if clash:
+            raise RuntimeError(f"lossguard_capture.megatron: terms {clash} are the MTP depths' names")
         orig = config.finalize_model_grads_func
         audit = self
 
@@ -370,6 +407,15 @@ class MegatronAdapter(Adapter):
             self._optimizer_wrapped = True
             if self.fail_fast:
                 self._wrap_update(optimizer)
+        if scheduler is not None:
+            orig_sched = scheduler.step
+
+            def sched_step(*args: Any, **kwargs: Any) -> Any:
+                if audit._state is not None:
+                    audit._state.scheduler_called = True
+                return orig_sched(*args, **kwargs)
+            scheduler.step = sched_step
+            self._scheduler_wrapped = True
 
     def _wrap_update(self, optimizer: Any) -> None:
         """Fail fast before the update: the optimizer's ``step_with_ready_grads`` (reached once ``prepare_grads``
@@ -394,12 +440,13 @@ class MegatronAdapter(Adapter):
             if st is not None and not st.written and st.rec.step == audit.audit_step:
                 st.optimizer_called, st.update_successful = True, True      # no inf/NaN: it is about to update
                 st.grad_norm = st.seen_grad_norm
+                st.before_update = True          # the LR scheduler has not run yet: not recorded
                 audit._write(st)                                             # AuditFailed: no update
             return orig_update(*args, **kwargs)
         optimizer.step_with_ready_grads = step_with_ready_grads
 
     def _describe(self) -> str:
-        return (f"reduce={self.reduce}; TP {self.tp} CP {self.cp} DP {self.dp}; calculate_per_token_loss="
+        return (f"reduce={self.reduce}; TP {self.tp} CP {self.cp} DP {self.dp} PP {self.pp}; calculate_per_token_loss="
                 f"{getattr(self.config, 'calculate_per_token_loss', None)}"
                 + (f"; MTP terms {', '.join(self.mtp_terms)}" if self.mtp_terms else ""))
 
@@ -466,9 +513,15 @@ class MegatronAdapter(Adapter):
         return MegatronStep(self, step, global_batch_size)
 
     def _recorder(self, step: int) -> StepRecorder:
-        return self.recorder(step, rank=self.rank, world_size=self.world_size, tp=self.tp, pp=1, cp=self.cp,
-                             dp=self.dp, tp_rank=self.tp_rank, pp_rank=0, cp_rank=self.cp_rank, dp_rank=self.dp_rank,
-                             cp_layout="zigzag", terms=self.mtp_terms or None)
+        return self.recorder(step, rank=self.rank, world_size=self.world_size, tp=self.tp, pp=self.pp, cp=self.cp,
+                             dp=self.dp, tp_rank=self.tp_rank, pp_rank=self.pp_rank, cp_rank=self.cp_rank,
+                             dp_rank=self.dp_rank,
+                             cp_layout="zigzag", terms=self.all_terms or None)
+
+    @property
+    def all_terms(self) -> Dict[str, Dict[str, Any]]:
+        """The declared terms besides main: the user's (``terms=``), then the MTP depths'."""
+        return {**self.user_terms, **self.mtp_terms}
 
     # -- micro-batches --------------------------------------------------------------------------
     def loss_func(self, loss_func: Callable[..., Any], *, tokens: torch.Tensor, loss_mask: torch.Tensor,
@@ -506,10 +559,7 @@ class MegatronAdapter(Adapter):
                     or not output_tensor.requires_grad:
                 audit._lm_losses, audit._mtp_scaled = [], []
                 return loss_func(output_tensor, *args, **kwargs)          # non-loss data, eval, another step
-            if tuple(output_tensor.shape) != (b, s_local) or not output_tensor.is_floating_point():
-                audit._fail(st, f"loss_func received {tuple(output_tensor.shape)} {output_tensor.dtype}, not the "
-                                f"per-token losses [b, s/cp] = {(b, s_local)} of this micro-batch (a GPTModel "
-                                f"called with labels returns them; logits cannot be hooked)")
+            per_token_input = tuple(output_tensor.shape) == (b, s_local) and output_tensor.is_floating_point()
             # response index j of a row is position j (prompt length 1): the mask's first s-1 entries
             mb = st.rec.microbatch(sample_indices=idx, tokens=tokens.reshape(-1),
                                    total_lengths=torch.full((b,), s, dtype=torch.int64),
@@ -517,20 +567,75 @@ class MegatronAdapter(Adapter):
                                    loss_masks=loss_mask[:, : s - 1].reshape(-1), cp_size=cp)
             entry = _MB(mb, loss_mask)
             st.mbs.append(entry)
-            mb.hook(output_tensor, index=index)
             if audit.mtp_layers:
+                if not per_token_input:
+                    audit._fail(st, f"with mtp_num_layers the model must be called with labels (loss_func receives "
+                                    f"the per-token losses [b, s/cp] = {(b, s_local)}, got "
+                                    f"{tuple(output_tensor.shape)})")
                 entry.mtp_scaled = audit._hook_mtp(st, mb, index, b, s_local)
-            outputs = loss_func(output_tensor)
+            cur = _Current(entry, index, b, s_local)
+            st.current = cur
+            no_per_token = (f"loss_func received {tuple(output_tensor.shape)} {output_tensor.dtype} (logits?) and "
+                            f"handed lossguard no per-token losses: call audit.per_token(token_losses) where your "
+                            f"loss function forms them ([b, s/cp] = {(b, s_local)}, before any sum or mean); a "
+                            f"GPTModel called with labels hands loss_func the per-token losses themselves (hooked "
+                            f"without a call)")
+            try:
+                outputs = loss_func(output_tensor)
+            except Exception as e:
+                if per_token_input or cur.hooked or audit._state is not st:
+                    raise
+                audit._fail(st, f"{no_per_token}; it raised {type(e).__name__}: {e}")
+            finally:
+                st.current = None
+            if not cur.hooked:
+                if not per_token_input:
+                    audit._fail(st, no_per_token)
+                mb.hook(output_tensor, index=index)
             if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
                 audit._fail(st, f"loss_func returned {type(outputs).__name__}"
                                 f"{'' if not isinstance(outputs, (tuple, list)) else ' of ' + str(len(outputs))}; "
                                 f"Megatron expects (loss, num_tokens, report) or (loss, report)")
             entry.arity = len(outputs)
             entry.loss = outputs[0]
-            if len(outputs) == 3:
+            if len(outputs) == 3 and getattr(audit.config, "calculate_per_token_loss", False):
+                # the count the schedule sums into N (schedules.py:2175, finalize_model_grads); without
+                # calculate_per_token_loss it is only the micro-batch mean's divisor (slime returns a constant
+                # 1 there), whose effect the weights show: not recorded as a count
                 mb.set(num_tokens=outputs[1])
             return outputs
         return wrapped
+
+    def per_token(self, token_losses: torch.Tensor, *, term: Optional[str] = None) -> torch.Tensor:
+        """Inside a wrapped ``loss_func`` (one that receives logits and forms its own per-token losses): hand
+        lossguard the per-token tensor ``[b, s/cp]`` (this rank's CP-local positions of the micro-batch's
+        rows, as the model returned them) where the loss function forms it, before any sum or mean; returns
+        it unchanged.  ``term``: another term of the objective (``"entropy"``, ``"kl"``; declare it in
+        ``attach(..., terms=...)``); ``None``: the main (policy / cross-entropy) term.  Each at most once per
+        micro-batch.  Outside a captured step's wrapped loss_func it does nothing."""
+        st = self._state
+        cur = None if st is None else st.current
+        if cur is None:
+            return token_losses
+        name = "main" if term is None else str(term)
+        if not isinstance(token_losses, torch.Tensor) or tuple(token_losses.shape) != (cur.b, cur.s_local) \
+                or not token_losses.is_floating_point():
+            got = (tuple(token_losses.shape), token_losses.dtype) if isinstance(token_losses, torch.Tensor) \
+                else type(token_losses).__name__
+            self._fail(st, f"per_token({name}): expected the per-token losses [b, s/cp] = {(cur.b, cur.s_local)} "
+                           f"of this micro-batch, got {got}")
+        if name in cur.terms:
+            self._fail(st, f"per_token({name}) called twice for micro-batch {len(st.mbs) - 1}")
+        if term is not None and name not in self.all_terms:
+            self._fail(st, f"per_token(term={name!r}): the term is not declared (attach(..., terms={{{name!r}: "
+                           f"dict(reduce=..., coef=...)}}); declared: {sorted(self.all_terms) or 'none'})")
+        cur.terms.add(name)
+        if term is None:
+            cur.hooked = True
+            cur.entry.handle.hook(token_losses, index=cur.index)
+        else:
+            cur.entry.handle.hook(token_losses, index=cur.index, term=name)
+        return token_losses
 
     def _hook_mtp(self, st: _StepState, mb: MicroBatch, index: torch.Tensor, b: int,
                   s_local: int) -> List[torch.Tensor]:
@@ -678,8 +783,11 @@ class MegatronAdapter(Adapter):
 
     # -- finish ---------------------------------------------------------------------------------
     def _finish(self, st: _StepState) -> str:
-        step = st.rec.step
-        if not st.mbs:
+        if not self.last_stage:
+            if st.mbs:
+                self._fail(st, f"pipeline stage {self.pp_rank} of {self.pp} computed a loss: Megatron calls loss_func "
+                               f"on the last stage only")
+        elif not st.mbs:
             self._fail(st, "no micro-batch reached a wrapped loss_func (return audit.loss_func(...) from the "
                            "forward step)")
         if not st.finalized:
@@ -703,8 +811,10 @@ class MegatronAdapter(Adapter):
         grad_norm = st.grad_norm_override if st.grad_norm_override is not None else st.grad_norm
         if grad_norm is not None and not isinstance(grad_norm, torch.Tensor):
             grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
+        scheduler_stepped = st.scheduler_called if self._scheduler_wrapped and not st.before_update else None
         path = st.rec.finish(grad_scale=st.grad_scale, num_tokens_reduced=st.num_tokens_reduced, skipped=skipped,
-                             grad_norm=grad_norm, global_batch_size=st.global_batch_size)
+                             grad_norm=grad_norm, global_batch_size=st.global_batch_size,
+                             scheduler_stepped=scheduler_stepped)
         return path
 
     def _write(self, st: _StepState) -> str:
@@ -720,15 +830,16 @@ class MegatronAdapter(Adapter):
 
 
 def attach(config: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
-           model: Any = None, optimizer: Any = None, **options: Any) -> MegatronAdapter:
-    """Capture ``steps`` of a Megatron-core loop (every rank, after ``initialize_model_parallel``) into
-    ``out_dir/step{n:06d}/``: wraps ``config.finalize_model_grads_func`` and, given, ``optimizer``'s step;
-    ``model``: the model chunks (checked now; needed for MTP).  With ``fail_fast`` a FAIL of the audited step
+           model: Any = None, optimizer: Any = None, scheduler: Any = None, **options: Any) -> MegatronAdapter:
+    """Capture ``steps`` of a Megatron-core loop (every rank of every pipeline stage, after
+    ``initialize_model_parallel``) into ``out_dir/step{n:06d}/``: wraps ``config.finalize_model_grads_func``
+    and, given, ``optimizer``'s and ``scheduler``'s (the LR scheduler's) step; ``model``: the model chunks
+    (checked now; needed for MTP).  With ``fail_fast`` a FAIL of the audited step
     raises AuditFailed from ``optimizer.step()`` before the update (module docstring).  Then in the loop:
     ``with audit.step(it):`` around each iteration and ``audit.loss_func(...)`` in the forward step.
     ``options``: :class:`MegatronAdapter`'s.  Returns the adapter: ``paths``, ``results``, ``verdicts``."""
-    return MegatronAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(config, model=model,
-                                                                                         optimizer=optimizer)
+    return MegatronAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(
+        config, model=model, optimizer=optimizer, scheduler=scheduler)
 
 
 #: The first entry (a constructor, then ``.attach(config, model=, optimizer=)``), without fail fast.

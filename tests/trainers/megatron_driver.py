@@ -79,7 +79,7 @@ import torch.distributed as dist  # noqa: E402
 
 torch.set_num_threads(1)
 
-from megatron_cpu import HITS, cuda_on_cpu  # noqa: E402
+from lossguard_capture.megatron_cpu import HITS, cuda_on_cpu  # noqa: E402
 
 SEED = 1234
 VOCAB = 32
@@ -539,12 +539,14 @@ def guards(out, cp):
 
 
 def pp_guard(out):
-    """World 2: parallel_state re-initialised with PP = 2; attach must refuse it (before the config is read)."""
+    """World 2: parallel_state re-initialised with PP = 2 and virtual PP = 2 (the interleaved schedule); attach
+    must refuse it (before the config is read)."""
     from megatron.core import parallel_state as ps
 
     import lossguard_capture.megatron as lcm
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                                 virtual_pipeline_model_parallel_size=2)
     err = None
     try:
         lcm.attach(make_config(1, True), os.path.join(out, "pp-guard"), fail_fast=False)
@@ -562,7 +564,7 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--guards", action="store_true", help="world 1: the refusals and the skip scenarios")
-    ap.add_argument("--pp-guard", action="store_true", help="world 2: PP = 2 must be refused")
+    ap.add_argument("--pp-guard", action="store_true", help="world 2: virtual PP = 2 must be refused")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps

@@ -4,7 +4,7 @@ tests/trainers/megatron_driver.py runs, at DP x CP in {1, 2}^2 (1, 2, 2 and 4 pr
 Megatron's ``initialize_model_parallel``, ``get_batch_on_this_cp_rank`` (the zig-zag CP split),
 ``forward_backward_no_pipelining`` with M = 2 micro-batches, its ``DistributedDataParallel``,
 ``finalize_model_grads`` and ``get_megatron_optimizer``, for five loss paths, each twice from the same
-seed, with the adapter and without (megatron_cpu.py: the few tensors Megatron allocates on the GPU by name
+seed, with the adapter and without (lossguard_capture.megatron_cpu: the few tensors Megatron allocates on the GPU by name
 are put on the CPU; nothing else changes).  The paths (megatron-core 0.16.1, weights ``w_t`` of token
 ``t`` in the gradient the optimizer applies; ``m_t`` its mask; ``n_c`` the CP-local count of its
 micro-batch on its CP rank, ``n`` the micro-batch's count over all CP ranks; ``N`` the step's count):
@@ -35,7 +35,7 @@ The tests prove
     uniform N_mtp/N relative to its objective, reproduced by megatron-mtp-per-token) and mtp-b's as
     normalised per CP shard by its own rolled count (megatron-mtp);
 
-and that the adapter refuses what it does not handle (PP > 1, no finalize function, a model that is not
+and that the adapter refuses what it does not handle (the interleaved pipeline schedule, no finalize function, a model that is not
 Megatron's DDP, a loss_func that is not a 2/3-tuple or does not receive per-token losses, THD, a row whose
 last position carries loss, MTP without the model) with a clear error and no capture, and records a skipped
 step; and that Megatron's unclamped MTP count (an MTP-less micro-batch without per-token loss) gives NaN
@@ -107,7 +107,7 @@ KIND0["mtp-b"] = {(1, 1, 1): "per-microbatch", (2, 1, 1): "per-microbatch", (1, 
 #: step 0's diagnosis of the MTP term (relative to main): mtp-a a uniform N_mtp/N (the main count divides it)
 MTP_KIND0 = {"mtp-a": {t: "uniform-scale" for t in KIND0["b"]}, "mtp-b": KIND0["mtp-b"]}
 
-#: the sites megatron_cpu.cuda_on_cpu rewrote (its docstring lists them); the MTP paths add the MTP loss
+#: the sites lossguard_capture.megatron_cpu.cuda_on_cpu rewrote (its docstring lists them); the MTP paths add the MTP loss
 #: tracker (every layout), at CP > 1 roll_tensor's receive buffers, at TP > 1 the all-gather of the MTP
 #: layer's tensor-parallel hidden states
 CPU_SITES = ["megatron/core/distributed/param_and_grad_buffer.py:803", "megatron/core/optimizer/clip_grads.py:103",
@@ -124,7 +124,7 @@ def _env():
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """The five driver runs, one after the other ({(dp, cp, tp): out_dir}); the DP 1 CP 1 run also runs the
-    guards, the DP 2 CP 1 run the PP = 2 guard.  ``LOSSGUARD_MEGATRON_RUNS=DIR`` keeps them in DIR and
+    guards, the DP 2 CP 1 run the virtual-PP guard.  ``LOSSGUARD_MEGATRON_RUNS=DIR`` keeps them in DIR and
     reuses those found there (while changing the tests, not the driver)."""
     out = {}
     keep = os.environ.get("LOSSGUARD_MEGATRON_RUNS")      # reuse (or keep) the runs in this folder
@@ -324,10 +324,10 @@ def test_capture_records(runs, dp, cp, tp, path):
                 assert t[p + "loss_masks"].tolist() == [int(x) for i in rows for x in m[i][:-1]]
                 assert t[p + "cp_size"].item() == cp and t[p + "dummy"].item() == 0
                 n_local = sum(m[i][j] for i in rows for j in range(drv.S - 1) if cp_owner(j, cp) == cp_rank)
-                if path in ("a", "b", "mtp-a", "mtp-b"):
+                if path in ("a", "mtp-a"):
                     assert t[p + "num_tokens"].item() == n_local
-                else:
-                    assert p + "num_tokens" not in t                       # a 2-tuple returns no count
+                else:       # a 2-tuple returns no count; without per-token loss the 3-tuple's is a divisor only
+                    assert p + "num_tokens" not in t
                 owned = sum(len(lc.zigzag_owned(drv.S, drv.S - 1, cp, cp_rank)) for _ in rows)
                 assert t[p + "token_weight"].shape == (owned,) and t[p + "token_loss"].shape == (owned,)
                 if not mtp:
@@ -437,7 +437,7 @@ def test_gradient_is_sum_of_measured_weights(runs, dp, cp, tp, path):
 
 
 def test_cpu_shim_sites(runs):
-    """megatron_cpu.cuda_on_cpu rewrote exactly the documented places, at every layout."""
+    """lossguard_capture.megatron_cpu.cuda_on_cpu rewrote exactly the documented places, at every layout."""
     for (dp, cp, tp), d in runs.items():
         with open(os.path.join(d, "meta.json")) as f:
             meta = json.load(f)
@@ -519,7 +519,8 @@ def test_audit_verdict(runs, dp, cp, tp, path):
         assert all(c["ok"] is not False for s in doc["steps"] for c in s["checks"]), where
         assert all("megatron-per-token" in s["matches"] for s in doc["steps"]), where
     elif path == "b":
-        assert checks[0]["weights"] is False and checks[0]["counts"] is True, where
+        # without per-token loss the 3-tuple's count is the micro-batch mean's divisor, not recorded as a count
+        assert checks[0]["weights"] is False and checks[0]["counts"] is None, where
         assert "megatron-mean" in s0["matches"], where
     elif path == "c":
         assert checks[0]["weights"] is False and checks[0]["counts"] is None, where
@@ -568,7 +569,8 @@ def test_refusals_and_skip(runs):
         "last-position-carries-loss": r"the last position of row\(s\) \[0\] carries loss",
         "loss-not-a-tuple": r"loss_func returned Tensor; Megatron expects \(loss, num_tokens, report\) or "
                             r"\(loss, report\)",
-        "logits-not-per-token": r"loss_func received \(2, 8, 32\) torch\.float32, not the per-token losses",
+        "logits-not-per-token": r"loss_func received \(2, 8, 32\) torch\.float32 \(logits\?\) and handed lossguard no "
+                                r"per-token losses: call audit\.per_token\(token_losses\)",
         "thd": r"THD packed sequences .* not supported",
         "mtp-without-model": r"mtp_num_layers = 1 without model=: the MTP loss is hooked on the GPTModel",
     }
@@ -613,7 +615,9 @@ def test_refusals_and_skip(runs):
         assert "outside term mtp's mask (roll:1) but weighs" in text, text
     with open(os.path.join(runs[(2, 1, 1)], "pp-guard.json")) as f:
         pp = json.load(f)
-    assert pp["files"] is False and re.search(r"does not support pipeline parallelism \(PP = 2", pp["error"]), pp
+    # PP 2 is handled (tests/trainers/test_megatron_shapes.py); the interleaved schedule is refused
+    assert pp["files"] is False and re.search(r"does not support the interleaved pipeline schedule \(virtual PP = 2",
+                                              pp["error"]), pp
 
 
 @pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")

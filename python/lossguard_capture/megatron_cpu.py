@@ -1,4 +1,12 @@
-"""Runs megatron-core 0.16.1's real schedule, DDP, finalize_model_grads and optimizer on the CPU (tests only).
+"""Runs megatron-core 0.16.1's real schedule, DDP, finalize_model_grads and optimizer on the CPU: to try the
+Megatron adapter (and a training loop) on a machine without a GPU, over Gloo.
+
+    from lossguard_capture.megatron_cpu import cuda_on_cpu
+    with cuda_on_cpu():                 # around model building and the training loop
+        ...
+
+With pipeline parallelism also set ``config.batch_p2p_comm = False`` (the batched p2p path,
+``torch.distributed.batch_isend_irecv``, needs NCCL); the 1F1B schedule's send/recv then run over Gloo.
 
 Megatron-core allocates a few tensors on the GPU by name.  Without a GPU (torch built with CUDA, no
 driver: ``RuntimeError: Found no NVIDIA driver``) these are the places that fail, in the order a
@@ -8,7 +16,8 @@ training step reaches them (megatron-core 0.16.1):
   ``torch.zeros(numel, device=torch.cuda.current_device())`` (the first failure: building the DDP
   wrapper);
 * ``optimizer/optimizer.py:907`` — ``FP32Optimizer``'s loss scale ``torch.tensor([1.0], device='cuda')``;
-* ``pipeline_parallel/schedules.py:596`` — ``forward_backward_no_pipelining``'s
+* ``pipeline_parallel/schedules.py:596`` and ``:2138`` — ``forward_backward_no_pipelining``'s and
+  ``forward_backward_pipelining_without_interleaving``'s
   ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``;
 * ``optimizer/clip_grads.py:103`` and ``utils.py:1207`` — the gradient norm's
   ``dummy_overflow_buf`` and ``local_multi_tensor_l2_norm``'s result (``optimizer.step()``).

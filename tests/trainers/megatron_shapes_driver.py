@@ -1,0 +1,377 @@
+#!/usr/bin/env python3
+"""Runs megatron-core's real training step at the shapes its RL trainers run — pipeline stages (the 1F1B
+schedule, ``forward_backward_pipelining_without_interleaving``), tensor parallelism, context parallelism —
+with a loss function over LOGITS that forms its own per-token losses (Megatron's
+``tensor_parallel.vocab_parallel_cross_entropy`` over the TP group, as Relax's loss and slime's log-probs
+use its fused twin), Megatron's ``OptimizerParamScheduler``, and a loop that makes the skip decision of
+Relax PR #285 itself: a step whose global effective token count is 0 steps neither the optimizer nor the
+scheduler, on every stage.  Each scenario twice from the same seed, with the adapter and without, as
+tests/trainers/test_megatron_shapes.py compares; then ``--reference`` (one process) recomputes
+``sum_t w_t grad(l_t)`` from the captures on the whole float64 model.
+
+    torchrun --standalone --nproc-per-node $((PP*TP*CP*DP)) tests/trainers/megatron_shapes_driver.py \\
+        --out DIR --pp 2 --tp 1 --cp 1 --scenarios pt,global,first-stage-src,sample-count
+    python tests/trainers/megatron_shapes_driver.py --reference DIR --pp 2 --tp 1 --cp 1 --scenarios pt,global
+
+The model: megatron_driver.py's tiny GPTModel (vocabulary 32, hidden 16, attention IdentityOp so that CP
+runs without Transformer Engine), one layer per pipeline stage, untied output layer.  The batch: 4 rows of
+8 positions, M = 2 micro-batches; step 0 has an empty row (at DP 2 a fully masked micro-batch) and rows a
+CP rank owns no token of; step 1 has no effective token at all.
+
+Scenarios (the loss function receives the logits ``[b, s/cp, V/tp]`` and hands its per-token cross entropy
+to ``audit.per_token``):
+  pt            calculate_per_token_loss: (sum_t m_t l_t, CP-local count, report)      w_t = m_t / N
+  global        no per-token loss: (sum_t m_t l_t * M * dp*cp / N, 1, report), N the step's count, each DP
+                rank's rows all-reduced over the DP group before the step (a global token mean; Megatron
+                divides by M and DDP by dp*cp)
+  first-stage-src  pt, the decision broadcast over the pipeline group from its FIRST stage (a pipeline-local
+                source), which computes no loss: every stage skips the non-empty step 0 (planted bug; the seed's
+                third).  A decision that differs between stages is not planted: the stepping stage's
+                optimizer.step() waits forever in the gradient norm's all-reduce over the model-parallel
+                group — the seed's deadlock, which no capture of that step can record
+  sample-count  global, deciding from the 3-tuple's count (a constant 1 per micro-batch, slime's non-per-token
+                contract): a fully masked step still steps (planted bug: the seed's review finding)
+  tp-as-dp      global with N all-reduced over the whole world: TP replicas counted as DP ranks (planted bug,
+                transformers #39674's shape): w_t = m_t / (tp N) (at CP 1)
+
+Per scenario and run (``DIR/<scenario>/{adapter,plain}/``): ``losses-rank{r}.pt``, ``grads-step{n}-rank{r}.pt``
+(``main_grad`` after finalize_model_grads, by the WHOLE model's parameter names, with each tensor-parallel
+parameter's partition), ``params-step{n}-rank{r}.pt``, ``final-rank{r}.pt``, ``opt-rank{r}.json`` (per step:
+stepped or not, what optimizer.step() returned, the scheduler's learning rate after the step); adapter runs
+``captures/step{n:06d}/``.  ``--reference`` writes ``<scenario>/adapter/ref-step{n}.pt``.
+"""
+import argparse
+import json
+import os
+import sys
+from functools import partial
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)
+
+import megatron_driver as base  # noqa: E402
+from lossguard_capture.megatron_cpu import HITS, cuda_on_cpu  # noqa: E402
+
+SEED, VOCAB, S, ROWS, M, STEPS = base.SEED, base.VOCAB, base.S, base.ROWS, 2, 2
+ZERO = [[0] * S for _ in range(ROWS)]
+MASKS = [base.MASKS[0], ZERO]            # step 1: no effective token at all
+LOCAL_KEYS = base.LOCAL_KEYS
+SCENARIOS = {                            # scenario -> (calculate_per_token_loss, loss kind, decision)
+    "pt": (True, "sum", "broadcast"),
+    "global": (False, "global-dpcp", "broadcast"),
+    "first-stage-src": (True, "sum", "first-stage-src"),
+    "sample-count": (False, "global-dpcp", "sample-count"),
+    "tp-as-dp": (False, "global-world", "broadcast"),
+}
+PLANTED = ("first-stage-src", "sample-count", "tp-as-dp")     # run with the adapter only
+
+
+def make_config(pp, tp, cp, per_token):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=pp, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                             use_cpu_initialization=True, calculate_per_token_loss=per_token,
+                             context_parallel_size=cp, tensor_model_parallel_size=tp,
+                             pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+                             batch_p2p_comm=False, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def make_model(config, pre_process=True, post_process=True):
+    from megatron.core.models.gpt import GPTModel
+    torch.manual_seed(SEED)
+    return GPTModel(config=config, transformer_layer_spec=base.layer_spec(), vocab_size=VOCAB,
+                    max_sequence_length=S, position_embedding_type="learned_absolute",
+                    share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process)
+
+
+def whole_name(name, pp_rank):
+    """The stage-local parameter name in the whole model (one layer per stage: local layer 0 is layer pp_rank)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + pp_rank)
+    return ".".join(parts)
+
+
+def build(pp, tp, cp, per_token):
+    """Model (this stage's part; the same initial weights at every layout), DDP, optimizer and LR scheduler,
+    wired as Megatron-LM's training loop wires them."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    config = make_config(pp, tp, cp, per_token)
+    model = make_model(config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    ddp = DDP(config, DistributedDataParallelConfig(), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, min_lr=0.05, weight_decay=0.0,
+                                                 clip_grad=0.0, bf16=False, fp16=False), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=0.5, max_lr=0.5, min_lr=0.05, lr_warmup_steps=0,
+                                    lr_decay_steps=4, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
+                                    wd_incr_steps=4, wd_incr_style="constant")
+    config.grad_scale_func = opt.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    return config, ddp, opt, sched
+
+
+# ---- the user's loss function: logits in, its own per-token cross entropy --------------------------------
+def step_count(kind, mbs):
+    """N for the global mean (kinds global-*), known before the step as slime knows its rollouts' mask sums:
+    this DP rank's full rows' mask total, all-reduced over the DP group — or, planted (global-world), over
+    the whole world, where every TP (and CP) replica adds the same rows again."""
+    from megatron.core import parallel_state as ps
+    n = sum(mb["loss_mask"].sum() for mb in mbs).double().reshape(())
+    group = None if kind == "global-world" else ps.get_data_parallel_group()
+    dist.all_reduce(n, group=group)
+    return n
+
+
+def loss_over_logits(kept, kind, audit, step_n, local, logits):
+    """``logits`` [b, s/cp, V/tp] (GPTModel without labels); the per-token cross entropy over the TP group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    token_loss = vocab_parallel_cross_entropy(logits.float(), local["labels"])        # [b, s/cp]
+    if audit is not None:
+        token_loss = audit.per_token(token_loss)
+    mask = local["loss_mask"].float()
+    total = torch.sum(token_loss * mask)
+    count = mask.sum().to(torch.int)
+    if kind == "sum":
+        loss, num_tokens = total, count.clone().detach()
+    else:
+        dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        loss = total * (M * dpcp) / torch.clamp(step_n[0], min=1)
+        num_tokens = torch.tensor(1, dtype=torch.int)           # slime's non-per-token contract: a constant 1
+    kept.append(loss)
+    return loss, num_tokens, {"count": count.view(1).clone().detach(), "num_tokens": num_tokens.view(1)}
+
+
+def decide_skip(decision, reports):
+    """The loop's skip decision (every rank).  ``broadcast``: the count the last stage's reports hold,
+    all-reduced over DP x CP, broadcast from the last stage's GLOBAL rank over the pipeline group (Relax after
+    PR #285).  ``first-stage-src``: broadcast from the pipeline group's first stage, which has no reports
+    (planted).  ``sample-count``: from the 3-tuple's num_tokens, a constant 1 per micro-batch (planted)."""
+    from megatron.core import parallel_state as ps
+    key = "num_tokens" if decision == "sample-count" else "count"
+    t = torch.tensor(sum(int(r[key].sum()) for r in reports), dtype=torch.int64)
+    dist.all_reduce(t, group=ps.get_data_parallel_group(with_context_parallel=True))
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        src = (ps.get_pipeline_model_parallel_first_rank() if decision == "first-stage-src"
+               else ps.get_pipeline_model_parallel_last_rank())
+        dist.broadcast(t, src=src, group=ps.get_pipeline_model_parallel_group())
+    return int(t) == 0
+
+
+def save_grads(ddp, path, pp_rank, tp_rank):
+    out = {}
+    for n, p in ddp.module.named_parameters():
+        out[whole_name(n, pp_rank)] = {"grad": p.main_grad.detach().clone(),
+                                       "partition_dim": int(getattr(p, "partition_dim", -1))
+                                       if getattr(p, "tensor_model_parallel", False) else -1, "tp_rank": tp_rank}
+    torch.save(out, path)
+
+
+def run(scenario, out, pp, tp, cp, adapter):
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    rank = dist.get_rank()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
+    per_token, kind, decision = SCENARIOS[scenario]
+    os.makedirs(out, exist_ok=True)
+    config, ddp, opt, sched = build(pp, tp, cp, per_token)
+    audit = None
+    if adapter:
+        import lossguard_capture.megatron as lcm
+        audit = lcm.attach(config, os.path.join(out, "captures"), steps=range(STEPS), fail_fast=False, model=[ddp],
+                           optimizer=opt, scheduler=sched)
+    kept = []
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        local = get_batch_on_this_cp_rank({k: mb[k].clone() for k in LOCAL_KEYS})
+        output = model(local["tokens"], local["position_ids"], None)     # no labels: logits (last stage)
+        fn = partial(loss_over_logits, kept, kind, audit, step_n, local)
+        if audit is not None:
+            fn = audit.loss_func(fn, tokens=mb["tokens"], loss_mask=mb["loss_mask"],
+                                 sample_indices=mb["sample_indices"])
+        return output, fn
+
+    fb = get_forward_backward_func()
+    losses, opt_out = [], []
+    step_n = [None]
+    for step in range(STEPS):
+        mbs = base.microbatches(step, dp, dp_rank, MASKS)
+        if kind != "sum":
+            step_n[0] = step_count(kind, mbs)
+        torch.save({whole_name(n, pp_rank): p.detach().clone() for n, p in ddp.module.named_parameters()},
+                   os.path.join(out, f"params-step{step}-rank{rank}.pt"))
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        kept.clear()
+        ctx = audit.step(step, global_batch_size=ROWS) if audit is not None else base._Null()
+        with ctx:
+            reports = fb(forward_step_func=forward_step,
+                         data_iterator=iter(mbs), model=[ddp],
+                         num_microbatches=M, seq_length=S, micro_batch_size=ROWS // (M * dp))
+            save_grads(ddp, os.path.join(out, f"grads-step{step}-rank{rank}.pt"), pp_rank, tp_rank)
+            skip = decide_skip(decision, reports)
+            rec = {"skipped": skip}
+            if not skip:
+                ok, grad_norm, _ = opt.step()
+                sched.step(increment=1)
+                rec.update(update_successful=bool(ok), grad_norm=None if grad_norm is None else float(grad_norm))
+            rec["lr"] = float(opt.param_groups[0]["lr"])
+        losses.append([x.detach().clone() for x in kept])
+        opt_out.append(rec)
+    torch.save(losses, os.path.join(out, f"losses-rank{rank}.pt"))
+    torch.save({whole_name(n, pp_rank): p.detach().clone() for n, p in ddp.module.named_parameters()},
+               os.path.join(out, f"final-rank{rank}.pt"))
+    with open(os.path.join(out, f"opt-rank{rank}.json"), "w") as f:
+        json.dump(opt_out, f)
+    dist.barrier()
+
+
+# ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
+def whole(per_rank):
+    """The whole model's tensors from every rank's {name: {grad|value, partition_dim, tp_rank}}: each
+    tensor-parallel parameter concatenated over its TP ranks along its partition dimension."""
+    parts = {}
+    for d in per_rank:
+        for name, e in d.items():
+            parts.setdefault(name, {})[e["tp_rank"]] = e
+    out = {}
+    for name, by_tp in parts.items():
+        first = by_tp[min(by_tp)]
+        if first["partition_dim"] < 0:
+            out[name] = first["grad"]
+        else:
+            out[name] = torch.cat([by_tp[r]["grad"] for r in sorted(by_tp)], dim=first["partition_dim"])
+    return out
+
+
+def reference(d, pp, tp, cp, scenarios):
+    """One process: for each scenario's adapter run and step, the applied gradient every rank's main_grad
+    assembles (one DP x CP replica: the ranks of DP 0 CP 0) and sum_t w_t grad(l_t) with the captured weights
+    w_t = token_weight_t * grad_scale, l_t the float64 cross entropy of the whole model with the step's
+    parameters on the full rows."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import lossguard_capture as lc
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel()
+    for scenario in scenarios:
+        out = os.path.join(d, scenario, "adapter")
+        for step in range(STEPS):
+            caps = []
+            sd = os.path.join(out, "captures", f"step{step:06d}")
+            for f in sorted(os.listdir(sd)):
+                if f.endswith(".safetensors"):
+                    with safe_open(os.path.join(sd, f), framework="pt") as h:
+                        caps.append((load_file(os.path.join(sd, f)), h.metadata()))
+            replica = [int(m["rank"]) for _, m in caps if m["dp_rank"] == "0" and m["cp_rank"] == "0"]
+            grads = whole([torch.load(os.path.join(out, f"grads-step{step}-rank{r}.pt")) for r in replica])
+            params = whole([{n: {"grad": v, **meta} for n, v, meta in
+                             _with_partition(torch.load(os.path.join(out, f"params-step{step}-rank{r}.pt")),
+                                             torch.load(os.path.join(out, f"grads-step{step}-rank{r}.pt")))}
+                            for r in replica])
+            model = _whole_model(pp)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(params[n])
+            model = model.double()
+            full = base.batch(step, MASKS)
+            W = torch.zeros(ROWS, S, dtype=torch.float64)
+            seen = torch.zeros(ROWS, S, dtype=torch.int64)
+            for t, meta in caps:
+                if int(meta["pp_rank"]) != pp - 1 or int(meta["tp_rank"]) != 0:
+                    continue
+                r_cp = int(meta["cp_rank"])
+                gs = t["grad_scale"].double().item()
+                for k in range(int(meta["num_microbatches"])):
+                    w = t[f"mb.{k}.token_weight"].double() * gs
+                    at = 0
+                    for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
+                                       t[f"mb.{k}.response_lengths"].tolist()):
+                        for j in lc.zigzag_owned(T, R, cp, r_cp):
+                            W[i, j] += w[at]
+                            seen[i, j] += 1
+                            at += 1
+            logits = model(full["tokens"], full["position_ids"], None)
+            l = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), full["labels"].reshape(-1),
+                                                  reduction="none").view(ROWS, S)
+            (W * l).sum().backward()
+            torch.save({"want": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+                        "got": grads, "seen": seen, "weights": W, "token_loss": l.detach()},
+                       os.path.join(out, f"ref-step{step}.pt"))
+    ps.destroy_model_parallel()
+
+
+def _with_partition(values, grads):
+    for n, v in values.items():
+        yield n, v, {"partition_dim": grads[n]["partition_dim"], "tp_rank": grads[n]["tp_rank"]}
+
+
+def _whole_model(pp):
+    with cuda_on_cpu():
+        return make_model(make_config_whole(pp))
+
+
+def make_config_whole(pp):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=pp, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+                             use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--reference", help="one process: the float64 reference gradients of the runs in this folder")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--scenarios", default="pt,global")
+    a = ap.parse_args()
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    if a.reference:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        try:
+            reference(a.reference, a.pp, a.tp, a.cp, [s for s in scenarios if s not in PLANTED])
+        finally:
+            dist.destroy_process_group()
+        return
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
+                                 context_parallel_size=a.cp)
+    rank = dist.get_rank()
+    try:
+        with cuda_on_cpu():
+            for scenario in scenarios:
+                for adapter in ((True,) if scenario in PLANTED else (True, False)):
+                    run(scenario, os.path.join(a.out, scenario, "adapter" if adapter else "plain"), a.pp, a.tp,
+                        a.cp, adapter)
+        if rank == 0:
+            from importlib.metadata import version
+            with open(os.path.join(a.out, "meta.json"), "w") as f:
+                json.dump({"megatron_core": version("megatron-core"), "torch": torch.__version__,
+                           "cuda_on_cpu_sites": sorted(HITS), "world": dist.get_world_size(), "pp": a.pp,
+                           "tp": a.tp, "cp": a.cp, "dp": ps.get_data_parallel_world_size()}, f, indent=1)
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
