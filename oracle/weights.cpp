@@ -887,9 +887,9 @@ std::string WeightDiagnosis::summary() const {
     const std::string replicas =
         !tp_named ? std::string()
                   : fmt::format(
-                        " ({}tensor-parallel replicas counted as data-parallel ranks: a count "
+                        " ({}tensor-parallel replicas counted as data-parallel ranks, a count "
                         "or mean over the whole world)",
-                        named == "1/tp" ? "" : "if 1/tp: ");
+                        named == "1/tp" ? "" : "if 1/tp, ");
     return fmt::format(
         "uniform scale ×{:.6g}{}{}: every token's weight is off by the same factor{}", scale,
         named.empty() ? "" : fmt::format(" = {}", named), replicas,

@@ -121,7 +121,7 @@ if [ -x "$MG_PY" ]; then
     tests/trainers/megatron_shapes_driver.py --out "$MGCAP" --pp 2 --scenarios pt,first-stage-src 2>&1 \
     | grep -E "^lossguard_capture" | head -1 || true
   run audit "$MGCAP/pt/adapter/captures/step000001"
-  step "The skip decision broadcast from the pipeline's first stage (it holds no loss): every stage skips a step with 12 tokens"
+  step "The skip decision broadcast from the pipeline's first stage (it holds no loss): every stage skips a step with 9 tokens"
   run audit "$MGCAP/first-stage-src/adapter/captures/step000000"
 else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"

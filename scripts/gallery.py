@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Regenerates docs/gallery.md from the real trainers' tests (``make gallery``).
 
-Runs each trainer's test file (tests/trainers/test_{hf_trainer,trl_trainer,megatron,verl}.py) in its venv
+Runs each trainer's test file (tests/trainers/test_{hf_trainer,trl_trainer,megatron,megatron_shapes,verl}.py) in its venv
 (scripts/setup-trainers.sh), one after the other, with LOSSGUARD_GALLERY_DIR set: every ``lossguard audit``
 those tests run is recorded as a row (tests/trainers/gallery.py).  Then renders docs/gallery.template.md
 with the rows into docs/gallery.md: every table, version, fail-fast output and command of the page comes
 from them; the prose is the template's.
 
     make gallery                                              # build, venvs, then this script
-    scripts/gallery.py [--binary build/cli/lossguard] [--rows DIR] [--only hf,trl,megatron,verl]
+    scripts/gallery.py [--binary build/cli/lossguard] [--rows DIR] [--only hf,trl,megatron,megatron_shapes,verl]
     scripts/gallery.py --render-only --rows DIR               # render the rows recorded before
 
 --rows DIR keeps the rows (DIR/<trainer>.jsonl) and each test file's output (DIR/<trainer>.log); by
@@ -36,6 +36,7 @@ SUITES = {
     "hf": ("hf", "tests/trainers/test_hf_trainer.py"),
     "trl": ("hf", "tests/trainers/test_trl_trainer.py"),
     "megatron": ("megatron", "tests/trainers/test_megatron.py"),
+    "megatron_shapes": ("megatron", "tests/trainers/test_megatron_shapes.py"),
     "verl": ("verl", "tests/trainers/test_verl.py"),
 }
 
@@ -435,7 +436,40 @@ def megatron_table(rows, used):
                  body)
 
 
-TABLES = {"hf": hf_table, "trl": trl_table, "verl": verl_table, "megatron": megatron_table}
+#: the shapes test's scenarios, in the page's order, with what each one is
+MEGATRON_SHAPES = {
+    "pt": "per-token, loss over logits",
+    "global": "no per-token loss, a global token mean (N over DP)",
+    "thd": "THD, per-token, the packed stream hooked",
+    "thd-owned": "THD, the owned tokens hooked (slime's `pg_loss`)",
+    "thd-dyncp": "THD, micro-batch 1 at CP size 1 (Relax's dynamic CP)",
+    "first-stage-src": "planted: decision broadcast from the first stage",
+    "sample-count": "planted: decision from the 3-tuple's count",
+    "tp-as-dp": "planted: N over the whole world (TP counted as DP)",
+    "thd-off-by-one": "planted: THD mask one position late",
+}
+
+
+def megatron_shapes_table(rows, used):
+    main = [r for (kind, _), r in rows.items() if kind == "audit"]
+    names = list(MEGATRON_SHAPES)
+
+    def key(r):
+        c = r["config"]
+        return (names.index(c["scenario"]) if c["scenario"] in names else len(names), c["pp"], c["tp"], c["cp"])
+    body = []
+    for r in sorted(main, key=key):
+        used.add(("audit", r["key"]))
+        c = r["config"]
+        steps = {s["step"]: s for s in r["steps"]}
+        layout = " × ".join(f"{n} {c[n.lower()]}" for n in ("PP", "TP", "CP", "DP") if c[n.lower()] > 1)
+        cells = [step_summary(r, steps[n]) if n in steps else "not audited" for n in (0, 1)]
+        body.append([f"`{c['scenario']}`: {MEGATRON_SHAPES.get(c['scenario'], '')}", layout, audit_cell(r), *cells])
+    return table(["scenario", "layout", "audit (exit)", "step 0 (N > 0)", "step 1 (N = 0)"], body)
+
+
+TABLES = {"hf": hf_table, "trl": trl_table, "verl": verl_table, "megatron": megatron_table,
+          "megatron_shapes": megatron_shapes_table}
 
 
 def failfast(rows, used):

@@ -27,7 +27,9 @@ them: ``token_loss = audit.per_token(vocab_parallel_cross_entropy(logits, labels
 parallelism (the 1F1B schedule) every stage attaches and wraps its forward step's loss_func: the last stage
 records the samples and weights, the earlier stages their step records (``grad_scale``, the count
 ``finalize_model_grads`` broadcast to them, ``skipped``, ``scheduler_stepped``, ``grad_norm``); ``lossguard
-audit``'s stages check compares them with the last stage's.
+audit``'s stages check compares them with the last stage's.  Packed (THD) micro-batches, slime's
+per-sample split over CP (and Relax's CP size per micro-batch): ``audit.packed_loss_func(loss_func,
+sample_indices=, tokens=, total_lengths=, response_lengths=, loss_masks=, cp_size=)``.
 
 On every rank of each step in ``steps`` it writes ``captures/step{n:06d}/step{n:06d}-rank{r:05d}.safetensors``
 (docs/semantics.md §10) when the ``with`` block ends; ``lossguard audit captures/step{n:06d}`` judges it.
@@ -95,14 +97,15 @@ indices in the step's batch (the user's data layout: Megatron's sampler gives mi
 ``d`` the rows ``(k*dp + d)*b ... + b-1``).
 
 Refused, with the reason (a RuntimeError, nothing recorded): megatron-core outside :data:`SUPPORTED`;
-the interleaved pipeline schedule (virtual PP: not yet run with the adapter); hybrid context parallelism; a model chunk that is not
-``megatron.core.distributed.DistributedDataParallel`` (Megatron FSDP, torch DDP); several distributed-
-optimizer instances; buckets with different scaling factors (expert parameters scaled unlike dense
-ones); THD packed sequences (``packed_seq_params``: their CP split is Transformer Engine's
-``thd_get_partitioned_indices``, utils.py:2041-2083, and slime's own per-sample split is not yet placed);
-a ``loss_func`` that does not return a 2- or 3-tuple, or receives logits and hands no ``per_token``; a row
-whose last position carries loss;
-``mtp_num_layers`` without ``model=`` (or without a GPTModel / MTP block in it).
+the interleaved pipeline schedule (virtual PP: not yet run with the adapter); hybrid context parallelism;
+a model chunk that is not ``megatron.core.distributed.DistributedDataParallel`` (Megatron FSDP, torch
+DDP); several distributed-optimizer instances; buckets with different scaling factors (expert parameters
+scaled unlike dense ones); a packed (THD) micro-batch given to the row-wise
+:meth:`MegatronAdapter.loss_func` (THD micro-batches go through :meth:`MegatronAdapter.packed_loss_func`,
+slime's per-sample split; with ``model=`` a forward called with THD ``packed_seq_params`` is noticed); a
+``loss_func`` that does not return a 2- or 3-tuple, or receives logits and hands no ``per_token``; a row
+whose last position carries loss; ``mtp_num_layers`` without ``model=`` (or without a GPTModel / MTP block
+in it).
 
 Multi-token prediction (``config.mtp_num_layers = D``; docs/semantics.md §11): each depth ``j`` is the loss
 term ``mtp`` (D = 1) or ``mtp{j}``, declared ``reduce=per-token``, ``coef = mtp_loss_scaling_factor / D``
@@ -143,7 +146,7 @@ import torch
 
 from .adapter import Adapter, Spec, deprecated_alias
 from .recorder import MicroBatch, StepRecorder
-from .zigzag import zigzag_owned_logit_positions
+from .zigzag import zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned_logit_positions
 
 __all__ = ["attach", "MegatronAdapter", "MegatronAudit", "MegatronStep", "SPEC", "SUPPORTED", "check_version",
            "megatron_version"]
@@ -174,9 +177,9 @@ def _is_float_01(t: torch.Tensor) -> bool:
 class _MB:
     """One captured micro-batch: the recorder's handle and what is read at finalize / finish."""
 
-    def __init__(self, handle: MicroBatch, loss_mask: torch.Tensor):
+    def __init__(self, handle: MicroBatch, loss_mask: Optional[torch.Tensor]):
         self.handle = handle
-        self.loss_mask = loss_mask          # [b, s], the full rows (any device; read in finish)
+        self.loss_mask = loss_mask          # [b, s], the full rows (any device; read in finish); None: packed
         self.loss: Optional[torch.Tensor] = None      # the tensor loss_func returned (scaled in place later)
         self.arity = 0
         self.mtp_scaled: List[torch.Tensor] = []      # what GPTModel handed MTPLossAutoScaler, per depth
@@ -185,10 +188,62 @@ class _MB:
 class _Current:
     """The micro-batch whose wrapped loss_func is running: what :meth:`MegatronAdapter.per_token` hooks into."""
 
-    def __init__(self, entry: _MB, index: torch.Tensor, b: int, s_local: int):
+    def __init__(self, entry: _MB, index: torch.Tensor, b: int, s_local: int, packed: Any = None):
         self.entry, self.index, self.b, self.s_local = entry, index, b, s_local
+        self.packed = packed                # a _Packed micro-batch (THD), or None: [b, s] rows
         self.hooked = False                 # the main term's per-token losses were handed over
         self.terms: set = set()             # the terms handed over (main included)
+
+
+class _Packed:
+    """A packed (THD) micro-batch: its samples whole, and where this CP rank's owned tokens sit in its packed
+    stream (zigzag_local_logit_index per sample, offset by the local pieces before it)."""
+
+    def __init__(self, sample_indices: Any, tokens: Any, total_lengths: Any, response_lengths: Any,
+                 loss_masks: Any, cp: int, r: int):
+        def flat(x: Any) -> torch.Tensor:
+            if isinstance(x, (list, tuple)):
+                parts = [torch.as_tensor(v).reshape(-1) for v in x]
+                return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+            return torch.as_tensor(x).reshape(-1)
+        self.problem = ""
+        self.sample_indices = flat(sample_indices).to(torch.int64)
+        self.tokens = flat(tokens).detach().cpu()
+        self.T = flat(total_lengths).to(torch.int64).cpu()
+        self.R = flat(response_lengths).to(torch.int64).cpu()
+        self.masks = flat(loss_masks).detach().cpu()
+        n = self.sample_indices.numel()
+        if self.T.numel() != n or self.R.numel() != n:
+            self.problem = (f"{n} sample_indices but {self.T.numel()} total_lengths and {self.R.numel()} "
+                            f"response_lengths")
+            return
+        if bool((self.R > self.T).any()) or bool((self.R < 0).any()):
+            self.problem = "a response_length is negative or exceeds its total_length"
+            return
+        if self.tokens.numel() != int(self.T.sum()) or self.masks.numel() != int(self.R.sum()):
+            self.problem = (f"tokens has {self.tokens.numel()} entries for sum(total_lengths) = {int(self.T.sum())}, "
+                            f"loss_masks {self.masks.numel()} for sum(response_lengths) = {int(self.R.sum())}")
+            return
+        index: List[int] = []
+        offset = 0
+        for t, rr in zip(self.T.tolist(), self.R.tolist()):
+            index += [offset + i for i in zigzag_local_logit_index(t, rr, cp, r)]
+            offset += t if cp == 1 else 2 * zigzag_chunk_size(t, cp)
+        self.stream_index = torch.tensor(index, dtype=torch.int64)
+        self.stream_length = offset
+        self.owned = len(index)
+
+    def index_for(self, t: Any) -> Any:
+        """The hook index for a per-token tensor of this micro-batch: the stream ``[1, L]`` (``L`` at least the
+        samples' local lengths) -> the owned positions in it; the owned tokens ``[owned]`` in local order ->
+        None (as they are); anything else -> False."""
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return False
+        if t.dim() == 2 and t.shape[0] == 1 and t.shape[1] >= self.stream_length:
+            return self.stream_index
+        if t.dim() == 1 and t.numel() == self.owned:
+            return None
+        return False
 
 
 class _MTPScalerProxy:
@@ -332,6 +387,7 @@ class MegatronAdapter(Adapter):
         self._lm_losses: List[torch.Tensor] = []            # compute_language_model_loss outputs, this forward
         self._mtp_scaled: List[torch.Tensor] = []           # MTPLossAutoScaler.apply's mtp_loss, this forward
         self._mtp_saved: Any = None                         # gpt_model.MTPLossAutoScaler while the proxy is in
+        self._thd_forward = False       # the last GPTModel forward of a captured step had THD packed_seq_params
 
     # -- wiring ---------------------------------------------------------------------------------
     def _attach(self, config: Any, *, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> None:
@@ -380,6 +436,10 @@ class MegatronAdapter(Adapter):
                               for j, name in enumerate(names, start=1)}
             for lm in language_models:
                 self._wrap_language_model_loss(lm)
+        for chunk in chunks:          # every GPTModel: a forward called with THD packed_seq_params is noticed
+            lm = self._gpt_model(chunk)
+            if lm is not None:
+                self._wrap_forward(lm)
         clash = sorted(set(self.mtp_terms) & set(self.user_terms))
         if clash:
             raise RuntimeError(f"lossguard_capture.megatron: terms {clash} are the MTP depths' names")
@@ -463,6 +523,21 @@ class MegatronAdapter(Adapter):
                 return None
         return None
 
+    def _wrap_forward(self, lm: Any) -> None:
+        """Wrap the GPTModel's ``forward`` (an instance attribute; the class is untouched): in a captured step it
+        notes whether the model was called with THD ``packed_seq_params`` (gpt_model.py:290), so that a packed
+        micro-batch handed to the row-wise :meth:`loss_func` is refused instead of read as rows."""
+        orig = lm.forward
+        audit = self
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if audit._state is not None:
+                psp = kwargs.get("packed_seq_params")
+                audit._thd_forward = psp is not None and getattr(psp, "qkv_format", None) == "thd"
+            return orig(*args, **kwargs)
+        forward.__wrapped__ = orig        # type: ignore[attr-defined]
+        lm.forward = forward
+
     def _wrap_language_model_loss(self, lm: Any) -> None:
         """Wrap the GPTModel's ``compute_language_model_loss`` (an instance attribute; the class is untouched):
         during a captured step each per-token loss it returns with a gradient is remembered for the wrapped
@@ -536,8 +611,8 @@ class MegatronAdapter(Adapter):
         if st is None:
             return loss_func
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", "thd") == "thd":
-            self._fail(st, "THD packed sequences (packed_seq_params) are not supported: their CP split is "
-                           "Transformer Engine's thd_get_partitioned_indices (megatron/core/utils.py:2066-2071)")
+            self._fail(st, "THD packed sequences (packed_seq_params) are not [b, s] rows: wrap the loss function "
+                           "with audit.packed_loss_func(...) and give the packed samples")
 
         def shape(x: Any) -> Any:
             return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -559,6 +634,10 @@ class MegatronAdapter(Adapter):
                     or not output_tensor.requires_grad:
                 audit._lm_losses, audit._mtp_scaled = [], []
                 return loss_func(output_tensor, *args, **kwargs)          # non-loss data, eval, another step
+            if audit._thd_forward:
+                audit._fail(st, "the model was called with THD packed_seq_params but the micro-batch was given as "
+                                "[b, s] rows (audit.loss_func): wrap the loss function with audit.packed_loss_func("
+                                "...) and give the packed samples")
             per_token_input = tuple(output_tensor.shape) == (b, s_local) and output_tensor.is_floating_point()
             # response index j of a row is position j (prompt length 1): the mask's first s-1 entries
             mb = st.rec.microbatch(sample_indices=idx, tokens=tokens.reshape(-1),
@@ -618,7 +697,16 @@ class MegatronAdapter(Adapter):
         if cur is None:
             return token_losses
         name = "main" if term is None else str(term)
-        if not isinstance(token_losses, torch.Tensor) or tuple(token_losses.shape) != (cur.b, cur.s_local) \
+        index: Any = cur.index
+        if cur.packed is not None:
+            index = cur.packed.index_for(token_losses)
+            if index is False:
+                got = (tuple(token_losses.shape), token_losses.dtype) if isinstance(token_losses, torch.Tensor) \
+                    else type(token_losses).__name__
+                self._fail(st, f"per_token({name}): a packed micro-batch's per-token losses are the rank's packed "
+                               f"stream [1, L] (L >= {cur.packed.stream_length}, the samples' local lengths) or "
+                               f"its owned response tokens in local order [{cur.packed.owned}], got {got}")
+        elif not isinstance(token_losses, torch.Tensor) or tuple(token_losses.shape) != (cur.b, cur.s_local) \
                 or not token_losses.is_floating_point():
             got = (tuple(token_losses.shape), token_losses.dtype) if isinstance(token_losses, torch.Tensor) \
                 else type(token_losses).__name__
@@ -632,10 +720,75 @@ class MegatronAdapter(Adapter):
         cur.terms.add(name)
         if term is None:
             cur.hooked = True
-            cur.entry.handle.hook(token_losses, index=cur.index)
+            cur.entry.handle.hook(token_losses, index=index)
         else:
-            cur.entry.handle.hook(token_losses, index=cur.index, term=name)
+            cur.entry.handle.hook(token_losses, index=index, term=name)
         return token_losses
+
+    def packed_loss_func(self, loss_func: Callable[..., Any], *, sample_indices: Any, tokens: Any,
+                         total_lengths: Any, response_lengths: Any, loss_masks: Any, cp_size: Optional[int] = None,
+                         cp_rank: Optional[int] = None, dummy: bool = False,
+                         sample_denoms: Any = None) -> Callable[..., Any]:
+        """``loss_func`` wrapped for a PACKED (THD) micro-batch, slime's layout: each sample is padded to a
+        multiple of ``2*cp`` and cut into ``2*cp`` chunks, this CP rank holding chunks ``r`` and ``2cp-1-r`` of
+        every sample, the samples' local pieces concatenated (at CP 1 the samples themselves, unpadded);
+        anything after the last sample's piece (the stream's padding) is ignored.
+
+        The samples whole, before the split: ``tokens`` ``[sum T]`` (or a list, one tensor per sample; slime's
+        ``unconcat_tokens``), ``total_lengths`` / ``response_lengths`` ``[n]``, ``loss_masks`` ``[sum R]`` (or
+        a list) over the response tokens, ``sample_indices`` their global indices.  ``cp_size`` / ``cp_rank``:
+        this micro-batch's CP size and this rank's place in it, for a CP size chosen per micro-batch (Relax's
+        ``dynamic_cp_size``; consecutive CP ranks form a sub-group: ``cp_rank`` must be the static CP rank
+        modulo ``cp_size``); default the static ones.  ``dummy``: a padding micro-batch that carries no loss
+        (Relax's ``__is_dummy__``).  The loss function hands its per-token losses over with
+        :meth:`per_token`: the packed stream ``[1, L]`` as the model's output is laid out, or the owned
+        response tokens in local order (per sample, owned response indices ascending: slime's ``pg_loss``)."""
+        st = self._state
+        if st is None:
+            return loss_func
+        cp = self.cp if cp_size is None else int(cp_size)
+        if cp < 1 or self.cp % cp:
+            self._fail(st, f"cp_size {cp} does not divide the CP group of {self.cp}")
+        r = self.cp_rank % cp
+        if cp_rank is not None and int(cp_rank) != r:
+            self._fail(st, f"cp_rank {cp_rank} of a micro-batch with CP size {cp}: the static CP rank {self.cp_rank} "
+                           f"places this rank at {r} (sub-groups of consecutive CP ranks)")
+        packed = _Packed(sample_indices, tokens, total_lengths, response_lengths, loss_masks, cp, r)
+        if packed.problem:
+            self._fail(st, packed.problem)
+        audit = self
+
+        def wrapped(output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if args or kwargs or audit._state is not st or not isinstance(output_tensor, torch.Tensor) \
+                    or not output_tensor.requires_grad:
+                return loss_func(output_tensor, *args, **kwargs)
+            mb = st.rec.microbatch(sample_indices=packed.sample_indices, tokens=packed.tokens,
+                                   total_lengths=packed.T, response_lengths=packed.R, loss_masks=packed.masks,
+                                   cp_size=cp, dummy=bool(dummy), sample_denoms=sample_denoms)
+            entry = _MB(mb, None)
+            st.mbs.append(entry)
+            cur = _Current(entry, packed.stream_index, 1, packed.stream_length, packed)
+            st.current = cur
+            try:
+                outputs = loss_func(output_tensor)
+            finally:
+                st.current = None
+            if not cur.hooked and not dummy:
+                auto = packed.index_for(output_tensor) if output_tensor.dim() == 2 else False
+                if auto is False:
+                    audit._fail(st, f"a packed micro-batch's loss_func received {tuple(output_tensor.shape)} and "
+                                    f"handed lossguard no per-token losses: call audit.per_token(token_losses) "
+                                    f"where your loss function forms them")
+                mb.hook(output_tensor, index=auto)
+            if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+                audit._fail(st, f"loss_func returned {type(outputs).__name__}; Megatron expects (loss, num_tokens, "
+                                f"report) or (loss, report)")
+            entry.arity = len(outputs)
+            entry.loss = outputs[0]
+            if len(outputs) == 3 and getattr(audit.config, "calculate_per_token_loss", False):
+                mb.set(num_tokens=outputs[1])
+            return outputs
+        return wrapped
 
     def _hook_mtp(self, st: _StepState, mb: MicroBatch, index: torch.Tensor, b: int,
                   s_local: int) -> List[torch.Tensor]:
@@ -793,6 +946,8 @@ class MegatronAdapter(Adapter):
         if not st.finalized:
             self._fail(st, "finalize_model_grads_func was not called (forward_only?): grad_scale is unknown")
         for k, e in enumerate(st.mbs):
+            if e.loss_mask is None:         # a packed (THD) micro-batch: its samples are whole, nothing to check
+                continue
             m = e.loss_mask.detach().cpu()
             if not _is_float_01(m):
                 self._fail(st, f"micro-batch {k}: loss_mask holds values other than 0 and 1")

@@ -33,6 +33,7 @@ PACKAGES = {
     "hf": ("transformers", "accelerate", "torch"),
     "trl": ("trl", "transformers", "accelerate", "torch"),
     "megatron": ("megatron-core", "torch"),
+    "megatron_shapes": ("megatron-core", "torch"),
     "verl": ("verl", "transformers", "tensordict", "torch"),
 }
 

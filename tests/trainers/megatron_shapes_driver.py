@@ -15,8 +15,8 @@ tests/trainers/test_megatron_shapes.py compares; then ``--reference`` (one proce
 
 The model: megatron_driver.py's tiny GPTModel (vocabulary 32, hidden 16, attention IdentityOp so that CP
 runs without Transformer Engine), one layer per pipeline stage, untied output layer.  The batch: 4 rows of
-8 positions, M = 2 micro-batches; step 0 has an empty row (at DP 2 a fully masked micro-batch) and rows a
-CP rank owns no token of; step 1 has no effective token at all.
+8 positions, M = 2 micro-batches; step 0 has empty rows (a fully masked micro-batch at every layout) and a
+row a CP rank owns no token of; step 1 has no effective token at all.
 
 Scenarios (the loss function receives the logits ``[b, s/cp, V/tp]`` and hands its per-token cross entropy
 to ``audit.per_token``):
@@ -31,6 +31,13 @@ to ``audit.per_token``):
                 group — the seed's deadlock, which no capture of that step can record
   sample-count  global, deciding from the 3-tuple's count (a constant 1 per micro-batch, slime's non-per-token
                 contract): a fully masked step still steps (planted bug: the seed's review finding)
+  thd, thd-owned, thd-dyncp   pt on packed (THD) micro-batches split per sample as slime splits them (each
+                sample padded to a multiple of 2*CP, CP rank r holding chunks r and 2cp-1-r), handed over with
+                audit.packed_loss_func: as the packed stream [1, L], as the owned response tokens in local order
+                (slime's pg_loss), and with micro-batch 1 at CP size 1 (Relax's dynamic CP: each CP rank trains
+                its own share of the samples)
+  thd-off-by-one   thd with the loss mask read one stream position late (planted: a THD split off by one)
+  thd-unannounced  a packed micro-batch handed to the row-wise audit.loss_func: refused (planted misuse)
   tp-as-dp      global with N all-reduced over the whole world: TP replicas counted as DP ranks (planted bug,
                 transformers #39674's shape): w_t = m_t / (tp N) (at CP 1)
 
@@ -64,7 +71,10 @@ from lossguard_capture.megatron_cpu import HITS, cuda_on_cpu  # noqa: E402
 
 SEED, VOCAB, S, ROWS, M, STEPS = base.SEED, base.VOCAB, base.S, base.ROWS, 2, 2
 ZERO = [[0] * S for _ in range(ROWS)]
-MASKS = [base.MASKS[0], ZERO]            # step 1: no effective token at all
+#: step 0: rows 0 and 1 empty (a fully masked micro-batch at every DP size: micro-batch 0 holds rows 0-1 at
+#: DP 1, row 0 or row 1 at DP 2), row 3's tokens all on CP rank 0 at CP 2 (CP rank 1 owns none of it);
+#: step 1: no effective token at all
+MASKS = [[[0] * S, [0] * S, [0, 1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0, 1, 0]], ZERO]
 LOCAL_KEYS = base.LOCAL_KEYS
 SCENARIOS = {                            # scenario -> (calculate_per_token_loss, loss kind, decision)
     "pt": (True, "sum", "broadcast"),
@@ -73,7 +83,24 @@ SCENARIOS = {                            # scenario -> (calculate_per_token_loss
     "sample-count": (False, "global-dpcp", "sample-count"),
     "tp-as-dp": (False, "global-world", "broadcast"),
 }
-PLANTED = ("first-stage-src", "sample-count", "tp-as-dp")     # run with the adapter only
+PLANTED = ("first-stage-src", "sample-count", "sample-count-ff", "tp-as-dp", "thd-off-by-one",
+           "thd-unannounced")   # with the adapter only
+SCENARIOS["sample-count-ff"] = SCENARIOS["sample-count"]        # with fail fast on step 1
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+#: THD (packed) scenarios: slime's layout, per-token loss, the loop's decision broadcast as in pt
+THD = {"thd": "stream", "thd-owned": "owned", "thd-dyncp": "stream", "thd-off-by-one": "stream",
+       "thd-unannounced": "stream"}
+for _name in THD:
+    SCENARIOS[_name] = (True, "sum", "broadcast")
+#: each step's 4 samples (T, R, response mask): step 0 with a sample shorter than 2*CP (T = 3), a fully
+#: masked micro-batch (samples 2 and 3) and, at CP 2, a CP rank that owns no token of a sample (T = 7, R = 2:
+#: rank 0's chunks hold logits 0-1 and 6-7, the response's logits are 4-5); step 1 without an effective
+#: token (an empty response among them)
+THD_SAMPLES = [
+    [(7, 2, [1, 1]), (3, 2, [1, 1]), (9, 5, [0, 0, 0, 0, 0]), (6, 4, [0, 0, 0, 0])],
+    [(5, 2, [0, 0]), (4, 0, []), (8, 3, [0, 0, 0]), (3, 1, [0])],
+]
+THD_MAXLEN = 16                     # learned positions: a padded sample's local positions stay below it
 
 
 def make_config(pp, tp, cp, per_token):
@@ -89,7 +116,7 @@ def make_model(config, pre_process=True, post_process=True):
     from megatron.core.models.gpt import GPTModel
     torch.manual_seed(SEED)
     return GPTModel(config=config, transformer_layer_spec=base.layer_spec(), vocab_size=VOCAB,
-                    max_sequence_length=S, position_embedding_type="learned_absolute",
+                    max_sequence_length=THD_MAXLEN, position_embedding_type="learned_absolute",
                     share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process)
 
 
@@ -123,6 +150,61 @@ def build(pp, tp, cp, per_token):
 
 
 # ---- the user's loss function: logits in, its own per-token cross entropy --------------------------------
+# ---- THD: slime's packing, written here from its description (docs/semantics.md §2), not from lossguard ----
+def thd_tokens(step):
+    g = torch.Generator().manual_seed(SEED + 31 * step)
+    return [torch.randint(1, VOCAB, (T,), generator=g) for T, _, _ in THD_SAMPLES[step]]
+
+
+def thd_pieces(T, cp, r):
+    """The positions of a sample this CP rank holds, in local order (padding positions >= T included):
+    chunks r and 2cp-1-r of the sample padded to a multiple of 2cp (cp 1: the sample, unpadded)."""
+    if cp == 1:
+        return list(range(T))
+    cs = -(-T // (2 * cp))
+    return [p for k in (r, 2 * cp - 1 - r) for p in range(k * cs, (k + 1) * cs)]
+
+
+def thd_microbatches(step, scenario, dp, dp_rank, cp, cp_rank):
+    """This rank's packed micro-batches: micro-batch k of DP rank d holds samples (k*dp + d)*b ... (b = 4 / (M dp));
+    thd-dyncp trains micro-batch 1 at CP size 1, the CP ranks of the group each on their own share of its
+    samples (consecutive CP ranks form the sub-groups)."""
+    toks = thd_tokens(step)
+    b = len(THD_SAMPLES[step]) // (M * dp)
+    out = []
+    for k in range(M):
+        ids = list(range((k * dp + dp_rank) * b, (k * dp + dp_rank) * b + b))
+        cpk, r = cp, cp_rank
+        if scenario == "thd-dyncp" and k == 1 and cp > 1:
+            cpk, r = 1, 0
+            share = len(ids) // cp
+            ids = ids[cp_rank * share:(cp_rank + 1) * share]
+        stream_tok, stream_pos, stream_lab, stream_mask, owned = [], [], [], [], []
+        for i in ids:
+            T, R, m = THD_SAMPLES[step][i]
+            P = T - R
+            for p in thd_pieces(T, cpk, r):
+                if P - 1 <= p < T - 1:          # a logit predicting response token p+1 (SPEC §2's ownership)
+                    owned.append(len(stream_tok))
+                stream_tok.append(int(toks[i][p]) if p < T else 0)
+                stream_pos.append(p)
+                stream_lab.append(int(toks[i][p + 1]) if p + 1 < T else 0)
+                stream_mask.append(float(m[p + 1 - P]) if P - 1 <= p < T - 1 else 0.0)
+        if scenario == "thd-off-by-one":        # planted: the mask read one position late (a split off by one)
+            stream_mask = [0.0] + stream_mask[:-1]
+        while len(stream_tok) % 4:              # the stream padded to a multiple of tp x 2 (ignored)
+            stream_tok.append(0), stream_pos.append(0), stream_lab.append(0), stream_mask.append(0.0)
+        out.append({"tokens": torch.tensor([stream_tok]), "position_ids": torch.tensor([stream_pos]),
+                    "labels": torch.tensor([stream_lab]), "loss_mask": torch.tensor([stream_mask]),
+                    "owned": torch.tensor(owned, dtype=torch.int64), "cp_size": cpk,
+                    "sample_indices": torch.tensor(ids, dtype=torch.int64),
+                    "full_tokens": [toks[i] for i in ids],
+                    "total_lengths": torch.tensor([THD_SAMPLES[step][i][0] for i in ids]),
+                    "response_lengths": torch.tensor([THD_SAMPLES[step][i][1] for i in ids]),
+                    "loss_masks": [torch.tensor(THD_SAMPLES[step][i][2], dtype=torch.int64) for i in ids]})
+    return out
+
+
 def step_count(kind, mbs):
     """N for the global mean (kinds global-*), known before the step as slime knows its rollouts' mask sums:
     this DP rank's full rows' mask total, all-reduced over the DP group — or, planted (global-world), over
@@ -138,8 +220,13 @@ def loss_over_logits(kept, kind, audit, step_n, local, logits):
     """``logits`` [b, s/cp, V/tp] (GPTModel without labels); the per-token cross entropy over the TP group."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    token_loss = vocab_parallel_cross_entropy(logits.float(), local["labels"])        # [b, s/cp]
-    if audit is not None:
+    token_loss = vocab_parallel_cross_entropy(logits.float(), local["labels"])        # [b, s/cp]; THD [1, L]
+    if audit is not None and local.get("owned_order"):
+        # slime's shape: the owned response tokens of each sample, in local order, as their own tensor
+        owned = token_loss[0, local["owned"]]
+        audit.per_token(owned)
+        token_loss = torch.zeros_like(token_loss).index_put((torch.zeros_like(local["owned"]), local["owned"]), owned)
+    elif audit is not None:
         token_loss = audit.per_token(token_loss)
     mask = local["loss_mask"].float()
     total = torch.sum(token_loss * mask)
@@ -193,12 +280,30 @@ def run(scenario, out, pp, tp, cp, adapter):
     audit = None
     if adapter:
         import lossguard_capture.megatron as lcm
-        audit = lcm.attach(config, os.path.join(out, "captures"), steps=range(STEPS), fail_fast=False, model=[ddp],
-                           optimizer=opt, scheduler=sched)
+        ff = scenario.endswith("-ff")
+        audit = lcm.attach(config, os.path.join(out, "captures"), steps=(1,) if ff else range(STEPS),
+                           fail_fast=ff, model=[ddp], optimizer=opt, scheduler=sched, lossguard_bin=LOSSGUARD,
+                           timeout=120)
     kept = []
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
+        if scenario in THD:
+            from megatron.core.packed_seq_params import PackedSeqParams
+            local = dict(mb, owned_order=THD[scenario] == "owned")
+            L = mb["tokens"].shape[1]
+            cu = torch.tensor([0, L], dtype=torch.int32)
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=L, max_seqlen_kv=L)
+            output = model(mb["tokens"], mb["position_ids"], None, packed_seq_params=psp)
+            fn = partial(loss_over_logits, kept, kind, audit, step_n, local)
+            if audit is not None and scenario == "thd-unannounced":     # the packed stream handed over as a row
+                return output, audit.loss_func(fn, tokens=mb["tokens"], loss_mask=mb["loss_mask"],
+                                               sample_indices=mb["sample_indices"][:1])
+            if audit is not None:
+                fn = audit.packed_loss_func(fn, sample_indices=mb["sample_indices"], tokens=mb["full_tokens"],
+                                            total_lengths=mb["total_lengths"], response_lengths=mb["response_lengths"],
+                                            loss_masks=mb["loss_masks"], cp_size=mb["cp_size"])
+            return output, fn
         local = get_batch_on_this_cp_rank({k: mb[k].clone() for k in LOCAL_KEYS})
         output = model(local["tokens"], local["position_ids"], None)     # no labels: logits (last stage)
         fn = partial(loss_over_logits, kept, kind, audit, step_n, local)
@@ -208,10 +313,26 @@ def run(scenario, out, pp, tp, cp, adapter):
         return output, fn
 
     fb = get_forward_backward_func()
-    losses, opt_out = [], []
     step_n = [None]
+    if scenario == "thd-unannounced":
+        err = None
+        try:
+            with audit.step(0, global_batch_size=ROWS):
+                fb(forward_step_func=forward_step,
+                   data_iterator=iter(thd_microbatches(0, scenario, dp, dp_rank, cp, ps.get_context_parallel_rank())),
+                   model=[ddp], num_microbatches=M, seq_length=THD_MAXLEN, micro_batch_size=1)
+        except RuntimeError as e:
+            err = str(e)
+        with open(os.path.join(out, f"guard-rank{rank}.json"), "w") as f:
+            json.dump({"error": err, "captures": os.path.exists(os.path.join(out, "captures"))}, f)
+        dist.barrier()
+        return
+    losses, opt_out = [], []
     for step in range(STEPS):
-        mbs = base.microbatches(step, dp, dp_rank, MASKS)
+        if scenario in THD:
+            mbs = thd_microbatches(step, scenario, dp, dp_rank, cp, ps.get_context_parallel_rank())
+        else:
+            mbs = base.microbatches(step, dp, dp_rank, MASKS)
         if kind != "sum":
             step_n[0] = step_count(kind, mbs)
         torch.save({whole_name(n, pp_rank): p.detach().clone() for n, p in ddp.module.named_parameters()},
@@ -220,18 +341,17 @@ def run(scenario, out, pp, tp, cp, adapter):
         opt.zero_grad()
         kept.clear()
         ctx = audit.step(step, global_batch_size=ROWS) if audit is not None else base._Null()
-        with ctx:
-            reports = fb(forward_step_func=forward_step,
-                         data_iterator=iter(mbs), model=[ddp],
-                         num_microbatches=M, seq_length=S, micro_batch_size=ROWS // (M * dp))
-            save_grads(ddp, os.path.join(out, f"grads-step{step}-rank{rank}.pt"), pp_rank, tp_rank)
-            skip = decide_skip(decision, reports)
-            rec = {"skipped": skip}
-            if not skip:
-                ok, grad_norm, _ = opt.step()
-                sched.step(increment=1)
-                rec.update(update_successful=bool(ok), grad_norm=None if grad_norm is None else float(grad_norm))
-            rec["lr"] = float(opt.param_groups[0]["lr"])
+        before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        try:
+            rec = train_step(ctx, fb, forward_step, mbs, ddp, opt, sched, scenario, decision, out, step, rank,
+                             pp_rank, tp_rank, cp, dp)
+        except Exception as e:          # fail fast: AuditFailed from optimizer.step(), before the update
+            from lossguard_capture import AuditFailed
+            if not isinstance(e, AuditFailed):
+                raise
+            rec = {"audit_failed": {"step": e.step, "exit_code": e.exit_code}, "params_unchanged": all(
+                torch.equal(p.detach(), before[n]) for n, p in ddp.module.named_parameters()),
+                "lr": float(opt.param_groups[0]["lr"])}
         losses.append([x.detach().clone() for x in kept])
         opt_out.append(rec)
     torch.save(losses, os.path.join(out, f"losses-rank{rank}.pt"))
@@ -240,6 +360,27 @@ def run(scenario, out, pp, tp, cp, adapter):
     with open(os.path.join(out, f"opt-rank{rank}.json"), "w") as f:
         json.dump(opt_out, f)
     dist.barrier()
+
+
+def train_step(ctx, fb, forward_step, mbs, ddp, opt, sched, scenario, decision, out, step, rank, pp_rank, tp_rank,
+               cp, dp):
+    """One iteration inside the adapter's step (or a null context): forward-backward, then the loop's own
+    decision — the optimizer and the scheduler step together, or neither."""
+    with ctx:
+        seq = max(mb["tokens"].shape[1] for mb in mbs) * cp if scenario in THD else S
+        reports = fb(forward_step_func=forward_step,
+                     data_iterator=iter(mbs), model=[ddp],
+                     num_microbatches=M, seq_length=seq,
+                     micro_batch_size=1 if scenario in THD else ROWS // (M * dp))
+        save_grads(ddp, os.path.join(out, f"grads-step{step}-rank{rank}.pt"), pp_rank, tp_rank)
+        skip = decide_skip(decision, reports)
+        rec = {"skipped": skip}
+        if not skip:
+            ok, grad_norm, _ = opt.step()
+            sched.step(increment=1)
+            rec.update(update_successful=bool(ok), grad_norm=None if grad_norm is None else float(grad_norm))
+        rec["lr"] = float(opt.param_groups[0]["lr"])
+    return rec
 
 
 # ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
@@ -291,6 +432,9 @@ def reference(d, pp, tp, cp, scenarios):
                 for n, p in model.named_parameters():
                     p.copy_(params[n])
             model = model.double()
+            if scenario in THD:
+                thd_reference(out, step, model, caps, grads)
+                continue
             full = base.batch(step, MASKS)
             W = torch.zeros(ROWS, S, dtype=torch.float64)
             seen = torch.zeros(ROWS, S, dtype=torch.int64)
@@ -316,6 +460,45 @@ def reference(d, pp, tp, cp, scenarios):
                         "got": grads, "seen": seen, "weights": W, "token_loss": l.detach()},
                        os.path.join(out, f"ref-step{step}.pt"))
     ps.destroy_model_parallel()
+
+
+def thd_reference(out, step, model, caps, grads):
+    """THD: each sample whole (positions 0..T-1; the attention is the identity, so a position's loss depends on
+    its token and position only), its weights W[p] at the logit positions the captures own (each micro-batch
+    at its own CP size; this rank's place in it the static CP rank modulo that size)."""
+    import lossguard_capture as lc
+    toks = thd_tokens(step)
+    W = [torch.zeros(T, dtype=torch.float64) for T, _, _ in THD_SAMPLES[step]]
+    seen = [torch.zeros(T, dtype=torch.int64) for T, _, _ in THD_SAMPLES[step]]
+    for t, meta in caps:
+        if int(meta["tp_rank"]) != 0:
+            continue
+        gs = t["grad_scale"].double().item()
+        for k in range(int(meta["num_microbatches"])):
+            cpk = int(t[f"mb.{k}.cp_size"])
+            r = int(meta["cp_rank"]) % cpk
+            w = t[f"mb.{k}.token_weight"].double() * gs
+            at = 0
+            for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
+                               t[f"mb.{k}.response_lengths"].tolist()):
+                for j in lc.zigzag_owned(T, R, cpk, r):
+                    W[i][T - R - 1 + j] += w[at]
+                    seen[i][T - R - 1 + j] += 1
+                    at += 1
+            assert at == w.numel()
+    total = 0
+    losses = []
+    for i, (T, R, m) in enumerate(THD_SAMPLES[step]):
+        logits = model(toks[i][None], torch.arange(T)[None], None)[0]           # [T, V]
+        labels = torch.cat([toks[i][1:], torch.zeros(1, dtype=torch.int64)])
+        l = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        losses.append(l.detach())
+        total = total + (W[i] * l).sum()
+    total.backward()
+    torch.save({"want": {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                         for n, p in model.named_parameters()},
+                "got": grads, "thd_seen": seen, "thd_weights": W, "thd_token_loss": losses},
+               os.path.join(out, f"ref-step{step}.pt"))
 
 
 def _with_partition(values, grads):

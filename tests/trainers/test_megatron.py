@@ -571,7 +571,8 @@ def test_refusals_and_skip(runs):
                             r"\(loss, report\)",
         "logits-not-per-token": r"loss_func received \(2, 8, 32\) torch\.float32 \(logits\?\) and handed lossguard no "
                                 r"per-token losses: call audit\.per_token\(token_losses\)",
-        "thd": r"THD packed sequences .* not supported",
+        "thd": r"THD packed sequences \(packed_seq_params\) are not \[b, s\] rows: wrap the loss function with "
+               r"audit\.packed_loss_func",
         "mtp-without-model": r"mtp_num_layers = 1 without model=: the MTP loss is hooked on the GPTModel",
     }
     for name, pattern in want.items():

@@ -4,8 +4,10 @@ function over logits that hands its per-token losses to ``audit.per_token``, the
 loop's own skip decision (tests/trainers/megatron_shapes_driver.py runs them under torchrun, CPU, Gloo, on
 the real megatron-core).
 
-The tests prove, at PP 2 x DP 2, PP 2 x CP 2 and TP 2 x DP 2, each with an empty sample, a fully masked
-micro-batch (DP 2) and a zero-token step:
+The tests prove, at PP 2 x DP 2, PP 2 x CP 2, TP 2 x DP 2 and THD at CP 2 (slime's per-sample split, as a
+packed stream and as owned tokens, and Relax's per-micro-batch CP size), each with an empty sample, a fully
+masked micro-batch (DP 2) or samples shorter than 2 x CP and a CP rank that owns no token of a sample, and a
+zero-token step:
 
 (a) the adapter changes nothing: backpropagated losses, ``main_grad`` after finalize_model_grads, the
     optimizer's results, the learning rate and the parameters after the step are bit for bit those of the
@@ -16,7 +18,8 @@ micro-batch (DP 2) and a zero-token step:
     broadcast to them, the scaling they applied, whether the optimizer and the LR scheduler stepped), and
     ``lossguard audit`` passes the right runs and names the planted bugs: a decision broadcast from the
     pipeline's first stage (every stage skips a non-empty step), a decision read from the 3-tuple's count
-    without per-token loss (a fully masked step steps), TP replicas counted as DP ranks (a uniform 1/tp);
+    without per-token loss (a fully masked step steps), TP replicas counted as DP ranks (a uniform 1/tp), a
+    THD split off by one; a packed micro-batch handed over as rows is refused;
 (d) the verifier rejects wrong numbers planted in real captures: a stage that scaled its gradients
     differently, a stage the count did not reach, a scheduler that advanced on a skipped step, a TP rank
     whose weights differ from its TP rank 0.
@@ -42,6 +45,7 @@ ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 DRIVER = os.path.join(HERE, "megatron_shapes_driver.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
+import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DIR is set)
 import megatron_shapes_driver as drv  # noqa: E402
 
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
@@ -50,13 +54,19 @@ needs_bin = pytest.mark.skipif(not HAVE_BIN, reason="the lossguard binary is not
 
 #: (pp, tp, cp, dp) -> the scenarios run there
 LAYOUTS = {
-    (2, 1, 1, 2): ["pt", "global", "first-stage-src", "sample-count"],
+    (2, 1, 1, 2): ["pt", "global", "first-stage-src", "sample-count", "sample-count-ff"],
     (2, 1, 2, 1): ["pt", "global"],
     (1, 2, 1, 2): ["pt", "global", "tp-as-dp"],
+    (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-off-by-one", "thd-unannounced"],
 }
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-tp{t}-cp{c}-dp{d}-{s}" for (p, t, c, d), s in RIGHT]
-N = [sum(sum(row[:-1]) for row in m) for m in drv.MASKS]          # each step's effective tokens: 12, 0
+N = [sum(sum(row[:-1]) for row in m) for m in drv.MASKS]          # each step's effective tokens: 9, 0
+N_THD = [sum(sum(m) for _, _, m in samples) for samples in drv.THD_SAMPLES]      # 4, 0
+
+
+def n_of(scenario, step):
+    return (N_THD if scenario in drv.THD else N)[step]
 
 
 def _env():
@@ -71,6 +81,7 @@ def runs(tmp_path_factory):
         common = ["--pp", str(pp), "--tp", str(tp), "--cp", str(cp), "--scenarios", ",".join(scenarios)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(pp * tp * cp * dp), DRIVER, "--out", d, *common]
+        gallery.remember_run(d, cmd)
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         r = subprocess.run([sys.executable, DRIVER, "--reference", d, *common], capture_output=True, text=True,
@@ -145,11 +156,18 @@ def test_gradient_is_sum_of_measured_weights(runs, layout, scenario):
         ref = torch.load(os.path.join(runs[layout], scenario, "adapter", f"ref-step{n}.pt"))
         want, got = ref["want"], ref["got"]
         assert sorted(want) == sorted(got)
-        # every effective or masked response position held by exactly one loss rank; the last position never
-        assert (ref["seen"][:, : drv.S - 1] == 1).all() and (ref["seen"][:, -1] == 0).all()
-        assert float(ref["weights"].sum()) == pytest.approx(1.0 if N[n] else 0.0, rel=1e-6)
+        if scenario in drv.THD:
+            # every response logit position (P-1 <= p < T-1) of every sample held by exactly one rank
+            for (T, R, _), seen in zip(drv.THD_SAMPLES[n], ref["thd_seen"]):
+                assert seen.tolist() == [1 if T - R - 1 <= p < T - 1 else 0 for p in range(T)], (T, R, seen)
+            total = sum(float(w.sum()) for w in ref["thd_weights"])
+        else:
+            # every effective or masked response position held by exactly one loss rank; the last never
+            assert (ref["seen"][:, : drv.S - 1] == 1).all() and (ref["seen"][:, -1] == 0).all()
+            total = float(ref["weights"].sum())
+        assert total == pytest.approx(1.0 if n_of(scenario, n) else 0.0, rel=1e-6)
         scale = max(float(v.abs().max()) for v in want.values())
-        assert (scale > 0) == (N[n] > 0)
+        assert (scale > 0) == (n_of(scenario, n) > 0)
         for name, w in want.items():
             torch.testing.assert_close(got[name].double(), w, rtol=1e-5, atol=1e-6 * max(scale, 1e-30),
                                        msg=lambda m: f"{layout} {scenario} step {n} {name}: {m}")
@@ -170,6 +188,7 @@ def test_stage_records(runs, layout, scenario):
     pp, tp, cp, dp = layout
     for n in range(drv.STEPS):
         caps = captures(runs, layout, scenario, n)
+        N_n = n_of(scenario, n)
         scales = {float(t["grad_scale"]) for t, _ in caps}
         assert len(scales) == 1, scales                      # every stage and rank applied one scaling
         for t, meta in caps:
@@ -177,14 +196,21 @@ def test_stage_records(runs, layout, scenario):
             last = int(meta["pp_rank"]) == pp - 1
             assert int(meta["num_microbatches"]) == (drv.M if last else 0), meta
             assert not any(k.startswith("mb.") for k in t) or last
-            assert t["skipped"].item() == (N[n] == 0) and t["scheduler_stepped"].item() == (N[n] > 0)
-            if scenario == "pt":         # the count every stage received through finalize_model_grads
-                assert t["num_tokens_reduced"].item() == N[n]
-                assert float(t["grad_scale"]) == (float(1.0 / torch.tensor(N[n], dtype=torch.int32)) if N[n]
+            assert t["skipped"].item() == (N_n == 0) and t["scheduler_stepped"].item() == (N_n > 0)
+            if drv.SCENARIOS[scenario][0]:      # per-token: the count every stage received through finalize
+                assert t["num_tokens_reduced"].item() == N_n
+                assert float(t["grad_scale"]) == (float(1.0 / torch.tensor(N_n, dtype=torch.int32)) if N_n
                                                   else 1.0)
             else:
                 assert "num_tokens_reduced" not in t and float(t["grad_scale"]) == 1.0 / (dp * cp)
-            if N[n] > 0:
+            if scenario in drv.THD and last:    # the packed samples, whole, and each micro-batch's CP size
+                for k in range(drv.M):
+                    cpk = 1 if scenario == "thd-dyncp" and k == 1 else cp
+                    assert t[f"mb.{k}.cp_size"].item() == cpk
+                    ids = t[f"mb.{k}.sample_indices"].tolist()
+                    assert t[f"mb.{k}.total_lengths"].tolist() == [drv.THD_SAMPLES[n][i][0] for i in ids]
+                    assert t[f"mb.{k}.loss_masks"].tolist() == [x for i in ids for x in drv.THD_SAMPLES[n][i][2]]
+            if N_n > 0:
                 assert t["grad_norm"].item() > 0
             else:
                 assert "grad_norm" not in t
@@ -203,19 +229,41 @@ def test_audit_passes(runs, layout, scenario):
         assert ("stages" in checks) == (layout[0] > 1)
         if layout[0] > 1:
             assert checks["stages"]["ok"] is True
-        assert (checks["counts"]["ok"] is True) == (scenario == "pt")
+        assert (checks["counts"]["ok"] is True) == drv.SCENARIOS[scenario][0]
+
+
+GALLERY = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in ("thd-unannounced", "sample-count-ff")]
+
+
+@needs_bin
+@pytest.mark.parametrize("layout,scenario", GALLERY,
+                         ids=[f"pp{p}-tp{t}-cp{c}-dp{d}-{s}" for (p, t, c, d), s in GALLERY])
+def test_audit_of_both_steps(runs, layout, scenario):
+    """Both steps in one audit (docs/gallery.md's rows): the right scenarios pass, each planted one fails."""
+    pp, tp, cp, dp = layout
+    caps = os.path.join(runs[layout], scenario, "adapter", "captures")
+    steps = [os.path.join(caps, f"step{n:06d}") for n in range(drv.STEPS)]
+    r = subprocess.run([LOSSGUARD, "audit", *steps, "--json", "-"], capture_output=True, text=True, timeout=120)
+    text = subprocess.run([LOSSGUARD, "audit", *steps], capture_output=True, text=True, timeout=120).stdout
+    doc = json.loads(r.stdout)
+    per_token, kind, decision = drv.SCENARIOS[scenario]
+    gallery.record("megatron_shapes", f"pp{pp}-tp{tp}-cp{cp}-dp{dp}-{scenario}",
+                   dict(pp=pp, tp=tp, cp=cp, dp=dp, scenario=scenario, calculate_per_token_loss=per_token,
+                        loss=kind, decision=decision, microbatches=drv.M), [LOSSGUARD, "audit", *steps],
+                   r.returncode, doc, text, r.stderr)
+    assert r.returncode == (1 if scenario in ("first-stage-src", "sample-count", "thd-off-by-one") else 0), text
 
 
 @needs_bin
 def test_audit_names_a_decision_from_the_first_stage(runs):
     """The decision broadcast over the pipeline group from its first stage, which computes no loss: every
-    stage skips the non-empty step 0."""
+    stage skips the non-empty step 0 (9 tokens)."""
     d = os.path.join(runs[(2, 1, 1, 2)], "first-stage-src", "adapter", "captures")
     code, doc, err = audit(os.path.join(d, "step000000"))
     assert code == 1, err
     c = checks_of(doc)[0]
     assert c["decision"]["ok"] is False and c["weights"]["ok"] is True
-    assert "rank 0 (pipeline stage 0 of 2) skipped (expected step: N = 12)" in c["decision"]["detail"]
+    assert "rank 0 (pipeline stage 0 of 2) skipped (expected step: N = 9)" in c["decision"]["detail"]
     assert audit(os.path.join(d, "step000001"))[0] == 0      # the zero-token step: skipped, as it should
 
 
@@ -233,6 +281,22 @@ def test_audit_names_a_decision_from_the_sample_count(runs):
 
 
 @needs_bin
+def test_fail_fast_stops_every_stage_before_the_update(runs):
+    """sample-count with fail fast on step 1 (the fully masked step the loop steps): on every rank of both
+    stages optimizer.step() raises AuditFailed (exit 1) before the update — the parameters are those of the
+    step's start — after each rank wrote its capture."""
+    out = os.path.join(runs[(2, 1, 1, 2)], "sample-count-ff", "adapter")
+    for r in range(4):
+        with open(os.path.join(out, f"opt-rank{r}.json")) as f:
+            steps = json.load(f)
+        assert steps[0]["skipped"] is False and steps[0]["update_successful"] is True, r
+        assert steps[1]["audit_failed"] == {"step": 1, "exit_code": 1} and steps[1]["params_unchanged"] is True, r
+        assert steps[1]["lr"] == steps[0]["lr"], r                  # nor did the scheduler advance
+    assert sorted(os.listdir(os.path.join(out, "captures"))) == ["audit-step000001.json", "step000001"]
+    assert len(os.listdir(os.path.join(out, "captures", "step000001"))) == 4
+
+
+@needs_bin
 def test_audit_names_tp_replicas_counted_as_dp(runs):
     """N all-reduced over the whole world: every TP replica adds its rows again, w_t = m_t / (tp N)."""
     d = os.path.join(runs[(1, 2, 1, 2)], "tp-as-dp", "adapter", "captures", "step000000")
@@ -246,6 +310,27 @@ def test_audit_names_tp_replicas_counted_as_dp(runs):
     # the right run has no such finding
     _, good, _ = audit(os.path.join(runs[(1, 2, 1, 2)], "global", "adapter", "captures", "step000000"))
     assert good["steps"][0]["diagnosis"]["kind"] == "exact"
+
+
+@needs_bin
+def test_audit_names_a_thd_split_off_by_one(runs):
+    """The trainer reads each packed token's mask one stream position late: weights land beside the tokens."""
+    d = os.path.join(runs[(1, 1, 2, 1)], "thd-off-by-one", "adapter", "captures")
+    code, doc, err = audit(os.path.join(d, "step000000"))
+    assert code == 1, err
+    assert checks_of(doc)[0]["weights"]["ok"] is False
+
+
+def test_packed_micro_batch_given_as_rows_is_refused(runs):
+    """A model called with THD packed_seq_params whose micro-batch reached the row-wise audit.loss_func:
+    refused on every rank, nothing recorded."""
+    d = os.path.join(runs[(1, 1, 2, 1)], "thd-unannounced", "adapter")
+    for r in range(2):
+        with open(os.path.join(d, f"guard-rank{r}.json")) as f:
+            g = json.load(f)
+        assert g["captures"] is False
+        assert "the model was called with THD packed_seq_params but the micro-batch was given as [b, s] rows" \
+            in g["error"] and "audit.packed_loss_func" in g["error"], g
 
 
 # ---- (d) the verifier rejects wrong numbers planted in real captures ----------------------------------------
