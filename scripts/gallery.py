@@ -443,6 +443,7 @@ MEGATRON_SHAPES = {
     "thd": "THD, per-token, the packed stream hooked",
     "thd-owned": "THD, the owned tokens hooked (slime's `pg_loss`)",
     "thd-dyncp": "THD, micro-batch 1 at CP size 1 (Relax's dynamic CP)",
+    "thd-dummy": "THD, micro-batch 1 a dummy (Relax's `__is_dummy__`)",
     "first-stage-src": "planted: decision broadcast from the first stage",
     "sample-count": "planted: decision from the 3-tuple's count",
     "tp-as-dp": "planted: N over the whole world (TP counted as DP)",

@@ -36,6 +36,9 @@ to ``audit.per_token``):
                 audit.packed_loss_func: as the packed stream [1, L], as the owned response tokens in local order
                 (slime's pg_loss), and with micro-batch 1 at CP size 1 (Relax's dynamic CP: each CP rank trains
                 its own share of the samples)
+  thd-dummy     thd whose micro-batch 1 is a padding micro-batch (Relax's __is_dummy__: micro-batch 0's
+                samples again with their masks zeroed, the loss x 0, dummy=True): samples 2-3 are not in the
+                step
   thd-off-by-one   thd with the loss mask read one stream position late (planted: a THD split off by one)
   thd-unannounced  a packed micro-batch handed to the row-wise audit.loss_func: refused (planted misuse)
   tp-as-dp      global with N all-reduced over the whole world: TP replicas counted as DP ranks (planted bug,
@@ -88,8 +91,8 @@ PLANTED = ("first-stage-src", "sample-count", "sample-count-ff", "tp-as-dp", "th
 SCENARIOS["sample-count-ff"] = SCENARIOS["sample-count"]        # with fail fast on step 1
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 #: THD (packed) scenarios: slime's layout, per-token loss, the loop's decision broadcast as in pt
-THD = {"thd": "stream", "thd-owned": "owned", "thd-dyncp": "stream", "thd-off-by-one": "stream",
-       "thd-unannounced": "stream"}
+THD = {"thd": "stream", "thd-owned": "owned", "thd-dyncp": "stream", "thd-dummy": "stream",
+       "thd-off-by-one": "stream", "thd-unannounced": "stream"}
 for _name in THD:
     SCENARIOS[_name] = (True, "sum", "broadcast")
 #: each step's 4 samples (T, R, response mask): step 0 with a sample shorter than 2*CP (T = 3), a fully
@@ -175,6 +178,9 @@ def thd_microbatches(step, scenario, dp, dp_rank, cp, cp_rank):
     for k in range(M):
         ids = list(range((k * dp + dp_rank) * b, (k * dp + dp_rank) * b + b))
         cpk, r = cp, cp_rank
+        dummy = scenario == "thd-dummy" and k == 1
+        if dummy:       # a padding micro-batch: micro-batch 0's samples again, masked, the loss x 0 (SPEC §10)
+            ids = list(range(dp_rank * b, dp_rank * b + b))
         if scenario == "thd-dyncp" and k == 1 and cp > 1:
             cpk, r = 1, 0
             share = len(ids) // cp
@@ -182,6 +188,8 @@ def thd_microbatches(step, scenario, dp, dp_rank, cp, cp_rank):
         stream_tok, stream_pos, stream_lab, stream_mask, owned = [], [], [], [], []
         for i in ids:
             T, R, m = THD_SAMPLES[step][i]
+            if dummy:
+                m = [0] * R
             P = T - R
             for p in thd_pieces(T, cpk, r):
                 if P - 1 <= p < T - 1:          # a logit predicting response token p+1 (SPEC §2's ownership)
@@ -196,12 +204,13 @@ def thd_microbatches(step, scenario, dp, dp_rank, cp, cp_rank):
             stream_tok.append(0), stream_pos.append(0), stream_lab.append(0), stream_mask.append(0.0)
         out.append({"tokens": torch.tensor([stream_tok]), "position_ids": torch.tensor([stream_pos]),
                     "labels": torch.tensor([stream_lab]), "loss_mask": torch.tensor([stream_mask]),
-                    "owned": torch.tensor(owned, dtype=torch.int64), "cp_size": cpk,
+                    "owned": torch.tensor(owned, dtype=torch.int64), "cp_size": cpk, "dummy": dummy,
                     "sample_indices": torch.tensor(ids, dtype=torch.int64),
                     "full_tokens": [toks[i] for i in ids],
                     "total_lengths": torch.tensor([THD_SAMPLES[step][i][0] for i in ids]),
                     "response_lengths": torch.tensor([THD_SAMPLES[step][i][1] for i in ids]),
-                    "loss_masks": [torch.tensor(THD_SAMPLES[step][i][2], dtype=torch.int64) for i in ids]})
+                    "loss_masks": [torch.tensor([0] * THD_SAMPLES[step][i][1] if dummy else THD_SAMPLES[step][i][2],
+                                                dtype=torch.int64) for i in ids]})
     return out
 
 
@@ -237,6 +246,8 @@ def loss_over_logits(kept, kind, audit, step_n, local, logits):
         dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)
         loss = total * (M * dpcp) / torch.clamp(step_n[0], min=1)
         num_tokens = torch.tensor(1, dtype=torch.int)           # slime's non-per-token contract: a constant 1
+    if local.get("dummy"):                      # Relax's __is_dummy__: the loss times 0, nothing counted
+        loss, num_tokens = loss * 0, torch.zeros_like(num_tokens)
     kept.append(loss)
     return loss, num_tokens, {"count": count.view(1).clone().detach(), "num_tokens": num_tokens.view(1)}
 
@@ -302,7 +313,7 @@ def run(scenario, out, pp, tp, cp, adapter):
             if audit is not None:
                 fn = audit.packed_loss_func(fn, sample_indices=mb["sample_indices"], tokens=mb["full_tokens"],
                                             total_lengths=mb["total_lengths"], response_lengths=mb["response_lengths"],
-                                            loss_masks=mb["loss_masks"], cp_size=mb["cp_size"])
+                                            loss_masks=mb["loss_masks"], cp_size=mb["cp_size"], dummy=mb["dummy"])
             return output, fn
         local = get_batch_on_this_cp_rank({k: mb[k].clone() for k in LOCAL_KEYS})
         output = model(local["tokens"], local["position_ids"], None)     # no labels: logits (last stage)
@@ -340,7 +351,8 @@ def run(scenario, out, pp, tp, cp, adapter):
         ddp.zero_grad_buffer()
         opt.zero_grad()
         kept.clear()
-        ctx = audit.step(step, global_batch_size=ROWS) if audit is not None else base._Null()
+        gbs = ROWS // 2 if scenario == "thd-dummy" else ROWS        # the dummy micro-batch repeats samples
+        ctx = audit.step(step, global_batch_size=gbs) if audit is not None else base._Null()
         before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
         try:
             rec = train_step(ctx, fb, forward_step, mbs, ddp, opt, sched, scenario, decision, out, step, rank,
@@ -475,6 +487,9 @@ def thd_reference(out, step, model, caps, grads):
             continue
         gs = t["grad_scale"].double().item()
         for k in range(int(meta["num_microbatches"])):
+            if int(t[f"mb.{k}.dummy"]):
+                assert float(t[f"mb.{k}.token_weight"].abs().sum()) == 0.0      # its loss is x 0
+                continue
             cpk = int(t[f"mb.{k}.cp_size"])
             r = int(meta["cp_rank"]) % cpk
             w = t[f"mb.{k}.token_weight"].double() * gs

@@ -57,7 +57,7 @@ LAYOUTS = {
     (2, 1, 1, 2): ["pt", "global", "first-stage-src", "sample-count", "sample-count-ff"],
     (2, 1, 2, 1): ["pt", "global"],
     (1, 2, 1, 2): ["pt", "global", "tp-as-dp"],
-    (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-off-by-one", "thd-unannounced"],
+    (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-dummy", "thd-off-by-one", "thd-unannounced"],
 }
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-tp{t}-cp{c}-dp{d}-{s}" for (p, t, c, d), s in RIGHT]
@@ -158,8 +158,10 @@ def test_gradient_is_sum_of_measured_weights(runs, layout, scenario):
         assert sorted(want) == sorted(got)
         if scenario in drv.THD:
             # every response logit position (P-1 <= p < T-1) of every sample held by exactly one rank
-            for (T, R, _), seen in zip(drv.THD_SAMPLES[n], ref["thd_seen"]):
-                assert seen.tolist() == [1 if T - R - 1 <= p < T - 1 else 0 for p in range(T)], (T, R, seen)
+            in_step = range(2) if scenario == "thd-dummy" else range(4)    # the dummy repeats samples 0-1
+            for i, ((T, R, _), seen) in enumerate(zip(drv.THD_SAMPLES[n], ref["thd_seen"])):
+                want_seen = [1 if T - R - 1 <= p < T - 1 and i in in_step else 0 for p in range(T)]
+                assert seen.tolist() == want_seen, (i, T, R, seen)
             total = sum(float(w.sum()) for w in ref["thd_weights"])
         else:
             # every effective or masked response position held by exactly one loss rank; the last never
@@ -207,9 +209,12 @@ def test_stage_records(runs, layout, scenario):
                 for k in range(drv.M):
                     cpk = 1 if scenario == "thd-dyncp" and k == 1 else cp
                     assert t[f"mb.{k}.cp_size"].item() == cpk
+                    assert t[f"mb.{k}.dummy"].item() == (scenario == "thd-dummy" and k == 1)
                     ids = t[f"mb.{k}.sample_indices"].tolist()
                     assert t[f"mb.{k}.total_lengths"].tolist() == [drv.THD_SAMPLES[n][i][0] for i in ids]
-                    assert t[f"mb.{k}.loss_masks"].tolist() == [x for i in ids for x in drv.THD_SAMPLES[n][i][2]]
+                    dummy = scenario == "thd-dummy" and k == 1              # its samples' masks zeroed
+                    assert t[f"mb.{k}.loss_masks"].tolist() == [0 if dummy else x for i in ids
+                                                                for x in drv.THD_SAMPLES[n][i][2]]
             if N_n > 0:
                 assert t["grad_norm"].item() > 0
             else:
