@@ -457,13 +457,16 @@ def megatron_shapes_table(rows, used):
 
     def key(r):
         c = r["config"]
-        return (names.index(c["scenario"]) if c["scenario"] in names else len(names), c["pp"], c["tp"], c["cp"])
+        return (names.index(c["scenario"]) if c["scenario"] in names else len(names), c["pp"], c.get("vpp", 1),
+                c["tp"], c["cp"])
     body = []
     for r in sorted(main, key=key):
         used.add(("audit", r["key"]))
         c = r["config"]
         steps = {s["step"]: s for s in r["steps"]}
         layout = " × ".join(f"{n} {c[n.lower()]}" for n in ("PP", "TP", "CP", "DP") if c[n.lower()] > 1)
+        if c.get("vpp", 1) > 1:
+            layout += f" (VPP {c['vpp']}: interleaved)"
         cells = [step_summary(r, steps[n]) if n in steps else "not audited" for n in (0, 1)]
         body.append([f"`{c['scenario']}`: {MEGATRON_SHAPES.get(c['scenario'], '')}", layout, audit_cell(r), *cells])
     return table(["scenario", "layout", "audit (exit)", "step 0 (N > 0)", "step 1 (N = 0)"], body)

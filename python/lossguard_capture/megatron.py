@@ -24,7 +24,8 @@ scaling of what it returns, ``DistributedDataParallel``'s gradient reduction and
 A loss function over LOGITS (a model called without labels) hands its per-token losses over where it forms
 them: ``token_loss = audit.per_token(vocab_parallel_cross_entropy(logits, labels))`` (and
 ``audit.per_token(t, term="entropy")`` for a term declared in ``attach(..., terms=...)``).  With pipeline
-parallelism (the 1F1B schedule) every stage attaches and wraps its forward step's loss_func: the last stage
+parallelism (the 1F1B schedule, or the interleaved one with every model chunk given as ``model=[...]``)
+every stage attaches and wraps its forward step's loss_func: the last stage
 records the samples and weights, the earlier stages their step records (``grad_scale``, the count
 ``finalize_model_grads`` broadcast to them, ``skipped``, ``scheduler_stepped``, ``grad_norm``); ``lossguard
 audit``'s stages check compares them with the last stage's.  Packed (THD) micro-batches, slime's
@@ -97,7 +98,7 @@ indices in the step's batch (the user's data layout: Megatron's sampler gives mi
 ``d`` the rows ``(k*dp + d)*b ... + b-1``).
 
 Refused, with the reason (a RuntimeError, nothing recorded): megatron-core outside :data:`SUPPORTED`;
-the interleaved pipeline schedule (virtual PP: not yet run with the adapter); hybrid context parallelism;
+hybrid context parallelism;
 a model chunk that is not ``megatron.core.distributed.DistributedDataParallel`` (Megatron FSDP, torch
 DDP); several distributed-optimizer instances; buckets with different scaling factors (expert parameters
 scaled unlike dense ones); a packed (THD) micro-batch given to the row-wise
@@ -357,11 +358,6 @@ class MegatronAdapter(Adapter):
                                "(call initialize_model_parallel first)")
         pp = _ps.get_pipeline_model_parallel_world_size()
         vpp = _ps.get_virtual_pipeline_model_parallel_world_size()
-        if vpp is not None and vpp > 1:
-            raise RuntimeError(f"lossguard_capture.megatron does not support the interleaved pipeline schedule "
-                               f"(virtual PP = {vpp}): it has not been run with the adapter yet; "
-                               f"forward_backward_no_pipelining and forward_backward_pipelining_without_interleaving "
-                               f"are handled")
         import torch.distributed as dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.pp, self.pp_rank = pp, _ps.get_pipeline_model_parallel_rank()

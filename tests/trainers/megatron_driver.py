@@ -538,25 +538,6 @@ def guards(out, cp):
         json.dump(results, f, indent=1)
 
 
-def pp_guard(out):
-    """World 2: parallel_state re-initialised with PP = 2 and virtual PP = 2 (the interleaved schedule); attach
-    must refuse it (before the config is read)."""
-    from megatron.core import parallel_state as ps
-
-    import lossguard_capture.megatron as lcm
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
-                                 virtual_pipeline_model_parallel_size=2)
-    err = None
-    try:
-        lcm.attach(make_config(1, True), os.path.join(out, "pp-guard"), fail_fast=False)
-    except Exception as e:          # noqa: BLE001
-        err = f"{type(e).__name__}: {e}"
-    if dist.get_rank() == 0:
-        with open(os.path.join(out, "pp-guard.json"), "w") as f:
-            json.dump({"error": err, "files": os.path.exists(os.path.join(out, "pp-guard"))}, f)
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -564,7 +545,6 @@ def main():
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--guards", action="store_true", help="world 1: the refusals and the skip scenarios")
-    ap.add_argument("--pp-guard", action="store_true", help="world 2: virtual PP = 2 must be refused")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
@@ -586,8 +566,6 @@ def main():
                            "cuda_on_cpu_sites": sorted(HITS), "world": dist.get_world_size(), "cp": a.cp, "tp": a.tp,
                            "dp": ps.get_data_parallel_world_size(), "megatron_file": megatron.core.__file__}, f,
                           indent=1)
-        if a.pp_guard:
-            pp_guard(a.out)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()

@@ -106,50 +106,63 @@ THD_SAMPLES = [
 THD_MAXLEN = 16                     # learned positions: a padded sample's local positions stay below it
 
 
-def make_config(pp, tp, cp, per_token):
+def make_config(pp, tp, cp, per_token, vpp=1):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=pp, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+    extra = dict(virtual_pipeline_model_parallel_size=vpp) if vpp > 1 else {}
+    return TransformerConfig(num_layers=pp * vpp, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                              use_cpu_initialization=True, calculate_per_token_loss=per_token,
                              context_parallel_size=cp, tensor_model_parallel_size=tp,
                              pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
-                             batch_p2p_comm=False, hidden_dropout=0.0, attention_dropout=0.0)
+                             batch_p2p_comm=False, hidden_dropout=0.0, attention_dropout=0.0, **extra)
 
 
-def make_model(config, pre_process=True, post_process=True):
+def make_model(config, pre_process=True, post_process=True, vp_stage=None):
     from megatron.core.models.gpt import GPTModel
     torch.manual_seed(SEED)
+    extra = {} if vp_stage is None else dict(vp_stage=vp_stage)
     return GPTModel(config=config, transformer_layer_spec=base.layer_spec(), vocab_size=VOCAB,
                     max_sequence_length=THD_MAXLEN, position_embedding_type="learned_absolute",
-                    share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process)
+                    share_embeddings_and_output_weights=False, pre_process=pre_process, post_process=post_process,
+                    **extra)
 
 
-def whole_name(name, pp_rank):
-    """The stage-local parameter name in the whole model (one layer per stage: local layer 0 is layer pp_rank)."""
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(int(parts[2]) + pp_rank)
-    return ".".join(parts)
+def named_params(chunks):
+    """Every parameter of this rank's model chunks by its name in the WHOLE model: a chunk's local layer ``j``
+    is the whole model's layer ``layer_number - 1`` (Megatron numbers its layers globally, from 1)."""
+    for ddp in chunks:
+        layers = ddp.module.decoder.layers
+        for n, p in ddp.module.named_parameters():
+            parts = n.split(".")
+            if parts[:2] == ["decoder", "layers"]:
+                parts[2] = str(layers[int(parts[2])].layer_number - 1)
+            yield ".".join(parts), p
 
 
-def build(pp, tp, cp, per_token):
-    """Model (this stage's part; the same initial weights at every layout), DDP, optimizer and LR scheduler,
-    wired as Megatron-LM's training loop wires them."""
+def build(pp, tp, cp, per_token, vpp=1):
+    """This stage's model chunks (one, or ``vpp`` with the interleaved schedule; the same initial weights at
+    every layout), each in Megatron's DDP, the optimizer and the LR scheduler, wired as Megatron-LM's
+    training loop wires them."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel as DDP
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    config = make_config(pp, tp, cp, per_token)
-    model = make_model(config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-    ddp = DDP(config, DistributedDataParallelConfig(), model)
+    config = make_config(pp, tp, cp, per_token, vpp)
+    if vpp > 1:
+        models = [make_model(config, ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                             ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i), vp_stage=i)
+                  for i in range(vpp)]
+    else:
+        models = [make_model(config, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())]
+    chunks = [DDP(config, DistributedDataParallelConfig(), m, disable_bucketing=i > 0) for i, m in enumerate(models)]
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=0.5, min_lr=0.05, weight_decay=0.0,
-                                                 clip_grad=0.0, bf16=False, fp16=False), [ddp])
+                                                 clip_grad=0.0, bf16=False, fp16=False), chunks)
     sched = OptimizerParamScheduler(opt, init_lr=0.5, max_lr=0.5, min_lr=0.05, lr_warmup_steps=0,
                                     lr_decay_steps=4, lr_decay_style="linear", start_wd=0.0, end_wd=0.0,
                                     wd_incr_steps=4, wd_incr_style="constant")
     config.grad_scale_func = opt.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    return config, ddp, opt, sched
+    return config, chunks, opt, sched
 
 
 # ---- the user's loss function: logits in, its own per-token cross entropy --------------------------------
@@ -268,16 +281,16 @@ def decide_skip(decision, reports):
     return int(t) == 0
 
 
-def save_grads(ddp, path, pp_rank, tp_rank):
+def save_grads(chunks, path, tp_rank):
     out = {}
-    for n, p in ddp.module.named_parameters():
-        out[whole_name(n, pp_rank)] = {"grad": p.main_grad.detach().clone(),
+    for n, p in named_params(chunks):
+        out[n] = {"grad": p.main_grad.detach().clone(),
                                        "partition_dim": int(getattr(p, "partition_dim", -1))
                                        if getattr(p, "tensor_model_parallel", False) else -1, "tp_rank": tp_rank}
     torch.save(out, path)
 
 
-def run(scenario, out, pp, tp, cp, adapter):
+def run(scenario, out, pp, tp, cp, adapter, vpp=1):
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     from megatron.core.utils import get_batch_on_this_cp_rank
@@ -287,13 +300,13 @@ def run(scenario, out, pp, tp, cp, adapter):
     pp_rank, tp_rank = ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank()
     per_token, kind, decision = SCENARIOS[scenario]
     os.makedirs(out, exist_ok=True)
-    config, ddp, opt, sched = build(pp, tp, cp, per_token)
+    config, chunks, opt, sched = build(pp, tp, cp, per_token, vpp)
     audit = None
     if adapter:
         import lossguard_capture.megatron as lcm
         ff = scenario.endswith("-ff")
         audit = lcm.attach(config, os.path.join(out, "captures"), steps=(1,) if ff else range(STEPS),
-                           fail_fast=ff, model=[ddp], optimizer=opt, scheduler=sched, lossguard_bin=LOSSGUARD,
+                           fail_fast=ff, model=chunks, optimizer=opt, scheduler=sched, lossguard_bin=LOSSGUARD,
                            timeout=120)
     kept = []
 
@@ -331,7 +344,7 @@ def run(scenario, out, pp, tp, cp, adapter):
             with audit.step(0, global_batch_size=ROWS):
                 fb(forward_step_func=forward_step,
                    data_iterator=iter(thd_microbatches(0, scenario, dp, dp_rank, cp, ps.get_context_parallel_rank())),
-                   model=[ddp], num_microbatches=M, seq_length=THD_MAXLEN, micro_batch_size=1)
+                   model=chunks, num_microbatches=M, seq_length=THD_MAXLEN, micro_batch_size=1)
         except RuntimeError as e:
             err = str(e)
         with open(os.path.join(out, f"guard-rank{rank}.json"), "w") as f:
@@ -346,45 +359,44 @@ def run(scenario, out, pp, tp, cp, adapter):
             mbs = base.microbatches(step, dp, dp_rank, MASKS)
         if kind != "sum":
             step_n[0] = step_count(kind, mbs)
-        torch.save({whole_name(n, pp_rank): p.detach().clone() for n, p in ddp.module.named_parameters()},
+        torch.save({n: p.detach().clone() for n, p in named_params(chunks)},
                    os.path.join(out, f"params-step{step}-rank{rank}.pt"))
-        ddp.zero_grad_buffer()
+        for ddp in chunks:
+            ddp.zero_grad_buffer()
         opt.zero_grad()
         kept.clear()
         gbs = ROWS // 2 if scenario == "thd-dummy" else ROWS        # the dummy micro-batch repeats samples
         ctx = audit.step(step, global_batch_size=gbs) if audit is not None else base._Null()
-        before = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+        before = {n: p.detach().clone() for n, p in named_params(chunks)}
         try:
-            rec = train_step(ctx, fb, forward_step, mbs, ddp, opt, sched, scenario, decision, out, step, rank,
-                             pp_rank, tp_rank, cp, dp)
+            rec = train_step(ctx, fb, forward_step, mbs, chunks, opt, sched, scenario, decision, out, step, rank,
+                             tp_rank, cp, dp)
         except Exception as e:          # fail fast: AuditFailed from optimizer.step(), before the update
             from lossguard_capture import AuditFailed
             if not isinstance(e, AuditFailed):
                 raise
             rec = {"audit_failed": {"step": e.step, "exit_code": e.exit_code}, "params_unchanged": all(
-                torch.equal(p.detach(), before[n]) for n, p in ddp.module.named_parameters()),
+                torch.equal(p.detach(), before[n]) for n, p in named_params(chunks)),
                 "lr": float(opt.param_groups[0]["lr"])}
         losses.append([x.detach().clone() for x in kept])
         opt_out.append(rec)
     torch.save(losses, os.path.join(out, f"losses-rank{rank}.pt"))
-    torch.save({whole_name(n, pp_rank): p.detach().clone() for n, p in ddp.module.named_parameters()},
-               os.path.join(out, f"final-rank{rank}.pt"))
+    torch.save({n: p.detach().clone() for n, p in named_params(chunks)}, os.path.join(out, f"final-rank{rank}.pt"))
     with open(os.path.join(out, f"opt-rank{rank}.json"), "w") as f:
         json.dump(opt_out, f)
     dist.barrier()
 
 
-def train_step(ctx, fb, forward_step, mbs, ddp, opt, sched, scenario, decision, out, step, rank, pp_rank, tp_rank,
-               cp, dp):
+def train_step(ctx, fb, forward_step, mbs, chunks, opt, sched, scenario, decision, out, step, rank, tp_rank, cp, dp):
     """One iteration inside the adapter's step (or a null context): forward-backward, then the loop's own
     decision — the optimizer and the scheduler step together, or neither."""
     with ctx:
         seq = max(mb["tokens"].shape[1] for mb in mbs) * cp if scenario in THD else S
         reports = fb(forward_step_func=forward_step,
-                     data_iterator=iter(mbs), model=[ddp],
+                     data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs), model=chunks,
                      num_microbatches=M, seq_length=seq,
                      micro_batch_size=1 if scenario in THD else ROWS // (M * dp))
-        save_grads(ddp, os.path.join(out, f"grads-step{step}-rank{rank}.pt"), pp_rank, tp_rank)
+        save_grads(chunks, os.path.join(out, f"grads-step{step}-rank{rank}.pt"), tp_rank)
         skip = decide_skip(decision, reports)
         rec = {"skipped": skip}
         if not skip:
@@ -413,11 +425,11 @@ def whole(per_rank):
     return out
 
 
-def reference(d, pp, tp, cp, scenarios):
+def reference(d, layers, scenarios):
     """One process: for each scenario's adapter run and step, the applied gradient every rank's main_grad
     assembles (one DP x CP replica: the ranks of DP 0 CP 0) and sum_t w_t grad(l_t) with the captured weights
     w_t = token_weight_t * grad_scale, l_t the float64 cross entropy of the whole model with the step's
-    parameters on the full rows."""
+    parameters on the full rows (``layers``: the whole model's, every stage's and chunk's)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -439,7 +451,7 @@ def reference(d, pp, tp, cp, scenarios):
                              _with_partition(torch.load(os.path.join(out, f"params-step{step}-rank{r}.pt")),
                                              torch.load(os.path.join(out, f"grads-step{step}-rank{r}.pt")))}
                             for r in replica])
-            model = _whole_model(pp)
+            model = _whole_model(layers)
             with torch.no_grad():
                 for n, p in model.named_parameters():
                     p.copy_(params[n])
@@ -451,7 +463,7 @@ def reference(d, pp, tp, cp, scenarios):
             W = torch.zeros(ROWS, S, dtype=torch.float64)
             seen = torch.zeros(ROWS, S, dtype=torch.int64)
             for t, meta in caps:
-                if int(meta["pp_rank"]) != pp - 1 or int(meta["tp_rank"]) != 0:
+                if int(meta["pp_rank"]) != int(meta["pp"]) - 1 or int(meta["tp_rank"]) != 0:
                     continue
                 r_cp = int(meta["cp_rank"])
                 gs = t["grad_scale"].double().item()
@@ -460,7 +472,7 @@ def reference(d, pp, tp, cp, scenarios):
                     at = 0
                     for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
                                        t[f"mb.{k}.response_lengths"].tolist()):
-                        for j in lc.zigzag_owned(T, R, cp, r_cp):
+                        for j in lc.zigzag_owned(T, R, int(t[f"mb.{k}.cp_size"]), r_cp):
                             W[i, j] += w[at]
                             seen[i, j] += 1
                             at += 1
@@ -521,14 +533,14 @@ def _with_partition(values, grads):
         yield n, v, {"partition_dim": grads[n]["partition_dim"], "tp_rank": grads[n]["tp_rank"]}
 
 
-def _whole_model(pp):
+def _whole_model(layers):
     with cuda_on_cpu():
-        return make_model(make_config_whole(pp))
+        return make_model(make_config_whole(layers))
 
 
-def make_config_whole(pp):
+def make_config_whole(layers):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=pp, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
+    return TransformerConfig(num_layers=layers, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2,
                              use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0)
 
 
@@ -539,33 +551,37 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--vpp", type=int, default=1, help="model chunks per stage: the interleaved 1F1B schedule")
     ap.add_argument("--scenarios", default="pt,global")
     a = ap.parse_args()
     scenarios = [s for s in a.scenarios.split(",") if s]
     if a.reference:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         try:
-            reference(a.reference, a.pp, a.tp, a.cp, [s for s in scenarios if s not in PLANTED])
+            reference(a.reference, a.pp * a.vpp, [s for s in scenarios if s not in PLANTED])
         finally:
             dist.destroy_process_group()
         return
     dist.init_process_group("gloo")
     from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
     ps.initialize_model_parallel(tensor_model_parallel_size=a.tp, pipeline_model_parallel_size=a.pp,
-                                 context_parallel_size=a.cp)
+                                 context_parallel_size=a.cp,
+                                 virtual_pipeline_model_parallel_size=a.vpp if a.vpp > 1 else None)
     rank = dist.get_rank()
     try:
         with cuda_on_cpu():
             for scenario in scenarios:
                 for adapter in ((True,) if scenario in PLANTED else (True, False)):
                     run(scenario, os.path.join(a.out, scenario, "adapter" if adapter else "plain"), a.pp, a.tp,
-                        a.cp, adapter)
+                        a.cp, adapter, a.vpp)
         if rank == 0:
             from importlib.metadata import version
             with open(os.path.join(a.out, "meta.json"), "w") as f:
                 json.dump({"megatron_core": version("megatron-core"), "torch": torch.__version__,
                            "cuda_on_cpu_sites": sorted(HITS), "world": dist.get_world_size(), "pp": a.pp,
-                           "tp": a.tp, "cp": a.cp, "dp": ps.get_data_parallel_world_size()}, f, indent=1)
+                           "tp": a.tp, "cp": a.cp, "vpp": a.vpp, "dp": ps.get_data_parallel_world_size(),
+                           "schedule": get_forward_backward_func().__name__}, f, indent=1)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()

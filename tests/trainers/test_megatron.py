@@ -35,7 +35,7 @@ The tests prove
     uniform N_mtp/N relative to its objective, reproduced by megatron-mtp-per-token) and mtp-b's as
     normalised per CP shard by its own rolled count (megatron-mtp);
 
-and that the adapter refuses what it does not handle (the interleaved pipeline schedule, no finalize function, a model that is not
+and that the adapter refuses what it does not handle (no finalize function, a model that is not
 Megatron's DDP, a loss_func that is not a 2/3-tuple or does not receive per-token losses, THD, a row whose
 last position carries loss, MTP without the model) with a clear error and no capture, and records a skipped
 step; and that Megatron's unclamped MTP count (an MTP-less micro-batch without per-token loss) gives NaN
@@ -124,7 +124,7 @@ def _env():
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """The five driver runs, one after the other ({(dp, cp, tp): out_dir}); the DP 1 CP 1 run also runs the
-    guards, the DP 2 CP 1 run the virtual-PP guard.  ``LOSSGUARD_MEGATRON_RUNS=DIR`` keeps them in DIR and
+    guards.  ``LOSSGUARD_MEGATRON_RUNS=DIR`` keeps them in DIR and
     reuses those found there (while changing the tests, not the driver)."""
     out = {}
     keep = os.environ.get("LOSSGUARD_MEGATRON_RUNS")      # reuse (or keep) the runs in this folder
@@ -141,8 +141,6 @@ def runs(tmp_path_factory):
                 "--paths", ",".join(PATHS if tp == 1 else TP_PATHS)]
         if (dp, cp, tp) == (1, 1, 1):
             args.append("--guards")
-        if (dp, cp, tp) == (2, 1, 1):
-            args.append("--pp-guard")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * cp * tp),
                *args]
         gallery.remember_run(d, cmd)
@@ -614,11 +612,6 @@ def test_refusals_and_skip(runs):
         c = {x["name"]: x["ok"] for x in doc["steps"][0]["checks"]}
         assert code == 1 and c["weights"] is True and c["mtp.coverage"] is False, text
         assert "outside term mtp's mask (roll:1) but weighs" in text, text
-    with open(os.path.join(runs[(2, 1, 1)], "pp-guard.json")) as f:
-        pp = json.load(f)
-    # PP 2 is handled (tests/trainers/test_megatron_shapes.py); the interleaved schedule is refused
-    assert pp["files"] is False and re.search(r"does not support the interleaved pipeline schedule \(virtual PP = 2",
-                                              pp["error"]), pp
 
 
 @pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")

@@ -58,9 +58,17 @@ LAYOUTS = {
     (2, 1, 2, 1): ["pt", "global"],
     (1, 2, 1, 2): ["pt", "global", "tp-as-dp"],
     (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-dummy", "thd-off-by-one", "thd-unannounced"],
+    (2, 1, 1, 1): ["pt", "global"],             # with VPP: the interleaved schedule
 }
+#: layouts run with model chunks (virtual pipeline stages): the interleaved 1F1B schedule
+VPP = {(2, 1, 1, 1): 2}
+
+
+def lid(layout):
+    p, t, c, d = layout
+    return f"pp{p}-tp{t}-cp{c}-dp{d}" + (f"-vpp{VPP[layout]}" if layout in VPP else "")
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
-IDS = [f"pp{p}-tp{t}-cp{c}-dp{d}-{s}" for (p, t, c, d), s in RIGHT]
+IDS = [f"{lid(lay)}-{s}" for lay, s in RIGHT]
 N = [sum(sum(row[:-1]) for row in m) for m in drv.MASKS]          # each step's effective tokens: 9, 0
 N_THD = [sum(sum(m) for _, _, m in samples) for samples in drv.THD_SAMPLES]      # 4, 0
 
@@ -78,7 +86,8 @@ def runs(tmp_path_factory):
     out = {}
     for (pp, tp, cp, dp), scenarios in LAYOUTS.items():
         d = str(tmp_path_factory.mktemp(f"shapes-pp{pp}-tp{tp}-cp{cp}-dp{dp}"))
-        common = ["--pp", str(pp), "--tp", str(tp), "--cp", str(cp), "--scenarios", ",".join(scenarios)]
+        common = ["--pp", str(pp), "--tp", str(tp), "--cp", str(cp), "--vpp", str(VPP.get((pp, tp, cp, dp), 1)),
+                  "--scenarios", ",".join(scenarios)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(pp * tp * cp * dp), DRIVER, "--out", d, *common]
         gallery.remember_run(d, cmd)
@@ -242,7 +251,7 @@ GALLERY = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in ("thd
 
 @needs_bin
 @pytest.mark.parametrize("layout,scenario", GALLERY,
-                         ids=[f"pp{p}-tp{t}-cp{c}-dp{d}-{s}" for (p, t, c, d), s in GALLERY])
+                         ids=[f"{lid(lay)}-{s}" for lay, s in GALLERY])
 def test_audit_of_both_steps(runs, layout, scenario):
     """Both steps in one audit (docs/gallery.md's rows): the right scenarios pass, each planted one fails."""
     pp, tp, cp, dp = layout
@@ -252,8 +261,9 @@ def test_audit_of_both_steps(runs, layout, scenario):
     text = subprocess.run([LOSSGUARD, "audit", *steps], capture_output=True, text=True, timeout=120).stdout
     doc = json.loads(r.stdout)
     per_token, kind, decision = drv.SCENARIOS[scenario]
-    gallery.record("megatron_shapes", f"pp{pp}-tp{tp}-cp{cp}-dp{dp}-{scenario}",
-                   dict(pp=pp, tp=tp, cp=cp, dp=dp, scenario=scenario, calculate_per_token_loss=per_token,
+    gallery.record("megatron_shapes", f"{lid(layout)}-{scenario}",
+                   dict(pp=pp, tp=tp, cp=cp, dp=dp, vpp=VPP.get(layout, 1), scenario=scenario,
+                        calculate_per_token_loss=per_token,
                         loss=kind, decision=decision, microbatches=drv.M), [LOSSGUARD, "audit", *steps],
                    r.returncode, doc, text, r.stderr)
     assert r.returncode == (1 if scenario in ("first-stage-src", "sample-count", "thd-off-by-one") else 0), text
@@ -283,6 +293,19 @@ def test_audit_names_a_decision_from_the_sample_count(runs):
     c = checks_of(doc)[0]
     assert c["decision"]["ok"] is False
     assert "(pipeline stage 0 of 2) stepped (expected skip: N = 0)" in c["decision"]["detail"]
+
+
+def test_schedules(runs):
+    """Each layout ran the schedule it names: 1F1B at PP 2, the interleaved one with model chunks, no
+    pipelining at PP 1 (the driver records get_forward_backward_func()'s choice)."""
+    for layout, d in runs.items():
+        with open(os.path.join(d, "meta.json")) as f:
+            meta = json.load(f)
+        want = ("forward_backward_pipelining_with_interleaving" if layout in VPP else
+                "forward_backward_pipelining_without_interleaving" if layout[0] > 1 else
+                "forward_backward_no_pipelining")
+        assert meta["schedule"] == want, (layout, meta)
+        assert meta["megatron_core"] == "0.16.1"
 
 
 @needs_bin
