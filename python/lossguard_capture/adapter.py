@@ -89,16 +89,28 @@ class Spec:
         v = version or self.installed()
         if self.supports(v):
             return
-        msg = (f"{self.module} supports {self.requirement} ({self.relies_on}); {self.package} {v} is installed.  "
-               f"Install a supported version (scripts/setup-trainers.sh pins one), or pass allow_unsupported=True to "
-               f"try anyway: the adapter then still measures the real weights, but an unverified loss path may be "
-               f"missed or mis-described.")
+        msg = f"{self.module} supports {self.requirement} ({self.relies_on}); {self.package} {v} is installed.  "
         if not allow_unsupported:
-            raise RuntimeError(msg)
-        warnings.warn(msg)
+            raise RuntimeError(msg + "Install a supported version (scripts/setup-trainers.sh pins one), or pass "
+                                     "allow_unsupported=True to try anyway: the adapter then still measures the real "
+                                     "weights, but an unverified loss path may be missed or mis-described.")
+        # asked for: say what it means, not how to ask for it
+        warnings.warn(msg + "Trying anyway (allow_unsupported=True): the weights are still measured, but an "
+                            "unverified loss path may be missed or mis-described.")
 
     def __repr__(self) -> str:
         return f"Spec({self.module!r}, {self.requirement!r})"
+
+
+def say(line: str) -> None:
+    """One line on stderr, on a line of its own: through ``tqdm.write`` when tqdm is installed (a training
+    loop's progress bar is cleared and redrawn around it instead of being glued to it), else ``print``."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        print(line, file=sys.stderr, flush=True)
+        return
+    tqdm.write(line, file=sys.stderr)
 
 
 def _ref(obj: Any) -> Callable[[], Any]:
@@ -182,14 +194,12 @@ class Adapter:
         self._target_ref = _ref(target)
         if self.is_main_rank():
             steps = "all" if self.steps is None else self.steps
-            print(f"{self.spec.module}: capturing steps {steps} into {self.out_dir} ({self._describe()})",
-                  file=sys.stderr)
+            say(f"{self.spec.module}: capturing steps {steps} into {self.out_dir} ({self._describe()})")
             if self.fail_fast:
                 try:
                     find_lossguard(self.lossguard_bin)
                 except AuditError as e:
-                    print(f"{self.spec.module}: warning: {e}; step {self.audit_step} will raise AuditError",
-                          file=sys.stderr)
+                    say(f"{self.spec.module}: warning: {e}; step {self.audit_step} will raise AuditError")
         return self
 
     @staticmethod
@@ -244,8 +254,8 @@ class Adapter:
         result = AuditResult.from_json(got)
         self.results[int(step)] = result
         if self.is_main_rank():
-            print(f"{self.spec.module}: lossguard audit {where}: {result.verdict.upper()} (exit {result.exit_code})",
-                  file=sys.stderr)
+            say(f"{self.spec.module}: lossguard audit {where}: {result.verdict.upper()} (exit {result.exit_code}; "
+                f"JSON report {json_path})")
         result.raise_for_verdict()
         return result
 

@@ -103,8 +103,11 @@ def test_version_gate_names_the_package_the_installed_and_the_supported_versions
             TOY_SPEC.check_version(v)
     TOY_SPEC.check_version("1.2.0")
     TOY_SPEC.check_version()                                   # the installed one: 1.2.5
-    with pytest.warns(UserWarning, match="supports toy-trainer"):
+    with pytest.warns(UserWarning, match="supports toy-trainer") as got:
         TOY_SPEC.check_version("1.4.0", allow_unsupported=True)
+    # the warning says what allow_unsupported does, not to pass it (it was passed)
+    assert "Trying anyway (allow_unsupported=True)" in str(got[0].message)
+    assert "or pass allow_unsupported" not in str(got[0].message)
     assert TOY_SPEC.requirement == "toy-trainer>=1.2.0,<1.3.0"
 
 
@@ -183,7 +186,10 @@ def test_fail_fast_pass_keeps_the_verdict(tmp_path, capsys):
     assert r.paths == [os.path.join(str(tmp_path / "caps"), "step000001")]
     assert r.command[-3:] == ["--strict-scale", "--json", os.path.join(str(tmp_path / "caps"), "audit-step000001.json")]
     err = capsys.readouterr().err
-    assert "lossguard_capture.toy: capturing steps [0, 1] into" in err and "step000001: PASS (exit 0)" in err
+    assert "lossguard_capture.toy: capturing steps [0, 1] into" in err
+    # the in-run verdict on a line of its own, with where CI finds the JSON report
+    json_report = os.path.join(str(tmp_path / "caps"), "audit-step000001.json")
+    assert f"step000001: PASS (exit 0; JSON report {json_report})\n" in err
 
 
 def test_fail_fast_fail_stops_before_the_update(tmp_path):
@@ -221,3 +227,20 @@ def test_deprecated_alias_keeps_the_old_defaults_and_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         assert Old(str(tmp_path), steps=[3], fail_fast=True).steps == [3]
+
+
+def test_the_in_run_lines_go_through_tqdm_when_it_is_there(monkeypatch, capsys):
+    """A training loop's progress bar (tqdm, as the HF Trainer draws it) and the adapter's lines: with tqdm
+    installed each line goes through tqdm.write (which clears and redraws the bar), else print."""
+    import types
+
+    from lossguard_capture import adapter as ad
+    written = []
+    fake = types.ModuleType("tqdm.auto")
+    fake.tqdm = types.SimpleNamespace(write=lambda line, file=None: written.append((line, file)))
+    monkeypatch.setitem(sys.modules, "tqdm.auto", fake)
+    ad.say("lossguard_capture.toy: lossguard audit x: PASS (exit 0)")
+    assert written == [("lossguard_capture.toy: lossguard audit x: PASS (exit 0)", sys.stderr)]
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)          # not installed: import fails
+    ad.say("second")
+    assert capsys.readouterr().err == "second\n"
