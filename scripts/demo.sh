@@ -112,17 +112,24 @@ else
   echo "(skipped: $HF_PY is missing; scripts/setup-trainers.sh creates it)"
 fi
 
-step "Megatron-core at the shapes RL trainers run: pipeline stages, a loss over logits, the loop's own skip decision"
+step "Megatron-core's 1F1B pipeline schedule, audited from a loss function over logits (examples/megatron_audit.py)"
 MG_PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}-megatron/bin/python"
 if [ -x "$MG_PY" ]; then
   MGCAP=$(mktemp -d /tmp/lossguard-demo-megatron.XXXX)
-  printf '$ torchrun --nproc-per-node 4 tests/trainers/megatron_shapes_driver.py --pp 2 --scenarios pt,first-stage-src   # PP 2 x DP 2, CPU\n'
-  OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$MG_PY" -m torch.distributed.run --standalone --nproc-per-node 4 \
-    tests/trainers/megatron_shapes_driver.py --out "$MGCAP" --pp 2 --scenarios pt,first-stage-src 2>&1 \
-    | grep -E "^lossguard_capture" | head -1 || true
-  run audit "$MGCAP/pt/adapter/captures/step000001"
+  mg_run() { OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$MG_PY" -m torch.distributed.run --standalone "$@" 2>&1; }
+  printf '$ torchrun --nproc-per-node 2 examples/megatron_audit.py --out captures   # PP 2, CPU\n'
+  mg_run --nproc-per-node 2 examples/megatron_audit.py --out "$MGCAP/ok" --lossguard-bin "$LG" \
+    | grep -E "^lossguard_capture|^rank" | sort || true
+  run audit "$MGCAP/ok/step000000"
+  step "The same with a mean per micro-batch: fail fast stops both stages before the optimizer applies step 0"
+  printf '$ torchrun --nproc-per-node 2 examples/megatron_audit.py --out captures --bug\n'
+  mg_run --nproc-per-node 2 examples/megatron_audit.py --out "$MGCAP/bug" --bug --lossguard-bin "$LG" \
+    | grep -E "^lossguard_capture.*FAIL|^rank" | sort || true
   step "The skip decision broadcast from the pipeline's first stage (it holds no loss): every stage skips a step with 9 tokens"
-  run audit "$MGCAP/first-stage-src/adapter/captures/step000000"
+  printf '$ torchrun --nproc-per-node 4 tests/trainers/megatron_shapes_driver.py --pp 2 --scenarios first-stage-src   # PP 2 x DP 2\n'
+  mg_run --nproc-per-node 4 tests/trainers/megatron_shapes_driver.py --out "$MGCAP/pp" --pp 2 \
+    --scenarios first-stage-src | grep -E "^lossguard_capture" | head -1 || true
+  run audit "$MGCAP/pp/first-stage-src/adapter/captures/step000000"
 else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
 fi

@@ -416,3 +416,28 @@ def test_verifier_rejects_planted_numbers(runs, tmp_path, plant):
     assert code == 1, err
     c = checks_of(doc)[0][check]
     assert c["ok"] is False and all(x in c["detail"] for x in texts), c
+
+
+# ---- the runnable example (examples/megatron_audit.py) ------------------------------------------------------
+@needs_bin
+@pytest.mark.parametrize("bug", [False, True], ids=["per-token", "bug"])
+def test_the_example_runs_and_says_its_verdict(tmp_path, bug):
+    """examples/megatron_audit.py under torchrun (PP 2): PASS and the step applied; with --bug (a mean per
+    micro-batch) audit FAILs and both stages raise AuditFailed before the update."""
+    out = str(tmp_path / "captures")
+    example = os.path.join(ROOT, "examples", "megatron_audit.py")
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        example, "--out", out, "--lossguard-bin", LOSSGUARD, *(["--bug"] if bug else [])],
+                       capture_output=True, text=True, timeout=300, env=_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    with open(os.path.join(out, "audit-step000000.json")) as f:
+        doc = json.load(f)
+    c = checks_of(doc)[0]
+    if bug:
+        assert doc["verdict"] == "fail" and c["weights"]["ok"] is False and "megatron-mean" in doc["steps"][0]["matches"]
+        assert sorted(x for x in r.stdout.splitlines() if x.startswith("rank")) == [
+            f"rank {k}: AuditFailed before the update: lossguard audit FAILED step 0 (exit 1: fail):" for k in (0, 1)]
+    else:
+        assert doc["verdict"] == "pass" and c["weights"]["ok"] is True and c["stages"]["ok"] is True
+        assert sorted(x for x in r.stdout.splitlines() if x.startswith("rank")) == [
+            f"rank {k}: step 0 applied; audit {{0: 'pass'}}" for k in (0, 1)]
