@@ -234,6 +234,32 @@ class _Packed:
         self.stream_length = offset
         self.owned = len(index)
 
+    def check_stream(self, stream_tokens: Any, cp: int, r: int) -> None:
+        """Every real position of each sample's local pieces (chunks r and 2cp-1-r; cp 1: the sample) holds the
+        sample's token there; else ``problem`` names the first sample and position that do not."""
+        got = torch.as_tensor(stream_tokens).detach().reshape(-1).cpu()
+        if got.numel() < self.stream_length:
+            self.problem = (f"stream_tokens has {got.numel()} positions, the samples' local pieces "
+                            f"{self.stream_length}")
+            return
+        offset, start = 0, 0
+        for k, (t, rr) in enumerate(zip(self.T.tolist(), self.R.tolist())):
+            sample = self.tokens[start:start + t]
+            cs = t if cp == 1 else zigzag_chunk_size(t, cp)
+            pieces = [(0, t)] if cp == 1 else [(j * cs, (j + 1) * cs) for j in (r, 2 * cp - 1 - r)]
+            for lo, hi in pieces:
+                real = max(0, min(hi, t) - lo)
+                if real and not torch.equal(got[offset:offset + real], sample[lo:lo + real].to(got.dtype)):
+                    bad = next(i for i in range(real) if int(got[offset + i]) != int(sample[lo + i]))
+                    self.problem = (f"sample {int(self.sample_indices[k])} (micro-batch position {k}): the packed "
+                                    f"stream holds token {int(got[offset + bad])} at local position {offset + bad} "
+                                    f"where the sample's position {lo + bad} is token {int(sample[lo + bad])} (CP "
+                                    f"rank {r} of {cp} holds chunks {r} and {2 * cp - 1 - r} of every sample, "
+                                    f"docs/semantics.md §2)")
+                    return
+                offset += hi - lo
+            start += t
+
     def index_for(self, t: Any) -> Any:
         """The hook index for a per-token tensor of this micro-batch: the stream ``[1, L]`` (``L`` at least the
         samples' local lengths) -> the owned positions in it; the owned tokens ``[owned]`` in local order ->
@@ -723,8 +749,8 @@ class MegatronAdapter(Adapter):
 
     def packed_loss_func(self, loss_func: Callable[..., Any], *, sample_indices: Any, tokens: Any,
                          total_lengths: Any, response_lengths: Any, loss_masks: Any, cp_size: Optional[int] = None,
-                         cp_rank: Optional[int] = None, dummy: bool = False,
-                         sample_denoms: Any = None) -> Callable[..., Any]:
+                         cp_rank: Optional[int] = None, dummy: bool = False, sample_denoms: Any = None,
+                         stream_tokens: Any = None) -> Callable[..., Any]:
         """``loss_func`` wrapped for a PACKED (THD) micro-batch, slime's layout: each sample is padded to a
         multiple of ``2*cp`` and cut into ``2*cp`` chunks, this CP rank holding chunks ``r`` and ``2cp-1-r`` of
         every sample, the samples' local pieces concatenated (at CP 1 the samples themselves, unpadded);
@@ -738,7 +764,10 @@ class MegatronAdapter(Adapter):
         modulo ``cp_size``); default the static ones.  ``dummy``: a padding micro-batch that carries no loss
         (Relax's ``__is_dummy__``).  The loss function hands its per-token losses over with
         :meth:`per_token`: the packed stream ``[1, L]`` as the model's output is laid out, or the owned
-        response tokens in local order (per sample, owned response indices ascending: slime's ``pg_loss``)."""
+        response tokens in local order (per sample, owned response indices ascending: slime's ``pg_loss``).
+        ``stream_tokens``: the packed tokens the model was given (``[1, L]``); when given, every real position
+        of every sample's local pieces is checked against the samples' tokens (a split that is off is refused
+        here, naming the sample and position, instead of being weighed)."""
         st = self._state
         if st is None:
             return loss_func
@@ -750,6 +779,8 @@ class MegatronAdapter(Adapter):
             self._fail(st, f"cp_rank {cp_rank} of a micro-batch with CP size {cp}: the static CP rank {self.cp_rank} "
                            f"places this rank at {r} (sub-groups of consecutive CP ranks)")
         packed = _Packed(sample_indices, tokens, total_lengths, response_lengths, loss_masks, cp, r)
+        if not packed.problem and stream_tokens is not None:
+            packed.check_stream(stream_tokens, cp, r)
         if packed.problem:
             self._fail(st, packed.problem)
         audit = self

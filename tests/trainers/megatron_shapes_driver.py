@@ -41,6 +41,8 @@ to ``audit.per_token``):
                 step
   thd-off-by-one   thd with the loss mask read one stream position late (planted: a THD split off by one)
   thd-unannounced  a packed micro-batch handed to the row-wise audit.loss_func: refused (planted misuse)
+  thd-split-off    a THD split off by one token (each piece starts one position late): the adapter, given
+                the stream it was fed (stream_tokens=), refuses it naming the sample and position
   tp-as-dp      global with N all-reduced over the whole world: TP replicas counted as DP ranks (planted bug,
                 transformers #39674's shape): w_t = m_t / (tp N) (at CP 1)
 
@@ -87,12 +89,13 @@ SCENARIOS = {                            # scenario -> (calculate_per_token_loss
     "tp-as-dp": (False, "global-world", "broadcast"),
 }
 PLANTED = ("first-stage-src", "sample-count", "sample-count-ff", "tp-as-dp", "thd-off-by-one",
-           "thd-unannounced")   # with the adapter only
+           "thd-unannounced", "thd-split-off")   # with the adapter only
+REFUSED = ("thd-unannounced", "thd-split-off")          # the adapter must refuse these at run time
 SCENARIOS["sample-count-ff"] = SCENARIOS["sample-count"]        # with fail fast on step 1
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 #: THD (packed) scenarios: slime's layout, per-token loss, the loop's decision broadcast as in pt
 THD = {"thd": "stream", "thd-owned": "owned", "thd-dyncp": "stream", "thd-dummy": "stream",
-       "thd-off-by-one": "stream", "thd-unannounced": "stream"}
+       "thd-off-by-one": "stream", "thd-unannounced": "stream", "thd-split-off": "stream"}
 for _name in THD:
     SCENARIOS[_name] = (True, "sum", "broadcast")
 #: each step's 4 samples (T, R, response mask): step 0 with a sample shorter than 2*CP (T = 3), a fully
@@ -172,13 +175,14 @@ def thd_tokens(step):
     return [torch.randint(1, VOCAB, (T,), generator=g) for T, _, _ in THD_SAMPLES[step]]
 
 
-def thd_pieces(T, cp, r):
+def thd_pieces(T, cp, r, shift=False):
     """The positions of a sample this CP rank holds, in local order (padding positions >= T included):
-    chunks r and 2cp-1-r of the sample padded to a multiple of 2cp (cp 1: the sample, unpadded)."""
+    chunks r and 2cp-1-r of the sample padded to a multiple of 2cp (cp 1: the sample, unpadded).
+    ``shift`` (planted): every piece one position late."""
     if cp == 1:
         return list(range(T))
     cs = -(-T // (2 * cp))
-    return [p for k in (r, 2 * cp - 1 - r) for p in range(k * cs, (k + 1) * cs)]
+    return [p + shift for k in (r, 2 * cp - 1 - r) for p in range(k * cs, (k + 1) * cs)]
 
 
 def thd_microbatches(step, scenario, dp, dp_rank, cp, cp_rank):
@@ -204,7 +208,7 @@ def thd_microbatches(step, scenario, dp, dp_rank, cp, cp_rank):
             if dummy:
                 m = [0] * R
             P = T - R
-            for p in thd_pieces(T, cpk, r):
+            for p in thd_pieces(T, cpk, r, shift=scenario == "thd-split-off"):
                 if P - 1 <= p < T - 1:          # a logit predicting response token p+1 (SPEC §2's ownership)
                     owned.append(len(stream_tok))
                 stream_tok.append(int(toks[i][p]) if p < T else 0)
@@ -326,7 +330,8 @@ def run(scenario, out, pp, tp, cp, adapter, vpp=1):
             if audit is not None:
                 fn = audit.packed_loss_func(fn, sample_indices=mb["sample_indices"], tokens=mb["full_tokens"],
                                             total_lengths=mb["total_lengths"], response_lengths=mb["response_lengths"],
-                                            loss_masks=mb["loss_masks"], cp_size=mb["cp_size"], dummy=mb["dummy"])
+                                            loss_masks=mb["loss_masks"], cp_size=mb["cp_size"], dummy=mb["dummy"],
+                                            stream_tokens=mb["tokens"])
             return output, fn
         local = get_batch_on_this_cp_rank({k: mb[k].clone() for k in LOCAL_KEYS})
         output = model(local["tokens"], local["position_ids"], None)     # no labels: logits (last stage)
@@ -338,7 +343,7 @@ def run(scenario, out, pp, tp, cp, adapter, vpp=1):
 
     fb = get_forward_backward_func()
     step_n = [None]
-    if scenario == "thd-unannounced":
+    if scenario in REFUSED:
         err = None
         try:
             with audit.step(0, global_batch_size=ROWS):

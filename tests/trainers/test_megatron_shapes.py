@@ -57,7 +57,8 @@ LAYOUTS = {
     (2, 1, 1, 2): ["pt", "global", "first-stage-src", "sample-count", "sample-count-ff"],
     (2, 1, 2, 1): ["pt", "global"],
     (1, 2, 1, 2): ["pt", "global", "tp-as-dp"],
-    (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-dummy", "thd-off-by-one", "thd-unannounced"],
+    (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-dummy", "thd-off-by-one", "thd-unannounced",
+                   "thd-split-off"],
     (2, 1, 1, 1): ["pt", "global"],             # with VPP: the interleaved schedule
 }
 #: layouts run with model chunks (virtual pipeline stages): the interleaved 1F1B schedule
@@ -246,7 +247,8 @@ def test_audit_passes(runs, layout, scenario):
         assert (checks["counts"]["ok"] is True) == drv.SCENARIOS[scenario][0]
 
 
-GALLERY = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in ("thd-unannounced", "sample-count-ff")]
+GALLERY = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss
+           if s not in ("thd-unannounced", "thd-split-off", "sample-count-ff")]
 
 
 @needs_bin
@@ -359,6 +361,19 @@ def test_packed_micro_batch_given_as_rows_is_refused(runs):
         assert g["captures"] is False
         assert "the model was called with THD packed_seq_params but the micro-batch was given as [b, s] rows" \
             in g["error"] and "audit.packed_loss_func" in g["error"], g
+
+
+def test_a_thd_split_off_by_one_is_refused(runs):
+    """Each piece of each sample one position late in the packed stream the model was fed: packed_loss_func,
+    given that stream, names the first sample and position that do not hold the sample's token; nothing is
+    recorded."""
+    d = os.path.join(runs[(1, 1, 2, 1)], "thd-split-off", "adapter")
+    for r in range(2):
+        with open(os.path.join(d, f"guard-rank{r}.json")) as f:
+            g = json.load(f)
+        assert g["captures"] is False
+        assert "sample 0 (micro-batch position 0): the packed stream holds token" in g["error"], g
+        assert f"CP rank {r} of 2 holds chunks {r} and {3 - r} of every sample" in g["error"], g
 
 
 # ---- (d) the verifier rejects wrong numbers planted in real captures ----------------------------------------
