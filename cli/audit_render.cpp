@@ -26,7 +26,7 @@ std::string reproduced_by(const std::vector<std::string>& matches) {
 }
 
 // One step's text: heading, checks, what reproduces its weights, findings, verdict.
-void print_step(const oracle::AuditStep& s, bool strict_scale, std::ostream& out) {
+void print_step(const oracle::AuditStep& s, bool strict_scale, bool explain, std::ostream& out) {
   int64_t mbs = 0;
   for (const auto& mb : s.layout.microbatches) mbs += !mb.dummy;
   out << fmt::format(
@@ -41,7 +41,7 @@ void print_step(const oracle::AuditStep& s, bool strict_scale, std::ostream& out
   }
   if (!s.diagnosis.exact()) {
     out << fmt::format("  reproduced by: {}\n", reproduced_by(s.matches));
-  } else if (!s.matches.empty()) {
+  } else if (explain && !s.matches.empty()) {  // an exact step: the list only when asked
     out << fmt::format("  matches: {}\n", fmt::join(s.matches, ", "));
   }
   for (const auto& t : s.terms) {
@@ -119,7 +119,7 @@ void write_svg(const oracle::AuditStep& s, const std::string& path) {
 }  // namespace
 
 void render_audit(const std::vector<oracle::AuditStep>& steps,
-                  const std::vector<RankCapture>& captures, bool strict_scale,
+                  const std::vector<RankCapture>& captures, bool strict_scale, bool explain,
                   const std::string& svg_path, Report& report, Context& ctx) {
   std::ostream& out = ctx.out;
   const RankCapture& first = captures.front();
@@ -128,7 +128,7 @@ void render_audit(const std::vector<oracle::AuditStep>& steps,
       captures.size(), steps.size(), first.world_size, first.tp, first.pp, first.cp, first.dp);
   nlohmann::ordered_json steps_json = nlohmann::ordered_json::array();
   for (const auto& s : steps) {
-    print_step(s, strict_scale, out);
+    print_step(s, strict_scale, explain, out);
     report.add_findings(s.findings);
     for (const auto& c : s.checks) {
       report.add_case({"lossguard.audit", fmt::format("step {} {}", s.step, c.name), !c.ok || *c.ok,

@@ -10,8 +10,10 @@
 
 namespace lossguard::cli {
 
+// `explain`: a step whose weights are exact also lists every preset its weights match (on a failure
+// the presets that reproduce the measured weights are always listed).
 void render_audit(const std::vector<oracle::AuditStep>& steps,
-                  const std::vector<RankCapture>& captures, bool strict_scale,
+                  const std::vector<RankCapture>& captures, bool strict_scale, bool explain,
                   const std::string& svg_path, Report& report, Context& ctx);
 
 }  // namespace lossguard::cli

@@ -23,6 +23,7 @@ struct AuditOptions {
   std::optional<double> rtol;  // none: from the trainer's recorded dtype
   bool strict_scale = false;
   bool strict = false;
+  bool explain = false;
   std::string svg_path;
 };
 
@@ -35,7 +36,7 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
   const std::vector<RankCapture> captures = io::read_captures(o.paths);
   for (const auto& c : captures) report.add_input(c.file, "audit capture");
   const std::vector<oracle::AuditStep> steps = oracle::audit_captures(captures, opt);
-  render_audit(steps, captures, o.strict_scale, o.svg_path, report, ctx);
+  render_audit(steps, captures, o.strict_scale, o.explain, o.svg_path, report, ctx);
   report.verified();
   if (oracle::audit_failed(steps, o.strict_scale)) report.fail();
 }
@@ -88,6 +89,8 @@ void register_audit(CLI::App& root, Commands& commands) {
   app->add_flag("--strict", opts->strict,
                 "A record the capture format does not name (a misspelled 'skiped') is an error "
                 "(exit 2), not a warning");
+  app->add_flag("--explain", opts->explain,
+                "On an exact step also list every preset its weights match (JSON always has them)");
   app->add_option("--svg", opts->svg_path,
                   "Draw the measured ratio per micro-batch and CP rank (first step)");
   add_output_options(*app, cmd->output);

@@ -272,6 +272,20 @@ def test_audit_of_both_steps(runs, layout, scenario):
 
 
 @needs_bin
+def test_a_passing_step_reads_in_ten_seconds(runs):
+    """An exact step prints its checks and its verdict, not the list of every preset it also matches
+    (--explain adds it; the JSON always has it)."""
+    d = os.path.join(runs[(2, 1, 1, 2)], "pt", "adapter", "captures", "step000000")
+    plain = subprocess.run([LOSSGUARD, "audit", d], capture_output=True, text=True, timeout=120).stdout
+    explained = subprocess.run([LOSSGUARD, "audit", d, "--explain"], capture_output=True, text=True,
+                               timeout=120).stdout
+    assert "matches:" not in plain and "verdict: pass" in plain
+    assert "  matches: truth, megatron-per-token" in explained
+    assert explained.replace(explained[explained.index("  matches:"):].split("\n", 1)[0] + "\n", "") == plain
+    assert "megatron-per-token" in audit(d)[1]["steps"][0]["matches"]
+
+
+@needs_bin
 def test_audit_names_a_decision_from_the_first_stage(runs):
     """The decision broadcast over the pipeline group from its first stage, which computes no loss: every
     stage skips the non-empty step 0 (9 tokens)."""
