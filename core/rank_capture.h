@@ -44,7 +44,8 @@ struct RankCapture {
   int64_t tp = 1, pp = 1, cp = 1, dp = 1;
   int64_t tp_rank = 0, pp_rank = 0, cp_rank = 0, dp_rank = 0;
   CpLayout cp_layout = CpLayout::kZigzag;
-  std::string reduce;  // the objective the trainer claims
+  std::string reduce;   // the objective the trainer claims
+  std::string trainer;  // metadata `trainer` (hf, trl, megatron, verl, slime...): its presets first
   // The dtype the trainer computed its per-token loss in (metadata `dtype`; else token_weight's
   // own dtype): sets the loss and weight tolerances. A bf16 loss is written as float32.
   DType dtype = DType::kFloat32;

@@ -381,6 +381,7 @@ RankCapture read_capture(const std::string& path) {
                       mode_choices<CpLayout>());
   }
   if (auto it = file.metadata.find("reduce"); it != file.metadata.end()) c.reduce = it->second;
+  if (auto it = file.metadata.find("trainer"); it != file.metadata.end()) c.trainer = it->second;
   c.terms = declared_terms(path, file.metadata, c.reduce);
   if (auto it = file.metadata.find("metrics.keys");
       it != file.metadata.end() && !it->second.empty()) {

@@ -961,6 +961,28 @@ void judge_term(AuditStep& out, AuditTerm& at, const TermMeasurement& m) {
         {"named", at.diagnosis.named}}});
 }
 
+// The presets that reproduce a step's weights, those of the trainer that wrote the captures first
+// (metadata `trainer`): an HF bug is named by an HF preset before an identical Megatron one. The
+// order within each group is kept.
+void order_for_trainer(std::vector<std::string>& matches, const std::string& trainer) {
+  if (trainer.empty() || matches.size() < 2) return;
+  const std::vector<std::string> families =
+      trainer == "trl"        ? std::vector<std::string>{"trl-", "hf-"}
+      : trainer == "megatron" ? std::vector<std::string>{"megatron-", "slime", "relax"}
+      : trainer == "slime"    ? std::vector<std::string>{"slime", "megatron-"}
+      : trainer == "relax"    ? std::vector<std::string>{"relax", "megatron-"}
+                              : std::vector<std::string>{trainer + "-", trainer};
+  auto rank = [&](const std::string& name) -> std::size_t {
+    if (name == "truth") return 0;  // an exact step's first entry stays first
+    for (std::size_t k = 0; k < families.size(); ++k) {
+      if (name.rfind(families[k], 0) == 0) return k + 1;
+    }
+    return families.size() + 1;
+  };
+  std::stable_sort(matches.begin(), matches.end(),
+                   [&](const std::string& a, const std::string& b) { return rank(a) < rank(b); });
+}
+
 void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>& declared,
                  const SamplePositions& position, const ObjectiveSizes& main_sizes,
                  const AuditOptions& opt, double relative_to, const PlacedTokens& placed) {
@@ -1003,6 +1025,7 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
       for (double& w : plain) w /= decl.coef * relative_to;
       at.matches = matching_presets(tb, out.layout, plain, decl.reduce, sizes,
                                     out.term_weight_rel_tol, &placed);
+      order_for_trainer(at.matches, ranks.by_coord.begin()->second->trainer);
     }
     out.terms.push_back(std::move(at));
   }
@@ -1078,6 +1101,7 @@ void weigh_step(AuditStep& out, const Measurement& m, const std::vector<const Ra
       out.diagnosis.kind != "non-finite") {
     out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
                                    out.weight_rel_tol, &placed);
+    order_for_trainer(out.matches, all.front()->trainer);
   }
   out.checks.push_back(loss_check(m));
   audit_terms(out, ranks, first.terms, position, sizes, opt,

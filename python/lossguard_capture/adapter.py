@@ -222,7 +222,7 @@ class Adapter:
         :class:`lossguard_capture.Capture` with this rank's ``coordinates`` (``rank``, ``world_size``, ``tp``,
         ``cp``, ``dp``, ``tp_rank``...; what is not given is found) and the step's declared ``terms``."""
         cap = Capture(self.step_dir(step), reduce=reduce or self.reduce, strict=self.strict,
-                      terms=terms, **coordinates)
+                      terms=terms, trainer=self.spec.module.rsplit(".", 1)[-1], **coordinates)
         rec = cap.step(step)
         assert isinstance(rec, StepRecorder)          # Capture(steps=None) records every step it is asked
         return rec

@@ -74,8 +74,10 @@ class Capture:
                  steps: Optional[Iterable[int]] = None, rank: Optional[int] = None,
                  world_size: Optional[int] = None, tp_rank: Optional[int] = None, pp_rank: Optional[int] = None,
                  cp_rank: Optional[int] = None, dp_rank: Optional[int] = None,
-                 terms: Optional[Mapping[str, Any]] = None):
+                 terms: Optional[Mapping[str, Any]] = None, trainer: Optional[str] = None):
         check_reduce(reduce)
+        #: written as metadata ``trainer``: audit lists the presets of that trainer first (hf, trl, megatron...)
+        self.trainer = trainer
         self.terms = check_terms(terms, reduce)
         if cp_layout not in CP_LAYOUTS:
             raise ValueError(f"cp_layout must be one of {', '.join(CP_LAYOUTS)}; got {cp_layout!r}")
@@ -119,7 +121,7 @@ class Capture:
                             cp_rank=self.cp_rank, dp_rank=self.dp_rank, cp_layout=self.cp_layout,
                             reduce=self.reduce, strict=self.strict,
                             terms={name: dict(reduce=d["reduce"], coef=float(d["coef"]), mask=d["mask"])
-                                   for name, d in self.terms.items()})
+                                   for name, d in self.terms.items()}, trainer=self.trainer)
 
     def __repr__(self) -> str:
         return (f"Capture({self.out_dir!r}, reduce={self.reduce!r}, rank={self.rank}/{self.world_size}, "

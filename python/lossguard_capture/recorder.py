@@ -476,7 +476,7 @@ class _Step:
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
                  cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
-                 terms: Optional[Mapping[str, Any]] = None):
+                 terms: Optional[Mapping[str, Any]] = None, trainer: Optional[str] = None):
         if tp * pp * cp * dp != world_size:
             raise ValueError(f"tp*pp*cp*dp = {tp * pp * cp * dp} != world_size {world_size}")
         for name, c, size in (("tp", tp_rank, tp), ("pp", pp_rank, pp), ("cp", cp_rank, cp), ("dp", dp_rank, dp)):
@@ -495,6 +495,8 @@ class _Step:
         self.tp_rank, self.pp_rank, self.cp_rank, self.dp_rank = int(tp_rank), int(pp_rank), int(cp_rank), int(dp_rank)
         self.cp_layout, self.reduce = cp_layout, reduce
         self.strict = strict
+        #: metadata ``trainer`` (hf, trl, megatron, verl...): audit lists that trainer's presets first
+        self.trainer = None if trainer is None else str(trainer)
         self.microbatches: List[MicroBatch] = []
         self.path: Optional[str] = None        # set by a successful finish()
         self.aborted = False                   # set by abort(): nothing was, or will be, written
@@ -588,6 +590,8 @@ class _Step:
         dtype = self._loss_dtype()
         if dtype is not None:
             meta["dtype"] = dtype
+        if self.trainer:
+            meta["trainer"] = self.trainer
         if self.terms:
             meta["terms"] = ",".join(self.terms)
             for name, decl in self.terms.items():

@@ -291,3 +291,19 @@ def test_agree_across_two_processes_never_hangs(tmp_path):
     assert r0["both"] == r1["both"] == {"exit_code": 1, "from": 0}
     assert r0["missing"] == {"error": "only 1 of 2 ranks reached the audit of missing within 1 s"}
     assert "rank 1: no audit verdict from rank 0 for silent within 1 s" in r1["silent"]
+
+
+def test_the_trainer_is_written_as_metadata(tmp_path):
+    """Capture(trainer=...) writes metadata `trainer` (audit lists that trainer's presets first); without it
+    the key is absent; every adapter passes its own name (lossguard_capture.hf -> "hf")."""
+    for trainer, want in (("hf", "hf"), (None, None)):
+        cap = lc.Capture(str(tmp_path / str(trainer)), rank=0, world_size=1, trainer=trainer)
+        with cap.step(0) as s:
+            h = s.microbatch(sample_indices=[0], tokens=[1, 2, 3], total_lengths=[3], response_lengths=[2],
+                             loss_masks=[1, 1])
+            loss = torch.tensor([0.5, 0.25], requires_grad=True)
+            h.hook(loss)
+            loss.sum().backward()
+            path = s.finish(grad_scale=1.0)
+        with safe_open(path, framework="pt") as f:
+            assert f.metadata().get("trainer") == want

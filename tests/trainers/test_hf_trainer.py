@@ -143,7 +143,7 @@ def test_capture_records(runs, world, config):
         grads = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank0.pt"))
         seen, rank_counts = set(), []
         for r, (t, meta) in enumerate(caps):
-            assert meta == {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+            assert meta == {"lossguard.schema": "audit/1", "trainer": "hf", "step": str(n), "rank": str(r), "world_size": str(world),
                             "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
                             "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": "per-token",
                             "num_microbatches": str(ga), "dtype": "float32"}

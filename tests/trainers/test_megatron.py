@@ -303,7 +303,7 @@ def test_capture_records(runs, dp, cp, tp, path):
         N = sum(m[i][j] for i in range(drv.ROWS) for j in range(drv.S - 1))
         for r, (t, meta) in enumerate(captures(runs, dp, cp, tp, path, n)):
             dp_rank, cp_rank, tp_rank = r // (tp * cp), (r // tp) % cp, r % tp   # Megatron's order tp-cp-ep-dp-pp
-            assert meta == {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+            assert meta == {"lossguard.schema": "audit/1", "trainer": "megatron", "step": str(n), "rank": str(r), "world_size": str(world),
                             "tp": str(tp), "pp": "1", "cp": str(cp), "dp": str(dp), "tp_rank": str(tp_rank),
                             "pp_rank": "0",
                             "cp_rank": str(cp_rank), "dp_rank": str(dp_rank), "cp_layout": "zigzag",

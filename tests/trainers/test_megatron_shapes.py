@@ -464,6 +464,21 @@ def test_the_example_runs_and_says_its_verdict(tmp_path, bug):
     c = checks_of(doc)[0]
     if bug:
         assert doc["verdict"] == "fail" and c["weights"]["ok"] is False and "megatron-mean" in doc["steps"][0]["matches"]
+        # the presets that reproduce it, the writing trainer's first (metadata trainer = megatron) ...
+        matches = doc["steps"][0]["matches"]
+        first_other = next(i for i, m in enumerate(matches) if not m.startswith(("megatron-", "slime", "relax")))
+        assert all(not m.startswith(("megatron-", "slime", "relax")) for m in matches[first_other:]), matches
+        # ... and the same captures said to come from the HF Trainer name its bug with HF's presets first
+        step = os.path.join(out, "step000000")
+        for f in os.listdir(step):
+            path = os.path.join(step, f)
+            with safe_open(path, framework="pt") as h:
+                meta = h.metadata()
+            assert meta["trainer"] == "megatron"
+            save_file(load_file(path), path, metadata=dict(meta, trainer="hf"))
+        _, as_hf, _ = audit(step)
+        assert sorted(as_hf["steps"][0]["matches"]) == sorted(matches)
+        assert as_hf["steps"][0]["matches"][0].startswith("hf-"), as_hf["steps"][0]["matches"]
         assert sorted(x for x in r.stdout.splitlines() if x.startswith("rank")) == [
             f"rank {k}: AuditFailed before the update: lossguard audit FAILED step 0 (exit 1: fail):" for k in (0, 1)]
     else:

@@ -207,7 +207,7 @@ def test_capture_records(runs, world, config):
         grads = torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank0.pt"))
         seen, N = set(), 0
         for r, (t, m) in enumerate(caps):
-            want_meta = {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": str(world),
+            want_meta = {"lossguard.schema": "audit/1", "trainer": "trl", "step": str(n), "rank": str(r), "world_size": str(world),
                          "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
                          "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": want_reduce,
                          "num_microbatches": str(GA), "dtype": "float32"}

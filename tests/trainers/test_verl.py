@@ -208,7 +208,7 @@ def test_capture_records(runs, config):
         for r, (t, meta) in enumerate(captures(runs, config, n)):
             n_mb = sum(1 for (rr, _) in mbs if rr == r)
             reduce = lverl.CLAIMS[c["mode"]]
-            want = {"lossguard.schema": "audit/1", "step": str(n), "rank": str(r), "world_size": "2",
+            want = {"lossguard.schema": "audit/1", "trainer": "verl", "step": str(n), "rank": str(r), "world_size": "2",
                     "tp": "1", "pp": "1", "cp": "1", "dp": "2", "tp_rank": "0", "pp_rank": "0",
                     "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": reduce,
                     "num_microbatches": str(n_mb), "dtype": "float32"}
