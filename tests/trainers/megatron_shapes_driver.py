@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Runs megatron-core's real training step at the shapes its RL trainers run — pipeline stages (the 1F1B
-schedule, ``forward_backward_pipelining_without_interleaving``), tensor parallelism, context parallelism —
+schedule, ``forward_backward_pipelining_without_interleaving``, and with ``--vpp`` model chunks the
+interleaved one), tensor parallelism, context parallelism, packed (THD) micro-batches —
 with a loss function over LOGITS that forms its own per-token losses (Megatron's
 ``tensor_parallel.vocab_parallel_cross_entropy`` over the TP group, as Relax's loss and slime's log-probs
 use its fused twin), Megatron's ``OptimizerParamScheduler``, and a loop that makes the skip decision of
@@ -15,7 +16,7 @@ tests/trainers/test_megatron_shapes.py compares; then ``--reference`` (one proce
 
 The model: megatron_driver.py's tiny GPTModel (vocabulary 32, hidden 16, attention IdentityOp so that CP
 runs without Transformer Engine), one layer per pipeline stage, untied output layer.  The batch: 4 rows of
-8 positions, M = 2 micro-batches; step 0 has empty rows (a fully masked micro-batch at every layout) and a
+8 positions (THD: THD_SAMPLES, 4 samples of 3-9 tokens), M = 2 micro-batches; step 0 has empty rows (a fully masked micro-batch at every layout) and a
 row a CP rank owns no token of; step 1 has no effective token at all.
 
 Scenarios (the loss function receives the logits ``[b, s/cp, V/tp]`` and hands its per-token cross entropy
