@@ -439,6 +439,7 @@ def megatron_table(rows, used):
 #: the shapes test's scenarios, in the page's order, with what each one is
 MEGATRON_SHAPES = {
     "pt": "per-token, loss over logits",
+    "pt-entropy": "per-token, minus 0.05 x entropy (a second term)",
     "global": "no per-token loss, a global token mean (N over DP)",
     "thd": "THD, per-token, the packed stream hooked",
     "thd-owned": "THD, the owned tokens hooked (slime's `pg_loss`)",

@@ -22,6 +22,8 @@ row a CP rank owns no token of; step 1 has no effective token at all.
 Scenarios (the loss function receives the logits ``[b, s/cp, V/tp]`` and hands its per-token cross entropy
 to ``audit.per_token``):
   pt            calculate_per_token_loss: (sum_t m_t l_t, CP-local count, report)      w_t = m_t / N
+  pt-entropy    pt minus ENTROPY_COEF x the per-token entropy of the logits, handed over as the declared term
+                ``entropy`` (coef -ENTROPY_COEF): a second term of the objective (SPEC §11; TP 1)
   global        no per-token loss: (sum_t m_t l_t * M * dp*cp / N, 1, report), N the step's count, each DP
                 rank's rows all-reduced over the DP group before the step (a global token mean; Megatron
                 divides by M and DDP by dp*cp)
@@ -82,8 +84,10 @@ ZERO = [[0] * S for _ in range(ROWS)]
 #: step 1: no effective token at all
 MASKS = [[[0] * S, [0] * S, [0, 1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0, 1, 0]], ZERO]
 LOCAL_KEYS = base.LOCAL_KEYS
+ENTROPY_COEF = 0.05                      # pt-entropy: the loss is pg - ENTROPY_COEF * entropy (an entropy bonus)
 SCENARIOS = {                            # scenario -> (calculate_per_token_loss, loss kind, decision)
     "pt": (True, "sum", "broadcast"),
+    "pt-entropy": (True, "sum-entropy", "broadcast"),
     "global": (False, "global-dpcp", "broadcast"),
     "first-stage-src": (True, "sum", "first-stage-src"),
     "sample-count": (False, "global-dpcp", "sample-count"),
@@ -247,6 +251,13 @@ def loss_over_logits(kept, kind, audit, step_n, local, logits):
     """``logits`` [b, s/cp, V/tp] (GPTModel without labels); the per-token cross entropy over the TP group."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    entropy = None
+    if kind == "sum-entropy":
+        # before the cross entropy: Megatron's vocab_parallel_cross_entropy turns its input into the softmax in
+        # place (tensor_parallel/cross_entropy.py: exp and div into the logits' storage), so an entropy taken
+        # from the same logits afterwards is the entropy of other numbers (slime clones the logits first)
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)                                   # [b, s/cp] (TP 1)
     token_loss = vocab_parallel_cross_entropy(logits.float(), local["labels"])        # [b, s/cp]; THD [1, L]
     if audit is not None and local.get("owned_order"):
         # slime's shape: the owned response tokens of each sample, in local order, as their own tensor
@@ -258,7 +269,11 @@ def loss_over_logits(kept, kind, audit, step_n, local, logits):
     mask = local["loss_mask"].float()
     total = torch.sum(token_loss * mask)
     count = mask.sum().to(torch.int)
-    if kind == "sum":
+    if entropy is not None:         # slime's policy loss shape: pg - entropy_coef * entropy, each summed per token
+        if audit is not None:
+            entropy = audit.per_token(entropy, term="entropy")
+        total = total - ENTROPY_COEF * torch.sum(entropy * mask)
+    if kind in ("sum", "sum-entropy"):
         loss, num_tokens = total, count.clone().detach()
     else:
         dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)
@@ -310,9 +325,10 @@ def run(scenario, out, pp, tp, cp, adapter, vpp=1):
     if adapter:
         import lossguard_capture.megatron as lcm
         ff = scenario.endswith("-ff")
+        terms = {"entropy": dict(reduce="per-token", coef=-ENTROPY_COEF)} if kind == "sum-entropy" else None
         audit = lcm.attach(config, os.path.join(out, "captures"), steps=(1,) if ff else range(STEPS),
                            fail_fast=ff, model=chunks, optimizer=opt, scheduler=sched, lossguard_bin=LOSSGUARD,
-                           timeout=120)
+                           timeout=120, terms=terms)
     kept = []
 
     def forward_step(data_iterator, model):
@@ -467,6 +483,7 @@ def reference(d, layers, scenarios):
                 continue
             full = base.batch(step, MASKS)
             W = torch.zeros(ROWS, S, dtype=torch.float64)
+            W_ent = torch.zeros(ROWS, S, dtype=torch.float64)          # pt-entropy's second term
             seen = torch.zeros(ROWS, S, dtype=torch.int64)
             for t, meta in caps:
                 if int(meta["pp_rank"]) != int(meta["pp"]) - 1 or int(meta["tp_rank"]) != 0:
@@ -475,17 +492,23 @@ def reference(d, layers, scenarios):
                 gs = t["grad_scale"].double().item()
                 for k in range(int(meta["num_microbatches"])):
                     w = t[f"mb.{k}.token_weight"].double() * gs
+                    w_ent = t.get(f"mb.{k}.term.entropy.token_weight")
+                    w_ent = None if w_ent is None else w_ent.double() * gs
                     at = 0
                     for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
                                        t[f"mb.{k}.response_lengths"].tolist()):
                         for j in lc.zigzag_owned(T, R, int(t[f"mb.{k}.cp_size"]), r_cp):
                             W[i, j] += w[at]
+                            if w_ent is not None:
+                                W_ent[i, j] += w_ent[at]
                             seen[i, j] += 1
                             at += 1
             logits = model(full["tokens"], full["position_ids"], None)
             l = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), full["labels"].reshape(-1),
                                                   reduction="none").view(ROWS, S)
-            (W * l).sum().backward()
+            logp = torch.log_softmax(logits, dim=-1)
+            entropy = -(logp.exp() * logp).sum(-1)                      # [ROWS, S], float64
+            ((W * l).sum() + (W_ent * entropy).sum()).backward()
             torch.save({"want": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
                         "got": grads, "seen": seen, "weights": W, "token_loss": l.detach()},
                        os.path.join(out, f"ref-step{step}.pt"))

@@ -54,7 +54,7 @@ needs_bin = pytest.mark.skipif(not HAVE_BIN, reason="the lossguard binary is not
 
 #: (pp, tp, cp, dp) -> the scenarios run there
 LAYOUTS = {
-    (2, 1, 1, 2): ["pt", "global", "first-stage-src", "sample-count", "sample-count-ff"],
+    (2, 1, 1, 2): ["pt", "pt-entropy", "global", "first-stage-src", "sample-count", "sample-count-ff"],
     (2, 1, 2, 1): ["pt", "global"],
     (1, 2, 1, 2): ["pt", "global", "tp-as-dp"],
     (1, 1, 2, 1): ["thd", "thd-owned", "thd-dyncp", "thd-dummy", "thd-off-by-one", "thd-unannounced",
@@ -283,6 +283,31 @@ def test_a_passing_step_reads_in_ten_seconds(runs):
     assert "  matches: truth, megatron-per-token" in explained
     assert explained.replace(explained[explained.index("  matches:"):].split("\n", 1)[0] + "\n", "") == plain
     assert "megatron-per-token" in audit(d)[1]["steps"][0]["matches"]
+
+
+@needs_bin
+def test_a_second_term_handed_over_with_per_token(runs, tmp_path):
+    """pt-entropy: the loss function hands its per-token entropy over as the declared term ``entropy`` (coef
+    -0.05, an entropy bonus); audit weighs it exactly — and fails it when the declared coefficient has the
+    other sign (the captures' metadata changed, the measured weights not)."""
+    d = os.path.join(runs[(2, 1, 1, 2)], "pt-entropy", "adapter", "captures", "step000000")
+    code, doc, err = audit(d)
+    c = checks_of(doc)[0]
+    assert code == 0 and c["entropy.weights"]["ok"] is True and c["entropy.coverage"]["ok"] is True, err
+    with safe_open(os.path.join(d, "step000000-rank00002.safetensors"), framework="pt") as h:
+        meta = h.metadata()
+    assert (meta["terms"], float(meta["term.entropy.coef"]), meta["term.entropy.reduce"]) == ("entropy", -0.05,
+                                                                                               "per-token")
+    flipped = tmp_path / "flipped"
+    shutil.copytree(d, flipped)
+    for f in os.listdir(flipped):
+        path = str(flipped / f)
+        with safe_open(path, framework="pt") as h:
+            m = h.metadata()
+        if "term.entropy.coef" in m:
+            save_file(load_file(path), path, metadata=dict(m, **{"term.entropy.coef": "0.05"}))
+    code, doc, err = audit(str(flipped))
+    assert code == 1 and checks_of(doc)[0]["entropy.weights"]["ok"] is False, err
 
 
 @needs_bin
