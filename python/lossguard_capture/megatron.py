@@ -147,7 +147,7 @@ import torch
 
 from .adapter import Adapter, Spec, deprecated_alias
 from .recorder import MicroBatch, StepRecorder
-from .zigzag import zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned_logit_positions
+from .zigzag import zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned_logit_positions, zigzag_slices
 
 __all__ = ["attach", "MegatronAdapter", "MegatronAudit", "MegatronStep", "SPEC", "SUPPORTED", "check_version",
            "megatron_version"]
@@ -245,9 +245,7 @@ class _Packed:
         offset, start = 0, 0
         for k, (t, rr) in enumerate(zip(self.T.tolist(), self.R.tolist())):
             sample = self.tokens[start:start + t]
-            cs = t if cp == 1 else zigzag_chunk_size(t, cp)
-            pieces = [(0, t)] if cp == 1 else [(j * cs, (j + 1) * cs) for j in (r, 2 * cp - 1 - r)]
-            for lo, hi in pieces:
+            for lo, hi in zigzag_slices(t, cp, r, clip=False):      # cp 1: (0, T) and an empty one
                 real = max(0, min(hi, t) - lo)
                 if real and not torch.equal(got[offset:offset + real], sample[lo:lo + real].to(got.dtype)):
                     bad = next(i for i in range(real) if int(got[offset + i]) != int(sample[lo + i]))
@@ -693,19 +691,24 @@ class MegatronAdapter(Adapter):
                 if not per_token_input:
                     audit._fail(st, no_per_token)
                 mb.hook(output_tensor, index=index)
-            if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-                audit._fail(st, f"loss_func returned {type(outputs).__name__}"
-                                f"{'' if not isinstance(outputs, (tuple, list)) else ' of ' + str(len(outputs))}; "
-                                f"Megatron expects (loss, num_tokens, report) or (loss, report)")
-            entry.arity = len(outputs)
-            entry.loss = outputs[0]
-            if len(outputs) == 3 and getattr(audit.config, "calculate_per_token_loss", False):
-                # the count the schedule sums into N (schedules.py:2175, finalize_model_grads); without
-                # calculate_per_token_loss it is only the micro-batch mean's divisor (slime returns a constant
-                # 1 there), whose effect the weights show: not recorded as a count
-                mb.set(num_tokens=outputs[1])
-            return outputs
+            return audit._take_outputs(st, entry, outputs)
         return wrapped
+
+    def _take_outputs(self, st: _StepState, entry: _MB, outputs: Any) -> Any:
+        """What a wrapped loss_func returned: a 2- or 3-tuple (else the step fails); keeps the loss tensor (read
+        at finalize, after the schedule's in-place scaling) and, under ``calculate_per_token_loss``, the count."""
+        if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
+            self._fail(st, f"loss_func returned {type(outputs).__name__}"
+                           f"{'' if not isinstance(outputs, (tuple, list)) else ' of ' + str(len(outputs))}; "
+                           f"Megatron expects (loss, num_tokens, report) or (loss, report)")
+        entry.arity = len(outputs)
+        entry.loss = outputs[0]
+        if len(outputs) == 3 and getattr(self.config, "calculate_per_token_loss", False):
+            # the count the schedule sums into N (schedules.py:2175, finalize_model_grads); without
+            # calculate_per_token_loss it is only the micro-batch mean's divisor (slime returns a constant
+            # 1 there), whose effect the weights show: not recorded as a count
+            entry.handle.set(num_tokens=outputs[1])
+        return outputs
 
     def per_token(self, token_losses: torch.Tensor, *, term: Optional[str] = None) -> torch.Tensor:
         """Inside a wrapped ``loss_func`` (one that receives logits and forms its own per-token losses): hand
@@ -807,14 +810,7 @@ class MegatronAdapter(Adapter):
                                     f"handed lossguard no per-token losses: call audit.per_token(token_losses) "
                                     f"where your loss function forms them")
                 mb.hook(output_tensor, index=auto)
-            if not isinstance(outputs, (tuple, list)) or len(outputs) not in (2, 3):
-                audit._fail(st, f"loss_func returned {type(outputs).__name__}; Megatron expects (loss, num_tokens, "
-                                f"report) or (loss, report)")
-            entry.arity = len(outputs)
-            entry.loss = outputs[0]
-            if len(outputs) == 3 and getattr(audit.config, "calculate_per_token_loss", False):
-                mb.set(num_tokens=outputs[1])
-            return outputs
+            return audit._take_outputs(st, entry, outputs)
         return wrapped
 
     def _hook_mtp(self, st: _StepState, mb: MicroBatch, index: torch.Tensor, b: int,
