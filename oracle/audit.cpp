@@ -77,6 +77,7 @@ struct SampleRecord {
   int64_t t = 0, r = 0;
   const int64_t* tokens = nullptr;
   const uint8_t* mask = nullptr;
+  double denom = -1.0;  // the sample's d_i as the trainer used it (mb.{k}.sample_denoms), else -1
 };
 
 std::string where(const RankCapture& c) {
@@ -229,7 +230,8 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
         if (idx < 0)
           throw_input_error("{}: micro-batch {} names sample index {}", c->file, mb.index, idx);
         held.emplace_back(idx, SampleRecord{c, mb.index, static_cast<int64_t>(p), t, r,
-                                            mb.tokens.data() + tok, mb.loss_masks.data() + msk});
+                                            mb.tokens.data() + tok, mb.loss_masks.data() + msk,
+                                            mb.sample_denoms ? (*mb.sample_denoms)[p] : -1.0});
         max_idx = std::max(max_idx, idx);
         tok += t;
         msk += r;
@@ -259,6 +261,13 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
           step, idx, where(*o.rank), o.microbatch, where(*rec.rank), rec.microbatch, o.t, o.r,
           rec.t, rec.r);
     }
+    if (o.denom != rec.denom) {
+      throw_input_error(
+          "step {}: sample {} has sample_denoms {} in {} micro-batch {} but {} in {} micro-batch "
+          "{}",
+          step, idx, o.denom, where(*o.rank), o.microbatch, rec.denom, where(*rec.rank),
+          rec.microbatch);
+    }
   }
   // The batch in index order, packed (one array per field, as a packed dump's).
   if (dense) {
@@ -283,6 +292,11 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   auto* msk = reinterpret_cast<uint8_t*>(masks.mutable_data());
   auto* tl = reinterpret_cast<int64_t*>(total_lengths.mutable_data());
   auto* rl = reinterpret_cast<int64_t*>(response_lengths.mutable_data());
+  // Per-sample denominators (SPEC §3: d_i as the trainer used it, slime's rollout_mask_sums): the
+  // objective's own when recorded; -1 (d_i = m_i) for the samples recorded without one.
+  const bool any_denom = std::any_of(unique.begin(), unique.end(),
+                                     [&](int64_t k) { return held[k].second.denom >= 0; });
+  std::vector<double> denoms(any_denom ? static_cast<std::size_t>(n) : 0, -1.0);
   // The first-holder table becomes the position table: an index's entry is now its place in the
   // batch (absent indices stay -1).
   for (int64_t j = 0; j < n; ++j) {
@@ -293,6 +307,7 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
       out.position.set(idx, j);
     tl[j] = rec.t;
     rl[j] = rec.r;
+    if (any_denom) denoms[static_cast<std::size_t>(j)] = rec.denom;
     tok = std::copy(rec.tokens, rec.tokens + rec.t, tok);
     msk = std::copy(rec.mask, rec.mask + rec.r, msk);
   }
@@ -306,6 +321,7 @@ RebuiltBatch rebuild_batch(int64_t step, const LossRanks& ranks) {
   f.loss_masks = &masks;
   builder.add_packed(f);
   out.batch = builder.finish();
+  out.batch.sample_denoms = std::move(denoms);  // a non-finite one fails the weights check
   // Messages name a sample by its global index, as before (a packed file numbers them 0..n-1).
   for (int64_t j = 0; j < n; ++j) out.batch.origins[j].index_in_file = held[unique[j]].first;
   return out;
@@ -409,6 +425,10 @@ struct Measurement {
   int64_t nan_losses = 0;  // micro-batch means over zero tokens: NaN values, zero gradients
   std::string first_nan;
   int64_t num_tokens_seen = 0;
+  // Micro-batches whose num_tokens is the whole samples' count on every CP rank of a CP > 1
+  // micro-batch (slime: each CP rank counts whole samples and multiplies its loss by cp, so the
+  // reduced count is cp x N): consistent when num_tokens_reduced is cp x N.
+  int64_t whole_sample_counts = 0;
   bool loss_seen = false, token_loss_seen = false;
   std::string term_without_loss;  // a term hooked without its token_loss: the loss sum is unknown
 };
@@ -518,9 +538,23 @@ void measure_rank(const RankCapture& c, const AuditStep& out, const SamplePositi
     ar.owned_tokens += owns;
     if (mb.num_tokens) {
       ++m.num_tokens_seen;
+      int64_t whole_effective = 0;  // the micro-batch's samples' effective tokens, every CP rank's
+      for (const int64_t index : mb.sample_indices) {
+        const int64_t i = position.at(index);
+        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+          whole_effective += b.loss_mask[t] ? 1 : 0;
+      }
       if (per_token_objective && *mb.num_tokens != owned_effective) {
-        m.counts.add(fmt::format("{} {}: num_tokens {} but the rank owns {} effective tokens",
-                                 where(c), mbname, *mb.num_tokens, owned_effective));
+        if (mb.cp_size > 1 && *mb.num_tokens == whole_effective) {
+          ++m.whole_sample_counts;
+        } else {
+          m.counts.add(fmt::format(
+              "{} {}: num_tokens {} but the rank owns {} effective tokens{}", where(c), mbname,
+              *mb.num_tokens, owned_effective,
+              mb.cp_size > 1
+                  ? fmt::format(" (its samples hold {} over every CP rank)", whole_effective)
+                  : std::string()));
+        }
       }
     }
     m.loss_seen |= mb.loss.has_value();
@@ -549,8 +583,16 @@ void measure_rank(const RankCapture& c, const AuditStep& out, const SamplePositi
     }
   }
   if (per_token_objective && c.num_tokens_reduced && *c.num_tokens_reduced != out.global_tokens) {
-    m.counts.add(fmt::format("{}: num_tokens_reduced {} but the step has N = {} effective tokens",
-                             where(c), *c.num_tokens_reduced, out.global_tokens));
+    const bool whole_samples =
+        m.whole_sample_counts > 0 && *c.num_tokens_reduced == c.cp * out.global_tokens;
+    if (!whole_samples) {
+      m.counts.add(fmt::format(
+          "{}: num_tokens_reduced {} but the step has N = {} effective tokens{}", where(c),
+          *c.num_tokens_reduced, out.global_tokens,
+          m.whole_sample_counts > 0
+              ? fmt::format(" (cp x N = {} with whole-sample counts)", c.cp * out.global_tokens)
+              : std::string()));
+    }
   }
 }
 
@@ -621,6 +663,13 @@ AuditCheck counts_check(const AuditStep& out, const Measurement& m, bool recorde
                         out.global_tokens)};
   }
   if (!m.counts.empty()) return {"counts", false, m.counts.text()};
+  if (m.whole_sample_counts > 0) {
+    return {
+        "counts", true,
+        fmt::format("every CP rank counts its micro-batch's whole samples (slime's convention, the "
+                    "loss x cp); {}N = {}",
+                    recorded_reduced ? "num_tokens_reduced is cp x " : "", out.global_tokens)};
+  }
   return {"counts", true,
           fmt::format("{}{}N = {}",
                       m.num_tokens_seen > 0 ? "every num_tokens is the rank's owned count; " : "",
@@ -1008,9 +1057,11 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
       out.terms.push_back(std::move(at));
       continue;
     }
-    const Batch tb = with_mask(b, decl.mask.kind == TermMaskKind::kField
-                                      ? recorded_field_mask(out, ranks, decl.name, position)
-                                      : term_mask(b, decl.mask));
+    const Batch tb = with_mask(b,
+                               decl.mask.kind == TermMaskKind::kField
+                                   ? recorded_field_mask(out, ranks, decl.name, position)
+                                   : term_mask(b, decl.mask),
+                               decl.mask.kind == TermMaskKind::kLoss);
     for (uint8_t v : tb.loss_mask) at.tokens += v;
     at.truth = true_weights(tb, decl.reduce, sizes);
     for (double& w : at.truth) w *= decl.coef * relative_to;

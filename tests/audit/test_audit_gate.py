@@ -542,3 +542,84 @@ def test_the_lr_scheduler_advances_exactly_when_the_optimizer_steps(good, tmp_pa
         assert code == 0, (failed_checks(doc), err)
     else:
         assert code == 1 and "LR scheduler" in failed_checks(doc)["decision"], (doc, err)
+
+
+# ---- slime's conventions (issue #39): whole-sample counts on every CP rank; per-rollout denominators ----
+def write_slime_step(out, cp, counts="whole", reduced=None, denoms=None, weigh_by=None, sample_mean=False):
+    """One micro-batch of samples 0-2 on every CP rank of a CP group (DP 1), recorded as slime's loss does it.
+    Per-token: each CP rank's num_tokens is ``counts`` ('whole': the samples' whole count, slime; 'owned':
+    the rank's own) and the loss is x cp, divided by N_reduced = ``reduced`` (default cp x N). Sample-mean:
+    each sample over ``weigh_by[i]`` (default its own count) / B = 2 rollouts, ``denoms`` recorded."""
+    idx = [0, 1, 2]
+    whole = sum(sum(SAMPLES[i][2]) for i in idx)
+    red = cp * whole if reduced is None else reduced
+    reduce = "sample-mean" if sample_mean else "per-token"
+    for c in range(cp):
+        cap = lc.Capture(str(out), reduce=reduce, cp=cp, dp=1, rank=c, world_size=cp)
+        with cap.step(0) as s:
+            owned = [lc.zigzag_owned(SAMPLES[i][0], SAMPLES[i][1], cp, c) for i in idx]
+            h = s.microbatch(sample_indices=idx, tokens=[tokens_of(i) for i in idx],
+                             total_lengths=[SAMPLES[i][0] for i in idx], response_lengths=[SAMPLES[i][1] for i in idx],
+                             loss_masks=[SAMPLES[i][2] for i in idx], cp_size=cp,
+                             sample_denoms=denoms)
+            mask = torch.tensor([SAMPLES[i][2][j] for i, js in zip(idx, owned) for j in js], dtype=torch.float64)
+            per_token = torch.rand(mask.numel(), dtype=torch.float64).requires_grad_()
+            h.hook(per_token)
+            if sample_mean:
+                by = weigh_by or [sum(SAMPLES[i][2]) for i in idx]
+                scale = torch.tensor([1.0 / max(by[p], 1) for p, js in enumerate(owned) for _ in js], dtype=torch.float64)
+                loss = (per_token * mask * scale).sum() / 2
+            else:
+                n_c = whole if counts == "whole" else int(mask.sum())
+                h.set(num_tokens=n_c)
+                loss = (per_token * mask).sum() * cp
+            h.loss(loss)
+            loss.backward()
+            s.finish(grad_scale=1.0 if sample_mean else 1.0 / red, num_tokens_reduced=None if sample_mean else red,
+                     skipped=False, grad_norm=1.0, global_batch_size=2 if sample_mean else None)
+
+
+def test_whole_sample_counts_with_the_loss_times_cp_pass(tmp_path):
+    write_slime_step(tmp_path, 2)
+    code, doc, err = audit(tmp_path)
+    assert code == 0, (failed_checks(doc), err)
+    counts = [c for c in doc["steps"][0]["checks"] if c["name"] == "counts"][0]
+    assert "whole samples" in counts["detail"]
+
+
+@pytest.mark.parametrize("reduced_delta", [1, -1])
+def test_whole_sample_counts_with_a_wrong_reduced_count_fail(tmp_path, reduced_delta):
+    whole = sum(sum(SAMPLES[i][2]) for i in (0, 1, 2))
+    write_slime_step(tmp_path, 2, reduced=2 * whole + reduced_delta)
+    code, doc, err = audit(tmp_path)
+    assert code == 1 and "cp x N" in failed_checks(doc)["counts"], (doc, err)
+
+
+def test_owned_counts_with_a_cp_times_reduced_count_fail(tmp_path):
+    """cp x N is accepted only from ranks that count whole samples: owned counts reduced to cp x N fail."""
+    write_slime_step(tmp_path, 2, counts="owned")
+    code, doc, err = audit(tmp_path)
+    assert code == 1 and "num_tokens_reduced" in failed_checks(doc)["counts"], (doc, err)
+
+
+def test_recorded_sample_denominators_are_the_objectives(tmp_path):
+    """Samples 0 and 1 one rollout (mask total 4 + 3 = 7), sample 2 another (4): slime's per-rollout mean."""
+    d = [7.0, 7.0, 4.0]
+    write_slime_step(tmp_path / "rollout", 2, sample_mean=True, denoms=d, weigh_by=d)
+    code, doc, err = audit(tmp_path / "rollout")
+    assert code == 0, (failed_checks(doc), err)
+    # the same weights recorded without the denominators: each sample over its own count is the truth
+    write_slime_step(tmp_path / "undeclared", 2, sample_mean=True, weigh_by=d)
+    code, doc, err = audit(tmp_path / "undeclared")
+    assert code == 1 and "weights" in failed_checks(doc), (doc, err)
+    # denominators recorded but the loss divided by the samples' own counts (a reducer without them)
+    write_slime_step(tmp_path / "own", 2, sample_mean=True, denoms=d)
+    code, doc, err = audit(tmp_path / "own")
+    assert code == 1 and "weights" in failed_checks(doc), (doc, err)
+
+
+def test_a_sample_with_two_denominators_is_an_input_error(tmp_path):
+    write_slime_step(tmp_path, 2, sample_mean=True, denoms=[7.0, 7.0, 4.0], weigh_by=[7.0, 7.0, 4.0])
+    rewrite(tmp_path, 1, lambda t: t.__setitem__("mb.0.sample_denoms", torch.tensor([7.0, 6.0, 4.0], dtype=torch.float64)))
+    code, doc, err = audit(tmp_path)
+    assert code == 2 and "sample_denoms" in err and "sample 1" in err, err
