@@ -463,13 +463,8 @@ class MegatronAdapter(Adapter):
         clash = sorted(set(self.mtp_terms) & set(self.user_terms))
         if clash:
             raise RuntimeError(f"lossguard_capture.megatron: terms {clash} are the MTP depths' names")
-        orig = config.finalize_model_grads_func
+        self.wrap_finalize(config)
         audit = self
-
-        def finalize_model_grads(model: Any, num_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
-            return audit._finalize(orig, model, num_tokens, *args, **kwargs)
-        finalize_model_grads.__wrapped__ = orig           # type: ignore[attr-defined]
-        config.finalize_model_grads_func = finalize_model_grads
         if optimizer is not None:
             orig_step = optimizer.step
 
@@ -496,6 +491,21 @@ class MegatronAdapter(Adapter):
                 return orig_sched(*args, **kwargs)
             scheduler.step = sched_step
             self._scheduler_wrapped = True
+
+    def wrap_finalize(self, config: Any) -> None:
+        """Wrap ``config.finalize_model_grads_func`` (where DP x CP reduce the gradients and the count), unless it
+        is wrapped already.  A loop that sets it anew before each training call (slime's ``train`` does,
+        slime/backends/megatron_utils/model.py) calls this again after setting it."""
+        orig = config.finalize_model_grads_func
+        if getattr(orig, "__lossguard__", None) is self:
+            return
+        audit = self
+
+        def finalize_model_grads(model: Any, num_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
+            return audit._finalize(orig, model, num_tokens, *args, **kwargs)
+        finalize_model_grads.__wrapped__ = orig           # type: ignore[attr-defined]
+        finalize_model_grads.__lossguard__ = self         # type: ignore[attr-defined]
+        config.finalize_model_grads_func = finalize_model_grads
 
     def _wrap_update(self, optimizer: Any) -> None:
         """Fail fast before the update: the optimizer's ``step_with_ready_grads`` (reached once ``prepare_grads``

@@ -26,6 +26,9 @@ training step reaches them (megatron-core 0.16.1):
   CP > 1 ``:176`` — ``roll_tensor``'s receive buffers for the boundary exchange between CP ranks, and at
   TP > 1 ``tensor_parallel/mappings.py:91`` — ``_gather_along_last_dim``'s output (the MTP layer's
   all-gather of its tensor-parallel hidden states);
+* ``pipeline_parallel/p2p_communication.py:242, 398`` — ``torch.cuda.synchronize()`` around the exchange of
+  tensor shapes between pipeline stages with ``config.variable_seq_lengths`` (packed streams of any length,
+  as slime trains): a no-op inside the block;
 * ``optimizer/clip_grads.py:167`` asserts ``param.grad.type() == 'torch.cuda.FloatTensor'`` when
   clipping: the tests use ``clip_grad=0`` (no clipping; the norm is still computed and returned).
 
@@ -75,10 +78,11 @@ def cuda_on_cpu(enabled: bool = True) -> Iterator[None]:
     if not enabled or torch.cuda.is_available():
         yield
         return
-    saved = torch.cuda.current_device
+    saved, saved_sync = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     try:
         with _CudaOnCpu():
             yield
     finally:
-        torch.cuda.current_device = saved
+        torch.cuda.current_device, torch.cuda.synchronize = saved, saved_sync
