@@ -34,6 +34,7 @@ PACKAGES = {
     "trl": ("trl", "transformers", "accelerate", "torch"),
     "megatron": ("megatron-core", "torch"),
     "megatron_shapes": ("megatron-core", "torch"),
+    "slime": ("megatron-core", "torch"),
     "verl": ("verl", "transformers", "tensordict", "torch"),
 }
 

@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Runs slime's training step as slime drives it (tests/trainers/slime_shape: slime's module paths, hook
+signatures, call order, batch keys, THD/CP layout and return shapes) over the real megatron-core (CPU, Gloo,
+torchrun), with the audit switched on by slime's own plug-in flags — ``--custom-megatron-init-path
+lossguard_capture.slime.init`` and ``--custom-megatron-before-train-step-hook-path
+lossguard_capture.slime.before_train_step``, the output folder and steps from the environment — and again
+without them, from the same seed; writes what tests/trainers/test_slime.py compares.
+
+    torchrun --nproc-per-node 2 tests/trainers/slime_driver.py --out DIR --pp 1 --cp 2 --scenarios pt,sm
+    python tests/trainers/slime_driver.py --reference DIR --pp 1 --scenarios pt,sm
+
+One rollout of three train steps (``args.global_batch_size`` 4 rollouts a step, six samples: two rollouts of
+two samples each, slime's ``rollout_mask_sums`` their mask totals): step 0 every sample with an effective
+token; step 1 a fully masked sample alone in its rollout (slime's count takes clamp_min(mask.sum(), 1) of it:
+the seed's bug 1); step 2 no effective token (slime has no skip: the optimizer steps — bug 2).  The DP ranks
+hold samples 2i+d of each step (``partition``), two micro-batches per step by ``micro_batch_indices``.
+
+Scenarios: ``pt`` (--calculate-per-token-loss, entropy bonus 0.05, k1 KL 0.1 under --use-kl-loss), ``sm``
+(per-rollout sample mean, entropy bonus), ``sm-reducer`` (``sm`` with --custom-pg-loss-reducer-function-path
+set to a user's reducer that calls slime's factory without rollout_mask_sums: a per-sample mean),
+``sft`` (sft_loss, per-token), ``pt-ff`` (``pt`` with fail fast on step 1).  The model: the tiny GPTModel of
+megatron_shapes_driver without position embeddings (identity attention: a position's loss depends on its
+token only, so the packed stream's losses are the samples' own).
+"""
+import argparse
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, os.path.join(HERE, "slime_shape"))
+sys.path.insert(0, HERE)
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+torch.set_num_threads(1)
+
+import megatron_driver as base  # noqa: E402
+import megatron_shapes_driver as shapes  # noqa: E402
+from lossguard_capture.megatron_cpu import cuda_on_cpu  # noqa: E402
+
+SEED, VOCAB = base.SEED, base.VOCAB
+STEPS, GBS, M = 3, 4, 2
+ENTROPY, KL = 0.05, 0.1
+#: per step: (T, R, response mask, rollout) of its six samples
+SAMPLES = [
+    [(7, 3, [1, 1, 0], 0), (6, 4, [1, 1, 1, 1], 1), (5, 2, [0, 1], 1), (9, 5, [1, 0, 1, 1, 0], 2),
+     (4, 2, [1, 1], 3), (8, 3, [1, 1, 1], 3)],
+    [(6, 3, [1, 1, 1], 0), (5, 2, [0, 0], 1), (7, 4, [1, 0, 1, 1], 2), (3, 1, [1], 2), (6, 2, [1, 1], 3),
+     (5, 3, [0, 1, 0], 3)],
+    [(7, 3, [0, 0, 0], 0), (6, 4, [0, 0, 0, 0], 1), (5, 2, [0, 0], 1), (9, 5, [0] * 5, 2), (4, 2, [0, 0], 3),
+     (8, 3, [0, 0, 0], 3)],
+]
+SCENARIOS = {   # scenario -> args overrides
+    "pt": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True, kl_loss_coef=KL),
+    "sm": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY),
+    "sm-reducer": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY,
+                       custom_pg_loss_reducer_function_path="slime_driver.per_sample_mean_reducer"),
+    "sft": dict(calculate_per_token_loss=True, loss_type="sft_loss"),
+    "pt-ff": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True, kl_loss_coef=KL),
+}
+PLANTED = ("pt-ff",)
+LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+
+
+def per_sample_mean_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
+    """A user's --custom-pg-loss-reducer-function-path factory: it gets slime's four arguments (no
+    rollout_mask_sums) and builds slime's reducer from them: each sample over its OWN mask count."""
+    from slime.backends.megatron_utils.cp_utils import get_sum_of_sample_mean
+    return get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks,
+                                  calculate_per_token_loss=calculate_per_token_loss)
+
+
+def make_args(scenario, pp, cp, adapter):
+    a = SimpleNamespace(
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        loss_type="policy_loss", calculate_per_token_loss=True, entropy_coef=0.0, use_kl_loss=False,
+        kl_loss_coef=0.0, kl_loss_type="k1", eps_clip=0.2, eps_clip_high=0.28, custom_pg_loss_reducer_function_path=None,
+        custom_loss_function_path=None, qkv_format="thd", data_pad_size_multiplier=4, seq_length=64,
+        micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
+        custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None)
+    for k, v in SCENARIOS[scenario].items():
+        setattr(a, k, v)
+    if adapter:                                   # what a user adds to slime's command line
+        a.custom_megatron_init_path = "lossguard_capture.slime.init"
+        a.custom_megatron_before_train_step_hook_path = "lossguard_capture.slime.before_train_step"
+    return a
+
+
+def tokens(step):
+    g = torch.Generator().manual_seed(SEED + 17 * step)
+    return [torch.randint(1, VOCAB, (T,), generator=g) for T, _, _, _ in SAMPLES[step]]
+
+
+def rollout_data(dp, dp_rank):
+    """This DP rank's samples of the rollout (every step), as slime's RolloutManager hands them to the actor:
+    ``partition`` their global positions, ``rollout_mask_sums`` each sample's rollout mask total, and the
+    advantages (1: on-policy PPO's gradient is the cross entropy's) and reference log-probs (0) CP-local."""
+    from slime.backends.megatron_utils.cp_utils import slice_log_prob_with_cp
+    rd = {k: [] for k in ("tokens", "total_lengths", "response_lengths", "loss_masks", "rollout_mask_sums",
+                          "advantages", "ref_log_probs", "partition")}
+    indices = []
+    for step in range(STEPS):
+        toks = tokens(step)
+        sums = {}
+        for T, R, m, r in SAMPLES[step]:
+            sums[r] = sums.get(r, 0) + sum(m)
+        mine = [i for i in range(len(SAMPLES[step])) if i % dp == dp_rank]
+        start = len(rd["tokens"])
+        for i in mine:
+            T, R, m, r = SAMPLES[step][i]
+            rd["tokens"].append(toks[i])
+            rd["total_lengths"].append(T)
+            rd["response_lengths"].append(R)
+            rd["loss_masks"].append(torch.tensor(m, dtype=torch.int32))
+            rd["rollout_mask_sums"].append(torch.tensor(sums[r]))
+            rd["advantages"].append(slice_log_prob_with_cp(torch.ones(R), T, R))
+            rd["ref_log_probs"].append(slice_log_prob_with_cp(torch.zeros(R), T, R))
+            rd["partition"].append(step * len(SAMPLES[step]) + i)
+        local = list(range(start, len(rd["tokens"])))
+        half = (len(local) + 1) // 2
+        indices += [local[:half], local[half:]]
+    return rd, indices
+
+
+def build(pp, cp, per_token):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel as DDP
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    config = shapes.make_config(pp, 1, cp, per_token)
+    config.variable_seq_lengths = True      # slime trains packed streams of any length (its arguments set it)
+    torch.manual_seed(SEED)
+    model = GPTModel(config=config, transformer_layer_spec=base.layer_spec(), vocab_size=VOCAB,
+                     max_sequence_length=64, position_embedding_type="none",
+                     share_embeddings_and_output_weights=False, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    chunks = [DDP(config, DistributedDataParallelConfig(), model)]
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, min_lr=0.001, weight_decay=0.01,
+                                                 clip_grad=0.0, bf16=False, fp16=False), chunks)
+    sched = OptimizerParamScheduler(opt, init_lr=0.01, max_lr=0.01, min_lr=0.001, lr_warmup_steps=0,
+                                    lr_decay_steps=GBS * STEPS, lr_decay_style="linear", start_wd=0.01,
+                                    end_wd=0.01, wd_incr_steps=GBS * STEPS, wd_incr_style="constant")
+    return config, chunks, opt, sched
+
+
+def run(scenario, out, pp, cp, adapter):
+    import lossguard_capture.slime as lcs
+    from megatron.core import parallel_state as ps
+    from slime.backends.megatron_utils import initialize, model as slime_model
+    from slime.backends.megatron_utils.data import DataIterator
+
+    os.makedirs(out, exist_ok=True)
+    rank = dist.get_rank()
+    args = make_args(scenario, pp, cp, adapter)
+    os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
+                      LOSSGUARD_STEPS="1" if scenario == "pt-ff" else "0,1,2",
+                      LOSSGUARD_FAIL_FAST="1" if scenario == "pt-ff" else "0")
+    lcs._AUDIT = None                         # one process runs several jobs here; slime runs one
+    _reset_patches()
+    initialize.init(args)
+    config, chunks, opt, sched = build(pp, cp, args.calculate_per_token_loss)
+    real_step = opt.step
+    record = {"grads": [], "params": []}
+
+    def step(*a, **k):                        # the test's own view: main_grad after finalize, before the update
+        record["grads"].append({n: {"grad": p.main_grad.detach().clone(), "partition_dim": -1, "tp_rank": 0}
+                                for n, p in shapes.named_params(chunks)})
+        return real_step(*a, **k)
+    opt.step = step
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rd, mbi = rollout_data(dp, dp_rank)
+    its = [DataIterator(rd, None, mbi)]
+    params = []
+    real_train_one_step = slime_model.train_one_step
+
+    def train_one_step(*a, **k):
+        params.append({n: p.detach().clone() for n, p in shapes.named_params(chunks)})
+        return real_train_one_step(*a, **k)
+    slime_model.train_one_step = train_one_step
+    result = {}
+    try:
+        out_steps = slime_model.train(0, chunks, opt, sched, its, [M] * STEPS, [GBS] * STEPS, args)
+        result["reported"] = [r for r, _ in out_steps]
+        result["grad_norm"] = [float(g) for _, g in out_steps]
+    except Exception as e:
+        from lossguard_capture import AuditFailed
+        if not isinstance(e, AuditFailed):
+            raise
+        result["audit_failed"] = {"step": e.step, "exit_code": e.exit_code}
+        result["params_unchanged"] = all(torch.equal(p.detach(), params[-1][n]) for n, p in shapes.named_params(chunks))
+    finally:
+        slime_model.train_one_step = real_train_one_step
+    if lcs.current() is not None:
+        lcs.current().close()
+    result["lr"] = float(opt.param_groups[0]["lr"])
+    for s, g in enumerate(record["grads"]):
+        torch.save(g, os.path.join(out, f"grads-step{s}-rank{rank}.pt"))
+    for s, p in enumerate(params):
+        torch.save(p, os.path.join(out, f"params-step{s}-rank{rank}.pt"))
+    torch.save({n: p.detach().clone() for n, p in shapes.named_params(chunks)}, os.path.join(out, f"final-rank{rank}.pt"))
+    with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    ps.destroy_model_parallel()
+    dist.barrier()
+
+
+def _reset_patches():
+    """Undo the previous job's patches of slime's modules (one process runs several jobs here)."""
+    import slime.backends.megatron_utils.loss as L
+    import slime.backends.megatron_utils.model as Mo
+    for mod in (L, Mo):
+        for name, f in list(vars(mod).items()):
+            while hasattr(f, "__wrapped__") and callable(f) and getattr(f, "__module__", "") == "lossguard_capture.slime":
+                f = f.__wrapped__
+            setattr(mod, name, f)
+
+
+# ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
+def reference(d, layers, scenarios):
+    """For each scenario's adapter run and step: the applied gradient (one DP x CP replica's main_grad, the
+    stages assembled) and sum over terms and tokens of w_t grad(l_t) with the captured weights: the policy
+    loss (on-policy PPO, advantage 1: grad = grad CE), the entropy and the k1 KL (grad = -grad CE), each token's
+    loss recomputed in float64 on the whole model from the sample alone."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    import lossguard_capture as lc
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    ps.initialize_model_parallel()
+    for scenario in scenarios:
+        out = os.path.join(d, scenario, "adapter")
+        for step in range(STEPS):
+            sd = os.path.join(out, "captures", f"step{step:06d}")
+            caps = []
+            for f in sorted(os.listdir(sd)):
+                if f.endswith(".safetensors"):
+                    with safe_open(os.path.join(sd, f), framework="pt") as h:
+                        caps.append((load_file(os.path.join(sd, f)), h.metadata()))
+            replica = [int(m["rank"]) for _, m in caps if m["dp_rank"] == "0" and m["cp_rank"] == "0"]
+            grads = shapes.whole([torch.load(os.path.join(out, f"grads-step{step}-rank{r}.pt")) for r in replica])
+            params = {}
+            for r in replica:
+                params.update(torch.load(os.path.join(out, f"params-step{step}-rank{r}.pt")))
+            with cuda_on_cpu():
+                torch.manual_seed(SEED)
+                model = GPTModel(config=shapes.make_config_whole(layers), transformer_layer_spec=base.layer_spec(),
+                                 vocab_size=VOCAB, max_sequence_length=64, position_embedding_type="none",
+                                 share_embeddings_and_output_weights=False)
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    p.copy_(params[n])
+            model = model.double()
+            W = {t: [torch.zeros(T, dtype=torch.float64) for T, _, _, _ in SAMPLES[step]] for t in ("main", "entropy", "kl")}
+            seen = [torch.zeros(T, dtype=torch.int64) for T, _, _, _ in SAMPLES[step]]
+            first = {int(i): None for i in range(len(SAMPLES[step]))}
+            for t, meta in caps:
+                if int(meta["pp_rank"]) != int(meta["pp"]) - 1:
+                    continue
+                gs = t["grad_scale"].double().item()
+                for k in range(int(meta["num_microbatches"])):
+                    cpk = int(t[f"mb.{k}.cp_size"]) if f"mb.{k}.cp_size" in t else int(meta["cp"])
+                    r = int(meta["cp_rank"]) % cpk
+                    ws = {"main": t[f"mb.{k}.token_weight"]}
+                    for term in ("entropy", "kl"):
+                        if f"mb.{k}.term.{term}.token_weight" in t:
+                            ws[term] = t[f"mb.{k}.term.{term}.token_weight"]
+                    at = 0
+                    for i, T, R in zip(t[f"mb.{k}.sample_indices"].tolist(), t[f"mb.{k}.total_lengths"].tolist(),
+                                       t[f"mb.{k}.response_lengths"].tolist()):
+                        i -= step * len(SAMPLES[step])           # partition: global positions over the rollout
+                        first[i] = True
+                        for j in lc.zigzag_owned(T, R, cpk, r):
+                            for term, w in ws.items():
+                                W[term][i][T - R - 1 + j] += float(w[at]) * gs
+                            seen[i][T - R - 1 + j] += 1
+                            at += 1
+            total = 0
+            toks = tokens(step)
+            for i, (T, R, m, _) in enumerate(SAMPLES[step]):
+                logits = model(toks[i][None], None, None)[0]                    # [T, V]
+                labels = torch.cat([toks[i][1:], torch.zeros(1, dtype=torch.int64)])
+                ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+                logp = torch.log_softmax(logits, dim=-1)
+                entropy = -(logp.exp() * logp).sum(-1)
+                total = total + ((W["main"][i] - W["kl"][i]) * ce).sum() + (W["entropy"][i] * entropy).sum()
+            total.backward()
+            torch.save({"want": {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                 for n, p in model.named_parameters()},
+                        "got": grads, "seen": seen, "held": first}, os.path.join(out, f"ref-step{step}.pt"))
+    ps.destroy_model_parallel()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out")
+    ap.add_argument("--reference")
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--scenarios", default="pt,sm")
+    a = ap.parse_args()
+    scenarios = [s for s in a.scenarios.split(",") if s]
+    if a.reference:
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        try:
+            reference(a.reference, a.pp, [s for s in scenarios if s not in PLANTED])
+        finally:
+            dist.destroy_process_group()
+        return
+    dist.init_process_group("gloo")
+    try:
+        with cuda_on_cpu():
+            for scenario in scenarios:
+                for adapter in ((True,) if scenario in PLANTED else (True, False)):
+                    run(scenario, os.path.join(a.out, scenario, "adapter" if adapter else "plain"), a.pp, a.cp, adapter)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
