@@ -130,6 +130,12 @@ if [ -x "$MG_PY" ]; then
   mg_run --nproc-per-node 4 tests/trainers/megatron_shapes_driver.py --out "$MGCAP/pp" --pp 2 \
     --scenarios first-stage-src | grep -E "^lossguard_capture" | head -1 || true
   run audit "$MGCAP/pp/first-stage-src/adapter/captures/step000000"
+  step "slime switched on by its own plug-in flags (--custom-megatron-init-path lossguard_capture.slime.init, --custom-megatron-before-train-step-hook-path ...): one rollout at CP 2, THD; slime's own empty-sample count and zero-token step named"
+  printf '$ torchrun --nproc-per-node 2 tests/trainers/slime_driver.py --cp 2 --scenarios pt   # slime as slime drives it\n'
+  mg_run --nproc-per-node 2 tests/trainers/slime_driver.py --out "$MGCAP/slime" --cp 2 --scenarios pt \
+    | grep -E "^lossguard_capture" | head -1 || true
+  SL="$MGCAP/slime/pt/adapter/captures"
+  run audit "$SL/step000000" "$SL/step000001" "$SL/step000002" | grep -E '^[$] |^step|^  counts |^  decision |reproduced|verdict|exit code'
 else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
 fi

@@ -37,6 +37,7 @@ SUITES = {
     "trl": ("hf", "tests/trainers/test_trl_trainer.py"),
     "megatron": ("megatron", "tests/trainers/test_megatron.py"),
     "megatron_shapes": ("megatron", "tests/trainers/test_megatron_shapes.py"),
+    "slime": ("megatron", "tests/trainers/test_slime.py"),
     "verl": ("verl", "tests/trainers/test_verl.py"),
 }
 
@@ -473,8 +474,31 @@ def megatron_shapes_table(rows, used):
     return table(["scenario", "layout", "audit (exit)", "step 0 (N > 0)", "step 1 (N = 0)"], body)
 
 
+SLIME = {
+    "pt": "--calculate-per-token-loss, entropy bonus 0.05, k1 KL 0.1",
+    "sm": "per-rollout sample mean (rollout_mask_sums), entropy bonus",
+    "sm-reducer": "as sm, with --custom-pg-loss-reducer-function-path (no rollout_mask_sums)",
+    "sft": "sft_loss, per-token",
+}
+
+
+def slime_table(rows, used):
+    main = [r for (kind, _), r in rows.items() if kind == "audit"]
+    names = list(SLIME)
+    body = []
+    for r in sorted(main, key=lambda r: (names.index(r["config"]["scenario"]), r["config"]["pp"])):
+        used.add(("audit", r["key"]))
+        c = r["config"]
+        steps = {s["step"]: s for s in r["steps"]}
+        layout = " × ".join(f"{n} {c[n.lower()]}" for n in ("PP", "CP", "DP") if c[n.lower()] > 1)
+        cells = [step_summary(r, steps[n]) if n in steps else "not audited" for n in (0, 1, 2)]
+        body.append([f"`{c['scenario']}`: {SLIME[c['scenario']]}", layout, audit_cell(r), *cells])
+    return table(["scenario", "layout", "audit (exit)", "step 0", "step 1 (a fully masked sample)",
+                  "step 2 (N = 0)"], body)
+
+
 TABLES = {"hf": hf_table, "trl": trl_table, "verl": verl_table, "megatron": megatron_table,
-          "megatron_shapes": megatron_shapes_table}
+          "megatron_shapes": megatron_shapes_table, "slime": slime_table}
 
 
 def failfast(rows, used):
