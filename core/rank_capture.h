@@ -53,6 +53,9 @@ struct RankCapture {
   std::vector<CapturedMicroBatch> microbatches;
   double grad_scale = 1.0;
   std::optional<int64_t> num_tokens_reduced, global_batch_size;
+  // What global_batch_size counts (metadata `global_batch_unit`): "samples", "rollouts" (slime's
+  // and Relax's compact rollouts of several samples), or "" (unsaid).
+  std::string global_batch_unit;
   std::optional<double> l_norm;  // seq-mean-token-sum-norm's L_norm as the trainer used it
   std::optional<bool> skipped;
   std::optional<bool> scheduler_stepped;  // whether the LR scheduler advanced (SPEC §10)

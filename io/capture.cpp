@@ -382,6 +382,13 @@ RankCapture read_capture(const std::string& path) {
   }
   if (auto it = file.metadata.find("reduce"); it != file.metadata.end()) c.reduce = it->second;
   if (auto it = file.metadata.find("trainer"); it != file.metadata.end()) c.trainer = it->second;
+  if (auto it = file.metadata.find("global_batch_unit"); it != file.metadata.end()) {
+    if (it->second != "samples" && it->second != "rollouts") {
+      throw_input_error("{}: metadata global_batch_unit = '{}' is not samples or rollouts", path,
+                        it->second);
+    }
+    c.global_batch_unit = it->second;
+  }
   c.terms = declared_terms(path, file.metadata, c.reduce);
   if (auto it = file.metadata.find("metrics.keys");
       it != file.metadata.end() && !it->second.empty()) {

@@ -114,6 +114,9 @@ void check_metadata(int64_t step, const std::vector<const RankCapture*>& all) {
     differs("reduce", first.reduce, c->reduce);
     differs("cp_layout", std::string(mode_name(first.cp_layout)),
             std::string(mode_name(c->cp_layout)));
+    if (!first.global_batch_unit.empty() &&
+        !c->global_batch_unit.empty())  // stages before the last
+      differs("global_batch_unit", first.global_batch_unit, c->global_batch_unit);  // record no B
     if (first.global_batch_size && c->global_batch_size &&
         *first.global_batch_size != *c->global_batch_size) {
       differs("global_batch_size", std::to_string(*first.global_batch_size),
@@ -1183,7 +1186,7 @@ void report_unknown_records(AuditStep& out, const std::vector<const RankCapture*
 
 // A recorded B below the samples held is right only when B counts something coarser than samples
 // (slime's step_global_batch_size counts rollouts); counted in samples, the objective divides by
-// too few. A finding, not a failure: the captures cannot say which B counts.
+// too few. A finding, not a failure; not raised when the captures say B counts rollouts.
 void note_batch_size_below_samples(AuditStep& out, int64_t recorded_batch) {
   const int64_t held = out.batch.num_samples();
   if (recorded_batch >= held) return;
@@ -1285,7 +1288,10 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
   out.expected_skip = out.global_tokens == 0;
   std::optional<int64_t> recorded_batch;
   const ObjectiveSizes sizes = recorded_sizes(b, all, &recorded_batch);
-  if (recorded_batch) note_batch_size_below_samples(out, *recorded_batch);
+  const bool in_rollouts = std::any_of(all.begin(), all.end(), [](const RankCapture* c) {
+    return c->global_batch_unit == "rollouts";  // fewer than the samples, by design
+  });
+  if (recorded_batch && !in_rollouts) note_batch_size_below_samples(out, *recorded_batch);
   out.truth = true_weights(b, out.reduce, sizes);
   // The ownership each rank's weights are mapped through (a sample placed twice is owned where
   // first placed: the second holder's weights then land on no token of its own, and coverage

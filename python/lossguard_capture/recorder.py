@@ -558,7 +558,8 @@ class _Step:
     def _tensors(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                  global_batch_size: Any, metrics_values: Any,
                  metrics_keys: Optional[Sequence[str]],
-                 l_norm: Any = None, scheduler_stepped: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                 l_norm: Any = None, scheduler_stepped: Any = None,
+                 global_batch_unit: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
         out: Dict[str, torch.Tensor] = {}
         for mb in self.microbatches:
             out.update(mb._tensors(self.cp_rank, self.cp_layout, self.strict))
@@ -592,6 +593,10 @@ class _Step:
             meta["dtype"] = dtype
         if self.trainer:
             meta["trainer"] = self.trainer
+        if global_batch_unit is not None:
+            if global_batch_unit not in ("samples", "rollouts"):
+                raise ValueError(f"global_batch_unit {global_batch_unit!r}: 'samples' or 'rollouts'")
+            meta["global_batch_unit"] = global_batch_unit
         if self.terms:
             meta["terms"] = ",".join(self.terms)
             for name, decl in self.terms.items():
@@ -610,12 +615,12 @@ class _Step:
 
     def _finish(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                 global_batch_size: Any, metrics_values: Any, metrics_keys: Optional[Sequence[str]],
-                l_norm: Any = None, scheduler_stepped: Any = None) -> str:
+                l_norm: Any = None, scheduler_stepped: Any = None, global_batch_unit: Optional[str] = None) -> str:
         from safetensors.torch import save_file
 
         self._check_open()
         tensors, meta = self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                                      metrics_values, metrics_keys, l_norm, scheduler_stepped)
+                                      metrics_values, metrics_keys, l_norm, scheduler_stepped, global_batch_unit)
         os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, capture_filename(self.step, self.rank))
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=self.out_dir)
@@ -671,15 +676,16 @@ class StepRecorder(_Step):
     def finish(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
                metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None,
-               scheduler_stepped: Any = None) -> str:
+               scheduler_stepped: Any = None, global_batch_unit: Optional[str] = None) -> str:
         """Write the step's capture file (atomically) and return its path.  ``grad_scale`` is the factor
         this rank applied to its gradients after backward; the rest are optional step records (§10);
         ``l_norm``: seq-mean-token-sum-norm's L_norm as the trainer used it; ``scheduler_stepped``: whether
-        the LR scheduler advanced (a skipped step advances neither it nor the optimizer).  A rank that
-        computes no loss (a pipeline stage before the last) records no micro-batch: only these step
-        records, which audit judges with the last stage's."""
+        the LR scheduler advanced (a skipped step advances neither it nor the optimizer);
+        ``global_batch_unit``: what ``global_batch_size`` counts, ``"samples"`` or ``"rollouts"`` (slime's
+        and Relax's rollouts of several samples).  A rank that computes no loss (a pipeline stage before the
+        last) records no micro-batch: only these step records, which audit judges with the last stage's."""
         return self._finish(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
-                            metrics_values, metrics_keys, l_norm, scheduler_stepped)
+                            metrics_values, metrics_keys, l_norm, scheduler_stepped, global_batch_unit)
 
     def __enter__(self) -> "StepRecorder":
         return self

@@ -623,3 +623,19 @@ def test_a_sample_with_two_denominators_is_an_input_error(tmp_path):
     rewrite(tmp_path, 1, lambda t: t.__setitem__("mb.0.sample_denoms", torch.tensor([7.0, 6.0, 4.0], dtype=torch.float64)))
     code, doc, err = audit(tmp_path)
     assert code == 2 and "sample_denoms" in err and "sample 1" in err, err
+
+
+def test_a_batch_counted_in_rollouts_is_not_a_finding(tmp_path):
+    """global_batch_unit = rollouts (slime, Relax): B below the samples held is by design; samples: a finding;
+    another word, or ranks that disagree: an input error naming the file."""
+    write_step(str(tmp_path), 2, 2, STATIC, global_batch_size=2)
+    for r in range(4):
+        rewrite(tmp_path, r, lambda t: None, lambda m: m.__setitem__("global_batch_unit", "rollouts"))
+    code, doc, err = audit(tmp_path)
+    assert "global_batch_size_below_samples" not in json.dumps(doc), doc
+    rewrite(tmp_path, 3, lambda t: None, lambda m: m.__setitem__("global_batch_unit", "samples"))
+    code, doc, err = audit(tmp_path)
+    assert code == 2 and "global_batch_unit" in err, err
+    rewrite(tmp_path, 3, lambda t: None, lambda m: m.__setitem__("global_batch_unit", "prompts"))
+    code, doc, err = audit(tmp_path)
+    assert code == 2 and "global_batch_unit = 'prompts' is not samples or rollouts" in err, err
