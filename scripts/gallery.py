@@ -38,6 +38,7 @@ SUITES = {
     "megatron": ("megatron", "tests/trainers/test_megatron.py"),
     "megatron_shapes": ("megatron", "tests/trainers/test_megatron_shapes.py"),
     "slime": ("megatron", "tests/trainers/test_slime.py"),
+    "relax": ("megatron", "tests/trainers/test_relax.py"),
     "verl": ("verl", "tests/trainers/test_verl.py"),
 }
 
@@ -482,23 +483,36 @@ SLIME = {
 }
 
 
-def slime_table(rows, used):
-    main = [r for (kind, _), r in rows.items() if kind == "audit"]
-    names = list(SLIME)
-    body = []
-    for r in sorted(main, key=lambda r: (names.index(r["config"]["scenario"]), r["config"]["pp"])):
-        used.add(("audit", r["key"]))
-        c = r["config"]
-        steps = {s["step"]: s for s in r["steps"]}
-        layout = " × ".join(f"{n} {c[n.lower()]}" for n in ("PP", "CP", "DP") if c[n.lower()] > 1)
-        cells = [step_summary(r, steps[n]) if n in steps else "not audited" for n in (0, 1, 2)]
-        body.append([f"`{c['scenario']}`: {SLIME[c['scenario']]}", layout, audit_cell(r), *cells])
-    return table(["scenario", "layout", "audit (exit)", "step 0", "step 1 (a fully masked sample)",
-                  "step 2 (N = 0)"], body)
+RELAX = {
+    "pt": "--calculate-per-token-loss, entropy bonus 0.05, k1 KL 0.1",
+    "sm": "sample mean (sample_index_mask_sums), `__loss_scale__`",
+    "dyncp": "a CP size per micro-batch (max_tokens_per_gpu 8: 1 or 2)",
+    "dummy": "a dummy micro-batch per step (`__is_dummy__`)",
+    "bug-clamp": "planted bug 1: at CP 1 an empty response counted as 1",
+    "bug-noskip": "planted bug 2: the zero-token step steps",
+    "bug-src": "planted bug 3: the decision broadcast from the pipeline's first stage",
+}
+
+
+def rollout_table(scenarios):
+    def render(rows, used):
+        main = [r for (kind, _), r in rows.items() if kind == "audit"]
+        names = list(scenarios)
+        body = []
+        for r in sorted(main, key=lambda r: (names.index(r["config"]["scenario"]), r["config"]["pp"])):
+            used.add(("audit", r["key"]))
+            c = r["config"]
+            steps = {s["step"]: s for s in r["steps"]}
+            layout = " × ".join(f"{n} {c[n.lower()]}" for n in ("PP", "CP", "DP") if c[n.lower()] > 1)
+            cells = [step_summary(r, steps[n]) if n in steps else "not audited" for n in (0, 1, 2)]
+            body.append([f"`{c['scenario']}`: {scenarios[c['scenario']]}", layout, audit_cell(r), *cells])
+        return table(["scenario", "layout", "audit (exit)", "step 0", "step 1 (a fully masked sample)",
+                      "step 2 (N = 0)"], body)
+    return render
 
 
 TABLES = {"hf": hf_table, "trl": trl_table, "verl": verl_table, "megatron": megatron_table,
-          "megatron_shapes": megatron_shapes_table, "slime": slime_table}
+          "megatron_shapes": megatron_shapes_table, "slime": rollout_table(SLIME), "relax": rollout_table(RELAX)}
 
 
 def failfast(rows, used):

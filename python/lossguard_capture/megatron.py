@@ -307,6 +307,8 @@ class _StepState:
         self.before_update = False             # written by fail fast before the update (and the scheduler)
         self.current: Any = None               # the micro-batch whose wrapped loss_func is running (per_token)
         self.written = False                   # the capture is written (fail fast: before the update)
+        self.metrics: Any = None               # (values, keys) the loop reduced (SPEC §6), when it says so
+        self.global_batch_unit: Optional[str] = None   # what global_batch_size counts, when said
 
 
 class MegatronStep:
@@ -1002,7 +1004,10 @@ class MegatronAdapter(Adapter):
         scheduler_stepped = st.scheduler_called if self._scheduler_wrapped and not st.before_update else None
         path = st.rec.finish(grad_scale=st.grad_scale, num_tokens_reduced=st.num_tokens_reduced, skipped=skipped,
                              grad_norm=grad_norm, global_batch_size=st.global_batch_size,
-                             scheduler_stepped=scheduler_stepped)
+                             scheduler_stepped=scheduler_stepped,
+                             metrics_values=None if st.metrics is None else st.metrics[0],
+                             metrics_keys=None if st.metrics is None else st.metrics[1],
+                             global_batch_unit=st.global_batch_unit if st.global_batch_size is not None else None)
         return path
 
     def _write(self, st: _StepState) -> str:

@@ -64,14 +64,17 @@ class Trainer:
     """What differs between the trainers of slime's shape (slime, Relax): the modules whose names are hooked,
     the commits they were read at, and what a micro-batch adds (Relax: CP size, dummy)."""
 
-    def __init__(self, name: str, model_module: str, loss_module: str, commits: str,
+    def __init__(self, name: str, model_module: str, loss_module: str, commits: str, *,
+                 index_keys: Sequence[str], denoms_key: str,
                  micro_batch: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None):
         self.name, self.model_module, self.loss_module, self.commits = name, model_module, loss_module, commits
+        self.index_keys, self.denoms_key = tuple(index_keys), denoms_key   # rollout keys: global indices; d_i
         self.micro_batch = micro_batch or (lambda batch: {})
 
 
 SLIME = Trainer("slime", "slime.backends.megatron_utils.model", "slime.backends.megatron_utils.loss",
-                "THUDM/slime loss.py @00c2d6d, model.py @172db7d / @00b5ed0, data.py @2bebc09, cp_utils.py @04949ce")
+                "THUDM/slime loss.py @00c2d6d, model.py @172db7d / @00b5ed0, data.py @2bebc09, cp_utils.py @04949ce",
+                index_keys=("partition",), denoms_key="rollout_mask_sums")
 
 
 def _spec(trainer: Trainer) -> Spec:
@@ -159,8 +162,8 @@ class SlimeAudit:
             elif lead and _params(f)[:len(lead)] != list(lead):
                 missing.append(f"{mod.__name__}.{name}{tuple(_params(f))} does not start with {lead}")
         lf = _params(getattr(m, "loss_function", None))
-        if lf and lf[-1] != "logits":
-            missing.append(f"{m.__name__}.loss_function{tuple(lf)} does not end with logits")
+        if lf and "logits" not in lf:
+            missing.append(f"{m.__name__}.loss_function{tuple(lf)} takes no logits")
         if missing:
             raise RuntimeError(f"lossguard_capture.{self.trainer.name}: this {self.trainer.name} lacks the attach points "
                                f"the adapter was built against ({self.trainer.commits}): " + "; ".join(missing))
@@ -175,15 +178,8 @@ class SlimeAudit:
         def get_batch(data_iterator: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
             local = audit._local_indices(data_iterator)
             batch = orig_get_batch(data_iterator, keys, *args, **kwargs)
-            if audit._open() and local is not None:
-                rd = getattr(data_iterator, "rollout_data", None) or {}
-                part = rd.get("partition")
-                if part is not None:
-                    audit.indices[id(batch)] = [int(part[i]) for i in local]
-                else:
-                    from megatron.core import parallel_state as ps
-                    n = len(rd.get("total_lengths") or ())
-                    audit.indices[id(batch)] = [ps.get_data_parallel_rank() * n + int(i) for i in local]
+            if audit._open() and local is not None and isinstance(batch, dict):
+                audit.indices[id(batch)] = audit._global_indices(data_iterator, local, batch)
             return batch
 
         def loss_function(args: Any, batch: Any, num_microbatches: Any, *rest: Any, **kwargs: Any) -> Any:
@@ -213,6 +209,21 @@ class SlimeAudit:
                 return factory
             return f
 
+        self.metrics_close = hasattr(m, "normalize_reduced_loss_metrics")
+        if self.metrics_close:        # Relax: the step's reduced metrics (SPEC §6), on the last stage, after the update
+            orig_norm = m.normalize_reduced_loss_metrics
+
+            def normalize_reduced_loss_metrics(keys: Any, values: Any, *args: Any, **kwargs: Any) -> Any:
+                st = None if audit.megatron is None else audit.megatron._state
+                if st is not None and not st.written:
+                    st.metrics = (torch.tensor([float(v) for v in values], dtype=torch.float64), list(keys))
+                try:
+                    return orig_norm(keys, values, *args, **kwargs)
+                finally:
+                    if audit.step_ctx is not None:
+                        audit.close()
+            normalize_reduced_loss_metrics.__wrapped__ = orig_norm      # type: ignore[attr-defined]
+            setattr(m, "normalize_reduced_loss_metrics", normalize_reduced_loss_metrics)
         for mod, name, new, old in ((m, "get_batch", get_batch, orig_get_batch),
                                     (m, "loss_function", loss_function, orig_loss),
                                     (l, "get_sum_of_sample_mean", get_sum_of_sample_mean, orig_factory),
@@ -235,6 +246,35 @@ class SlimeAudit:
         size = getattr(it, "micro_batch_size", None)
         return None if size is None else list(range(int(offset), int(offset) + int(size)))
 
+    def _global_indices(self, it: Any, local: List[int], batch: Dict[str, Any]) -> Optional[List[int]]:
+        """The global indices of the samples ``batch`` holds, in its order: the micro-batch's rows (``local``)
+        mapped through the rollout's index key, matched to ``unconcat_tokens`` by identity or value (a dynamic-
+        CP sub-group keeps a subset of the rows, Relax's ``dynamic_cp_split_data``); None when they do not
+        match (then the micro-batch is refused)."""
+        rd = getattr(it, "rollout_data", None) or {}
+        key = next((k for k in self.trainer.index_keys if rd.get(k) is not None), None)
+        if key is not None:
+            glob = [int(rd[key][i]) for i in local]
+        else:
+            from megatron.core import parallel_state as ps
+            n = len(rd.get("total_lengths") or ())
+            glob = [ps.get_data_parallel_rank() * n + int(i) for i in local]
+        toks = rd.get("tokens")
+        held = batch.get("unconcat_tokens")
+        if toks is None or held is None:
+            return glob if held is None or len(held) == len(glob) else None
+        cands = [(g, toks[i]) for g, i in zip(glob, local)]
+        out: List[int] = []
+        for t in held:
+            hit = next((k for k, (_, c) in enumerate(cands) if c is t), None)
+            if hit is None:
+                hit = next((k for k, (_, c) in enumerate(cands) if isinstance(c, torch.Tensor) and isinstance(t, torch.Tensor)
+                            and c.shape == t.shape and bool(torch.equal(c.detach().cpu(), t.detach().cpu()))), None)
+            if hit is None:
+                return None
+            out.append(cands.pop(hit)[0])
+        return out
+
     def _open(self) -> bool:
         return self.megatron is not None and self.megatron._state is not None
 
@@ -244,29 +284,34 @@ class SlimeAudit:
         logits = rest[-1] if rest else kwargs.get("logits")
         if st is None or not rest or not isinstance(logits, torch.Tensor) or not logits.requires_grad:
             return orig(args, batch, num_microbatches, *rest, **kwargs)
-        gbs = rest[0] if self.has_step_gbs and len(rest) == 2 else getattr(args, "global_batch_size", None)
+        gbs = (rest[0] if self.has_step_gbs and len(rest) == 2
+               else batch.get("dynamic_global_batch_size") or getattr(args, "global_batch_size", None))
         if gbs is not None:
             gbs = int(gbs)
             if st.global_batch_size is None:
                 st.global_batch_size = gbs
+                st.global_batch_unit = "rollouts"       # slime's step_global_batch_size, Relax's sample indices
             elif st.global_batch_size != gbs:
                 meg._fail(st, f"step_global_batch_size {gbs} in one micro-batch, {st.global_batch_size} in another")
         indices = self.indices.pop(id(batch), None)
         if indices is None:
-            meg._fail(st, f"{self.trainer.name}'s loss_function received a batch that the wrapped get_batch did not "
-                          f"return (the micro-batch's samples are unknown)")
+            meg._fail(st, f"{self.trainer.name}'s loss_function received a batch whose samples are unknown (the wrapped "
+                          f"get_batch did not return it, or its unconcat_tokens are not the rows its iterator gave)")
         if getattr(args, "qkv_format", "thd") != "thd":
             meg._fail(st, f"qkv_format {args.qkv_format!r}: the adapter reads slime's packed (thd) micro-batches only")
         denoms = None
-        if not self.per_token_loss and batch.get("rollout_mask_sums") is not None:
-            denoms = torch.stack([torch.as_tensor(d, dtype=torch.float64).reshape(()).cpu()
-                                  for d in batch["rollout_mask_sums"]]) if len(batch["rollout_mask_sums"]) else None
+        given = batch.get(self.trainer.denoms_key)
+        if not self.per_token_loss and given is not None and len(given):
+            denoms = torch.stack([torch.as_tensor(d, dtype=torch.float64).reshape(()).cpu() for d in given])
         fn = partial(orig, args, batch, num_microbatches, *rest[:-1], **kwargs)      # Relax: lm_head_forward=
+        extra = self.trainer.micro_batch(batch)
+        masks = list(batch["loss_masks"])
+        if extra.get("dummy"):      # a padding micro-batch (Relax repeats a real partition): it trains nothing
+            masks = [torch.zeros_like(torch.as_tensor(m)) for m in masks]
         wrapped = meg.packed_loss_func(fn, sample_indices=indices, tokens=list(batch["unconcat_tokens"]),
                                        total_lengths=list(batch["total_lengths"]),
-                                       response_lengths=list(batch["response_lengths"]),
-                                       loss_masks=list(batch["loss_masks"]), sample_denoms=denoms,
-                                       stream_tokens=batch.get("tokens"), **self.trainer.micro_batch(batch))
+                                       response_lengths=list(batch["response_lengths"]), loss_masks=masks,
+                                       sample_denoms=denoms, stream_tokens=batch.get("tokens"), **extra)
         self.mb = _Terms(self.loss_type)
         try:
             return wrapped(logits)
@@ -350,7 +395,8 @@ class SlimeAudit:
 
         def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:
             st = None if audit.megatron is None else audit.megatron._state
-            if audit.step_ctx is not None and st is not None and st.finalized:
+            if audit.step_ctx is not None and st is not None and st.finalized and not (
+                    audit.metrics_close and audit.megatron.last_stage):      # there: at the metrics, just after
                 audit.close()
             return orig(*args, **kwargs)
         zero_grad_buffer.__wrapped__ = orig       # type: ignore[attr-defined]
@@ -424,12 +470,12 @@ def init(args: Any) -> None:
 
 
 def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, optimizer: Any,
-                      opt_param_scheduler: Any) -> None:
+                      opt_param_scheduler: Any, *, trainer: str = "slime") -> None:
     """``--custom-megatron-before-train-step-hook-path lossguard_capture.slime.before_train_step``."""
     if _AUDIT is None:
-        raise RuntimeError("lossguard_capture.slime.before_train_step: the audit is not installed (add "
-                           "--custom-megatron-init-path lossguard_capture.slime.init, or call "
-                           "lossguard_capture.slime.install(args) from your own init hook)")
+        raise RuntimeError(f"lossguard_capture.{trainer}.before_train_step: the audit is not installed (add "
+                           f"--custom-megatron-init-path lossguard_capture.{trainer}.init, or call "
+                           f"lossguard_capture.{trainer}.install(args) from your own init hook)")
     _AUDIT.before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
     _chain("LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP", args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 

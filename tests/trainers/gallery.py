@@ -35,6 +35,7 @@ PACKAGES = {
     "megatron": ("megatron-core", "torch"),
     "megatron_shapes": ("megatron-core", "torch"),
     "slime": ("megatron-core", "torch"),
+    "relax": ("megatron-core", "torch"),
     "verl": ("verl", "transformers", "tensordict", "torch"),
 }
 

@@ -32,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(HERE, "slime_shape"))
+sys.path.insert(0, os.path.join(HERE, "relax_shape"))
 sys.path.insert(0, HERE)
 
 import warnings  # noqa: E402
@@ -66,7 +67,18 @@ SCENARIOS = {   # scenario -> args overrides
     "sft": dict(calculate_per_token_loss=True, loss_type="sft_loss"),
     "pt-ff": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True, kl_loss_coef=KL),
 }
-PLANTED = ("pt-ff",)
+#: Relax (--trainer relax): the same steps through Relax's shape; its fixes (PR #285) pass them, the seed's
+#: three bugs planted one at a time fail them
+RELAX_SCENARIOS = {
+    "pt": SCENARIOS["pt"],
+    "sm": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY, loss_scales=True),
+    "dyncp": dict(SCENARIOS["pt"], max_tokens_per_gpu=8),
+    "dummy": dict(SCENARIOS["pt"], dummy=True),
+    "bug-clamp": SCENARIOS["pt"], "bug-clamp-ff": SCENARIOS["pt"],
+    "bug-noskip": SCENARIOS["pt"], "bug-src": SCENARIOS["pt"],
+}
+PLANTED = ("pt-ff", "bug-clamp", "bug-clamp-ff", "bug-noskip", "bug-src")
+TRAINER = "slime"
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 
 
@@ -78,6 +90,10 @@ def per_sample_mean_reducer(total_lengths, response_lengths, loss_masks, calcula
                                   calculate_per_token_loss=calculate_per_token_loss)
 
 
+def scenarios():
+    return SCENARIOS if TRAINER == "slime" else RELAX_SCENARIOS
+
+
 def make_args(scenario, pp, cp, adapter):
     a = SimpleNamespace(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, context_parallel_size=cp,
@@ -85,12 +101,13 @@ def make_args(scenario, pp, cp, adapter):
         kl_loss_coef=0.0, kl_loss_type="k1", eps_clip=0.2, eps_clip_high=0.28, custom_pg_loss_reducer_function_path=None,
         custom_loss_function_path=None, qkv_format="thd", data_pad_size_multiplier=4, seq_length=64,
         micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
-        custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None)
-    for k, v in SCENARIOS[scenario].items():
+        custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None, max_tokens_per_gpu=None,
+        loss_scales=False, dummy=False)
+    for k, v in scenarios()[scenario].items():
         setattr(a, k, v)
-    if adapter:                                   # what a user adds to slime's command line
-        a.custom_megatron_init_path = "lossguard_capture.slime.init"
-        a.custom_megatron_before_train_step_hook_path = "lossguard_capture.slime.before_train_step"
+    if adapter:                                   # what a user adds to the trainer's command line
+        a.custom_megatron_init_path = f"lossguard_capture.{TRAINER}.init"
+        a.custom_megatron_before_train_step_hook_path = f"lossguard_capture.{TRAINER}.before_train_step"
     return a
 
 
@@ -100,6 +117,22 @@ def tokens(step):
 
 
 def rollout_data(dp, dp_rank):
+    if TRAINER == "relax":
+        return relax_rollout_data(dp, dp_rank)
+    return slime_rollout_data(dp, dp_rank)
+
+
+def relax_rollout_data(dp, dp_rank):
+    """As slime_rollout_data, with Relax's keys: ``sample_indices`` (global positions), ``sample_index_mask_sums``
+    (the denominators), the advantages and reference log-probs whole (get_batch slices them to the micro-batch's
+    CP layout, which dynamic CP decides there)."""
+    rd, indices = slime_rollout_data(dp, dp_rank, cp_local=False)
+    rd["sample_indices"] = rd.pop("partition")
+    rd["sample_index_mask_sums"] = rd.pop("rollout_mask_sums")
+    return rd, indices
+
+
+def slime_rollout_data(dp, dp_rank, cp_local=True):
     """This DP rank's samples of the rollout (every step), as slime's RolloutManager hands them to the actor:
     ``partition`` their global positions, ``rollout_mask_sums`` each sample's rollout mask total, and the
     advantages (1: on-policy PPO's gradient is the cross entropy's) and reference log-probs (0) CP-local."""
@@ -121,8 +154,9 @@ def rollout_data(dp, dp_rank):
             rd["response_lengths"].append(R)
             rd["loss_masks"].append(torch.tensor(m, dtype=torch.int32))
             rd["rollout_mask_sums"].append(torch.tensor(sums[r]))
-            rd["advantages"].append(slice_log_prob_with_cp(torch.ones(R), T, R))
-            rd["ref_log_probs"].append(slice_log_prob_with_cp(torch.zeros(R), T, R))
+            local = slice_log_prob_with_cp if cp_local else (lambda v, T, R: v)
+            rd["advantages"].append(local(torch.ones(R), T, R))
+            rd["ref_log_probs"].append(local(torch.zeros(R), T, R))
             rd["partition"].append(step * len(SAMPLES[step]) + i)
         local = list(range(start, len(rd["tokens"])))
         half = (len(local) + 1) // 2
@@ -153,43 +187,86 @@ def build(pp, cp, per_token):
     return config, chunks, opt, sched
 
 
-def run(scenario, out, pp, cp, adapter):
-    import lossguard_capture.slime as lcs
-    from megatron.core import parallel_state as ps
-    from slime.backends.megatron_utils import initialize, model as slime_model
-    from slime.backends.megatron_utils.data import DataIterator
+def modules():
+    """The trainer's modules (the shape's package on sys.path) and its adapter module."""
+    import importlib
+    base = "slime.backends.megatron_utils" if TRAINER == "slime" else "relax.backends.megatron"
+    return ({k: importlib.import_module(f"{base}.{k}") for k in ("initialize", "model", "data", "loss", "cp_utils")},
+            importlib.import_module(f"lossguard_capture.{TRAINER}"))
 
+
+def plant(scenario, mods):
+    """The seed's three bugs, planted in Relax's shape one at a time (PR #285 fixed each)."""
+    from megatron.core import parallel_state as mpu
+    if scenario.startswith("bug-clamp"):         # bug 1: at CP 1 an empty response counted as 1 token
+        real = mods["loss"].get_cp_local_num_tokens
+
+        def legacy(total_lengths, response_lengths, loss_masks, *a, **k):
+            if (k.get("dynamic_cp_size") or mpu.get_context_parallel_world_size()) == 1:
+                return sum(torch.clamp_min(m.sum(), 1) for m in loss_masks).to(torch.int)
+            return real(total_lengths, response_lengths, loss_masks, *a, **k)
+        mods["loss"].get_cp_local_num_tokens = legacy
+    elif scenario == "bug-noskip":              # bug 2: a zero-token step runs optimizer.step()
+        mods["model"]._is_global_zero_token_step = lambda losses: False
+    elif scenario == "bug-src":                 # bug 3: the decision broadcast from a group-local source (stage 0)
+        real = mods["model"]._is_global_zero_token_step
+        saved = mpu.get_pipeline_model_parallel_last_rank
+
+        def first_stage_src(losses):
+            mpu.get_pipeline_model_parallel_last_rank = mpu.get_pipeline_model_parallel_first_rank
+            try:
+                return real(losses)
+            finally:
+                mpu.get_pipeline_model_parallel_last_rank = saved
+        mods["model"]._is_global_zero_token_step = first_stage_src
+
+
+def run(scenario, out, pp, cp, adapter):
+    from megatron.core import parallel_state as ps
+    mods, lca = modules()
     os.makedirs(out, exist_ok=True)
     rank = dist.get_rank()
     args = make_args(scenario, pp, cp, adapter)
+    ff = scenario.endswith("-ff")
     os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
-                      LOSSGUARD_STEPS="1" if scenario == "pt-ff" else "0,1,2",
-                      LOSSGUARD_FAIL_FAST="1" if scenario == "pt-ff" else "0")
-    lcs._AUDIT = None                         # one process runs several jobs here; slime runs one
-    _reset_patches()
-    initialize.init(args)
+                      LOSSGUARD_STEPS="1" if ff else "0,1,2", LOSSGUARD_FAIL_FAST="1" if ff else "0")
+    import lossguard_capture.slime as lcs
+    lcs._AUDIT = None                         # one process runs several jobs here; a trainer runs one
+    _reset_patches(mods)
+    if TRAINER == "relax":
+        mods["data"].MAX_TOKENS_PER_GPU = args.max_tokens_per_gpu
+    mods["initialize"].init(args)
+    plant(scenario, mods)
     config, chunks, opt, sched = build(pp, cp, args.calculate_per_token_loss)
-    real_step = opt.step
-    record = {"grads": [], "params": []}
-
-    def step(*a, **k):                        # the test's own view: main_grad after finalize, before the update
-        record["grads"].append({n: {"grad": p.main_grad.detach().clone(), "partition_dim": -1, "tp_rank": 0}
-                                for n, p in shapes.named_params(chunks)})
-        return real_step(*a, **k)
-    opt.step = step
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rd, mbi = rollout_data(dp, dp_rank)
-    its = [DataIterator(rd, None, mbi)]
-    params = []
-    real_train_one_step = slime_model.train_one_step
+    M_steps = [M] * STEPS
+    extra = {}
+    if args.dummy:       # every DP rank runs a third micro-batch per step: its first partition again, a dummy
+        mbi = [x for k in range(STEPS) for x in (mbi[2 * k], mbi[2 * k + 1], mbi[2 * k])]
+        extra["dummy_micro_batch_offsets"] = [3 * k + 2 for k in range(STEPS)]
+        M_steps = [3] * STEPS
+    if args.loss_scales:     # what the iterator injects: the loss x num_microbatches / global batch x DP x CP
+        dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)
+        extra["micro_batch_loss_scales"] = [M / GBS * dpcp] * len(mbi)
+    its = [mods["data"].DataIterator(rd, None, mbi, **extra)]
+    record = {"grads": [], "params": []}
+    real_fb = mods["model"].get_forward_backward_func
 
-    def train_one_step(*a, **k):
-        params.append({n: p.detach().clone() for n, p in shapes.named_params(chunks)})
-        return real_train_one_step(*a, **k)
-    slime_model.train_one_step = train_one_step
+    def get_forward_backward_func():          # the test's own view: main_grad after finalize, the step's params
+        fb = real_fb()
+
+        def run_fb(**kw):
+            record["params"].append({n: p.detach().clone() for n, p in shapes.named_params(chunks)})
+            out = fb(**kw)
+            record["grads"].append({n: {"grad": p.main_grad.detach().clone(), "partition_dim": -1, "tp_rank": 0}
+                                    for n, p in shapes.named_params(chunks)})
+            return out
+        return run_fb
+    mods["model"].get_forward_backward_func = get_forward_backward_func
     result = {}
     try:
-        out_steps = slime_model.train(0, chunks, opt, sched, its, [M] * STEPS, [GBS] * STEPS, args)
+        out_steps = mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args)
         result["reported"] = [r for r, _ in out_steps]
         result["grad_norm"] = [float(g) for _, g in out_steps]
     except Exception as e:
@@ -197,15 +274,16 @@ def run(scenario, out, pp, cp, adapter):
         if not isinstance(e, AuditFailed):
             raise
         result["audit_failed"] = {"step": e.step, "exit_code": e.exit_code}
-        result["params_unchanged"] = all(torch.equal(p.detach(), params[-1][n]) for n, p in shapes.named_params(chunks))
+        result["params_unchanged"] = all(torch.equal(p.detach(), record["params"][-1][n])
+                                         for n, p in shapes.named_params(chunks))
     finally:
-        slime_model.train_one_step = real_train_one_step
+        mods["model"].get_forward_backward_func = real_fb
     if lcs.current() is not None:
         lcs.current().close()
     result["lr"] = float(opt.param_groups[0]["lr"])
     for s, g in enumerate(record["grads"]):
         torch.save(g, os.path.join(out, f"grads-step{s}-rank{rank}.pt"))
-    for s, p in enumerate(params):
+    for s, p in enumerate(record["params"]):
         torch.save(p, os.path.join(out, f"params-step{s}-rank{rank}.pt"))
     torch.save({n: p.detach().clone() for n, p in shapes.named_params(chunks)}, os.path.join(out, f"final-rank{rank}.pt"))
     with open(os.path.join(out, f"result-rank{rank}.json"), "w") as f:
@@ -214,15 +292,18 @@ def run(scenario, out, pp, cp, adapter):
     dist.barrier()
 
 
-def _reset_patches():
-    """Undo the previous job's patches of slime's modules (one process runs several jobs here)."""
-    import slime.backends.megatron_utils.loss as L
-    import slime.backends.megatron_utils.model as Mo
-    for mod in (L, Mo):
+def _reset_patches(mods):
+    """Undo the previous job's patches of the trainer's modules (one process runs several jobs here): the
+    adapter's wrappers (``__wrapped__``) and the plants (the originals kept in ``ORIGINALS``)."""
+    for mod in (mods["loss"], mods["model"]):
+        saved = ORIGINALS.setdefault(mod.__name__, dict(vars(mod)))
         for name, f in list(vars(mod).items()):
-            while hasattr(f, "__wrapped__") and callable(f) and getattr(f, "__module__", "") == "lossguard_capture.slime":
+            while callable(f) and hasattr(f, "__wrapped__") and getattr(f, "__module__", "") == "lossguard_capture.slime":
                 f = f.__wrapped__
-            setattr(mod, name, f)
+            setattr(mod, name, saved.get(name, f))
+
+
+ORIGINALS = {}
 
 
 # ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
@@ -269,6 +350,9 @@ def reference(d, layers, scenarios):
                     continue
                 gs = t["grad_scale"].double().item()
                 for k in range(int(meta["num_microbatches"])):
+                    if f"mb.{k}.dummy" in t and int(t[f"mb.{k}.dummy"]):
+                        assert float(t[f"mb.{k}.token_weight"].abs().sum()) == 0.0        # its loss is x 0
+                        continue
                     cpk = int(t[f"mb.{k}.cp_size"]) if f"mb.{k}.cp_size" in t else int(meta["cp"])
                     r = int(meta["cp_rank"]) % cpk
                     ws = {"main": t[f"mb.{k}.token_weight"]}
@@ -308,7 +392,10 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--scenarios", default="pt,sm")
+    ap.add_argument("--trainer", choices=("slime", "relax"), default="slime")
     a = ap.parse_args()
+    global TRAINER
+    TRAINER = a.trainer
     scenarios = [s for s in a.scenarios.split(",") if s]
     if a.reference:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)

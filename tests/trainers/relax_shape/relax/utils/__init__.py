@@ -1,0 +1,1 @@
+"""Relax-shaped test package (tests/trainers/relax_shape/README.md)."""
