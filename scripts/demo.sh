@@ -131,11 +131,17 @@ if [ -x "$MG_PY" ]; then
     --scenarios first-stage-src | grep -E "^lossguard_capture" | head -1 || true
   run audit "$MGCAP/pp/first-stage-src/adapter/captures/step000000"
   step "slime switched on by its own plug-in flags (--custom-megatron-init-path lossguard_capture.slime.init, --custom-megatron-before-train-step-hook-path ...): one rollout at CP 2, THD; slime's own empty-sample count and zero-token step named"
-  printf '$ torchrun --nproc-per-node 2 tests/trainers/slime_driver.py --cp 2 --scenarios pt   # slime as slime drives it\n'
-  mg_run --nproc-per-node 2 tests/trainers/slime_driver.py --out "$MGCAP/slime" --cp 2 --scenarios pt \
+  printf '$ torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --cp 2 --scenarios pt   # slime as slime drives it\n'
+  mg_run --nproc-per-node 2 tests/trainers/slime_relax_driver.py --out "$MGCAP/slime" --cp 2 --scenarios pt \
     | grep -E "^lossguard_capture" | head -1 || true
   SL="$MGCAP/slime/pt/adapter/captures"
   run audit "$SL/step000000" "$SL/step000001" "$SL/step000002" | grep -E '^[$] |^step|^  counts |^  decision |reproduced|verdict|exit code'
+  step "Relax by the same flags (lossguard_capture.relax) at PP 2 x DP 2: after PR #285 the zero-token step is skipped on every stage; the skip decision broadcast from the pipeline's first stage (bug 3, planted) steps it"
+  printf '$ torchrun --nproc-per-node 4 tests/trainers/slime_relax_driver.py --trainer relax --pp 2 --scenarios pt,bug-src\n'
+  mg_run --nproc-per-node 4 tests/trainers/slime_relax_driver.py --trainer relax --out "$MGCAP/relax" --pp 2 \
+    --scenarios pt,bug-src | grep -E "^lossguard_capture" | head -1 || true
+  run audit "$MGCAP/relax/pt/adapter/captures/step000002" | grep -E '^[$] |^step|^  decision |^  metrics |verdict|exit code'
+  run audit "$MGCAP/relax/bug-src/adapter/captures/step000002" | grep -E '^[$] |^step|^  decision |verdict|exit code'
 else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
 fi

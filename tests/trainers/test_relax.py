@@ -2,7 +2,7 @@
 drives it (tests/trainers/relax_shape: Relax's module paths, hook signatures, call order, batch keys, dynamic CP
 per micro-batch, dummy micro-batches, ``__loss_scale__``, the zero-token skip of PR #285 and
 normalize_reduced_loss_metrics, written from a reading of Relax's source) over the real megatron-core 0.16.1
-under torchrun on CPU (tests/trainers/slime_driver.py --trainer relax), at CP 2 (THD) and PP 2 x DP 2.
+under torchrun on CPU (tests/trainers/slime_relax_driver.py --trainer relax), at CP 2 (THD) and PP 2 x DP 2.
 
 (a) the audit changes nothing, bit for bit (reported metrics, gradient norms, main_grad, learning rate,
     parameters), and Relax skips the zero-token step on every stage (optimizer and scheduler);
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import gallery  # noqa: E402
-import slime_driver as drv  # noqa: E402
+import slime_relax_driver as drv  # noqa: E402
 from test_slime import HAVE_BIN, LOSSGUARD, N, _env, audit, needs_bin, same, world  # noqa: E402
 
 LAYOUTS = {(1, 2, 1): ["pt", "sm", "dyncp", "dummy"],

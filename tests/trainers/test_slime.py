@@ -1,7 +1,7 @@
 """lossguard_capture.slime, switched on by slime's own plug-in flags (issue #39), driven exactly as slime drives
 it (tests/trainers/slime_shape: slime's module paths, hook signatures, call order, batch keys, THD/CP split and
 return shapes, written from a reading of slime's source) over the real megatron-core 0.16.1 under torchrun on
-CPU (tests/trainers/slime_driver.py), at CP 2 (THD, slime's per-sample zig-zag split) and PP 2 x DP 2.
+CPU (tests/trainers/slime_relax_driver.py), at CP 2 (THD, slime's per-sample zig-zag split) and PP 2 x DP 2.
 
 (a) the audit changes nothing: slime's reported losses, gradient norms, main_grad after finalize, the learning
     rate and the parameters after every step are bit for bit those of the run without the flags — with
@@ -30,11 +30,11 @@ import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
-DRIVER = os.path.join(HERE, "slime_driver.py")
+DRIVER = os.path.join(HERE, "slime_relax_driver.py")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import gallery  # noqa: E402
-import slime_driver as drv  # noqa: E402
+import slime_relax_driver as drv  # noqa: E402
 
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Runs slime's training step as slime drives it (tests/trainers/slime_shape: slime's module paths, hook
-signatures, call order, batch keys, THD/CP layout and return shapes) over the real megatron-core (CPU, Gloo,
-torchrun), with the audit switched on by slime's own plug-in flags — ``--custom-megatron-init-path
-lossguard_capture.slime.init`` and ``--custom-megatron-before-train-step-hook-path
-lossguard_capture.slime.before_train_step``, the output folder and steps from the environment — and again
-without them, from the same seed; writes what tests/trainers/test_slime.py compares.
+"""Runs slime's (``--trainer slime``, the default) or Relax's (``--trainer relax``) training step as the
+trainer drives it (tests/trainers/slime_shape, tests/trainers/relax_shape: the module paths, hook signatures,
+call order, batch keys, THD/CP layout and return shapes) over the real megatron-core (CPU, Gloo, torchrun),
+with the audit switched on by the trainer's own plug-in flags — ``--custom-megatron-init-path
+lossguard_capture.<trainer>.init`` and ``--custom-megatron-before-train-step-hook-path
+lossguard_capture.<trainer>.before_train_step``, the output folder and steps from the environment — and again
+without them, from the same seed; writes what tests/trainers/test_slime.py and test_relax.py compare.
 
-    torchrun --nproc-per-node 2 tests/trainers/slime_driver.py --out DIR --pp 1 --cp 2 --scenarios pt,sm
-    python tests/trainers/slime_driver.py --reference DIR --pp 1 --scenarios pt,sm
+    torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --out DIR --pp 1 --cp 2 --scenarios pt,sm
+    torchrun --nproc-per-node 4 tests/trainers/slime_relax_driver.py --trainer relax --out DIR --pp 2 --scenarios pt,bug-src
+    python tests/trainers/slime_relax_driver.py --reference DIR --pp 1 --scenarios pt,sm
 
 One rollout of three train steps (``args.global_batch_size`` 4 rollouts a step, six samples: two rollouts of
 two samples each, slime's ``rollout_mask_sums`` their mask totals): step 0 every sample with an effective
@@ -18,7 +20,10 @@ hold samples 2i+d of each step (``partition``), two micro-batches per step by ``
 Scenarios: ``pt`` (--calculate-per-token-loss, entropy bonus 0.05, k1 KL 0.1 under --use-kl-loss), ``sm``
 (per-rollout sample mean, entropy bonus), ``sm-reducer`` (``sm`` with --custom-pg-loss-reducer-function-path
 set to a user's reducer that calls slime's factory without rollout_mask_sums: a per-sample mean),
-``sft`` (sft_loss, per-token), ``pt-ff`` (``pt`` with fail fast on step 1).  The model: the tiny GPTModel of
+``sft`` (sft_loss, per-token), ``pt-ff`` (``pt`` with fail fast on step 1).  Relax (RELAX_SCENARIOS): ``pt``,
+``sm`` (its sample_index_mask_sums, ``__loss_scale__`` from the iterator), ``dyncp`` (a CP size per micro-batch),
+``dummy`` (a dummy micro-batch per step), and the seed's bugs planted in its code one at a time: ``bug-clamp``
+(``-ff``: with fail fast), ``bug-noskip``, ``bug-src``.  The model: the tiny GPTModel of
 megatron_shapes_driver without position embeddings (identity attention: a position's loss depends on its
 token only, so the packed stream's losses are the samples' own).
 """
@@ -63,7 +68,7 @@ SCENARIOS = {   # scenario -> args overrides
     "pt": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True, kl_loss_coef=KL),
     "sm": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY),
     "sm-reducer": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY,
-                       custom_pg_loss_reducer_function_path="slime_driver.per_sample_mean_reducer"),
+                       custom_pg_loss_reducer_function_path="slime_relax_driver.per_sample_mean_reducer"),
     "sft": dict(calculate_per_token_loss=True, loss_type="sft_loss"),
     "pt-ff": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True, kl_loss_coef=KL),
 }
