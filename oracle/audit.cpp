@@ -666,6 +666,16 @@ AuditCheck counts_check(const AuditStep& out, const Measurement& m, bool recorde
                         out.global_tokens)};
   }
   if (!m.counts.empty()) return {"counts", false, m.counts.text()};
+  // Whole-sample counts are consistent only with the loss x cp that compensates them: then the
+  // weights are exact; without it every weight is 1/cp of the truth (a scale Adam would hide).
+  if (m.whole_sample_counts > 0 && out.global_tokens > 0 && !out.diagnosis.exact()) {
+    return {"counts", false,
+            fmt::format(
+                "every CP rank counts its micro-batch's whole samples (num_tokens_reduced = cp x "
+                "N = {} x {}) but the weights are not those of the loss x cp that compensates "
+                "it: {}",
+                out.layout.cp, out.global_tokens, out.diagnosis.summary())};
+  }
   if (m.whole_sample_counts > 0) {
     return {
         "counts", true,
@@ -1137,9 +1147,9 @@ void weigh_step(AuditStep& out, const Measurement& m, const std::vector<const Ra
     recorded_reduced |= c->num_tokens_reduced.has_value();
     if (c->num_tokens_reduced && per_token_objective) contract_count = *c->num_tokens_reduced;
   }
-  out.checks.push_back(counts_check(out, m, recorded_reduced, per_token_objective));
   out.diagnosis = diagnose_weights(b, out.measured, out.truth, out.place, out.layout,
                                    out.global_tokens, contract_count, out.weight_rel_tol);
+  out.checks.push_back(counts_check(out, m, recorded_reduced, per_token_objective));
   if (!m.nonfinite_weights.empty()) {
     out.checks.push_back({"weights", false, "not finite: " + m.nonfinite_weights.text()});
   } else {

@@ -545,7 +545,8 @@ def test_the_lr_scheduler_advances_exactly_when_the_optimizer_steps(good, tmp_pa
 
 
 # ---- slime's conventions (issue #39): whole-sample counts on every CP rank; per-rollout denominators ----
-def write_slime_step(out, cp, counts="whole", reduced=None, denoms=None, weigh_by=None, sample_mean=False):
+def write_slime_step(out, cp, counts="whole", reduced=None, denoms=None, weigh_by=None, sample_mean=False,
+                     times_cp=True):
     """One micro-batch of samples 0-2 on every CP rank of a CP group (DP 1), recorded as slime's loss does it.
     Per-token: each CP rank's num_tokens is ``counts`` ('whole': the samples' whole count, slime; 'owned':
     the rank's own) and the loss is x cp, divided by N_reduced = ``reduced`` (default cp x N). Sample-mean:
@@ -572,7 +573,7 @@ def write_slime_step(out, cp, counts="whole", reduced=None, denoms=None, weigh_b
             else:
                 n_c = whole if counts == "whole" else int(mask.sum())
                 h.set(num_tokens=n_c)
-                loss = (per_token * mask).sum() * cp
+                loss = (per_token * mask).sum() * (cp if times_cp else 1)
             h.loss(loss)
             loss.backward()
             s.finish(grad_scale=1.0 if sample_mean else 1.0 / red, num_tokens_reduced=None if sample_mean else red,
@@ -593,6 +594,14 @@ def test_whole_sample_counts_with_a_wrong_reduced_count_fail(tmp_path, reduced_d
     write_slime_step(tmp_path, 2, reduced=2 * whole + reduced_delta)
     code, doc, err = audit(tmp_path)
     assert code == 1 and "cp x N" in failed_checks(doc)["counts"], (doc, err)
+
+
+def test_whole_sample_counts_without_the_loss_times_cp_fail(tmp_path):
+    """The convention holds only with the loss x cp: without it every weight is 1/cp of the truth (a scale Adam
+    hides, so the weights check passes it) and counts must fail, naming the scale."""
+    write_slime_step(tmp_path, 2, times_cp=False)
+    code, doc, err = audit(tmp_path)
+    assert code == 1 and "not those of the loss x cp" in failed_checks(doc)["counts"], (doc, err)
 
 
 def test_owned_counts_with_a_cp_times_reduced_count_fail(tmp_path):
