@@ -60,11 +60,21 @@ Trainer (``compute_loss``, ``Accelerator.backward``, ``_get_grad_norm``, ``on_pr
 sample layout's indices, DDP's ``grad_scale`` and the step's rows are written once; each adapter says how
 its trainer's per-token loss is found (:meth:`TrainerAudit._measure`) and what its step records.
 
+Custom losses (``compute_loss_func``, a ``compute_loss`` override) are measured the same way when they call
+``torch.nn.functional.cross_entropy`` once per micro-batch (directly or through ``nn.CrossEntropyLoss``):
+logits ``[rows, V]`` or ``[B, V, positions]``; the Trainer's own layout (``B x L`` rows against labels
+shifted left) or the classic shift (``logits[:, :-1]`` against ``labels[:, 1:]``, ``B x (L-1)`` rows); any
+``ignore_index`` (the targets are checked against the batch's labels); ``label_smoothing``; any reduction —
+with ``reduction="none"`` the hooked per-token tensor itself is returned, and whatever the user's code
+does with it next (a sum over ``num_items_in_batch``, a per-micro-batch mean, a division by the padded
+length) is what the hook measures.
+
 Unsupported (an error at attach, naming the reason): transformers outside :data:`SUPPORTED`,
-DataParallel (``n_gpu > 1``), DeepSpeed/FSDP/XLA/Megatron, tensor/context/sequence parallelism, label
-smoothing, a loss that does not go through ``torch.nn.functional.cross_entropy`` exactly once per
-micro-batch with 2-D logits, class-index targets, no ``weight``, no ``label_smoothing`` (an error at the
-first captured micro-batch).
+DataParallel (``n_gpu > 1``), DeepSpeed/FSDP/XLA/Megatron, tensor/context/sequence parallelism, the
+Trainer's ``label_smoothing_factor`` (its LabelSmoother does not go through cross_entropy).  At the first
+captured micro-batch (an error saying what to change): a loss that does not call
+``torch.nn.functional.cross_entropy`` or calls it more than once, class ``weight=``, the legacy
+``size_average``/``reduce``, targets that are not the batch's labels shifted by one.
 """
 
 import sys
@@ -92,12 +102,35 @@ class CannotMeasure(Exception):
 
 
 class _CEState:
-    """The cross_entropy wrapper's view of one micro-batch's compute_loss."""
+    """The cross_entropy wrapper's view of one micro-batch's compute_loss: ``labels`` the batch's labels as
+    the logits predict them ``[B, L]`` (position j's target, -100 where none)."""
 
-    def __init__(self, mb: MicroBatch, rows: int, index: torch.Tensor, real: Callable[..., torch.Tensor]):
-        self.mb, self.rows, self.index, self.real = mb, rows, index, real
+    def __init__(self, mb: MicroBatch, labels: torch.Tensor, real: Callable[..., torch.Tensor]):
+        self.mb, self.labels, self.real = mb, labels, real
         self.calls = 0
         self.problems: List[str] = []
+
+    def index_for(self, rows: int) -> Optional[torch.Tensor]:
+        """Where the owned positions (each row's first L-1) are among ``rows`` flattened targets: B x L rows
+        (the Trainer's own ``logits.view(-1, V)`` against labels shifted left) or B x (L-1) rows
+        (``logits[:, :-1]`` against ``labels[:, 1:]``, the classic custom loss); None otherwise."""
+        B, L = self.labels.shape
+        if rows == B * L:
+            return (torch.arange(B, dtype=torch.int64)[:, None] * L
+                    + torch.arange(L - 1, dtype=torch.int64)[None, :]).reshape(-1)
+        if rows == B * (L - 1):
+            return torch.arange(B * (L - 1), dtype=torch.int64)
+        return None
+
+    def expected_targets(self, rows: int) -> torch.Tensor:
+        B, L = self.labels.shape
+        return (self.labels if rows == B * L else self.labels[:, : L - 1]).reshape(-1)
+
+
+_WHAT_TO_DO = ("lossguard measures one torch.nn.functional.cross_entropy call per compute_loss (the Trainer's own, "
+               "or yours: any reduction, logits [rows, V] or [B, V, positions], labels shifted by one position, "
+               "any ignore_index, label_smoothing, through nn.CrossEntropyLoss too); compute the per-token losses "
+               "in one call and reduce them yourself")
 
 
 def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
@@ -108,29 +141,51 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
                       reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
         state.calls += 1
         why = None
+        # [B, V, d] logits with [B, d] targets (the class dimension second): the same per-token losses
+        flat = (input.dim() == 3 and target.dim() == 2 and tuple(target.shape) == (input.shape[0], input.shape[2]))
+        rows = int(target.numel())
+        index = state.index_for(rows)
         if state.calls > 1:
             why = f"cross_entropy called {state.calls} times in one compute_loss"
-        elif weight is not None or size_average is not None or reduce is not None or label_smoothing != 0.0:
-            why = "cross_entropy called with weight / size_average / reduce / label_smoothing"
-        elif reduction not in ("sum", "mean"):
+        elif weight is not None or size_average is not None or reduce is not None:
+            why = ("cross_entropy called with weight= / size_average= / reduce= (class weights change what a "
+                   "token weighs: multiply reduction='none' losses by them yourself)")
+        elif reduction not in ("sum", "mean", "none"):
             why = f"cross_entropy called with reduction={reduction!r}"
-        elif input.dim() != 2 or target.dim() != 1 or target.is_floating_point():
+        elif not (input.dim() == 2 and target.dim() == 1 or flat) or target.is_floating_point():
             why = (f"cross_entropy called with input {tuple(input.shape)} and target {tuple(target.shape)} "
-                   f"{target.dtype} (expected [rows, vocab] logits and [rows] class indices)")
-        elif input.shape[0] != state.rows:
-            why = (f"cross_entropy got {input.shape[0]} rows, the micro-batch has {state.rows} positions "
-                   f"(batch x sequence)")
+                   f"{target.dtype} (expected [rows, vocab] logits and [rows] class indices, or [B, vocab, d] "
+                   f"and [B, d])")
+        elif index is None:
+            B, L = state.labels.shape
+            why = (f"cross_entropy got {rows} targets; the micro-batch's {B} x {L} positions are placed from "
+                   f"{B * L} (the Trainer's logits.view(-1, V), labels shifted left) or {B * (L - 1)} "
+                   f"(logits[:, :-1] against labels[:, 1:])")
         elif not torch.is_grad_enabled() or not input.requires_grad:
             why = "cross_entropy called without autograd"
+        else:
+            want = state.expected_targets(rows).to(target.device)
+            got = target.reshape(-1)
+            keep = got != ignore_index
+            if not torch.equal(keep, want != -100) or not torch.equal(got[keep], want[keep]):
+                why = (f"cross_entropy's targets are not the batch's labels as the logits predict them (logit j "
+                       f"against token j+1, ignore_index={ignore_index} where the labels are -100): a different "
+                       f"shift or masking cannot be placed")
         if why is not None:
             state.problems.append(why)
             return real(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        # per-token losses [rows] (or [B, d] for 3-D logits, row-major: the same order as the targets)
+        l = real(input, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+        state.mb.hook(l, index=index)
+        if reduction == "none":
+            # the user's own arithmetic follows, measured by the hook; an ignored target's loss is 0 by the call
+            # itself whatever follows (it weighs 0: x 0, exact), a kept one is returned x 1 (exact)
+            return l * (target != ignore_index).to(l.dtype).reshape(l.shape)
         # The real call, unchanged: its value is what the trainer gets (bit for bit).
         with torch.no_grad():
-            v = real(input, target, ignore_index=ignore_index, reduction=reduction)
-        # The same per-token losses, hooked; R(l) is the real call's reduction over the non-ignored tokens,
-        # so d v / d input == d R(l) / d input and the hook sees d L / d l_t.
-        l = real(input, target, ignore_index=ignore_index, reduction="none")
+            v = real(input, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+        # R(l): the real call's reduction over the non-ignored tokens, so d v / d input == d R(l) / d input and
+        # the hook sees d L / d l_t.
         m = (target != ignore_index).to(l.dtype)
         r = (l * m).sum()
         if reduction == "mean":
@@ -139,7 +194,6 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
             # >= 1 the clamp changes nothing, and the division's backward (grad / count) is the real
             # nll_loss mean backward's, bit for bit.
             r = r / m.sum().clamp_min(1)
-        state.mb.hook(l, index=state.index)
         return v + (r - r.detach())
 
     return cross_entropy
@@ -434,11 +488,10 @@ class AuditCallback(TrainerAudit):
         mb = self._row_microbatch(ids, (shifted[:, : L - 1] != -100).to(torch.int64))
         self._last_col.append(shifted[:, L - 1].detach())
         # the hooked tensor holds every position of the [B, L] batch (row-major, as ForCausalLMLoss's
-        # logits.view(-1, vocab)); the owned ones are each row's first L-1
-        index = (torch.arange(B, dtype=torch.int64)[:, None] * L
-                 + torch.arange(L - 1, dtype=torch.int64)[None, :]).reshape(-1)
+        # logits.view(-1, vocab)) or, for logits[:, :-1] against labels[:, 1:], each row's first L-1: the
+        # owned ones (_CEState.index_for)
         nn_f = torch.nn.functional
-        ce = _CEState(mb, B * L, index, nn_f.cross_entropy)
+        ce = _CEState(mb, shifted.detach(), nn_f.cross_entropy)
         wrapper = _make_cross_entropy(ce)
         nn_f.cross_entropy = wrapper
         try:
@@ -453,7 +506,7 @@ class AuditCallback(TrainerAudit):
             problems.append("the loss did not call torch.nn.functional.cross_entropy (a fused or custom "
                             "loss kernel, or a model without labels)")
         if problems:
-            raise CannotMeasure("; ".join(problems))
+            raise CannotMeasure("; ".join(problems) + f". {_WHAT_TO_DO}")
         return out, mb, B
 
     def _step_records(self, step: int) -> Dict[str, Any]:

@@ -371,3 +371,119 @@ def test_fail_fast_without_a_binary_is_an_error_not_a_pass(tmp_path):
     with pytest.raises(lc.AuditError, match="no-such-lossguard.*is not an executable file"):
         tr.train()
     assert os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
+
+
+# ---- custom losses: the forms users write, measured on the real Trainer (issue #43 item 1) -------------------
+def _ce(*a, **k):
+    return torch.nn.functional.cross_entropy(*a, **k)
+
+
+def _shifted(outputs, labels):
+    logits = outputs.logits[:, :-1]
+    return logits, labels[:, 1:]
+
+
+def _loss_forms():
+    """name -> (compute_loss_func, right): each calls cross_entropy once as users write it."""
+    def shift_sum(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        return _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="sum") / num_items_in_batch
+
+    def none_then_sum(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        per_token = _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="none")
+        return per_token.sum() / num_items_in_batch
+
+    def logits_3d(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        return _ce(x.transpose(1, 2), y, reduction="sum") / num_items_in_batch
+
+    def smoothing(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        return _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="sum", label_smoothing=0.1) / num_items_in_batch
+
+    def ignore_minus_one(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        y = y.masked_fill(y == -100, -1)
+        return _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), ignore_index=-1, reduction="sum") / num_items_in_batch
+
+    def module(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        return torch.nn.CrossEntropyLoss(reduction="sum")(x.reshape(-1, x.shape[-1]), y.reshape(-1)) / num_items_in_batch
+
+    def microbatch_mean(outputs, labels, num_items_in_batch=None):      # buggy: a mean per micro-batch
+        x, y = _shifted(outputs, labels)
+        return _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1))
+
+    def padded_length(outputs, labels, num_items_in_batch=None):        # buggy: over every padded position
+        x, y = _shifted(outputs, labels)
+        per_token = _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="none")
+        return per_token.sum() / per_token.numel()
+    return {"shift-sum": (shift_sum, True), "none-then-sum": (none_then_sum, True), "logits-3d": (logits_3d, True),
+            "label-smoothing": (smoothing, True), "ignore-index-1": (ignore_minus_one, True),
+            "CrossEntropyLoss": (module, True), "microbatch-mean": (microbatch_mean, False),
+            "padded-length": (padded_length, False)}
+
+
+FORMS = list(_loss_forms())
+
+
+def _train_form(tmp_path, form, adapter):
+    from transformers import TrainingArguments
+    fn, _ = _loss_forms()[form]
+    args = TrainingArguments(output_dir=str(tmp_path / f"o-{adapter}"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=1, optim="sgd", learning_rate=0.1, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             remove_unused_columns=False, max_grad_norm=0.0, seed=drv.SEED)
+    tr = drv.RecordingTrainer(model=drv.make_model(True), args=args, train_dataset=drv.dataset()[:8],
+                              data_collator=drv.collate, compute_loss_func=fn, in_order=True)
+    cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False) if adapter else None
+    tr.train()
+    return tr, cb
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_custom_loss_forms_are_measured(tmp_path, form):
+    """Each form on the real Trainer (GA 2): with the adapter bit for bit the run without it; the right forms'
+    weights are exactly m_t / N and audit passes them; the buggy ones are measured as they are and failed."""
+    plain, _ = _train_form(tmp_path / "plain", form, False)
+    tr, cb = _train_form(tmp_path / "adapter", form, True)
+    assert len(tr.step_losses) == len(plain.step_losses) == 2
+    for a, b in zip(tr.step_losses, plain.step_losses):
+        assert a.dtype == b.dtype and torch.equal(a, b), form
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(p, q), n
+    t = load_file(cb.paths[0])
+    N = int(t["num_tokens_reduced"])
+    right = _loss_forms()[form][1]
+    for k in (0, 1):
+        w, m = t[f"mb.{k}.token_weight"], t[f"mb.{k}.loss_masks"].to(torch.float32)
+        if right:
+            assert torch.equal(w, m / N), (form, k)
+    if HAVE_BIN:
+        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
+        checks = {c["name"]: c for c in doc["steps"][0]["checks"]}
+        assert code == (0 if right else 1), (form, checks["weights"]["detail"], err)
+        if not right:
+            assert checks["weights"]["ok"] is False and "normalisation" in checks["weights"]["detail"]
+
+
+def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
+    """Two cross_entropy calls in one compute_loss, or targets that are not the labels shifted by one: refused
+    at the first captured micro-batch with what lossguard can measure instead; nothing written."""
+    def twice(outputs, labels, num_items_in_batch=None):
+        x, y = _shifted(outputs, labels)
+        a = _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="sum")
+        return (a + _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="sum")) / num_items_in_batch
+
+    def unshifted(outputs, labels, num_items_in_batch=None):
+        x = outputs.logits
+        return _ce(x.reshape(-1, x.shape[-1]), labels.reshape(-1), reduction="sum") / num_items_in_batch
+    for fn, needle in ((twice, "called 2 times"), (unshifted, "not the batch's labels as the logits predict them")):
+        tr = _tiny_trainer(tmp_path)
+        tr.compute_loss_func = fn
+        cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False)
+        with pytest.raises(RuntimeError, match=needle) as e:
+            tr.train()
+        assert "compute the per-token losses in one call and reduce them yourself" in str(e.value)
+        assert not cb.paths
