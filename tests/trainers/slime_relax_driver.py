@@ -99,6 +99,19 @@ def scenarios():
     return SCENARIOS if TRAINER == "slime" else RELAX_SCENARIOS
 
 
+USER_HOOKS = {"init": 0, "steps": []}
+
+
+def user_init(args):
+    """The user's own --custom-megatron-init-path hook, kept by naming it in LOSSGUARD_CHAIN_INIT."""
+    USER_HOOKS["init"] += 1
+
+
+def user_before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler):
+    """The user's own step hook (LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP): called after lossguard's, every step."""
+    USER_HOOKS["steps"].append([rollout_id, step_id])
+
+
 def make_args(scenario, pp, cp, adapter):
     a = SimpleNamespace(
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, context_parallel_size=cp,
@@ -234,7 +247,10 @@ def run(scenario, out, pp, cp, adapter):
     args = make_args(scenario, pp, cp, adapter)
     ff = scenario.endswith("-ff")
     os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
-                      LOSSGUARD_STEPS="1" if ff else "0,1,2", LOSSGUARD_FAIL_FAST="1" if ff else "0")
+                      LOSSGUARD_STEPS="1" if ff else "0,1,2", LOSSGUARD_FAIL_FAST="1" if ff else "0",
+                      LOSSGUARD_CHAIN_INIT="slime_relax_driver.user_init",
+                      LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP="slime_relax_driver.user_before_train_step")
+    USER_HOOKS.update(init=0, steps=[])
     import lossguard_capture.slime as lcs
     lcs._AUDIT = None                         # one process runs several jobs here; a trainer runs one
     _reset_patches(mods)
@@ -286,6 +302,8 @@ def run(scenario, out, pp, cp, adapter):
     if lcs.current() is not None:
         lcs.current().close()
     result["lr"] = float(opt.param_groups[0]["lr"])
+    if adapter:
+        result["user_hooks"] = dict(USER_HOOKS)
     for s, g in enumerate(record["grads"]):
         torch.save(g, os.path.join(out, f"grads-step{s}-rank{rank}.pt"))
     for s, p in enumerate(record["params"]):
@@ -401,6 +419,7 @@ def main():
     a = ap.parse_args()
     global TRAINER
     TRAINER = a.trainer
+    sys.modules.setdefault("slime_relax_driver", sys.modules[__name__])    # the hooks loaded by dotted path
     scenarios = [s for s in a.scenarios.split(",") if s]
     if a.reference:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)

@@ -88,6 +88,7 @@ def test_audit_changes_nothing(runs, layout, scenario):
             assert same(torch.load(os.path.join(a, name)), torch.load(os.path.join(p, name))), (name, r)
         with open(os.path.join(a, f"result-rank{r}.json")) as f, open(os.path.join(p, f"result-rank{r}.json")) as g:
             ja, jp = json.load(f), json.load(g)
+        assert ja.pop("user_hooks") == {"init": 1, "steps": [[0, 0], [0, 1], [0, 2]]}, r
         assert ja == jp, r
         assert ja["grad_norm"][2] == 0.0 and ja["grad_norm"][0] > 0      # the zero-token step skipped
     for t, meta in captures(runs, layout, scenario, 2):

@@ -107,6 +107,8 @@ def test_audit_changes_nothing(runs, layout, scenario):
             assert same(torch.load(os.path.join(a, name)), torch.load(os.path.join(p, name))), (name, r)
         with open(os.path.join(a, f"result-rank{r}.json")) as f, open(os.path.join(p, f"result-rank{r}.json")) as g:
             ja, jp = json.load(f), json.load(g)
+        # the user's own init and step hooks, named in LOSSGUARD_CHAIN_*, ran after lossguard's
+        assert ja.pop("user_hooks") == {"init": 1, "steps": [[0, 0], [0, 1], [0, 2]]}, r
         assert ja == jp, r
         assert len(ja["grad_norm"]) == drv.STEPS and ja["lr"] < 0.01          # slime stepped all three steps
         assert os.path.isdir(os.path.join(a, "captures")) and not os.path.exists(os.path.join(p, "captures"))
