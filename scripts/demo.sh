@@ -108,6 +108,12 @@ if [ -x "$HF_PY" ]; then
   printf '$ python examples/hf_trainer_audit.py --out captures --no-loss-kwargs\n'
   OMP_NUM_THREADS=1 "$HF_PY" examples/hf_trainer_audit.py --out "$HFCAP/nokwargs" --no-loss-kwargs --lossguard-bin "$LG" 2>&1 \
     | grep -E "^lossguard_capture|^training|weights |reproduced by" || true
+  step "TRL's GRPOTrainer (examples/trl_audit.py, a tokenizer built in-process): loss_type dapo passes; bnpo (each micro-batch over its own tokens) is stopped before step 0's update"
+  printf '$ python examples/trl_audit.py --out captures [--loss-type bnpo]\n'
+  for lt in dapo bnpo; do
+    OMP_NUM_THREADS=1 "$HF_PY" examples/trl_audit.py --out "$HFCAP/trl-$lt" --loss-type "$lt" --lossguard-bin "$LG" 2>&1 \
+      | grep -E "^training|PASS|FAIL" | sed 's/^ *//' || true
+  done
 else
   echo "(skipped: $HF_PY is missing; scripts/setup-trainers.sh creates it)"
 fi

@@ -487,3 +487,16 @@ def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
             tr.train()
         assert "compute the per-token losses in one call and reduce them yourself" in str(e.value)
         assert not cb.paths
+
+
+# ---- the runnable example (examples/hf_trainer_audit.py) ---------------------------------------------------
+@pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
+@pytest.mark.parametrize("flag,rc,said", [("", 0, "training finished; step 0 audited: pass"),
+                                          ("--no-loss-kwargs", 1, "training stopped at step 0 by lossguard audit")])
+def test_the_example_runs(tmp_path, flag, rc, said):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "hf_trainer_audit.py"), "--out",
+                        str(tmp_path), "--lossguard-bin", LOSSGUARD, *([flag] if flag else [])],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == rc and said in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    with open(tmp_path / "audit-step000000.json") as f:                 # the report CI reads
+        assert json.load(f)["exit_code"] == rc

@@ -601,3 +601,20 @@ def test_fail_fast_without_a_binary_is_an_error_not_a_pass(tmp_path):
     with pytest.raises(lc.AuditError, match="no-such-lossguard.*is not an executable file"):
         tr.train()
     assert os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
+
+
+# ---- the runnable example (examples/trl_audit.py) ----------------------------------------------------------
+@pytest.mark.skipif(not (os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)), reason="lossguard not built")
+@pytest.mark.parametrize("flags,rc,said", [([], 0, "training finished; step 0 audited: pass"),
+                                           (["--loss-type", "bnpo"], 1, "training stopped at step 0 by lossguard audit"),
+                                           (["--sft"], 0, "training finished; step 0 audited: pass")])
+def test_the_example_runs(tmp_path, flags, rc, said):
+    """GRPO's dapo passes, bnpo (each micro-batch over its own tokens, GA 2) is stopped before step 0's update,
+    SFT passes: the example a new user copies, run as they would."""
+    import subprocess
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "trl_audit.py"), "--out", str(tmp_path),
+                        "--lossguard-bin", LOSSGUARD, *flags], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == rc and said in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    with open(tmp_path / "audit-step000000.json") as f:
+        assert json.load(f)["exit_code"] == rc
