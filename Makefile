@@ -24,10 +24,9 @@ CONFIGURE = if [ ! -f $(BUILD)/build.ninja ]; then \
 configure: setup
 	@$(CONFIGURE)
 
-# The demo's set-up: the base venv and the Hugging Face and Megatron venvs its last steps run (not
-# verl's, which only the tests use).
+# The demo's set-up: the base venv and the Hugging Face, Megatron and verl venvs its last steps run.
 configure-demo:
-	@scripts/setup.sh && scripts/setup-trainers.sh hf megatron
+	@scripts/setup.sh && scripts/setup-trainers.sh hf megatron verl
 	@$(CONFIGURE)
 
 build: configure

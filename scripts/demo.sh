@@ -152,5 +152,18 @@ else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
 fi
 
+step "verl's own ppo_loss without an FSDP job (examples/verl_audit.py): token-mean passes; seq-mean-token-sum-norm without loss_scale_factor is stopped before the update"
+VERL_PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}-verl/bin/python"
+if [ -x "$VERL_PY" ]; then
+  VCAP=$(mktemp -d /tmp/lossguard-demo-verl.XXXX)
+  printf '$ python examples/verl_audit.py --out captures [--mode seq-mean-token-sum-norm]\n'
+  for mode in token-mean seq-mean-token-sum-norm; do
+    OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore "$VERL_PY" examples/verl_audit.py --out "$VCAP/$mode" --mode "$mode" \
+      --lossguard-bin "$LG" 2>&1 | grep -E "PASS|FAIL|^step|^stopped" || true
+  done
+else
+  echo "(skipped: $VERL_PY is missing; scripts/setup-trainers.sh verl creates it)"
+fi
+
 step "And a hostile pickle is refused by name; nothing is executed"
 run inspect "$EX/hostile_os_system.pt"

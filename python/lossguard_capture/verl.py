@@ -462,12 +462,19 @@ class VerlAdapter(Adapter):
                  kwargs: Dict[str, Any]) -> Any:
         st = self._open
         assert st is not None
-        bound = sig.bind(*args, **kwargs)
+        # bound through every functools.partial layer: partial(ppo_loss, config) fixes config POSITIONALLY (as
+        # a user may write it; verl's worker passes config=), and the call gives model_output=, data=
+        fn, full_args, full_kwargs = loss_fn, tuple(args), dict(kwargs)
+        while isinstance(fn, functools.partial):
+            fn, full_args, full_kwargs = fn.func, tuple(fn.args) + full_args, {**fn.keywords, **full_kwargs}
+        bound = inspect.signature(fn).bind(*full_args, **full_kwargs)
         bound.apply_defaults()
         cfg, data = bound.arguments.get("config"), bound.arguments.get("data")
         model_output = bound.arguments.get("model_output")
         if cfg is None or data is None:
-            raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data")
+            raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data: verl "
+                               "calls it as loss_fn(model_output=..., data=micro_batch) after partial(ppo_loss, "
+                               "config=...) (verl 0.9.1 workers/engine_workers.py:643; ppo_loss(config, model_output, data, dp_group))")
         mode = check_loss_agg_mode(getattr(cfg, "loss_agg_mode", None))
         pl = cfg.policy_loss
         loss_mode = pl.get("loss_mode", "vanilla") if hasattr(pl, "get") else getattr(pl, "loss_mode", "vanilla")

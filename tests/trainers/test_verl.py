@@ -727,3 +727,22 @@ def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
         assert "kl.weights" in got["text"] and "lossguard audit FAILED step 0" in got["message"], got["text"]
     assert os.path.exists(tmp_path / config / "captures" / "step000000" / "step000000-rank00001.safetensors")
     assert not (tmp_path / config / "captures" / "step000001").exists()
+
+
+# ---- the runnable example (examples/verl_audit.py): verl's ppo_loss without an engine -----------------------
+@pytest.mark.skipif(not (os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)), reason="lossguard not built")
+@pytest.mark.parametrize("mode,rc,said", [("token-mean", 0, "step 0 audited: pass; the update applied"),
+                                          ("seq-mean-token-sum-norm", 1, "stopped at step 0 by lossguard audit")])
+def test_the_example_runs(tmp_path, mode, rc, said):
+    """The engine-less example as a user runs it, with partial(ppo_loss, config) POSITIONAL (the form a user
+    writes; verl's worker passes config=): token-mean passes; seq-mean-token-sum-norm without
+    loss_scale_factor (each micro-batch over its own longest response) is stopped before the update."""
+    import subprocess
+    src = open(os.path.join(ROOT, "examples", "verl_audit.py")).read()
+    assert "partial(ppo_loss, config)" in src
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "verl_audit.py"), "--out", str(tmp_path),
+                        "--mode", mode, "--lossguard-bin", LOSSGUARD], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == rc and said in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
+    with open(tmp_path / "audit-step000000.json") as f:
+        assert json.load(f)["exit_code"] == rc
