@@ -1,23 +1,16 @@
 #!/usr/bin/env python3
-"""verl's own actor loss (``verl.workers.utils.losses.ppo_loss``, every ``loss_agg_mode``), audited without
-an FSDP engine: one optimizer step of two micro-batches, called the way verl's engine calls it.
-
-verl calls the loss with keywords — ``loss_fn(model_output={"log_probs": ...}, data=micro_batch)`` — after
-``functools.partial(ppo_loss, config=actor_config)`` (workers/engine_workers.py:643); ``data`` is a TensorDict with nested per-sample fields (``prompts``,
-``responses``, ``input_ids``, ``response_mask``, ``old_log_probs``, ``advantages``) and the step's numbers
-as non-tensor data (``dp_size``, ``batch_num_tokens``: the mini-batch's mask total over DP,
-``global_batch_size``). Samples are numbered in call order (rank 0's first). ``token-mean`` passes;
-``--mode seq-mean-token-sum-norm`` without ``loss_scale_factor`` divides each micro-batch by its own
-longest response: FAIL, and fail fast stops before the update.
+"""verl's own actor loss (``losses.ppo_loss``) audited without an FSDP engine: one step of two micro-batches,
+called as verl's engine calls it — ``loss_fn(model_output={"log_probs": ...}, data=micro_batch)`` after
+``partial(ppo_loss, config=...)`` (workers/engine_workers.py:643); ``data`` a TensorDict of nested per-sample
+fields with the step's numbers as non-tensor data (``dp_size``, ``batch_num_tokens``: the mini-batch's mask
+total over DP, ``global_batch_size``). ``token-mean`` passes; ``--mode seq-mean-token-sum-norm`` (each
+micro-batch over its own longest response) fails and fail fast stops before the update.
 
     python examples/verl_audit.py --out captures [--mode seq-mean-token-sum-norm] [--lossguard-bin ...]
 
 Needs verl 0.9.1 (scripts/setup-trainers.sh verl installs it in ~/.cache/lossguard/venv-verl).
 """
-import argparse
-import functools
-import os
-import sys
+import argparse, functools, os, sys  # noqa: E401
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))  # if not installed
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
@@ -27,7 +20,6 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
-import lossguard_capture  # noqa: E402
 import lossguard_capture.verl  # noqa: E402
 
 V = 32
