@@ -129,6 +129,7 @@ class SlimeAudit:
         self.model_mod = importlib.import_module(trainer.model_module)
         self.loss_mod = importlib.import_module(trainer.loss_module)
         self._check_attach_points()
+        self._check_config(args)
         self.loss_type = str(getattr(args, "loss_type", "policy_loss"))
         self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
         self.reduce = "per-token" if self.per_token_loss else "sample-mean"
@@ -168,6 +169,18 @@ class SlimeAudit:
             raise RuntimeError(f"lossguard_capture.{self.trainer.name}: this {self.trainer.name} lacks the attach points "
                                f"the adapter was built against ({self.trainer.commits}): " + "; ".join(missing))
         self.has_step_gbs = "step_global_batch_size" in lf
+
+    def _check_config(self, args: Any) -> None:
+        """What the adapter does not measure, refused at init naming the flag (nothing is patched)."""
+        bad = []
+        if getattr(args, "qkv_format", "thd") != "thd":
+            bad.append(f"--qkv-format {args.qkv_format} (the adapter places packed thd micro-batches)")
+        if getattr(args, "allgather_cp", False) and int(getattr(args, "context_parallel_size", 1) or 1) > 1:
+            bad.append("--allgather-cp (a contiguous CP split; the adapter places slime's zig-zag one)")
+        if getattr(args, "enable_mtp_training", False):
+            bad.append("--enable-mtp-training (the MTP loss is not handed to the reducers)")
+        if bad:
+            raise RuntimeError(f"lossguard_capture.{self.trainer.name} does not measure: " + "; ".join(bad))
 
     # -- patches (module attributes; slime looks them up at call time) --------------------------------
     def _patch(self) -> None:

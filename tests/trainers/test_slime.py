@@ -287,3 +287,14 @@ def test_refuses_a_slime_without_its_attach_points(monkeypatch):
     monkeypatch.setattr(Mo, "loss_function", loss_function)
     with pytest.raises(RuntimeError, match=r"does not start with \('args', 'batch', 'num_microbatches'\)"):
         lcs.SlimeAudit(lcs.SLIME, args, "unused")
+
+
+def test_refuses_what_it_does_not_measure():
+    sys.path.insert(0, os.path.join(HERE, "slime_shape"))
+    import lossguard_capture.slime as lcs
+    for flag, value, needle in (("qkv_format", "bshd", "--qkv-format bshd"), ("allgather_cp", True, "--allgather-cp"),
+                                ("enable_mtp_training", True, "--enable-mtp-training")):
+        args = SimpleNamespace(loss_type="policy_loss", calculate_per_token_loss=True, context_parallel_size=2)
+        setattr(args, flag, value)
+        with pytest.raises(RuntimeError, match=f"lossguard_capture.slime does not measure: {needle}"):
+            lcs.SlimeAudit(lcs.SLIME, args, "unused")
