@@ -77,6 +77,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
   register_audit(app, commands);
   register_topo(app, commands);
   register_replay(app, commands);
+  register_postmortem(app, commands);
   register_gen(app, commands);
   require_finite_numbers(app);
 

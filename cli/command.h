@@ -58,6 +58,7 @@ void register_replay(CLI::App& root, Commands& commands);
 void register_check(CLI::App& root, Commands& commands);
 void register_weights(CLI::App& root, Commands& commands);
 void register_audit(CLI::App& root, Commands& commands);
+void register_postmortem(CLI::App& root, Commands& commands);
 
 // The --version text: tool, LibTorch, CUDA/NCCL compiled in or not, device seen.
 std::string version_text();

@@ -85,7 +85,7 @@ ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks) {
 
 // Long: the simulator's event loop: issue every rank's next call, match calls per group, complete,
 // block or mismatch them, until every rank finished or none can move.
-ReplayResult simulate(const ReplayInputs& in) {
+ReplayResult simulate(const ReplayInputs& in, const IssueObserver& on_issue) {
   const Topology& t = in.topo;
   const int64_t world = t.world();
   std::vector<RankProgram> progs;
@@ -123,6 +123,7 @@ ReplayResult simulate(const ReplayInputs& in) {
     std::optional<CollectiveCall> call = prog.next();
     if (!call) continue;
     if (prog.reject(t, *call)) continue;
+    if (on_issue) on_issue(r, *call);
     const int kind = static_cast<int>(call->group.kind);
     const uint32_t seq = issued[r][kind]++;
     auto& slots = slots_for(call->group);

@@ -3,6 +3,7 @@
 // ranks' outcomes (shared with the real backends), and the last stage's loss metric.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,7 +33,10 @@ struct ReplayResult {
   std::string fault_message() const;
 };
 
-ReplayResult simulate(const ReplayInputs& in);
+// Called for each collective a rank issues that reaches the backend (torch.distributed rejected it
+// otherwise), in the simulator's event order: what a Flight Recorder would record.
+using IssueObserver = std::function<void(int64_t rank, const CollectiveCall& call)>;
+ReplayResult simulate(const ReplayInputs& in, const IssueObserver& on_issue = {});
 // Verdict and findings from per-rank results (shared by the simulator and real backends).
 ReplayResult summarize(const ReplayInputs& in, std::vector<RankResult> ranks);
 

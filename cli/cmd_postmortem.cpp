@@ -1,0 +1,103 @@
+// `lossguard postmortem`: why a distributed job hung, from its PyTorch Flight Recorder dumps
+// (SPEC §12).
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "cli/command.h"
+#include "cli/postmortem_render.h"
+#include "io/flight_recorder.h"
+#include "oracle/postmortem.h"
+
+namespace lossguard::cli {
+
+namespace {
+
+struct PostmortemOptions {
+  std::vector<std::string> paths;
+  PostmortemRenderOptions render;
+  int64_t naming_max_world = 4096;
+};
+
+void run_postmortem(const PostmortemOptions& o, Report& report, Context& ctx) {
+  const auto t0 = std::chrono::steady_clock::now();
+  bool shown = false;
+  FrJob job = io::read_flight_records(o.paths, [&](std::size_t done, std::size_t total) {
+    if (!ctx.err_is_terminal || total < 64 || (done % 64 != 0 && done != total)) return;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ctx.err << fmt::format("\r\x1b[Kreading dumps {}/{} ({:.1f} s)", done, total, s) << std::flush;
+    shown = true;
+  });
+  if (shown) ctx.err << "\r\x1b[K" << std::flush;
+  oracle::resolve_megatron_groups(job);
+  for (const auto& d : job.ranks) report.add_input(d.path, "flight-recorder-" + d.format);
+  oracle::PostmortemOptions po;
+  po.naming_max_world = o.naming_max_world;
+  const oracle::PostmortemResult r = oracle::analyse_flight_records(job, po);
+  render_postmortem_text(ctx.out, job, r, o.render);
+  auto& res = report.results();
+  const nlohmann::ordered_json doc = postmortem_json(job, r, o.render);
+  for (auto it = doc.begin(); it != doc.end(); ++it) res[it.key()] = *it;
+  if (r.no_collectives()) {
+    throw UnverifiedError(
+        "the dumps hold no collective call (was TORCH_FR_BUFFER_SIZE > 0 in the job?)");
+  }
+  report.add_case({"lossguard.postmortem", "ranks_aligned", !r.diverged(),
+                   r.diverged() ? "the ranks diverged (see the report)" : "", false});
+  if (r.diverged()) report.fault();
+  report.verified();
+}
+
+}  // namespace
+
+void register_postmortem(CLI::App& root, Commands& commands) {
+  auto cmd = std::make_unique<Command>();
+  auto opts = std::make_shared<PostmortemOptions>();
+  CLI::App* app = root.add_subcommand(
+      "postmortem",
+      "Why a distributed job hung: its PyTorch Flight Recorder dumps aligned per process group, "
+      "the "
+      "first divergence, the culprit ranks and the skip-decision protocol that explains it");
+  cmd->app = app;
+  app->add_option("dumps", opts->paths,
+                  "One dump per rank (pickle or JSON), a directory of them, or their common prefix "
+                  "(TORCH_FR_DUMP_TEMP_FILE); a dump's rank is the number its name ends in")
+      ->required();
+  app->add_option("--frames", opts->render.frames,
+                  "Stack frames shown per call (the job's own code first)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1000}))
+      ->capture_default_str();
+  app->add_option("--max-divergences", opts->render.shown_divergences,
+                  "Divergences listed in the text after the first (--json has them all)")
+      ->check(CLI::Range(int64_t{0}, kMaxCount))
+      ->capture_default_str();
+  app->add_option("--naming-max-world", opts->naming_max_world,
+                  "Largest world in which the divergence is matched against the skip-decision "
+                  "protocols (a simulation per layout and protocol)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))
+      ->capture_default_str();
+  app->footer(
+      "Turn Flight Recorder on in the job (every rank):\n"
+      "  TORCH_FR_BUFFER_SIZE=2000                 calls kept per rank (0 turns it off)\n"
+      "  TORCH_FR_DUMP_TEMP_FILE=/tmp/fr/trace_    where dumps go: <prefix><rank>\n"
+      "  TORCH_NCCL_DUMP_ON_TIMEOUT=1              NCCL: the watchdog dumps on a collective "
+      "timeout\n"
+      "and dump on the job's own error path (Gloo has no watchdog dump):\n"
+      "  except Exception:\n"
+      "      torch._C._distributed_c10d._dump_fr_trace_file(dist.get_rank(), True, True, False)\n"
+      "      raise\n"
+      "Reads the pickle torch writes (never running it: a pickle that would run code is refused)\n"
+      "and the JSON of _dump_fr_trace_json. Groups missing from pg_config (Gloo lists only the\n"
+      "default group) get the ranks whose calls name them, marked *.\n"
+      "Exit codes: 3 the ranks diverged, 0 every group's calls matched, 2 unreadable or\n"
+      "inconsistent dumps (two files for one rank, mixed versions), 4 no collective recorded.\n"
+      "Examples:\n"
+      "  lossguard postmortem /tmp/fr/\n"
+      "  lossguard postmortem /tmp/fr/trace_ --json report.json\n"
+      "More: docs/postmortem.md");
+  add_output_options(*app, cmd->output);
+  cmd->run = [opts](Report& r, Context& c) { run_postmortem(*opts, r, c); };
+  commands.push_back(std::move(cmd));
+}
+
+}  // namespace lossguard::cli

@@ -1,0 +1,326 @@
+// `postmortem`'s text and JSON (cli/postmortem_render.h): only reads the result.
+#include "cli/postmortem_render.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "oracle/rank_set.h"
+#include "oracle/replay_protocol.h"
+
+namespace lossguard::cli {
+
+namespace {
+
+using oracle::Divergence;
+using oracle::DivergenceKind;
+using oracle::format_rank_set;
+
+std::string ranks_text(const std::vector<int64_t>& ranks) {
+  if (ranks.empty()) return "none";
+  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", format_rank_set(ranks));
+}
+
+std::string group_text(const FrJob& job, uint32_t g) {
+  const FrGroup& group = job.groups[g];
+  std::string desc = group.desc.empty() || group.desc == "undefined" ? "" : group.desc + ", ";
+  return fmt::format("group '{}' ({}{} {}{})", group.name, desc, group.members.size(),
+                     group.members.size() == 1 ? "rank" : "ranks",
+                     group.members.empty() ? "" : ": " + format_rank_set(group.members, 4)) +
+         (group.members_inferred ? "*" : "");
+}
+
+std::string state_name(FrState s) {
+  switch (s) {
+    case FrState::kScheduled:
+      return "scheduled";
+    case FrState::kStarted:
+      return "started";
+    case FrState::kCompleted:
+      return "completed";
+    case FrState::kOther:
+      break;
+  }
+  return "other";
+}
+
+std::string payload_text(const FrSignature& s) {
+  if (s.input_sizes.empty()) return "";
+  return fmt::format(" {}{}", fmt::join(s.input_dtypes, ","), s.input_sizes);
+}
+
+std::string call_text(const FrJob& job, const FrCall& c) {
+  const FrSignature& s = job.signatures[c.signature];
+  return fmt::format("{} #{} on {}{}",
+                     c.is_p2p ? s.profiling_name.substr(s.profiling_name.rfind(':') + 1) : s.op,
+                     c.seq, group_text(job, c.group), payload_text(s));
+}
+
+// The job's own frames first: the torch.distributed wrappers every call passes through say
+// nothing about where the job was.
+std::vector<const FrFrame*> shown_frames(const FrJob& job, uint32_t stack, int64_t max) {
+  std::vector<const FrFrame*> mine, all;
+  for (const auto& f : job.stacks[stack]) {
+    all.push_back(&f);
+    if (f.filename.find("/torch/") == std::string::npos) mine.push_back(&f);
+  }
+  auto& use = mine.empty() ? all : mine;
+  if (static_cast<int64_t>(use.size()) > max) use.resize(static_cast<std::size_t>(max));
+  return use;
+}
+
+std::string headline(const FrJob& job, const Divergence& d) {
+  const FrSignature& s = job.signatures[d.signature];
+  switch (d.kind) {
+    case DivergenceKind::kMissingCall:
+      return fmt::format("{} issued {} #{} on {}; {} never did", ranks_text(d.issued), s.op, d.seq,
+                         group_text(job, d.group), ranks_text(d.not_issued));
+    case DivergenceKind::kMismatch: {
+      std::vector<std::string> parts;
+      for (const auto& [sig, ranks] : d.variants)
+        parts.push_back(fmt::format("{} {}{}", ranks_text(ranks), job.signatures[sig].op,
+                                    payload_text(job.signatures[sig])));
+      return fmt::format("call #{} on {} differs between members ({}): {}", d.seq,
+                         group_text(job, d.group), d.detail, fmt::join(parts, " / "));
+    }
+    case DivergenceKind::kSendWithoutRecv:
+      return fmt::format("rank {} sent ({}) on {}; rank {} never posted the receive",
+                         d.issued.front(), s.profiling_name, group_text(job, d.group),
+                         d.not_issued.front());
+    case DivergenceKind::kRecvWithoutSend:
+      return fmt::format("rank {} waits to receive ({}) on {}; rank {} never sent",
+                         d.issued.front(), s.profiling_name, group_text(job, d.group),
+                         d.not_issued.front());
+  }
+  return "";
+}
+
+std::string topology_text(const oracle::Topology& t) {
+  return fmt::format("TP{} PP{} CP{} DP{}", t.tp(), t.pp(), t.cp(), t.dp());
+}
+
+const FrRankDump* dump_of(const FrJob& job, int64_t rank) {
+  auto it = std::lower_bound(job.ranks.begin(), job.ranks.end(), rank,
+                             [](const FrRankDump& d, int64_t r) { return d.rank < r; });
+  return it != job.ranks.end() && it->rank == rank ? &*it : nullptr;
+}
+
+// What a blamed rank last did: its last call and whether it completed on every member.
+void render_last_call(std::ostream& out, const FrJob& job, const oracle::RankState& s,
+                      const PostmortemRenderOptions& o, const std::string& who) {
+  const FrRankDump* d = dump_of(job, s.rank);
+  if (d == nullptr || !s.last_call) {
+    out << fmt::format("  {}: recorded no call at all\n", who);
+    return;
+  }
+  const FrCall& c = d->calls[*s.last_call];
+  out << fmt::format("  {}: last call {} ({}), {}\n", who, call_text(job, c), state_name(c.state),
+                     s.last_call_unmatched
+                         ? "which some member never issued: it waits there, inside another "
+                           "group's collective"
+                         : "issued by every member; nothing recorded after it (it died, or hangs "
+                           "outside collectives)");
+  for (const FrFrame* f : shown_frames(job, c.stack, o.frames))
+    out << fmt::format("      at {} ({}:{})\n", f->name, f->filename, f->line);
+}
+
+nlohmann::ordered_json frames_json(const FrJob& job, uint32_t stack) {
+  nlohmann::ordered_json a = nlohmann::ordered_json::array();
+  for (const auto& f : job.stacks[stack])
+    a.push_back({{"name", f.name}, {"filename", f.filename}, {"line", f.line}});
+  return a;
+}
+
+nlohmann::ordered_json signature_json(const FrSignature& s) {
+  return {{"op", s.op},
+          {"profiling_name", s.profiling_name},
+          {"input_sizes", s.input_sizes},
+          {"input_dtypes", s.input_dtypes},
+          {"output_sizes", s.output_sizes},
+          {"output_dtypes", s.output_dtypes}};
+}
+
+}  // namespace
+
+void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::PostmortemResult& r,
+                            const PostmortemRenderOptions& o) {
+  const std::string version = job.ranks.empty() ? "?" : job.ranks.front().version;
+  out << fmt::format(
+      "postmortem: {} of {} ranks' Flight Recorder dumps (version {}), {} calls on {} "
+      "process groups\n",
+      job.ranks.size(), job.world, version, r.total_calls, job.groups.size());
+  if (!r.missing.empty())
+    out << fmt::format("  no dump from {}: not judged, never guessed\n", ranks_text(r.missing));
+  for (const auto& n : r.notes) out << "  note: " << n << "\n";
+  bool inferred = false;
+  for (const auto& g : job.groups) inferred = inferred || g.members_inferred;
+  if (inferred) out << "  (* members inferred from the calls: no pg_config lists the group)\n";
+  if (r.no_collectives()) {
+    out << "\nNO COLLECTIVE recorded: nothing to align (was TORCH_FR_BUFFER_SIZE > 0?)\n";
+    return;
+  }
+  if (!r.diverged()) {
+    out << fmt::format(
+        "\nNO DIVERGENCE: every group's calls matched through the last ({} ranks "
+        "complete)\n",
+        r.complete.size());
+    return;
+  }
+  const Divergence& d = r.divergences.front();
+  out << "\nDIVERGENCE: " << headline(job, d) << "\n";
+  if (!d.no_dump.empty())
+    out << fmt::format("  {} of the group left no dump\n", ranks_text(d.no_dump));
+  // The blamed ranks, grouped by what they last did.
+  std::map<std::string, std::vector<int64_t>> by_last;
+  std::map<std::string, int64_t> example;
+  for (int64_t rank : d.not_issued) {
+    const auto& s = r.ranks[static_cast<std::size_t>(rank)];
+    const FrRankDump* dump = dump_of(job, rank);
+    std::string key = "none";
+    if (dump && s.last_call) {
+      const FrCall& c = dump->calls[*s.last_call];
+      key = fmt::format("{}|{}|{}|{}", call_text(job, c), s.last_call_unmatched, c.stack,
+                        c.state == FrState::kCompleted);
+    }
+    by_last[key].push_back(rank);
+    example.try_emplace(key, rank);
+  }
+  for (const auto& [key, ranks] : by_last) {
+    render_last_call(out, job, r.ranks[static_cast<std::size_t>(example[key])], o,
+                     ranks_text(ranks));
+  }
+  if (d.kind == DivergenceKind::kMissingCall && !d.issued.empty()) {
+    const FrRankDump* dump = dump_of(job, d.issued.front());
+    if (dump) {
+      for (const auto& c : dump->calls) {
+        if (c.group == d.group && c.seq == d.seq && !c.is_p2p) {
+          out << fmt::format("  {} {} in it{}\n", ranks_text(d.issued),
+                             d.issued.size() == 1 ? "waits" : "wait",
+                             c.stack ? ", called from:" : "");
+          for (const FrFrame* f : shown_frames(job, c.stack, o.frames))
+            out << fmt::format("      at {} ({}:{})\n", f->name, f->filename, f->line);
+          break;
+        }
+      }
+    }
+  }
+  if (!r.matches.empty()) {
+    const auto& m = r.matches.front();
+    out << fmt::format("\nNAMED: {}{} on {}: {}\n", oracle::protocol_name(m.protocol),
+                       m.flag_group ? fmt::format(" (flag on the {} group)",
+                                                  oracle::group_kind_name(*m.flag_group))
+                                    : "",
+                       topology_text(m.topo), oracle::protocol_description(m.protocol));
+    out << fmt::format("  its simulated step diverges exactly so ({}){}\n", m.scenario,
+                       m.also_topologies.empty() ? ""
+                                                 : fmt::format("; the dumps fit {} too",
+                                                               fmt::join(m.also_topologies, ", ")));
+    for (std::size_t k = 1; k < r.matches.size(); ++k) {
+      const auto& x = r.matches[k];
+      out << fmt::format("  also consistent: {}{} on {}\n", oracle::protocol_name(x.protocol),
+                         x.flag_group ? fmt::format(" (flag on the {} group)",
+                                                    oracle::group_kind_name(*x.flag_group))
+                                      : "",
+                         topology_text(x.topo));
+    }
+  } else if (!r.naming_note.empty()) {
+    out << "\nnot named: " << r.naming_note << "\n";
+  }
+  auto count = [](const std::vector<int64_t>& ranks, const char* what) {
+    return ranks.empty() ? fmt::format("0 {}", what)
+                         : fmt::format("{} {} ({})", ranks.size(), what, format_rank_set(ranks, 4));
+  };
+  out << fmt::format("\nranks: {}, {}, {}, {}\n", count(r.culprits, "culprit"),
+                     count(r.waiting, "waiting"), count(r.complete, "complete"),
+                     count(r.missing, "missing"));
+  if (r.divergences.size() > 1) {
+    out << fmt::format("other divergences ({}):\n", r.divergences.size() - 1);
+    for (std::size_t k = 1;
+         k < r.divergences.size() && static_cast<int64_t>(k) <= o.shown_divergences; ++k)
+      out << "  " << headline(job, r.divergences[k]) << "\n";
+    if (static_cast<int64_t>(r.divergences.size()) > o.shown_divergences + 1)
+      out << "  ... (--json has all)\n";
+  }
+}
+
+nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::PostmortemResult& r,
+                                       const PostmortemRenderOptions& o) {
+  (void)o;
+  nlohmann::ordered_json j;
+  j["world"] = job.world;
+  j["total_calls"] = r.total_calls;
+  j["diverged"] = r.diverged();
+  nlohmann::ordered_json groups = nlohmann::ordered_json::array();
+  for (const auto& g : job.groups) {
+    groups.push_back({{"name", g.name},
+                      {"desc", g.desc},
+                      {"size", g.members.size()},
+                      {"members", format_rank_set(g.members, 64)},
+                      {"members_inferred", g.members_inferred}});
+  }
+  j["groups"] = groups;
+  nlohmann::ordered_json divs = nlohmann::ordered_json::array();
+  for (const auto& d : r.divergences) {
+    nlohmann::ordered_json x = {{"kind", oracle::divergence_kind_name(d.kind)},
+                                {"group", job.groups[d.group].name},
+                                {"group_desc", job.groups[d.group].desc},
+                                {"seq", d.seq},
+                                {"time_created_ns", d.time_ns},
+                                {"call", signature_json(job.signatures[d.signature])},
+                                {"issued", d.issued},
+                                {"not_issued", d.not_issued},
+                                {"no_dump", d.no_dump},
+                                {"blames_idle_rank", d.blames_idle_rank},
+                                {"summary", headline(job, d)}};
+    if (d.kind == DivergenceKind::kMismatch) {
+      nlohmann::ordered_json vars = nlohmann::ordered_json::array();
+      for (const auto& [sig, ranks] : d.variants)
+        vars.push_back({{"call", signature_json(job.signatures[sig])}, {"ranks", ranks}});
+      x["variants"] = vars;
+      x["detail"] = d.detail;
+    }
+    divs.push_back(x);
+  }
+  j["divergences"] = divs;
+  j["ranks"] = {{"culprit", r.culprits},
+                {"waiting", r.waiting},
+                {"complete", r.complete},
+                {"missing", r.missing}};
+  nlohmann::ordered_json last = nlohmann::ordered_json::array();
+  for (int64_t rank : r.culprits) {
+    if (last.size() >= 256) break;
+    const auto& s = r.ranks[static_cast<std::size_t>(rank)];
+    const FrRankDump* dump = dump_of(job, rank);
+    nlohmann::ordered_json x = {{"rank", rank}, {"calls", s.calls}, {"last_call", nullptr}};
+    if (dump && s.last_call) {
+      const FrCall& c = dump->calls[*s.last_call];
+      x["last_call"] = {{"group", job.groups[c.group].name},
+                        {"seq", c.seq},
+                        {"call", signature_json(job.signatures[c.signature])},
+                        {"state", state_name(c.state)},
+                        {"issued_by_every_member", !s.last_call_unmatched},
+                        {"frames", frames_json(job, c.stack)}};
+    }
+    last.push_back(x);
+  }
+  j["culprits"] = last;
+  nlohmann::ordered_json matches = nlohmann::ordered_json::array();
+  for (const auto& m : r.matches) {
+    matches.push_back(
+        {{"protocol", oracle::protocol_name(m.protocol)},
+         {"description", oracle::protocol_description(m.protocol)},
+         {"topology",
+          {{"tp", m.topo.tp()}, {"pp", m.topo.pp()}, {"cp", m.topo.cp()}, {"dp", m.topo.dp()}}},
+         {"flag_group", m.flag_group
+                            ? nlohmann::ordered_json(oracle::group_kind_name(*m.flag_group))
+                            : nlohmann::ordered_json(nullptr)},
+         {"scenario", m.scenario},
+         {"also_topologies", m.also_topologies}});
+  }
+  j["protocol_matches"] = matches;
+  j["naming_note"] = r.naming_note.empty() ? nlohmann::ordered_json(nullptr)
+                                           : nlohmann::ordered_json(r.naming_note);
+  j["notes"] = r.notes;
+  return j;
+}
+
+}  // namespace lossguard::cli

@@ -1,0 +1,104 @@
+// A distributed job's PyTorch Flight Recorder dumps as data (SPEC §12): per rank, the collective
+// and p2p calls its recorder kept, with the process groups, call signatures and stacks interned
+// once per job so that 16,384 ranks of 2,000 calls fit in memory. io/flight_recorder.h reads it;
+// oracle/postmortem.h explains it.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace lossguard {
+
+// What the recorder had seen of a call when it dumped. Gloo records `scheduled` only.
+enum class FrState : uint8_t { kScheduled, kStarted, kCompleted, kOther };
+
+struct FrFrame {
+  std::string name;
+  std::string filename;
+  int64_t line = 0;
+};
+
+// A call's operation and payload: what every member of a group must issue alike.
+struct FrSignature {
+  std::string profiling_name;  // as recorded: "gloo:all_reduce", "nccl:send 0->1"
+  std::string op;              // normalised: "all_reduce", "broadcast", "send", "barrier", ...
+  std::vector<std::vector<int64_t>> input_sizes, output_sizes;
+  std::vector<std::string> input_dtypes, output_dtypes;
+};
+
+struct FrCall {
+  int64_t record_id = 0;
+  int64_t time_created_ns = 0;
+  int64_t seq = 0;         // collective_seq_id, or p2p_seq_id when is_p2p
+  uint32_t group = 0;      // index into FrJob::groups
+  uint32_t signature = 0;  // index into FrJob::signatures
+  uint32_t stack = 0;      // index into FrJob::stacks (stack 0 is empty)
+  int32_t p2p_src = -1;    // group-local ranks of a send/recv ("send 1->2"); -1: none or "?"
+  int32_t p2p_dst = -1;
+  FrState state = FrState::kScheduled;
+  bool is_p2p = false;
+  bool retired = false;
+  int64_t timeout_ms = 0;
+};
+
+struct FrGroup {
+  std::string name;  // process_group[0]: the same on every rank ("0" is the default group)
+  std::string desc;  // process_group[1]: "default_pg", "dp_group", "undefined"
+  // Global ranks, sorted. From some dump's pg_config, else the ranks whose calls name the group.
+  std::vector<int64_t> members;
+  bool members_inferred = false;
+  // Completed from the Megatron layouts its group_desc and the other groups admit
+  // (oracle::resolve_megatron_groups): members_inferred is then false.
+  bool members_from_layout = false;
+};
+
+struct FrRankDump {
+  int64_t rank = 0;
+  std::string path;
+  std::string format;  // "pickle" or "json"
+  std::string version;
+  std::string comm_lib_version;
+  std::vector<FrCall> calls;  // in record order
+  // The recorder's ring buffer had overwritten older calls (the first kept record_id > 0).
+  bool wrapped = false;
+};
+
+struct FrJob {
+  std::vector<FrRankDump> ranks;  // sorted by rank, one per rank
+  std::vector<FrGroup> groups;
+  std::vector<FrSignature> signatures;
+  std::vector<std::vector<FrFrame>> stacks;
+  // The job's size: the default group's membership where some dump has it, else the highest rank
+  // seen plus one. Ranks in [0, world) without a dump are missing.
+  int64_t world = 0;
+  bool world_from_config = false;
+  std::vector<std::string> notes;  // what the loader inferred or ignored, for the report
+};
+
+// Interns groups, signatures and stacks while a job is built (the loader, the simulator's traces).
+class FrJobBuilder {
+ public:
+  FrJobBuilder();
+  uint32_t group(const std::string& name, const std::string& desc);
+  uint32_t signature(FrSignature s);
+  uint32_t stack(std::vector<FrFrame> frames);
+  FrJob& job() { return job_; }
+  FrJob take() { return std::move(job_); }
+
+ private:
+  FrJob job_;
+  std::unordered_map<std::string, uint32_t> groups_, signatures_, stacks_;
+};
+
+// "all_reduce" from "gloo:all_reduce", "allreduce", "nccl:all_reduce_coalesced" ...: one name per
+// operation whatever the backend wrote; p2p peers split off ("send 1->2": "send", 1, 2).
+struct FrOpName {
+  std::string backend;
+  std::string op;
+  int32_t src = -1, dst = -1;
+};
+std::optional<FrOpName> parse_profiling_name(const std::string& profiling_name);
+
+}  // namespace lossguard
