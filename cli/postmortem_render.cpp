@@ -150,19 +150,24 @@ void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::P
       job.ranks.size(), job.world, version, r.total_calls, job.groups.size());
   if (!r.missing.empty())
     out << fmt::format("  no dump from {}: not judged, never guessed\n", ranks_text(r.missing));
-  for (const auto& n : r.notes) out << "  note: " << n << "\n";
-  bool inferred = false;
-  for (const auto& g : job.groups) inferred = inferred || g.members_inferred;
-  if (inferred) out << "  (* members inferred from the calls: no pg_config lists the group)\n";
+  // What the loader and the alignment inferred, after the verdict: read when the verdict is
+  // doubted.
+  auto notes = [&] {
+    bool inferred = false;
+    for (const auto& g : job.groups) inferred = inferred || g.members_inferred;
+    if (inferred) out << "* members inferred from the calls: no pg_config lists the group\n";
+    for (const auto& n : r.notes) out << "note: " << n << "\n";
+  };
   if (r.no_collectives()) {
     out << "\nNO COLLECTIVE recorded: nothing to align (was TORCH_FR_BUFFER_SIZE > 0?)\n";
+    notes();
     return;
   }
   if (!r.diverged()) {
     out << fmt::format(
-        "\nNO DIVERGENCE: every group's calls matched through the last ({} ranks "
-        "complete)\n",
+        "\nNO DIVERGENCE: every group's calls matched through the last ({} ranks complete)\n",
         r.complete.size());
+    notes();
     return;
   }
   const Divergence& d = r.divergences.front();
@@ -240,6 +245,7 @@ void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::P
     if (static_cast<int64_t>(r.divergences.size()) > o.shown_divergences + 1)
       out << "  ... (--json has all)\n";
   }
+  notes();
 }
 
 nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::PostmortemResult& r,

@@ -38,6 +38,16 @@ run replay "$EX/gen_zero-token.safetensors" --dp 4 --cp 2 --protocol pr285-alway
 step "Bug 3: reading the decision from values[0], a sample count when per-token loss is off"
 run replay "$EX/gen_zero-token.safetensors" --dp 2 --protocol values0 --reduce sample-mean
 
+step "Bug 3 in a real job: 4 ranks over Gloo broadcast the skip flag at PP=1, Flight Recorder on; each rank dumps from its error or timeout path, and postmortem explains the hang from the dumps alone"
+FR_PY="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}/bin/python"
+FR=$(mktemp -d /tmp/lossguard-demo-fr.XXXX)
+printf '$ TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE=fr/fr_trace_rank_ torchrun --nproc-per-node 4 tests/postmortem/fr_job.py --scenario seed-pp1-broadcast\n'
+TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE="$FR/fr_trace_rank_" OMP_NUM_THREADS=1 "$FR_PY" -m torch.distributed.run \
+  --standalone --nproc-per-node 4 tests/postmortem/fr_job.py --scenario seed-pp1-broadcast --out "$FR" --timeout 4 2>&1 \
+  | grep -E "^rank" | sort || true
+[ -e "$FR/fr_trace_rank_0" ] || echo "(the job did not run: $FR_PY needs torch)"
+run postmortem "$FR" --frames 1
+
 step "The same hang family beyond the end of the step: a backward skipped on a rank's own empty micro-batch (DP rank 1's last one) leaves the DDP gradient all-reduce half issued"
 run replay "$EX/replay_participation.json" --dp 2 --microbatches 2 --protocol microbatch-skip-local
 step "Decided on the count all-reduced over DP+CP instead: every rank runs the same backwards"
