@@ -7,13 +7,16 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <numeric>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "core/errors.h"
 #include "io/dump.h"
@@ -56,10 +59,17 @@ class Reader {
  public:
   Reader(const std::string& path, std::string where) : path_(path), where_(std::move(where)) {}
   Reader at(std::string where) const { return Reader(path_, std::move(where)); }
+  // "entry <index>", formatted only when an error names it.
+  Reader entry(std::size_t index) const {
+    Reader r(path_, "entry");
+    r.index_ = static_cast<int64_t>(index);
+    return r;
+  }
 
   [[noreturn]] void fail(const std::string& field, const std::string& what) const {
-    throw_input_error("{}: {}{}: {}", path_, where_, field.empty() ? "" : " field '" + field + "'",
-                      what);
+    throw_input_error("{}: {}{}{}: {}", path_, where_,
+                      index_ >= 0 ? fmt::format(" {}", index_) : std::string(),
+                      field.empty() ? "" : " field '" + field + "'", what);
   }
   const Value& need(const Value& dict, const char* key) const {
     const Value* v = dict.get(key);
@@ -119,6 +129,7 @@ class Reader {
  private:
   const std::string& path_;
   std::string where_;
+  int64_t index_ = -1;
 };
 
 FrState parse_state(const std::string& s) {
@@ -206,7 +217,7 @@ FrRankDump convert(const Value& root, const std::string& path, int64_t rank, FrJ
   const auto& items = top.sequence(entries, "entries");
   d.calls.reserve(items.size());
   for (std::size_t k = 0; k < items.size(); ++k) {
-    const Reader r = top.at(fmt::format("entry {}", k));
+    const Reader r = top.entry(k);
     const Value& e = *items[k];
     if (!e.is_dict()) r.fail("", fmt::format("expected a dict, found {}", e.type_name()));
     FrCall c;
@@ -353,27 +364,102 @@ FrRankDump read_flight_record(const std::string& path, int64_t rank, FrJobBuilde
   return read_one(path, rank, builder, config);
 }
 
+namespace {
+
+// One reader thread's share of the files, interned in its own builder and merged afterwards.
+struct Share {
+  FrJobBuilder builder;
+  Config config;
+  std::vector<FrRankDump> dumps;
+};
+
+// `from`'s groups, signatures and stacks interned into `into`, and its calls renumbered.
+void merge_share(Share& from, FrJobBuilder& into, Config& config, std::vector<FrRankDump>& out) {
+  FrJob& local = from.builder.job();
+  std::vector<uint32_t> groups(local.groups.size()), sigs(local.signatures.size()),
+      stacks(local.stacks.size());
+  for (std::size_t k = 0; k < groups.size(); ++k)
+    groups[k] = into.group(local.groups[k].name, local.groups[k].desc);
+  for (std::size_t k = 0; k < sigs.size(); ++k) sigs[k] = into.signature(local.signatures[k]);
+  for (std::size_t k = 0; k < stacks.size(); ++k) stacks[k] = into.stack(local.stacks[k]);
+  for (auto& d : from.dumps) {
+    for (auto& c : d.calls) {
+      c.group = groups[c.group];
+      c.signature = sigs[c.signature];
+      c.stack = stacks[c.stack];
+    }
+    out.push_back(std::move(d));
+  }
+  config.unnamed_entry = config.unnamed_entry || from.config.unnamed_entry;
+  for (const auto& [name, g] : from.config.groups) {
+    auto [it, fresh] = config.groups.try_emplace(name, g);
+    if (!fresh && it->second.members != g.members) {
+      throw_input_error(
+          "{}: pg_config: group '{}' has members [{}] here but [{}] in {}: the dumps "
+          "are not from one job",
+          g.path, name, fmt::join(g.members, ", "), fmt::join(it->second.members, ", "),
+          it->second.path);
+    }
+  }
+}
+
+}  // namespace
+
 FrJob read_flight_records(const std::vector<std::string>& paths,
                           const std::function<void(std::size_t, std::size_t)>& progress) {
   const auto files = flight_record_files(paths);
-  FrJobBuilder builder;
-  Config all;
-  std::map<std::string, ConfigGroup>& config = all.groups;
   std::map<int64_t, std::string> seen;
-  std::vector<FrRankDump> ranks;
-  ranks.reserve(files.size());
-  for (std::size_t k = 0; k < files.size(); ++k) {
-    const auto& [path, rank] = files[k];
+  for (const auto& [path, rank] : files) {
     auto [it, fresh] = seen.try_emplace(rank, path);
     if (!fresh) {
       throw_input_error(
-          "{} and {} both claim rank {}: two jobs' dumps in one set, or a dump "
-          "copied twice",
+          "{} and {} both claim rank {}: two jobs' dumps in one set, or a dump copied twice",
           it->second, path, rank);
     }
-    ranks.push_back(read_one(path, rank, builder, all));
-    if (progress) progress(k + 1, files.size());
   }
+  // Files are read on every core: parsing is the cost (a 2,000-call dump is ~400 KB of pickle).
+  const std::size_t workers = std::max<std::size_t>(
+      1, std::min<std::size_t>({files.size(), std::thread::hardware_concurrency(), 64}));
+  std::vector<Share> shares(workers);
+  std::atomic<std::size_t> done{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::size_t error_index = files.size();
+  std::exception_ptr error;
+  auto work = [&](std::size_t w) {
+    for (std::size_t k = w; k < files.size() && !failed.load(); k += workers) {
+      try {
+        shares[w].dumps.push_back(
+            read_one(files[k].first, files[k].second, shares[w].builder, shares[w].config));
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (k < error_index) {
+          error_index = k;
+          error = std::current_exception();
+        }
+        failed = true;
+        return;
+      }
+      const std::size_t n = ++done;
+      if (progress) {
+        std::lock_guard<std::mutex> lock(mu);
+        progress(n, files.size());
+      }
+    }
+  };
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work, w);
+  work(0);
+  for (auto& t : threads) t.join();
+  if (error) std::rethrow_exception(error);
+
+  FrJobBuilder builder;
+  Config all;
+  std::map<std::string, ConfigGroup>& config = all.groups;
+  std::vector<FrRankDump> ranks;
+  ranks.reserve(files.size());
+  for (auto& share : shares) merge_share(share, builder, all, ranks);
+  shares.clear();
   std::map<std::string, std::string> versions;  // version -> first file
   for (const auto& d : ranks) versions.try_emplace(d.version, d.path);
   if (versions.size() > 1) {
