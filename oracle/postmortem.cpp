@@ -504,36 +504,27 @@ void resolve_megatron_groups(FrJob& job) {
   // The members each consistent layout gives each described group; nullopt once layouts differ.
   std::vector<std::optional<std::vector<int64_t>>> agreed(described.size());
   std::vector<std::string> layouts;
-  for (int64_t tp = 1; tp <= world; ++tp) {
-    if (world % tp) continue;
-    for (int64_t cp = 1; cp <= world / tp; ++cp) {
-      if ((world / tp) % cp) continue;
-      for (int64_t dp = 1; dp <= world / (tp * cp); ++dp) {
-        if ((world / (tp * cp)) % dp) continue;
-        const Topology t(tp, world / (tp * cp * dp), cp, dp);
-        std::map<std::tuple<std::string, int, int64_t>, uint32_t> taken;
-        bool ok = true;
-        for (const auto& [g, kind] : described) {
-          const auto& members = job.groups[g].members;
-          const GroupRef ref = t.group_of(kind, members.front());
-          for (int64_t m : members) ok = ok && t.group_of(kind, m) == ref;
-          // Two groups of one description are two groups of the layout.
-          auto [it, fresh] =
-              taken.try_emplace({job.groups[g].desc, static_cast<int>(kind), ref.id}, g);
-          ok = ok && (fresh || it->second == g);
-          if (!ok) break;
-        }
-        if (!ok) continue;
-        layouts.push_back(fmt::format("TP{} PP{} CP{} DP{}", t.tp(), t.pp(), t.cp(), t.dp()));
-        for (std::size_t k = 0; k < described.size(); ++k) {
-          const auto& [g, kind] = described[k];
-          std::vector<int64_t> full = t.members(t.group_of(kind, job.groups[g].members.front()));
-          if (layouts.size() == 1) {
-            agreed[k] = std::move(full);
-          } else if (agreed[k] && *agreed[k] != full) {
-            agreed[k].reset();
-          }
-        }
+  for (const Topology& t : dense_layouts(world)) {
+    std::map<std::tuple<std::string, int, int64_t>, uint32_t> taken;
+    bool ok = true;
+    for (const auto& [g, kind] : described) {
+      const auto& members = job.groups[g].members;
+      const GroupRef ref = t.group_of(kind, members.front());
+      for (int64_t m : members) ok = ok && t.group_of(kind, m) == ref;
+      // Two groups of one description are two groups of the layout.
+      auto [it, fresh] = taken.try_emplace({job.groups[g].desc, static_cast<int>(kind), ref.id}, g);
+      ok = ok && (fresh || it->second == g);
+      if (!ok) break;
+    }
+    if (!ok) continue;
+    layouts.push_back(fmt::format("TP{} PP{} CP{} DP{}", t.tp(), t.pp(), t.cp(), t.dp()));
+    for (std::size_t k = 0; k < described.size(); ++k) {
+      const auto& [g, kind] = described[k];
+      std::vector<int64_t> full = t.members(t.group_of(kind, job.groups[g].members.front()));
+      if (layouts.size() == 1) {
+        agreed[k] = std::move(full);
+      } else if (agreed[k] && *agreed[k] != full) {
+        agreed[k].reset();
       }
     }
   }

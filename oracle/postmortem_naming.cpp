@@ -237,83 +237,74 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
 
   std::map<std::pair<Protocol, int>, std::size_t> found;  // (protocol, flag group) -> out index
   int64_t tried = 0;
-  for (int64_t tp = 1; tp <= world; ++tp) {
-    if (world % tp) continue;
-    for (int64_t cp = 1; cp <= world / tp; ++cp) {
-      if ((world / tp) % cp) continue;
-      for (int64_t dp = 1; dp <= world / (tp * cp); ++dp) {
-        if ((world / (tp * cp)) % dp) continue;
-        const Topology t(tp, world / (tp * cp * dp), cp, dp);
-        bool holds_group = members == std::vector<int64_t>{t.members({GroupKind::kWorld, 0})};
-        for (GroupKind k : kAllGroupKinds) {
-          holds_group = holds_group || t.members(t.group_of(k, members.front())) == members;
-        }
-        if (!holds_group) continue;
-        for (const auto& [p, name] : ModeNames<Protocol>::kTable) {
-          (void)name;
-          std::vector<std::optional<GroupKind>> flag_groups = {std::nullopt};
-          if (protocol_parts(p).flag_broadcast)
-            flag_groups = {GroupKind::kTp, GroupKind::kCp, GroupKind::kDp};
-          for (const auto& fg : flag_groups) {
-            const auto key = std::make_pair(p, fg ? static_cast<int>(*fg) : -1);
-            for (const Scenario& sc : scenarios_for(t, representatives)) {
-              ReplayInputs in;
-              in.topo = t;
-              in.protocol = p;
-              if (fg) in.flag_group = *fg;
-              in.microbatch_tokens = sc.tokens;
-              in.local_samples.assign(sc.tokens.size(), 0);
-              for (std::size_t s = 0; s < sc.tokens.size(); ++s) {
-                in.local_samples[s] = static_cast<int64_t>(sc.tokens[s].size());
-                for (int64_t n : sc.tokens[s]) in.global_tokens += n;
-              }
-              in.nan_ranks = sc.nan_ranks;
-              in.num_samples = 1;
-              std::vector<std::vector<SimCall>> traces(static_cast<std::size_t>(world));
-              std::vector<std::vector<int64_t>> times(static_cast<std::size_t>(world));
-              int64_t clock = 0;
-              simulate(in, [&](int64_t r, const CollectiveCall& c) {
-                traces[static_cast<std::size_t>(r)].push_back({c.op, c.group, c.payload});
-                times[static_cast<std::size_t>(r)].push_back(++clock);
-              });
-              ++tried;
-              const FrJob sim = simulated_dumps(t, traces, times);
-              bool same = false;
-              for (const auto& sd : find_divergences(sim, nullptr)) {
-                if (shape_of(sim, sd, true).matches(observed)) {
-                  same = true;
-                  break;
-                }
-              }
-              if (!same) continue;
-              bool tails = true;
-              for (int64_t r : judged) {
-                const auto& dumps = job.ranks;
-                auto it =
-                    std::lower_bound(dumps.begin(), dumps.end(), r,
-                                     [](const FrRankDump& x, int64_t v) { return x.rank < v; });
-                if (it == dumps.end() || it->rank != r ||
-                    !tail_matches(job, *it, t, traces[static_cast<std::size_t>(r)])) {
-                  tails = false;
-                  break;
-                }
-              }
-              if (!tails) continue;
-              auto [fit, fresh] = found.try_emplace(key, out.size());
-              if (fresh) {
-                out.push_back({p, t, sc.label, fg, {}});
-              } else if (out[fit->second].also_topologies.size() < 4 &&
-                         !(out[fit->second].topo.tp() == t.tp() &&
-                           out[fit->second].topo.pp() == t.pp() &&
-                           out[fit->second].topo.cp() == t.cp() &&
-                           out[fit->second].topo.dp() == t.dp())) {
-                const std::string n = topology_name(t);
-                auto& also = out[fit->second].also_topologies;
-                if (std::find(also.begin(), also.end(), n) == also.end()) also.push_back(n);
-              }
-              break;  // one scenario per protocol and layout is enough
+  for (const Topology& t : dense_layouts(world)) {
+    bool holds_group = members == std::vector<int64_t>{t.members({GroupKind::kWorld, 0})};
+    for (GroupKind k : kAllGroupKinds) {
+      holds_group = holds_group || t.members(t.group_of(k, members.front())) == members;
+    }
+    if (!holds_group) continue;
+    for (const auto& [p, name] : ModeNames<Protocol>::kTable) {
+      (void)name;
+      std::vector<std::optional<GroupKind>> flag_groups = {std::nullopt};
+      if (protocol_parts(p).flag_broadcast)
+        flag_groups = {GroupKind::kTp, GroupKind::kCp, GroupKind::kDp};
+      for (const auto& fg : flag_groups) {
+        const auto key = std::make_pair(p, fg ? static_cast<int>(*fg) : -1);
+        for (const Scenario& sc : scenarios_for(t, representatives)) {
+          ReplayInputs in;
+          in.topo = t;
+          in.protocol = p;
+          if (fg) in.flag_group = *fg;
+          in.microbatch_tokens = sc.tokens;
+          in.local_samples.assign(sc.tokens.size(), 0);
+          for (std::size_t s = 0; s < sc.tokens.size(); ++s) {
+            in.local_samples[s] = static_cast<int64_t>(sc.tokens[s].size());
+            for (int64_t n : sc.tokens[s]) in.global_tokens += n;
+          }
+          in.nan_ranks = sc.nan_ranks;
+          in.num_samples = 1;
+          std::vector<std::vector<SimCall>> traces(static_cast<std::size_t>(world));
+          std::vector<std::vector<int64_t>> times(static_cast<std::size_t>(world));
+          int64_t clock = 0;
+          simulate(in, [&](int64_t r, const CollectiveCall& c) {
+            traces[static_cast<std::size_t>(r)].push_back({c.op, c.group, c.payload});
+            times[static_cast<std::size_t>(r)].push_back(++clock);
+          });
+          ++tried;
+          const FrJob sim = simulated_dumps(t, traces, times);
+          bool same = false;
+          for (const auto& sd : find_divergences(sim, nullptr)) {
+            if (shape_of(sim, sd, true).matches(observed)) {
+              same = true;
+              break;
             }
           }
+          if (!same) continue;
+          bool tails = true;
+          for (int64_t r : judged) {
+            const auto& dumps = job.ranks;
+            auto it = std::lower_bound(dumps.begin(), dumps.end(), r,
+                                       [](const FrRankDump& x, int64_t v) { return x.rank < v; });
+            if (it == dumps.end() || it->rank != r ||
+                !tail_matches(job, *it, t, traces[static_cast<std::size_t>(r)])) {
+              tails = false;
+              break;
+            }
+          }
+          if (!tails) continue;
+          auto [fit, fresh] = found.try_emplace(key, out.size());
+          if (fresh) {
+            out.push_back({p, t, sc.label, fg, {}});
+          } else if (out[fit->second].also_topologies.size() < 4 &&
+                     !(out[fit->second].topo.tp() == t.tp() &&
+                       out[fit->second].topo.pp() == t.pp() &&
+                       out[fit->second].topo.cp() == t.cp() &&
+                       out[fit->second].topo.dp() == t.dp())) {
+            const std::string n = topology_name(t);
+            auto& also = out[fit->second].also_topologies;
+            if (std::find(also.begin(), also.end(), n) == also.end()) also.push_back(n);
+          }
+          break;  // one scenario per protocol and layout is enough
         }
       }
     }

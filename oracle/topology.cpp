@@ -203,4 +203,18 @@ std::string Topology::describe(const GroupRef& g) const {
   return fmt::format("{} group {}", kNames[static_cast<int>(g.kind)], list);
 }
 
+std::vector<Topology> dense_layouts(int64_t world) {
+  std::vector<Topology> out;
+  for (int64_t tp = 1; tp <= world; ++tp) {
+    if (world % tp) continue;
+    for (int64_t cp = 1; cp <= world / tp; ++cp) {
+      if ((world / tp) % cp) continue;
+      for (int64_t dp = 1; dp <= world / (tp * cp); ++dp) {
+        if ((world / (tp * cp)) % dp == 0) out.emplace_back(tp, world / (tp * cp * dp), cp, dp);
+      }
+    }
+  }
+  return out;
+}
+
 }  // namespace lossguard::oracle

@@ -86,4 +86,7 @@ class Topology {
   int64_t tp_, pp_, cp_, dp_, ep_, etp_;
 };
 
+// Every dense layout (EP = 1) of `world` ranks: each (TP, PP, CP, DP) whose product is `world`.
+std::vector<Topology> dense_layouts(int64_t world);
+
 }  // namespace lossguard::oracle
