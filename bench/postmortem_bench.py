@@ -3,8 +3,8 @@
 synthetic Megatron job's dumps (TP8 x DP, one rank missing its last data-parallel call): wall time,
 peak memory, and whether each tool names the planted divergence.
 
-Each rank's dump is the dict torch 2.15's c10d pickler writes (version "2.10"), pickled with
-protocol 2 into <dir>/fr_trace_rank_<rank>: pg_config lists the default group and the rank's TP
+Each rank's dump is the dict torch 2.15's recorder writes (version "2.10"), pickled (protocol 2)
+byte for byte as c10's pickler lays it out, into <dir>/fr_trace_rank_<rank>: pg_config lists the default group and the rank's TP
 and DP groups (as an NCCL job's does, so fr_trace can run), every entry carries the fields
 FlightRecorder.hpp writes, and the calls follow a Megatron step (TP all-reduces forward and
 backward, a DP reduce-scatter of the gradients, a TP all-reduce of the gradient norm, a DP
@@ -13,14 +13,15 @@ reduce-scatter; the culprit rank (--culprit) never issued it, so its DP peers ha
 "started"): exactly one divergence. lossguard must exit 3 and name it as --json divergences[0];
 fr_trace must log "Not all ranks joining collective" for that call with the culprit missing.
 
-  bench/postmortem_bench.py                                  # 256 ranks x 2,000 calls, < 1 min
-  bench/postmortem_bench.py --ranks 2048 --json out.json     # fr_trace takes minutes here
+  bench/postmortem_bench.py                                  # 128 ranks x 2,000 calls, < 1 min
+  bench/postmortem_bench.py --ranks 2048 --json out.json     # fr_trace: > 10 min, stopped
   bench/postmortem_bench.py --ranks 16384 --entries 2000 --skip-fr-trace --keep \\
-      --dir /tmp/pm16k                                       # full scale: ~21 GB of dumps
-  bench/postmortem_bench.py --dir /tmp/pm16k --ranks 16384 --skip-fr-trace   # reuse them
+      --dir /tmp/pm16k                                       # full scale: 6.4 GiB of dumps
+  bench/postmortem_bench.py --ranks 16384 --entries 2000 --skip-fr-trace --dir /tmp/pm16k
+                                                             # again, on the dumps kept
 
-Dumps go to --dir (default /tmp/lossguard_pm_bench_<ranks>x<entries>, removed afterwards unless
---keep); a directory this script generated with the same parameters is reused. Generation runs on
+Dumps go to /tmp/lossguard_pm_bench_<ranks>x<entries>, removed afterwards unless --keep, or to
+--dir, kept; a directory this script generated with the same parameters is reused. Generation runs on
 every core (multiprocessing) and stops, before writing anything, if the dumps would leave less
 than 5 GiB free. Times are wall clock; peak memory is the child's ru_maxrss (what /usr/bin/time -v
 reports, read through os.wait4). fr_trace is stopped after --fr-trace-timeout seconds, or when its
@@ -245,8 +246,6 @@ class Job:
     def __init__(self, ranks: int, entries: int, tp: int, culprit: int):
         self.ranks, self.entries, self.tp, self.culprit = ranks, entries, tp, culprit
         self.dp = ranks // tp
-        # Group names as torch numbers them: new_group() calls in Megatron's order, DP groups
-        # first, every rank creating every group.
         self.default_ranks = str(list(range(ranks)))  # c10d writes "[0, 1, ...]"
         bucket = -(-40_000_000 // self.dp) * self.dp  # gradient bucket, a multiple of DP
         self.rs = ([[bucket]], [[bucket // self.dp]])
@@ -261,6 +260,8 @@ class Job:
         self.last_seq = dict(counters)
 
     def group(self, kind: str, rank: int) -> tuple[str, list[int]]:
+        """The name and members of `rank`'s group of a kind. Names as torch numbers groups: in
+        Megatron's order of new_group() calls (DP groups, then TP), which every rank makes."""
         if kind == "world":
             return "0", []
         if kind == "dp":
@@ -366,7 +367,7 @@ def generate(job: Job, directory: Path, jobs: int) -> tuple[int, float]:
             total += n
             done += count
             if sys.stderr.isatty():
-                print(f"\r  writing dumps {min(done, job.ranks)}/{job.ranks} "
+                print(f"\r  writing dumps {done}/{job.ranks} "
                       f"({time.perf_counter() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
     if sys.stderr.isatty():
         print("\r\x1b[K", end="", file=sys.stderr, flush=True)
@@ -465,6 +466,18 @@ def check_fr_trace(log_path: Path, expected: dict) -> tuple[bool, str]:
 # Main
 # ---------------------------------------------------------------------------------------------
 
+def binary_info(path: Path) -> dict:
+    """Which lossguard was timed: its path, build time and the checkout's commit."""
+    info = {"path": str(path), "built": time.strftime("%Y-%m-%dT%H:%M:%S",
+                                                       time.localtime(path.stat().st_mtime))}
+    try:
+        info["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return info
+
+
 def mem_available_kib() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
@@ -513,7 +526,7 @@ def prepare_dumps(args: argparse.Namespace, job: Job, directory: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=256, help="world size (a multiple of --tp)")
+    ap.add_argument("--ranks", type=int, default=128, help="world size (a multiple of --tp)")
     ap.add_argument("--entries", type=int, default=2000, help="calls recorded per rank")
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size")
     ap.add_argument("--culprit", type=int, default=None,
@@ -558,7 +571,9 @@ def main() -> int:
     results: dict = {"ranks": job.ranks, "entries": job.entries, "tp": job.tp, "dp": job.dp,
                      "culprit": culprit, "expected": expected, "dir": str(directory),
                      "dump_bytes": dumps["bytes"], "generate_s": dumps["generate_s"],
-                     "mem_available_gib": round(mem_available_kib() / (1 << 20), 1)}
+                     "mem_available_gib": round(mem_available_kib() / (1 << 20), 1),
+                     "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0],
+                     "lossguard_binary": binary_info(args.lossguard)}
     work = Path(tempfile.mkdtemp(prefix="pm_bench_"))
     try:
         # lossguard, its report to a file (as --json /dev/null costs, but checkable).

@@ -47,6 +47,22 @@ uint32_t FrJobBuilder::stack(std::vector<FrFrame> frames) {
   return it->second;
 }
 
+uint32_t FrJobBuilder::signature_by_key(const std::string& key,
+                                        const std::function<FrSignature()>& make) {
+  if (auto it = signature_keys_.find(key); it != signature_keys_.end()) return it->second;
+  const uint32_t id = signature(make());
+  signature_keys_.emplace(key, id);
+  return id;
+}
+
+uint32_t FrJobBuilder::stack_by_key(const std::string& key,
+                                    const std::function<std::vector<FrFrame>()>& make) {
+  if (auto it = stack_keys_.find(key); it != stack_keys_.end()) return it->second;
+  const uint32_t id = stack(make());
+  stack_keys_.emplace(key, id);
+  return id;
+}
+
 namespace {
 
 // The spellings PyTorch's backends and hooks record for one operation (ProcessGroupNCCL,

@@ -4,6 +4,7 @@
 // oracle/postmortem.h explains it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -84,12 +85,18 @@ class FrJobBuilder {
   uint32_t group(const std::string& name, const std::string& desc);
   uint32_t signature(FrSignature s);
   uint32_t stack(std::vector<FrFrame> frames);
+  // The same, keyed by a text the caller derives from the content (equal content, equal key; the
+  // loader serialises the dump's own fields): `make` runs only for a key not seen yet, so a
+  // repeated call costs one lookup.
+  uint32_t signature_by_key(const std::string& key, const std::function<FrSignature()>& make);
+  uint32_t stack_by_key(const std::string& key, const std::function<std::vector<FrFrame>()>& make);
   FrJob& job() { return job_; }
   FrJob take() { return std::move(job_); }
 
  private:
   FrJob job_;
   std::unordered_map<std::string, uint32_t> groups_, signatures_, stacks_;
+  std::unordered_map<std::string, uint32_t> signature_keys_, stack_keys_;
 };
 
 // "all_reduce" from "gloo:all_reduce", "allreduce", "nccl:all_reduce_coalesced" ...: one name per

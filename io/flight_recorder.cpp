@@ -20,6 +20,7 @@
 
 #include "core/errors.h"
 #include "io/dump.h"
+#include "io/flat_pickle.h"
 #include "io/input_files.h"
 #include "io/pickle.h"
 
@@ -55,84 +56,188 @@ std::string read_bytes(const std::string& path) {
 }
 
 // Field access that names the file, the entry and the field on every error.
+// The two trees a dump is read into, behind one interface: FlatPickle's nodes (plain-data pickles,
+// the fast path) and the restricted unpickler's or the JSON reader's Values (everything else).
+enum class K { kNone, kBool, kInt, kFloat, kString, kList, kDict, kOther };
+
+struct ValueTree {
+  using Node = const Value*;
+  static constexpr Node kMissing = nullptr;
+  K kind(Node n) const {
+    switch (n->kind) {
+      case Kind::kNone:
+        return K::kNone;
+      case Kind::kBool:
+        return K::kBool;
+      case Kind::kInt:
+        return K::kInt;
+      case Kind::kFloat:
+        return K::kFloat;
+      case Kind::kString:
+        return K::kString;
+      case Kind::kList:
+      case Kind::kTuple:
+        return K::kList;
+      case Kind::kDict:
+        return K::kDict;
+      default:
+        return K::kOther;
+    }
+  }
+  int64_t integer(Node n) const { return n->kind == Kind::kBool ? n->b : n->i; }
+  std::string_view str(Node n) const { return n->s; }
+  std::string type_name(Node n) const { return n->type_name(); }
+  Node get(Node dict, std::string_view key) const { return dict->get(key); }
+  template <class F>
+  void items(Node seq, F&& f) const {
+    for (const auto& x : seq->items) f(x.get());
+  }
+  template <class F>
+  void entries(Node dict, F&& f) const {
+    for (const auto& [k, v] : dict->entries) f(k.get(), v.get());
+  }
+};
+
+struct FlatTree {
+  using Node = uint32_t;
+  static constexpr Node kMissing = FlatPickle::kEnd;
+  const FlatPickle& p;
+  K kind(Node n) const {
+    switch (p.node(n).kind) {
+      case FlatPickle::Kind::kNone:
+        return K::kNone;
+      case FlatPickle::Kind::kBool:
+        return K::kBool;
+      case FlatPickle::Kind::kInt:
+        return K::kInt;
+      case FlatPickle::Kind::kFloat:
+        return K::kFloat;
+      case FlatPickle::Kind::kString:
+        return K::kString;
+      case FlatPickle::Kind::kList:
+      case FlatPickle::Kind::kTuple:
+        return K::kList;
+      case FlatPickle::Kind::kDict:
+        return K::kDict;
+    }
+    return K::kOther;
+  }
+  int64_t integer(Node n) const { return p.node(n).i; }
+  std::string_view str(Node n) const { return p.node(n).s; }
+  std::string type_name(Node n) const {
+    static const char* kNames[] = {"None", "bool", "int", "float", "str", "list", "tuple", "dict"};
+    return kNames[static_cast<int>(p.node(n).kind)];
+  }
+  Node get(Node dict, std::string_view key) const { return p.get(dict, key); }
+  template <class F>
+  void items(Node seq, F&& f) const {
+    p.for_each_child(seq, f);
+  }
+  template <class F>
+  void entries(Node dict, F&& f) const {
+    Node key = kMissing;
+    p.for_each_child(dict, [&](Node c) {
+      if (key == kMissing) {
+        key = c;
+      } else {
+        f(key, c);
+        key = kMissing;
+      }
+    });
+  }
+};
+
+// Field access that names the file, the entry and the field on every error.
+template <class Tree>
 class Reader {
  public:
-  Reader(const std::string& path, std::string where) : path_(path), where_(std::move(where)) {}
-  Reader at(std::string where) const { return Reader(path_, std::move(where)); }
+  using Node = typename Tree::Node;
+  Reader(const Tree& t, const std::string& path, std::string where)
+      : t_(t), path_(path), where_(std::move(where)) {}
+  Reader at(std::string where) const { return Reader(t_, path_, std::move(where)); }
   // "entry <index>", formatted only when an error names it.
   Reader entry(std::size_t index) const {
-    Reader r(path_, "entry");
+    Reader r(t_, path_, "entry");
     r.index_ = static_cast<int64_t>(index);
     return r;
   }
+  const Tree& tree() const { return t_; }
 
   [[noreturn]] void fail(const std::string& field, const std::string& what) const {
     throw_input_error("{}: {}{}{}: {}", path_, where_,
                       index_ >= 0 ? fmt::format(" {}", index_) : std::string(),
                       field.empty() ? "" : " field '" + field + "'", what);
   }
-  const Value& need(const Value& dict, const char* key) const {
-    const Value* v = dict.get(key);
-    if (v == nullptr) fail(key, "missing");
-    return *v;
+  Node get(Node dict, const char* key) const { return t_.get(dict, key); }
+  // The value of `key`, or kMissing when it is absent or None.
+  Node find(Node dict, const char* key) const {
+    const Node v = t_.get(dict, key);
+    return v == Tree::kMissing || t_.kind(v) == K::kNone ? Tree::kMissing : v;
   }
-  int64_t integer(const Value& v, const char* field) const {
-    if (v.kind == Kind::kInt) return v.i;
-    if (v.kind == Kind::kBool) return v.b ? 1 : 0;
-    fail(field, fmt::format("expected an integer, found {}", v.type_name()));
+  Node need(Node dict, const char* key) const {
+    const Node v = t_.get(dict, key);
+    if (v == Tree::kMissing) fail(key, "missing");
+    return v;
   }
-  int64_t integer_or(const Value& dict, const char* key, int64_t fallback) const {
-    const Value* v = dict.get(key);
-    if (v == nullptr || v->kind == Kind::kNone) return fallback;
-    return integer(*v, key);
+  int64_t integer(Node v, const char* field) const {
+    if (t_.kind(v) == K::kInt || t_.kind(v) == K::kBool) return t_.integer(v);
+    fail(field, fmt::format("expected an integer, found {}", t_.type_name(v)));
   }
-  const std::string& string(const Value& v, const char* field) const {
-    if (v.kind != Kind::kString)
-      fail(field, fmt::format("expected a string, found {}", v.type_name()));
-    return v.s;
+  int64_t integer_or(Node dict, const char* key, int64_t fallback) const {
+    const Node v = find(dict, key);
+    return v == Tree::kMissing ? fallback : integer(v, key);
   }
-  std::string string_or(const Value& dict, const char* key, const std::string& fallback) const {
-    const Value* v = dict.get(key);
-    if (v == nullptr || v->kind == Kind::kNone) return fallback;
-    return string(*v, key);
+  std::string_view string(Node v, const char* field) const {
+    if (t_.kind(v) != K::kString)
+      fail(field, fmt::format("expected a string, found {}", t_.type_name(v)));
+    return t_.str(v);
   }
-  bool boolean_or(const Value& dict, const char* key, bool fallback) const {
-    const Value* v = dict.get(key);
-    if (v == nullptr || v->kind == Kind::kNone) return fallback;
-    if (v->kind == Kind::kBool) return v->b;
-    if (v->kind == Kind::kInt) return v->i != 0;
-    fail(key, fmt::format("expected a bool, found {}", v->type_name()));
+  std::string string_or(Node dict, const char* key, std::string_view fallback) const {
+    const Node v = find(dict, key);
+    return std::string(v == Tree::kMissing ? fallback : string(v, key));
   }
-  const std::vector<ValuePtr>& sequence(const Value& v, const char* field) const {
-    if (!v.is_sequence()) fail(field, fmt::format("expected a list, found {}", v.type_name()));
-    return v.items;
+  bool boolean_or(Node dict, const char* key, bool fallback) const {
+    const Node v = find(dict, key);
+    if (v == Tree::kMissing) return fallback;
+    if (t_.kind(v) == K::kBool || t_.kind(v) == K::kInt) return t_.integer(v) != 0;
+    fail(key, fmt::format("expected a bool, found {}", t_.type_name(v)));
   }
-  std::vector<std::vector<int64_t>> sizes(const Value& dict, const char* key) const {
+  void require(Node v, K kind, const char* field, const char* what) const {
+    if (t_.kind(v) != kind)
+      fail(field, fmt::format("expected {}, found {}", what, t_.type_name(v)));
+  }
+  template <class F>
+  void sequence(Node v, const char* field, F&& f) const {
+    require(v, K::kList, field, "a list");
+    t_.items(v, f);
+  }
+  std::vector<std::vector<int64_t>> sizes(Node dict, const char* key) const {
     std::vector<std::vector<int64_t>> out;
-    const Value* v = dict.get(key);
-    if (v == nullptr || v->kind == Kind::kNone) return out;
-    for (const auto& t : sequence(*v, key)) {
+    const Node v = find(dict, key);
+    if (v == Tree::kMissing) return out;
+    sequence(v, key, [&](Node t) {
       std::vector<int64_t> shape;
-      for (const auto& d : sequence(*t, key)) shape.push_back(integer(*d, key));
+      sequence(t, key, [&](Node d) { shape.push_back(integer(d, key)); });
       out.push_back(std::move(shape));
-    }
+    });
     return out;
   }
-  std::vector<std::string> strings(const Value& dict, const char* key) const {
+  std::vector<std::string> strings(Node dict, const char* key) const {
     std::vector<std::string> out;
-    const Value* v = dict.get(key);
-    if (v == nullptr || v->kind == Kind::kNone) return out;
-    for (const auto& s : sequence(*v, key)) out.push_back(string(*s, key));
+    const Node v = find(dict, key);
+    if (v == Tree::kMissing) return out;
+    sequence(v, key, [&](Node x) { out.emplace_back(string(x, key)); });
     return out;
   }
 
  private:
+  const Tree& t_;
   const std::string& path_;
   std::string where_;
   int64_t index_ = -1;
 };
 
-FrState parse_state(const std::string& s) {
+FrState parse_state(std::string_view s) {
   if (s == "scheduled") return FrState::kScheduled;
   if (s == "started") return FrState::kStarted;
   if (s == "completed") return FrState::kCompleted;
@@ -140,13 +245,16 @@ FrState parse_state(const std::string& s) {
 }
 
 // pg_config's "ranks": "[0, 1, 2]" as c10d writes it, or a list.
-std::vector<int64_t> parse_ranks(const Value& v, const Reader& r) {
+template <class Tree>
+std::vector<int64_t> parse_ranks(typename Tree::Node v, const Reader<Tree>& r) {
   std::vector<int64_t> out;
-  if (v.is_sequence()) {
-    for (const auto& x : v.items) out.push_back(r.integer(*x, "ranks"));
-  } else if (v.kind == Kind::kString) {
+  const Tree& t = r.tree();
+  if (t.kind(v) == K::kList) {
+    t.items(v, [&](typename Tree::Node x) { out.push_back(r.integer(x, "ranks")); });
+  } else if (t.kind(v) == K::kString) {
     int64_t cur = -1;
-    for (char c : v.s) {
+    const std::string_view text = t.str(v);
+    for (char c : text) {
       if (std::isdigit(static_cast<unsigned char>(c))) {
         cur = (cur < 0 ? 0 : cur * 10) + (c - '0');
         if (cur > (int64_t{1} << 40)) r.fail("ranks", "a rank beyond 2^40");
@@ -154,12 +262,12 @@ std::vector<int64_t> parse_ranks(const Value& v, const Reader& r) {
         if (cur >= 0) out.push_back(cur);
         cur = -1;
         if (c != '[' && c != ']' && c != ',' && c != ' ')
-          r.fail("ranks", fmt::format("expected a list of ranks, found '{}'", v.s.substr(0, 80)));
+          r.fail("ranks", fmt::format("expected a list of ranks, found '{}'", text.substr(0, 80)));
       }
     }
     if (cur >= 0) out.push_back(cur);
   } else {
-    r.fail("ranks", fmt::format("expected a list of ranks, found {}", v.type_name()));
+    r.fail("ranks", fmt::format("expected a list of ranks, found {}", t.type_name(v)));
   }
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
@@ -177,33 +285,81 @@ struct Config {
   bool unnamed_entry = false;
 };
 
-FrRankDump convert(const Value& root, const std::string& path, int64_t rank, FrJobBuilder& b,
-                   Config& config) {
-  const Reader top(path, "the dump");
-  if (!root.is_dict()) top.fail("", fmt::format("expected a dict, found {}", root.type_name()));
+// Appends a value's content, tagged by kind, to `key`: equal text iff equal content (the interning
+// key of signatures and stacks, built without copying the content out of the tree).
+template <class Tree>
+void append_key(const Tree& t, typename Tree::Node n, std::string& key) {
+  if (n == Tree::kMissing) {
+    key += '-';
+    return;
+  }
+  switch (t.kind(n)) {
+    case K::kInt:
+    case K::kBool:
+      key += 'i';
+      key += std::to_string(t.integer(n));
+      key += ';';
+      return;
+    case K::kString: {
+      const std::string_view s = t.str(n);
+      key += 's';
+      key += std::to_string(s.size());
+      key += ':';
+      key.append(s.data(), s.size());
+      return;
+    }
+    case K::kList:
+      key += '[';
+      t.items(n, [&](typename Tree::Node x) { append_key(t, x, key); });
+      key += ']';
+      return;
+    case K::kDict:
+      key += '{';
+      t.entries(n, [&](typename Tree::Node k, typename Tree::Node v) {
+        append_key(t, k, key);
+        append_key(t, v, key);
+      });
+      key += '}';
+      return;
+    default:
+      key += '?';
+      key += t.type_name(n);
+      key += ';';
+      return;
+  }
+}
+
+// Long: every field of a dump and of each entry, checked and named on error, in the dump's order.
+template <class Tree>
+FrRankDump convert(const Tree& t, typename Tree::Node root, const std::string& path, int64_t rank,
+                   FrJobBuilder& b, Config& config) {
+  using Node = typename Tree::Node;
+  const Reader<Tree> top(t, path, "the dump");
+  top.require(root, K::kDict, "", "a dict");
   FrRankDump d;
   d.rank = rank;
   d.path = path;
-  d.version = top.string(top.need(root, "version"), "version");
+  d.version = std::string(top.string(top.need(root, "version"), "version"));
   if (d.version.rfind("2.", 0) != 0) {
     top.fail("version", fmt::format("'{}' is not a Flight Recorder dump version lossguard reads "
                                     "(2.x: torch 2.6 to 2.15)",
                                     d.version));
   }
   d.comm_lib_version = top.string_or(root, "comm_lib_version", "");
-  if (const Value* pg = root.get("pg_config"); pg != nullptr && pg->kind != Kind::kNone) {
-    if (!pg->is_dict()) top.fail("pg_config", "expected a dict");
-    for (const auto& [k, v] : pg->entries) {
-      const Reader r = top.at(fmt::format("pg_config['{}']", k->s));
-      if (!v->is_dict()) r.fail("", "expected a dict");
-      std::string name = r.string_or(*v, "name", k->kind == Kind::kString ? k->s : "");
+  if (const Node pg = top.find(root, "pg_config"); pg != Tree::kMissing) {
+    top.require(pg, K::kDict, "pg_config", "a dict");
+    t.entries(pg, [&](Node k, Node v) {
+      const std::string key(t.kind(k) == K::kString ? t.str(k) : std::string_view());
+      const Reader<Tree> r = top.at(fmt::format("pg_config['{}']", key));
+      r.require(v, K::kDict, "", "a dict");
+      const std::string name = r.string_or(v, "name", key);
       // Gloo's recorder (torch 2.15) writes one pg_config entry named "" whose ranks are those of
       // some group this rank joined, not the default group's: it names no group, so it is skipped.
       if (name.empty()) {
         config.unnamed_entry = true;
-        continue;
+        return;
       }
-      ConfigGroup g{parse_ranks(r.need(*v, "ranks"), r), r.string_or(*v, "desc", ""), path};
+      ConfigGroup g{parse_ranks(r.need(v, "ranks"), r), r.string_or(v, "desc", ""), path};
       auto [it, fresh] = config.groups.try_emplace(name, g);
       if (!fresh && it->second.members != g.members) {
         r.fail("ranks", fmt::format("group '{}' has members [{}] here but [{}] in {}: the dumps "
@@ -211,61 +367,71 @@ FrRankDump convert(const Value& root, const std::string& path, int64_t rank, FrJ
                                     name, fmt::join(g.members, ", "),
                                     fmt::join(it->second.members, ", "), it->second.path));
       }
-    }
+    });
   }
-  const Value& entries = top.need(root, "entries");
-  const auto& items = top.sequence(entries, "entries");
-  d.calls.reserve(items.size());
-  for (std::size_t k = 0; k < items.size(); ++k) {
-    const Reader r = top.entry(k);
-    const Value& e = *items[k];
-    if (!e.is_dict()) r.fail("", fmt::format("expected a dict, found {}", e.type_name()));
+  const Node entries = top.need(root, "entries");
+  std::size_t k = 0;
+  std::string key;  // reused: an entry's signature or stack key
+  top.sequence(entries, "entries", [&](Node e) {
+    const Reader<Tree> r = top.entry(k);
+    r.require(e, K::kDict, "", "a dict");
     FrCall c;
     c.record_id = r.integer_or(e, "record_id", static_cast<int64_t>(k));
-    const Value& pg = r.need(e, "process_group");
-    const auto& pg_items = r.sequence(pg, "process_group");
-    if (pg_items.size() != 2) r.fail("process_group", "expected (name, description)");
-    c.group =
-        b.group(r.string(*pg_items[0], "process_group"), r.string(*pg_items[1], "process_group"));
-    FrSignature s;
-    s.profiling_name = r.string(r.need(e, "profiling_name"), "profiling_name");
-    const auto op = parse_profiling_name(s.profiling_name);
+    std::vector<std::string> pg;
+    r.sequence(r.need(e, "process_group"), "process_group",
+               [&](Node x) { pg.emplace_back(r.string(x, "process_group")); });
+    if (pg.size() != 2) r.fail("process_group", "expected (name, description)");
+    c.group = b.group(pg[0], pg[1]);
+    const std::string profiling_name(r.string(r.need(e, "profiling_name"), "profiling_name"));
+    const auto op = parse_profiling_name(profiling_name);
     if (!op) {
       r.fail("profiling_name",
              fmt::format("'{}' is not '<backend>:<op>' (p2p: 'send a->b', 'recv b<-a')",
-                         s.profiling_name));
+                         profiling_name));
     }
-    s.op = op->op;
-    s.input_sizes = r.sizes(e, "input_sizes");
-    s.output_sizes = r.sizes(e, "output_sizes");
-    s.input_dtypes = r.strings(e, "input_dtypes");
-    s.output_dtypes = r.strings(e, "output_dtypes");
+    key.assign(profiling_name);
+    for (const char* f : {"input_sizes", "output_sizes", "input_dtypes", "output_dtypes"})
+      append_key(t, r.find(e, f), key);
+    c.signature = b.signature_by_key(key, [&] {
+      FrSignature s;
+      s.profiling_name = profiling_name;
+      s.op = op->op;
+      s.input_sizes = r.sizes(e, "input_sizes");
+      s.output_sizes = r.sizes(e, "output_sizes");
+      s.input_dtypes = r.strings(e, "input_dtypes");
+      s.output_dtypes = r.strings(e, "output_dtypes");
+      return s;
+    });
     c.is_p2p = r.boolean_or(e, "is_p2p", op->op == "send" || op->op == "recv");
     c.p2p_src = op->src;
     c.p2p_dst = op->dst;
     if (c.is_p2p) {
       c.seq = r.integer(r.need(e, "p2p_seq_id"), "p2p_seq_id");
-    } else if (e.get("collective_seq_id") != nullptr) {
-      c.seq = r.integer(*e.get("collective_seq_id"), "collective_seq_id");
+    } else if (const Node cs = r.get(e, "collective_seq_id"); cs != Tree::kMissing) {
+      c.seq = r.integer(cs, "collective_seq_id");
     } else {
       c.seq = r.integer(r.need(e, "seq_id"), "seq_id");  // dumps before collective_seq_id
     }
-    c.signature = b.signature(std::move(s));
     c.time_created_ns = r.integer_or(e, "time_created_ns", 0);
     c.state = parse_state(r.string_or(e, "state", "scheduled"));
     c.retired = r.boolean_or(e, "retired", false);
     c.timeout_ms = r.integer_or(e, "timeout_ms", 0);
-    if (const Value* frames = e.get("frames"); frames != nullptr && frames->kind != Kind::kNone) {
-      std::vector<FrFrame> stack;
-      for (const auto& f : r.sequence(*frames, "frames")) {
-        if (!f->is_dict()) r.fail("frames", "expected a list of dicts");
-        stack.push_back({r.string_or(*f, "name", ""), r.string_or(*f, "filename", ""),
-                         r.integer_or(*f, "line", 0)});
-      }
-      c.stack = b.stack(std::move(stack));
+    if (const Node frames = r.find(e, "frames"); frames != Tree::kMissing) {
+      key.clear();
+      append_key(t, frames, key);
+      c.stack = b.stack_by_key(key, [&] {
+        std::vector<FrFrame> stack;
+        r.sequence(frames, "frames", [&](Node f) {
+          r.require(f, K::kDict, "frames", "a list of dicts");
+          stack.push_back({r.string_or(f, "name", ""), r.string_or(f, "filename", ""),
+                           r.integer_or(f, "line", 0)});
+        });
+        return stack;
+      });
     }
     d.calls.push_back(c);
-  }
+    ++k;
+  });
   std::stable_sort(d.calls.begin(), d.calls.end(),
                    [](const FrCall& a, const FrCall& c) { return a.record_id < c.record_id; });
   d.wrapped = !d.calls.empty() && d.calls.front().record_id > 0;
@@ -332,29 +498,43 @@ std::vector<std::pair<std::string, int64_t>> flight_record_files(
 
 namespace {
 
-FrRankDump read_one(const std::string& path, int64_t rank, FrJobBuilder& builder, Config& config) {
-  const std::string bytes = read_bytes(path);
+FrRankDump parse_one(std::string_view bytes, const std::string& path, int64_t rank,
+                     FrJobBuilder& builder, Config& config) {
   ValuePtr root;
   std::string format;
   std::size_t first = 0;
   while (first < bytes.size() && std::isspace(static_cast<unsigned char>(bytes[first]))) ++first;
   if (!bytes.empty() && static_cast<unsigned char>(bytes[0]) == 0x80) {
+    // Plain data (every dump torch writes) takes the fast reader; anything else, hostile or
+    // malformed, the restricted unpickler, which reads it or says why not.
+    if (const auto flat = FlatPickle::parse(bytes)) {
+      const FlatTree t{*flat};
+      FrRankDump d = convert(t, flat->root(), path, rank, builder, config);
+      d.format = "pickle";
+      return d;
+    }
     format = "pickle";
     root = unpickle(bytes, path, [&](const ValuePtr&) -> ValuePtr {
       throw_input_error("{}: a Flight Recorder dump holds no persistent ids (tensors)", path);
     });
   } else if (first < bytes.size() && bytes[first] == '{') {
     format = "json";
-    root = json_to_value(bytes, path);
+    root = json_to_value(std::string(bytes), path);
   } else {
     throw_input_error(
         "{}: not a Flight Recorder dump (neither a pickle, which starts with byte "
         "0x80, nor a JSON object){}",
         path, bytes.empty() ? ": the file is empty" : "");
   }
-  FrRankDump d = convert(*root, path, rank, builder, config);
+  const ValueTree t;
+  FrRankDump d = convert(t, root.get(), path, rank, builder, config);
   d.format = format;
   return d;
+}
+
+FrRankDump read_one(const std::string& path, int64_t rank, FrJobBuilder& builder, Config& config) {
+  const std::string bytes = read_bytes(path);
+  return parse_one(bytes, path, rank, builder, config);
 }
 
 }  // namespace
@@ -362,6 +542,12 @@ FrRankDump read_one(const std::string& path, int64_t rank, FrJobBuilder& builder
 FrRankDump read_flight_record(const std::string& path, int64_t rank, FrJobBuilder& builder) {
   Config config;
   return read_one(path, rank, builder, config);
+}
+
+FrRankDump parse_flight_record(std::string_view bytes, const std::string& what, int64_t rank,
+                               FrJobBuilder& builder) {
+  Config config;
+  return parse_one(bytes, what, rank, builder, config);
 }
 
 namespace {

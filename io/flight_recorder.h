@@ -5,6 +5,7 @@
 #pragma once
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/flight_record.h"
@@ -20,6 +21,9 @@ std::vector<std::pair<std::string, int64_t>> flight_record_files(
 // Reads one dump. Throws InputError naming the file (and the entry and field): not a pickle or JSON
 // document, a pickle that would run code, a truncated file, a field missing or of the wrong type.
 FrRankDump read_flight_record(const std::string& path, int64_t rank, FrJobBuilder& builder);
+// The same from bytes already in memory (`what` names them in errors).
+FrRankDump parse_flight_record(std::string_view bytes, const std::string& what, int64_t rank,
+                               FrJobBuilder& builder);
 
 // Every dump of a job, and the groups' membership. Throws InputError naming the files when two
 // claim one rank, when their versions differ (mixed jobs or torch builds), or when two give one

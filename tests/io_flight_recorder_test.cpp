@@ -7,6 +7,7 @@
 #include <fstream>
 
 #include "core/errors.h"
+#include "io/flat_pickle.h"
 #include "io/flight_recorder.h"
 #include "io/pickle.h"
 #include "test_util.h"
@@ -240,6 +241,139 @@ TEST(FlightRecorder, BadSetsAreRefusedNamingTheFile) {
   write(dir / "trace.pkl", good);
   e = error_of({(dir / "trace.pkl").string()});
   EXPECT_NE(e.find("must end in its rank number"), std::string::npos) << e;
+}
+
+}  // namespace
+}  // namespace lossguard::io
+
+namespace lossguard::io {
+namespace {
+
+// The fast reader takes plain data only and hands everything else to the restricted unpickler.
+TEST(FlatPickle, ReadsPlainDataAndDefersEverythingElse) {
+  const std::string dump = pickled_dump({{}, {"5", "dp", "gloo:broadcast", 1, {1}}});
+  const auto flat = FlatPickle::parse(dump);
+  ASSERT_TRUE(flat);
+  const uint32_t entries = flat->get(flat->root(), "entries");
+  ASSERT_NE(entries, FlatPickle::kEnd);
+  EXPECT_EQ(flat->node(entries).size, 2u);
+  EXPECT_EQ(flat->node(flat->get(flat->root(), "version")).s, "2.10");
+
+  // A call (os.system) is not plain data.
+  PickleWriter evil;
+  evil.proto();
+  evil.global("os", "system");
+  evil.mark();
+  evil.string("true");
+  evil.tuple();
+  evil.reduce();
+  evil.stop();
+  EXPECT_FALSE(FlatPickle::parse(evil.out));
+  // Truncated.
+  EXPECT_FALSE(FlatPickle::parse(dump.substr(0, dump.size() - 1)));
+  // A list memoised, then appended into itself: a cycle.
+  PickleWriter cyc;
+  cyc.proto();
+  cyc.empty_list();
+  cyc.out += "q\x01";  // BINPUT 1
+  cyc.out += "h\x01";  // BINGET 1
+  cyc.out += "a";      // APPEND: the list into itself
+  cyc.stop();
+  EXPECT_FALSE(FlatPickle::parse(cyc.out));
+  // A dict shared by two lists (torch's pickler shares a stack's frame dicts) is read once.
+  PickleWriter shared;
+  shared.proto();
+  shared.empty_list();
+  shared.mark();
+  shared.empty_dict();
+  shared.mark();
+  shared.string("line");
+  shared.integer(7);
+  shared.setitems();
+  shared.out += "q\x02";  // BINPUT 2: the finished dict
+  shared.out += "h\x02";  // BINGET 2: the same dict again
+  shared.appends();
+  shared.stop();
+  const auto s = FlatPickle::parse(shared.out);
+  ASSERT_TRUE(s);
+  std::vector<uint32_t> items;
+  s->for_each_child(s->root(), [&](uint32_t n) { items.push_back(n); });
+  ASSERT_EQ(items.size(), 2u);
+  EXPECT_EQ(items[0], items[1]);
+  EXPECT_EQ(s->node(s->get(items[0], "line")).i, 7);
+}
+
+TEST(FlatPickle, TheFastAndTheFullReaderGiveOneJob) {
+  // A dump the fast reader defers (a harmless global inside, read by the full unpickler as an
+  // opaque value) reads as the same calls as its plain twin.
+  auto dir = testing::temp_dir("fr_twin");
+  write(dir / "plain_0", pickled_dump({{}, {"5", "dp", "gloo:broadcast", 1, {1}}}));
+  std::string odd = pickled_dump({{}, {"5", "dp", "gloo:broadcast", 1, {1}}});
+  // Replace the final STOP by: a key and a collections.OrderedDict() call, SETITEM, STOP.
+  odd.pop_back();
+  PickleWriter extra;
+  extra.string("extra");
+  extra.global("collections", "OrderedDict");
+  extra.out += ")";
+  extra.reduce();
+  extra.out += "s";
+  extra.stop();
+  odd += extra.out;
+  ASSERT_FALSE(FlatPickle::parse(odd));
+  write(dir / "odd_1", odd);
+  const FrJob job = read_flight_records({dir.string()});
+  ASSERT_EQ(job.ranks.size(), 2u);
+  ASSERT_EQ(job.ranks[0].calls.size(), job.ranks[1].calls.size());
+  for (std::size_t k = 0; k < job.ranks[0].calls.size(); ++k) {
+    const FrCall& a = job.ranks[0].calls[k];
+    const FrCall& b = job.ranks[1].calls[k];
+    EXPECT_EQ(a.group, b.group);
+    EXPECT_EQ(a.signature, b.signature);
+    EXPECT_EQ(a.stack, b.stack);
+    EXPECT_EQ(a.seq, b.seq);
+    EXPECT_EQ(a.time_created_ns, b.time_created_ns);
+  }
+}
+
+}  // namespace
+}  // namespace lossguard::io
+
+namespace lossguard::io {
+namespace {
+
+// Dumps torch 2.15 wrote (tests/postmortem/fr_job.py --scenario seed-pp1-broadcast, Gloo): the
+// fast reader takes every one (torch's pickler shares the frames' dicts), and both formats read
+// as the same calls.
+TEST(FlightRecorder, RealTorchDumpsTakeTheFastPathAndBothFormatsAgree) {
+  const std::filesystem::path dir =
+      std::filesystem::path(LOSSGUARD_FIXTURE_DIR) / "flight_recorder" / "seed-pp1-broadcast";
+  for (int r = 0; r < 4; ++r) {
+    std::ifstream f(dir / ("fr_trace_rank_" + std::to_string(r)), std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(FlatPickle::parse(bytes)) << r;
+  }
+  const FrJob pickled = read_flight_records({dir.string()});
+  const FrJob json = read_flight_records({(dir / "json").string()});
+  ASSERT_EQ(pickled.ranks.size(), 4u);
+  ASSERT_EQ(json.ranks.size(), 4u);
+  const std::vector<std::size_t> calls = {4, 1, 1, 1};  // rank 0 went on to the barrier
+  for (std::size_t r = 0; r < 4; ++r) {
+    ASSERT_EQ(pickled.ranks[r].calls.size(), calls[r]) << r;
+    ASSERT_EQ(json.ranks[r].calls.size(), calls[r]) << r;
+    for (std::size_t k = 0; k < calls[r]; ++k) {
+      const FrCall& a = pickled.ranks[r].calls[k];
+      const FrCall& b = json.ranks[r].calls[k];
+      EXPECT_EQ(pickled.groups[a.group].name, json.groups[b.group].name);
+      EXPECT_EQ(pickled.signatures[a.signature].profiling_name,
+                json.signatures[b.signature].profiling_name);
+      EXPECT_EQ(pickled.signatures[a.signature].input_sizes,
+                json.signatures[b.signature].input_sizes);
+      EXPECT_EQ(a.seq, b.seq);
+      EXPECT_EQ(a.time_created_ns, b.time_created_ns);
+    }
+  }
+  EXPECT_EQ(pickled.signatures[pickled.ranks[0].calls[3].signature].op, "barrier");
+  EXPECT_FALSE(pickled.stacks[pickled.ranks[0].calls[3].stack].empty());  // JSON has no frames
 }
 
 }  // namespace

@@ -19,6 +19,11 @@ for p in sorted(src.glob("*.pt")):
                 (dst / (p.stem + ".pkl")).write_bytes(z.read(n))
 PY
     ;;
+  flight_recorder)  # real torch 2.15 Gloo dumps, pickle and JSON
+    for f in "$fixtures"/flight_recorder/*/fr_trace_rank_* "$fixtures"/flight_recorder/*/json/*.json; do
+      rel="${f#"$fixtures"/flight_recorder/}"
+      cp "$f" "$out/${rel//\//-}"
+    done ;;
   batch|capture|contract) ;;
 esac
 # Inputs that once found a bug (tests/fuzz/regressions/TARGET-*): every run starts from them.
