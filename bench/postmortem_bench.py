@@ -4,25 +4,26 @@ synthetic Megatron job's dumps (TP8 x DP, one rank missing its last data-paralle
 peak memory, and whether each tool names the planted divergence.
 
 Each rank's dump is the dict torch 2.15's recorder writes (version "2.10"), pickled (protocol 2)
-byte for byte as c10's pickler lays it out, into <dir>/fr_trace_rank_<rank>: pg_config lists the default group and the rank's TP
-and DP groups (as an NCCL job's does, so fr_trace can run), every entry carries the fields
-FlightRecorder.hpp writes, and the calls follow a Megatron step (TP all-reduces forward and
-backward, a DP reduce-scatter of the gradients, a TP all-reduce of the gradient norm, a DP
-all-gather of the parameters, a world all-reduce for logging). Every rank's last call is the DP
-reduce-scatter; the culprit rank (--culprit) never issued it, so its DP peers hang in it (state
-"started"): exactly one divergence. lossguard must exit 3 and name it as --json divergences[0];
-fr_trace must log "Not all ranks joining collective" for that call with the culprit missing.
+byte for byte as c10's pickler lays it out, into <dir>/fr_trace_rank_<rank>: pg_config lists the
+default group and the rank's TP and DP groups (as an NCCL job's does, so fr_trace can run), every
+entry carries the fields FlightRecorder.hpp writes, and the calls follow a Megatron step (TP
+all-reduces forward and backward, a DP reduce-scatter of the gradients, a TP all-reduce of the
+gradient norm, a DP all-gather of the parameters, a world all-reduce for logging). Every rank's
+last call is the DP reduce-scatter; the culprit rank (--culprit) never issued it, so its DP peers
+hang in it (state "started"): exactly one divergence. lossguard must exit 3 and name it as --json
+divergences[0]; fr_trace must log "Not all ranks joining collective" for that call with the
+culprit missing.
 
   bench/postmortem_bench.py                                  # 128 ranks x 2,000 calls, < 1 min
-  bench/postmortem_bench.py --ranks 2048 --json out.json     # fr_trace: > 10 min, stopped
+  bench/postmortem_bench.py --ranks 2048 --json out.json     # fr_trace: ~10 min, 8 GB
   bench/postmortem_bench.py --ranks 16384 --entries 2000 --skip-fr-trace --keep \\
       --dir /tmp/pm16k                                       # full scale: 6.4 GiB of dumps
   bench/postmortem_bench.py --ranks 16384 --entries 2000 --skip-fr-trace --dir /tmp/pm16k
                                                              # again, on the dumps kept
 
 Dumps go to /tmp/lossguard_pm_bench_<ranks>x<entries>, removed afterwards unless --keep, or to
---dir, kept; a directory this script generated with the same parameters is reused. Generation runs on
-every core (multiprocessing) and stops, before writing anything, if the dumps would leave less
+--dir, kept; a directory this script generated with the same parameters is reused. Generation runs
+on every core (multiprocessing) and stops, before writing anything, if the dumps would leave less
 than 5 GiB free. Times are wall clock; peak memory is the child's ru_maxrss (what /usr/bin/time -v
 reports, read through os.wait4). fr_trace is stopped after --fr-trace-timeout seconds, or when its
 resident memory passes --mem-cap-gib (it holds every entry as Python dicts), and reported as not
@@ -173,7 +174,8 @@ class C10Pickler:
                 self.parts.append(b"(")
             for x in seq:
                 self._value(x)
-            self.parts.append((b")", b"\x85", b"\x86", b"\x87")[len(seq)] if len(seq) <= 3 else b"t")
+            closing = (b")", b"\x85", b"\x86", b"\x87")  # TUPLE of 0 to 3 items
+            self.parts.append(closing[len(seq)] if len(seq) <= 3 else b"t")
         # Written again it would be the same bytes, unless it memoised something just now (or
         # holds a frame used once: written in full each time, which is fine to repeat too).
         if self.memo_size == memo_before:
@@ -456,7 +458,7 @@ def check_fr_trace(log_path: Path, expected: dict) -> tuple[bool, str]:
         if (int(m.group(1)) == expected["seq"] and g
                 and g.group(1) == f"{expected['group']}:{expected['group_desc']}"
                 and got_missing == expected["not_issued"]):
-            others = sum(1 for x in blocks if x.startswith(("Not all ranks", "Collective sequence")))
+            others = sum(x.startswith(("Not all ranks", "Collective sequence")) for x in blocks)
             return True, summary + (f" ({others} reports in all)" if others > 1 else "")
     tail = text.strip().splitlines()[-1:] or ["(no output)"]
     return False, f"not reported; last line: {tail[0][:200]}"
@@ -560,7 +562,8 @@ def main() -> int:
         ap.error(f"{args.lossguard} not found (build it, or pass --lossguard)")
     job = Job(args.ranks, args.entries, args.tp, culprit)
     expected = job.expected()
-    directory = args.dir or Path(tempfile.gettempdir()) / f"lossguard_pm_bench_{args.ranks}x{args.entries}"
+    directory = args.dir or (Path(tempfile.gettempdir())
+                             / f"lossguard_pm_bench_{args.ranks}x{args.entries}")
     mem_cap_kib = int(args.mem_cap_gib * (1 << 20)) if args.mem_cap_gib else \
         int(mem_available_kib() * 0.8)
 
@@ -610,7 +613,8 @@ def main() -> int:
                                  f"after {fr['wall_s']:.0f} s")
             results["fr_trace"] = fr
             if fr["stopped"] is None and lg["wall_s"] > 0:
-                results["time_ratio_fr_trace_over_lossguard"] = round(fr["wall_s"] / lg["wall_s"], 1)
+                ratio = round(fr["wall_s"] / lg["wall_s"], 1)
+                results["time_ratio_fr_trace_over_lossguard"] = ratio
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if not args.keep and args.dir is None:
@@ -631,9 +635,9 @@ def print_table(r: dict) -> None:
           "planted divergence")
     rows = [("lossguard postmortem", lg)] + ([("fr_trace", fr)] if fr else [])
     for name, x in rows:
-        found = {True: "found", False: "NOT FOUND", None: "-"}[x["found"]]
+        found = {True: "found: ", False: "NOT FOUND: ", None: ""}[x["found"]]
         print(f"{name:<20}{x['wall_s']:>9.2f}{x['cpu_s']:>9.2f}{x['peak_rss_mib']:>14.0f}"
-              f"{x['exit_code']:>6}  {found}: {x['summary']}")
+              f"{x['exit_code']:>6}  {found}{x['summary']}")
     if fr is None:
         print("fr_trace: skipped")
     elif fr["stopped"]:

@@ -138,6 +138,7 @@ FrJob simulated_dumps(const Topology& t, const std::vector<std::vector<SimCall>>
                       const std::vector<std::vector<int64_t>>& times) {
   FrJobBuilder b;
   std::map<std::pair<int, int64_t>, uint32_t> group_ids;
+  std::map<std::pair<int, int>, uint32_t> signatures;  // (op, payload): a few per simulation
   b.job().world = t.world();
   b.job().ranks.resize(traces.size());
   for (std::size_t r = 0; r < traces.size(); ++r) {
@@ -156,16 +157,21 @@ FrJob simulated_dumps(const Topology& t, const std::vector<std::vector<SimCall>>
       call.time_created_ns = times[r][k];
       call.group = it->second;
       call.seq = ++seq[it->second];
-      FrSignature s;
-      s.op = fr_op(c.op);
-      s.profiling_name = fmt::format("sim:{} {}", s.op, payload_name(c.payload));
-      if (c.payload != Payload::kNone) {
-        s.input_sizes = {{1}};
-        s.input_dtypes = {payload_dtype(c.payload)};
+      auto [sig, new_sig] =
+          signatures.try_emplace({static_cast<int>(c.op), static_cast<int>(c.payload)}, 0u);
+      if (new_sig) {
+        FrSignature s;
+        s.op = fr_op(c.op);
+        s.profiling_name = fmt::format("sim:{} {}", s.op, payload_name(c.payload));
+        if (c.payload != Payload::kNone) {
+          s.input_sizes = {{1}};
+          s.input_dtypes = {payload_dtype(c.payload)};
+        }
+        s.output_sizes = s.input_sizes;
+        s.output_dtypes = s.input_dtypes;
+        sig->second = b.signature(std::move(s));
       }
-      s.output_sizes = s.input_sizes;
-      s.output_dtypes = s.input_dtypes;
-      call.signature = b.signature(std::move(s));
+      call.signature = sig->second;
       d.calls.push_back(call);
     }
   }

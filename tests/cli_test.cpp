@@ -1277,3 +1277,32 @@ TEST(CliRedTeam, TrlPresetsPassAtTheLayoutsTrlBuilds) {
 
 }  // namespace
 }  // namespace lossguard::cli
+
+namespace lossguard::cli {
+namespace {
+
+// `postmortem` in-process on the committed real dumps (torch 2.15, Gloo; tests/postmortem/fr_job.py
+// --scenario seed-pp1-broadcast): exit 3, the divergence and the protocol in the text and the JSON.
+TEST(CliPostmortem, TheSeedDeadlockFromRealDumps) {
+  const std::string dir = fixture("flight_recorder/seed-pp1-broadcast");
+  Result r = run_cli({"postmortem", dir, "--json", "-"});
+  EXPECT_EQ(r.code, 3) << r.err;
+  const auto doc = nlohmann::json::parse(r.out);
+  EXPECT_EQ(doc["command"], "postmortem");
+  EXPECT_EQ(doc["verdict"], "fault");
+  EXPECT_EQ(doc["divergences"][0]["not_issued"], nlohmann::json({1, 2, 3}));
+  EXPECT_EQ(doc["protocol_matches"][0]["protocol"], "pr285-always-broadcast");
+  Result text = run_cli({"postmortem", dir + "/json"});  // the JSON form of the same dumps
+  EXPECT_EQ(text.code, 3);
+  EXPECT_NE(text.out.find("NAMED: pr285-always-broadcast"), std::string::npos) << text.out;
+  // the prefix TORCH_FR_DUMP_TEMP_FILE names; one that matches nothing is exit 2
+  Result prefix = run_cli({"postmortem", dir + "/fr_trace_rank_", "--json", "-"});
+  EXPECT_EQ(prefix.code, 3) << prefix.err;
+  EXPECT_EQ(nlohmann::json::parse(prefix.out)["inputs"].size(), 4u);
+  Result none = run_cli({"postmortem", dir + "/no_such_prefix_"});
+  EXPECT_EQ(none.code, 2);
+  EXPECT_NE(none.err.find("no_such_prefix_"), std::string::npos) << none.err;
+}
+
+}  // namespace
+}  // namespace lossguard::cli

@@ -29,4 +29,7 @@ set +e
 "$LG" 2>/dev/null >/dev/null; [ $? -eq 2 ] || fail "no subcommand must exit 2"
 echo '{"samples": []}' > "$dir/empty.json"
 "$LG" inspect "$dir/empty.json" >/dev/null 2>&1; [ $? -eq 4 ] || fail "no samples must exit 4"
+fr="$(dirname "$0")/../fixtures/data/flight_recorder/seed-pp1-broadcast"
+"$LG" postmortem "$fr" --json "$dir/pm.json" >/dev/null; [ $? -eq 3 ] || fail "postmortem of a hang must exit 3"
+grep -q '"protocol": "pr285-always-broadcast"' "$dir/pm.json" || fail "postmortem must name the seed's bug"
 echo "e2e: ok"
