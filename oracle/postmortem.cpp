@@ -1,6 +1,6 @@
 // The alignment of recorded calls per process group, the divergences and each rank's part in them
-// (SPEC §12). One pass over every rank's calls, sorted by group: 16,384 ranks of 2,000 calls cost
-// a few seconds and 4 bytes a call beyond the calls themselves.
+// (SPEC §12). One pass over every rank's calls, sorted by group, at 4 bytes a call beyond the calls
+// themselves.
 #include "oracle/postmortem.h"
 
 #include <fmt/format.h>
