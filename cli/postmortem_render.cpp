@@ -141,6 +141,77 @@ nlohmann::ordered_json signature_json(const FrSignature& s) {
 
 }  // namespace
 
+namespace {
+
+// The headline divergence: the blamed ranks grouped by what they last did, and where the issuers
+// wait.
+void render_divergence(std::ostream& out, const FrJob& job, const oracle::PostmortemResult& r,
+                       const PostmortemRenderOptions& o) {
+  const Divergence& d = r.divergences.front();
+  out << "\nDIVERGENCE: " << headline(job, d) << "\n";
+  if (!d.no_dump.empty())
+    out << fmt::format("  {} of the group left no dump\n", ranks_text(d.no_dump));
+  std::map<std::string, std::vector<int64_t>> by_last;
+  std::map<std::string, int64_t> example;
+  for (int64_t rank : d.not_issued) {
+    const auto& s = r.ranks[static_cast<std::size_t>(rank)];
+    const FrRankDump* dump = dump_of(job, rank);
+    std::string key = "none";
+    if (dump && s.last_call) {
+      const FrCall& c = dump->calls[*s.last_call];
+      key = fmt::format("{}|{}|{}|{}", call_text(job, c), s.last_call_unmatched, c.stack,
+                        c.state == FrState::kCompleted);
+    }
+    by_last[key].push_back(rank);
+    example.try_emplace(key, rank);
+  }
+  for (const auto& [key, ranks] : by_last) {
+    render_last_call(out, job, r.ranks[static_cast<std::size_t>(example[key])], o,
+                     ranks_text(ranks));
+  }
+  if (d.kind != DivergenceKind::kMissingCall || d.issued.empty()) return;
+  const FrRankDump* dump = dump_of(job, d.issued.front());
+  if (dump == nullptr) return;
+  for (const auto& c : dump->calls) {
+    if (c.group == d.group && c.seq == d.seq && !c.is_p2p) {
+      out << fmt::format("  {} {} in it{}\n", ranks_text(d.issued),
+                         d.issued.size() == 1 ? "waits" : "wait", c.stack ? ", called from:" : "");
+      for (const FrFrame* f : shown_frames(job, c.stack, o.frames))
+        out << fmt::format("      at {} ({}:{})\n", f->name, f->filename, f->line);
+      return;
+    }
+  }
+}
+
+std::string flag_group_text(const oracle::ProtocolMatch& m) {
+  return m.flag_group
+             ? fmt::format(" (flag on the {} group)", oracle::group_kind_name(*m.flag_group))
+             : "";
+}
+
+// The protocols that diverge so, the first named, or why none was tried.
+void render_matches(std::ostream& out, const oracle::PostmortemResult& r) {
+  if (r.matches.empty()) {
+    if (!r.naming_note.empty()) out << "\nnot named: " << r.naming_note << "\n";
+    return;
+  }
+  const auto& m = r.matches.front();
+  out << fmt::format("\nNAMED: {}{} on {}: {}\n", oracle::protocol_name(m.protocol),
+                     flag_group_text(m), topology_text(m.topo),
+                     oracle::protocol_description(m.protocol));
+  out << fmt::format("  its simulated step diverges exactly so ({}){}\n", m.scenario,
+                     m.also_topologies.empty() ? ""
+                                               : fmt::format("; the dumps fit {} too",
+                                                             fmt::join(m.also_topologies, ", ")));
+  for (std::size_t k = 1; k < r.matches.size(); ++k) {
+    const auto& x = r.matches[k];
+    out << fmt::format("  also consistent: {}{} on {}\n", oracle::protocol_name(x.protocol),
+                       flag_group_text(x), topology_text(x.topo));
+  }
+}
+
+}  // namespace
+
 void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::PostmortemResult& r,
                             const PostmortemRenderOptions& o) {
   const std::string version = job.ranks.empty() ? "?" : job.ranks.front().version;
@@ -170,66 +241,8 @@ void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::P
     notes();
     return;
   }
-  const Divergence& d = r.divergences.front();
-  out << "\nDIVERGENCE: " << headline(job, d) << "\n";
-  if (!d.no_dump.empty())
-    out << fmt::format("  {} of the group left no dump\n", ranks_text(d.no_dump));
-  // The blamed ranks, grouped by what they last did.
-  std::map<std::string, std::vector<int64_t>> by_last;
-  std::map<std::string, int64_t> example;
-  for (int64_t rank : d.not_issued) {
-    const auto& s = r.ranks[static_cast<std::size_t>(rank)];
-    const FrRankDump* dump = dump_of(job, rank);
-    std::string key = "none";
-    if (dump && s.last_call) {
-      const FrCall& c = dump->calls[*s.last_call];
-      key = fmt::format("{}|{}|{}|{}", call_text(job, c), s.last_call_unmatched, c.stack,
-                        c.state == FrState::kCompleted);
-    }
-    by_last[key].push_back(rank);
-    example.try_emplace(key, rank);
-  }
-  for (const auto& [key, ranks] : by_last) {
-    render_last_call(out, job, r.ranks[static_cast<std::size_t>(example[key])], o,
-                     ranks_text(ranks));
-  }
-  if (d.kind == DivergenceKind::kMissingCall && !d.issued.empty()) {
-    const FrRankDump* dump = dump_of(job, d.issued.front());
-    if (dump) {
-      for (const auto& c : dump->calls) {
-        if (c.group == d.group && c.seq == d.seq && !c.is_p2p) {
-          out << fmt::format("  {} {} in it{}\n", ranks_text(d.issued),
-                             d.issued.size() == 1 ? "waits" : "wait",
-                             c.stack ? ", called from:" : "");
-          for (const FrFrame* f : shown_frames(job, c.stack, o.frames))
-            out << fmt::format("      at {} ({}:{})\n", f->name, f->filename, f->line);
-          break;
-        }
-      }
-    }
-  }
-  if (!r.matches.empty()) {
-    const auto& m = r.matches.front();
-    out << fmt::format("\nNAMED: {}{} on {}: {}\n", oracle::protocol_name(m.protocol),
-                       m.flag_group ? fmt::format(" (flag on the {} group)",
-                                                  oracle::group_kind_name(*m.flag_group))
-                                    : "",
-                       topology_text(m.topo), oracle::protocol_description(m.protocol));
-    out << fmt::format("  its simulated step diverges exactly so ({}){}\n", m.scenario,
-                       m.also_topologies.empty() ? ""
-                                                 : fmt::format("; the dumps fit {} too",
-                                                               fmt::join(m.also_topologies, ", ")));
-    for (std::size_t k = 1; k < r.matches.size(); ++k) {
-      const auto& x = r.matches[k];
-      out << fmt::format("  also consistent: {}{} on {}\n", oracle::protocol_name(x.protocol),
-                         x.flag_group ? fmt::format(" (flag on the {} group)",
-                                                    oracle::group_kind_name(*x.flag_group))
-                                      : "",
-                         topology_text(x.topo));
-    }
-  } else if (!r.naming_note.empty()) {
-    out << "\nnot named: " << r.naming_note << "\n";
-  }
+  render_divergence(out, job, r, o);
+  render_matches(out, r);
   auto count = [](const std::vector<int64_t>& ranks, const char* what) {
     return ranks.empty() ? fmt::format("0 {}", what)
                          : fmt::format("{} {} ({})", ranks.size(), what, format_rank_set(ranks, 4));

@@ -591,19 +591,12 @@ void merge_share(Share& from, FrJobBuilder& into, Config& config, std::vector<Fr
 
 }  // namespace
 
-FrJob read_flight_records(const std::vector<std::string>& paths,
-                          const std::function<void(std::size_t, std::size_t)>& progress) {
-  const auto files = flight_record_files(paths);
-  std::map<int64_t, std::string> seen;
-  for (const auto& [path, rank] : files) {
-    auto [it, fresh] = seen.try_emplace(rank, path);
-    if (!fresh) {
-      throw_input_error(
-          "{} and {} both claim rank {}: two jobs' dumps in one set, or a dump copied twice",
-          it->second, path, rank);
-    }
-  }
-  // Files are read on every core: parsing is the cost (a 2,000-call dump is ~400 KB of pickle).
+namespace {
+
+// The files read on every core (parsing is the cost: a 2,000-call dump is ~400 KB of pickle), each
+// thread into its own share; the error of the earliest file that failed is rethrown.
+std::vector<Share> read_shares(const std::vector<std::pair<std::string, int64_t>>& files,
+                               const std::function<void(std::size_t, std::size_t)>& progress) {
   const std::size_t workers = std::max<std::size_t>(
       1, std::min<std::size_t>({files.size(), std::thread::hardware_concurrency(), 64}));
   std::vector<Share> shares(workers);
@@ -638,48 +631,18 @@ FrJob read_flight_records(const std::vector<std::string>& paths,
   work(0);
   for (auto& t : threads) t.join();
   if (error) std::rethrow_exception(error);
+  return shares;
+}
 
-  FrJobBuilder builder;
-  Config all;
-  std::map<std::string, ConfigGroup>& config = all.groups;
-  std::vector<FrRankDump> ranks;
-  ranks.reserve(files.size());
-  for (auto& share : shares) merge_share(share, builder, all, ranks);
-  shares.clear();
-  std::map<std::string, std::string> versions;  // version -> first file
-  for (const auto& d : ranks) versions.try_emplace(d.version, d.path);
-  if (versions.size() > 1) {
-    std::vector<std::string> parts;
-    for (const auto& [v, p] : versions) parts.push_back(fmt::format("{} (version {})", p, v));
-    throw_input_error(
-        "the dumps come from different Flight Recorder versions: {}: mixed jobs or "
-        "torch builds cannot be aligned",
-        fmt::join(parts, ", "));
-  }
-  for (const auto& [name, g] : config) {
-    const uint32_t id = builder.group(name, g.desc);
-    builder.job().groups[id].members = g.members;
-  }
-  FrJob job = builder.take();
-  job.ranks = std::move(ranks);
-  std::sort(job.ranks.begin(), job.ranks.end(),
-            [](const FrRankDump& a, const FrRankDump& b) { return a.rank < b.rank; });
-  // Groups no pg_config lists: their members are the ranks whose calls name them.
-  std::vector<std::vector<int64_t>> named(job.groups.size());
-  for (const auto& d : job.ranks) {
-    for (const auto& c : d.calls) {
-      auto& m = named[c.group];
-      if (m.empty() || m.back() != d.rank) m.push_back(d.rank);
-    }
-  }
-  // The world: the default group's membership where a pg_config gives it, else the highest rank
-  // seen plus one.
+// The world: the default group's membership where a pg_config gives it, else the highest rank
+// seen plus one (said in a note).
+void set_world(FrJob& job, const Config& config) {
   int64_t highest = -1;
   for (const auto& d : job.ranks) highest = std::max(highest, d.rank);
-  for (const auto& [name, g] : config) {
+  for (const auto& [name, g] : config.groups) {
     if (!g.members.empty()) highest = std::max(highest, g.members.back());
   }
-  if (auto it = config.find("0"); it != config.end() && !it->second.members.empty()) {
+  if (auto it = config.groups.find("0"); it != config.groups.end() && !it->second.members.empty()) {
     job.world = it->second.members.back() + 1;
     job.world_from_config = true;
     if (highest >= job.world) {
@@ -694,24 +657,29 @@ FrJob read_flight_records(const std::vector<std::string>& paths,
         "the world size ({}) is the highest rank seen plus one: no dump lists the default group",
         job.world));
   }
-  if (all.unnamed_entry) {
-    job.notes.push_back(
-        "pg_config's entry named '' (Gloo's recorder writes one, with some subgroup's ranks) names "
-        "no group and was not used");
+}
+
+// Members of the groups no pg_config lists: the default group "0" is the world
+// (torch.distributed's group.WORLD), any other the ranks whose calls name it.
+void infer_members(FrJob& job, const Config& config) {
+  std::vector<std::vector<int64_t>> named(job.groups.size());
+  for (const auto& d : job.ranks) {
+    for (const auto& c : d.calls) {
+      auto& m = named[c.group];
+      if (m.empty() || m.back() != d.rank) m.push_back(d.rank);
+    }
   }
   std::vector<std::string> inferred;
   for (std::size_t g = 0; g < job.groups.size(); ++g) {
-    if (job.groups[g].name == "0" && !config.count("0")) {
-      // The default group is the world (torch.distributed's group.WORLD, named "0").
+    if (config.groups.count(job.groups[g].name)) continue;
+    if (job.groups[g].name == "0") {
       job.groups[g].members.resize(static_cast<std::size_t>(job.world));
       std::iota(job.groups[g].members.begin(), job.groups[g].members.end(), int64_t{0});
       continue;
     }
-    if (!config.count(job.groups[g].name)) {
-      job.groups[g].members = std::move(named[g]);
-      job.groups[g].members_inferred = true;
-      inferred.push_back(job.groups[g].name);
-    }
+    job.groups[g].members = std::move(named[g]);
+    job.groups[g].members_inferred = true;
+    inferred.push_back(job.groups[g].name);
   }
   if (!inferred.empty()) {
     job.notes.push_back(fmt::format(
@@ -720,6 +688,54 @@ FrJob read_flight_records(const std::vector<std::string>& paths,
         "cannot be seen",
         fmt::join(inferred, ", ")));
   }
+}
+
+}  // namespace
+
+FrJob read_flight_records(const std::vector<std::string>& paths,
+                          const std::function<void(std::size_t, std::size_t)>& progress) {
+  const auto files = flight_record_files(paths);
+  std::map<int64_t, std::string> seen;
+  for (const auto& [path, rank] : files) {
+    auto [it, fresh] = seen.try_emplace(rank, path);
+    if (!fresh) {
+      throw_input_error(
+          "{} and {} both claim rank {}: two jobs' dumps in one set, or a dump copied twice",
+          it->second, path, rank);
+    }
+  }
+  std::vector<Share> shares = read_shares(files, progress);
+  FrJobBuilder builder;
+  Config config;
+  std::vector<FrRankDump> ranks;
+  ranks.reserve(files.size());
+  for (auto& share : shares) merge_share(share, builder, config, ranks);
+  shares.clear();
+  std::map<std::string, std::string> versions;  // version -> first file
+  for (const auto& d : ranks) versions.try_emplace(d.version, d.path);
+  if (versions.size() > 1) {
+    std::vector<std::string> parts;
+    for (const auto& [v, p] : versions) parts.push_back(fmt::format("{} (version {})", p, v));
+    throw_input_error(
+        "the dumps come from different Flight Recorder versions: {}: mixed jobs or "
+        "torch builds cannot be aligned",
+        fmt::join(parts, ", "));
+  }
+  for (const auto& [name, g] : config.groups) {
+    const uint32_t id = builder.group(name, g.desc);
+    builder.job().groups[id].members = g.members;
+  }
+  FrJob job = builder.take();
+  job.ranks = std::move(ranks);
+  std::sort(job.ranks.begin(), job.ranks.end(),
+            [](const FrRankDump& a, const FrRankDump& b) { return a.rank < b.rank; });
+  set_world(job, config);
+  if (config.unnamed_entry) {
+    job.notes.push_back(
+        "pg_config's entry named '' (Gloo's recorder writes one, with some subgroup's ranks) names "
+        "no group and was not used");
+  }
+  infer_members(job, config);
   return job;
 }
 

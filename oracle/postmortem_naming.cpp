@@ -205,6 +205,62 @@ bool tail_matches(const FrJob& job, const FrRankDump& observed, const Topology& 
   return true;
 }
 
+// The observed divergence and the ranks whose traces a model must explain.
+struct Observed {
+  const FrJob& job;
+  Shape shape;
+  std::vector<int64_t> judged;  // issuers and blamed ranks, the first 64
+};
+
+ReplayInputs scenario_inputs(const Topology& t, Protocol p, std::optional<GroupKind> flag_group,
+                             const Scenario& sc) {
+  ReplayInputs in;
+  in.topo = t;
+  in.protocol = p;
+  if (flag_group) in.flag_group = *flag_group;
+  in.microbatch_tokens = sc.tokens;
+  in.local_samples.assign(sc.tokens.size(), 0);
+  for (std::size_t s = 0; s < sc.tokens.size(); ++s) {
+    in.local_samples[s] = static_cast<int64_t>(sc.tokens[s].size());
+    for (int64_t n : sc.tokens[s]) in.global_tokens += n;
+  }
+  in.nan_ranks = sc.nan_ranks;
+  in.num_samples = 1;
+  return in;
+}
+
+// Whether the protocol's simulated step, on `in`, diverges as observed (one of its divergences has
+// the observed shape) and every judged rank recorded its calls at the end of its trace.
+bool diverges_as_observed(const Observed& o, const ReplayInputs& in) {
+  const Topology& t = in.topo;
+  const auto world = static_cast<std::size_t>(t.world());
+  std::vector<std::vector<SimCall>> traces(world);
+  std::vector<std::vector<int64_t>> times(world);
+  int64_t clock = 0;
+  simulate(in, [&](int64_t r, const CollectiveCall& c) {
+    traces[static_cast<std::size_t>(r)].push_back({c.op, c.group, c.payload});
+    times[static_cast<std::size_t>(r)].push_back(++clock);
+  });
+  const FrJob sim = simulated_dumps(t, traces, times);
+  bool same = false;
+  for (const auto& sd : find_divergences(sim, nullptr))
+    same = same || shape_of(sim, sd, true).matches(o.shape);
+  if (!same) return false;
+  for (int64_t r : o.judged) {
+    const auto& dumps = o.job.ranks;
+    auto it = std::lower_bound(dumps.begin(), dumps.end(), r,
+                               [](const FrRankDump& x, int64_t v) { return x.rank < v; });
+    if (it == dumps.end() || it->rank != r ||
+        !tail_matches(o.job, *it, t, traces[static_cast<std::size_t>(r)]))
+      return false;
+  }
+  return true;
+}
+
+bool same_layout(const Topology& a, const Topology& b) {
+  return a.tp() == b.tp() && a.pp() == b.pp() && a.cp() == b.cp() && a.dp() == b.dp();
+}
+
 std::string topology_name(const Topology& t) {
   return fmt::format("TP{} PP{} CP{} DP{}", t.tp(), t.pp(), t.cp(), t.dp());
 }
@@ -231,15 +287,14 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
     say("a member of the divergent group has no dump: its part cannot be compared with a model");
     return out;
   }
-  const Shape observed = shape_of(job, d, false);
-  const std::vector<int64_t>& members = observed.members;
+  Observed observed{job, shape_of(job, d, false), d.issued};
+  const std::vector<int64_t>& members = observed.shape.members;
   if (members.empty()) return out;
   std::vector<int64_t> representatives;
   if (!d.not_issued.empty()) representatives.push_back(d.not_issued.front());
   if (!d.issued.empty()) representatives.push_back(d.issued.front());
-  std::vector<int64_t> judged = d.issued;
-  judged.insert(judged.end(), d.not_issued.begin(), d.not_issued.end());
-  if (judged.size() > 64) judged.resize(64);
+  observed.judged.insert(observed.judged.end(), d.not_issued.begin(), d.not_issued.end());
+  if (observed.judged.size() > 64) observed.judged.resize(64);
 
   std::map<std::pair<Protocol, int>, std::size_t> found;  // (protocol, flag group) -> out index
   int64_t tried = 0;
@@ -249,67 +304,25 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
       holds_group = holds_group || t.members(t.group_of(k, members.front())) == members;
     }
     if (!holds_group) continue;
+    const std::vector<Scenario> scenarios = scenarios_for(t, representatives);
     for (const auto& [p, name] : ModeNames<Protocol>::kTable) {
       (void)name;
       std::vector<std::optional<GroupKind>> flag_groups = {std::nullopt};
       if (protocol_parts(p).flag_broadcast)
         flag_groups = {GroupKind::kTp, GroupKind::kCp, GroupKind::kDp};
       for (const auto& fg : flag_groups) {
-        const auto key = std::make_pair(p, fg ? static_cast<int>(*fg) : -1);
-        for (const Scenario& sc : scenarios_for(t, representatives)) {
-          ReplayInputs in;
-          in.topo = t;
-          in.protocol = p;
-          if (fg) in.flag_group = *fg;
-          in.microbatch_tokens = sc.tokens;
-          in.local_samples.assign(sc.tokens.size(), 0);
-          for (std::size_t s = 0; s < sc.tokens.size(); ++s) {
-            in.local_samples[s] = static_cast<int64_t>(sc.tokens[s].size());
-            for (int64_t n : sc.tokens[s]) in.global_tokens += n;
-          }
-          in.nan_ranks = sc.nan_ranks;
-          in.num_samples = 1;
-          std::vector<std::vector<SimCall>> traces(static_cast<std::size_t>(world));
-          std::vector<std::vector<int64_t>> times(static_cast<std::size_t>(world));
-          int64_t clock = 0;
-          simulate(in, [&](int64_t r, const CollectiveCall& c) {
-            traces[static_cast<std::size_t>(r)].push_back({c.op, c.group, c.payload});
-            times[static_cast<std::size_t>(r)].push_back(++clock);
-          });
+        for (const Scenario& sc : scenarios) {
           ++tried;
-          const FrJob sim = simulated_dumps(t, traces, times);
-          bool same = false;
-          for (const auto& sd : find_divergences(sim, nullptr)) {
-            if (shape_of(sim, sd, true).matches(observed)) {
-              same = true;
-              break;
-            }
-          }
-          if (!same) continue;
-          bool tails = true;
-          for (int64_t r : judged) {
-            const auto& dumps = job.ranks;
-            auto it = std::lower_bound(dumps.begin(), dumps.end(), r,
-                                       [](const FrRankDump& x, int64_t v) { return x.rank < v; });
-            if (it == dumps.end() || it->rank != r ||
-                !tail_matches(job, *it, t, traces[static_cast<std::size_t>(r)])) {
-              tails = false;
-              break;
-            }
-          }
-          if (!tails) continue;
-          auto [fit, fresh] = found.try_emplace(key, out.size());
-          if (fresh) {
-            out.push_back({p, t, sc.label, fg, {}});
-          } else if (out[fit->second].also_topologies.size() < 4 &&
-                     !(out[fit->second].topo.tp() == t.tp() &&
-                       out[fit->second].topo.pp() == t.pp() &&
-                       out[fit->second].topo.cp() == t.cp() &&
-                       out[fit->second].topo.dp() == t.dp())) {
-            const std::string n = topology_name(t);
-            auto& also = out[fit->second].also_topologies;
-            if (std::find(also.begin(), also.end(), n) == also.end()) also.push_back(n);
-          }
+          if (!diverges_as_observed(observed, scenario_inputs(t, p, fg, sc))) continue;
+          auto [fit, fresh] =
+              found.try_emplace(std::make_pair(p, fg ? static_cast<int>(*fg) : -1), out.size());
+          auto& also = fresh
+                           ? out.emplace_back(ProtocolMatch{p, t, sc.label, fg, {}}).also_topologies
+                           : out[fit->second].also_topologies;
+          const std::string n = topology_name(t);
+          if (!fresh && also.size() < 4 && !same_layout(out[fit->second].topo, t) &&
+              std::find(also.begin(), also.end(), n) == also.end())
+            also.push_back(n);
           break;  // one scenario per protocol and layout is enough
         }
       }
