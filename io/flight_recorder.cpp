@@ -657,6 +657,18 @@ void set_world(FrJob& job, const Config& config) {
         "the world size ({}) is the highest rank seen plus one: no dump lists the default group",
         job.world));
   }
+  // Per-rank tables are sized by the world: a corrupt rank number must not size them.
+  constexpr int64_t kMaxWorld = int64_t{1} << 24;
+  if (job.world > kMaxWorld) {
+    throw_input_error(
+        "the dumps name rank {} ({}): beyond the {} ranks postmortem aligns; a file name or "
+        "pg_config is not a rank number",
+        job.world - 1,
+        job.world_from_config ? "in pg_config's default group"
+                              : "a file name's number or a "
+                                "pg_config entry",
+        kMaxWorld);
+  }
 }
 
 // Members of the groups no pg_config lists: the default group "0" is the world

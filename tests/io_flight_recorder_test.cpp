@@ -237,6 +237,11 @@ TEST(FlightRecorder, BadSetsAreRefusedNamingTheFile) {
   write(split / "t_1", pickled_dump({{}}, "2.10", "[0, 1, 2]"));
   e = error_of({split.string()});
   EXPECT_NE(e.find("not from one job"), std::string::npos) << e;
+  // a rank number no job has: refused, not used to size per-rank tables
+  auto huge = testing::temp_dir("fr_huge");
+  write(huge / "t_123456789", good);
+  e = error_of({huge.string()});
+  EXPECT_NE(e.find("rank 123456789"), std::string::npos) << e;
   // a name without a rank
   write(dir / "trace.pkl", good);
   e = error_of({(dir / "trace.pkl").string()});
