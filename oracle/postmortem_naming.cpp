@@ -23,20 +23,8 @@ struct SimCall {
   Payload payload;
 };
 
-const char* fr_op(Op op) {
-  switch (op) {
-    case Op::kAllReduceSum:
-    case Op::kAllReduceMax:
-      return "all_reduce";
-    case Op::kBroadcast:
-      return "broadcast";
-    case Op::kAllToAll:
-      return "all_to_all";
-    case Op::kBarrier:
-      return "barrier";
-  }
-  return "?";
-}
+// The name a Flight Recorder gives the operation: a MAX all-reduce is an all_reduce there.
+const char* fr_op(Op op) { return op == Op::kAllReduceMax ? "all_reduce" : op_name(op); }
 
 // A call as the comparison sees it: its operation and whether it carries integers (a count, a
 // flag) or floating point (gradients, a norm): "all_reduce/int".
