@@ -274,7 +274,8 @@ nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::Postmorte
                       {"desc", g.desc},
                       {"size", g.members.size()},
                       {"members", format_rank_set(g.members, 64)},
-                      {"members_inferred", g.members_inferred}});
+                      {"members_inferred", g.members_inferred},
+                      {"members_from_layout", g.members_from_layout}});
   }
   j["groups"] = groups;
   nlohmann::ordered_json divs = nlohmann::ordered_json::array();
@@ -316,6 +317,7 @@ nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::Postmorte
                         {"seq", c.seq},
                         {"call", signature_json(job.signatures[c.signature])},
                         {"state", state_name(c.state)},
+                        {"timeout_ms", c.timeout_ms},
                         {"issued_by_every_member", !s.last_call_unmatched},
                         {"frames", frames_json(job, c.stack)}};
     }

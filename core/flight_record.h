@@ -40,8 +40,7 @@ struct FrCall {
   int32_t p2p_dst = -1;
   FrState state = FrState::kScheduled;
   bool is_p2p = false;
-  bool retired = false;
-  int64_t timeout_ms = 0;
+  int64_t timeout_ms = 0;  // the call's timeout, as the job set it
 };
 
 struct FrGroup {

@@ -414,7 +414,7 @@ FrRankDump convert(const Tree& t, typename Tree::Node root, const std::string& p
     }
     c.time_created_ns = r.integer_or(e, "time_created_ns", 0);
     c.state = parse_state(r.string_or(e, "state", "scheduled"));
-    c.retired = r.boolean_or(e, "retired", false);
+    r.boolean_or(e, "retired", false);  // checked, not kept: the alignment decides completion
     c.timeout_ms = r.integer_or(e, "timeout_ms", 0);
     if (const Node frames = r.find(e, "frames"); frames != Tree::kMissing) {
       key.clear();

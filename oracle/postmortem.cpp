@@ -162,10 +162,14 @@ struct MemberSeqs {
   int64_t first = 0, last = 0;  // 0, 0: no call
   bool unknown = false;         // no call kept, and its buffer wrapped: cannot tell
   const FrCall& call(const uint32_t* it) const { return dump->calls[*it]; }
+  // Its first call numbered `seq` or later.
+  const uint32_t* from(int64_t seq) const {
+    return std::lower_bound(begin, end, seq,
+                            [&](uint32_t i, int64_t s) { return dump->calls[i].seq < s; });
+  }
   // Its call numbered `seq`, or nullptr.
   const FrCall* at(int64_t seq) const {
-    const uint32_t* it = std::lower_bound(
-        begin, end, seq, [&](uint32_t i, int64_t s) { return dump->calls[i].seq < s; });
+    const uint32_t* it = from(seq);
     return it != end && dump->calls[*it].seq == seq ? &dump->calls[*it] : nullptr;
   }
 };
@@ -236,8 +240,7 @@ std::optional<Divergence> missing_call(const GroupView& v, uint32_t g) {
   if (!found) {  // every issuer's buffer dropped it: date it by their first call kept after it
     for (const auto& m : v.members) {
       if (m.unknown || m.last < s) continue;
-      const uint32_t* it = std::lower_bound(
-          m.begin, m.end, s, [&](uint32_t i, int64_t q) { return m.dump->calls[i].seq < q; });
+      const uint32_t* it = m.from(s);
       if (it != m.end && (!found || m.call(it).time_created_ns < d.time_ns)) {
         d.time_ns = m.call(it).time_created_ns;
         d.signature = m.call(it).signature;
@@ -369,12 +372,19 @@ bool by_time(const Divergence& a, const Divergence& b) {
 
 }  // namespace
 
-std::vector<Divergence> find_divergences(const FrJob& job, std::vector<std::string>* notes) {
-  const Alignment a(job);
+namespace {
+
+// The divergences of an aligned job, and each group's last call number every judged member
+// reached (min_last, what tells a rank's last call unmatched).
+std::vector<Divergence> divergences_of(const Alignment& a, std::vector<std::string>* notes,
+                                       std::vector<int64_t>* group_min_last) {
+  const FrJob& job = a.job();
   std::vector<Divergence> out;
   std::vector<std::string> unjudged;
+  if (group_min_last != nullptr) group_min_last->assign(job.groups.size(), 0);
   for (uint32_t g = 0; g < job.groups.size(); ++g) {
     const GroupView v = view_of(a, g);
+    if (group_min_last != nullptr) (*group_min_last)[g] = v.min_last;
     for (const auto& m : v.members) {
       if (m.unknown)
         unjudged.push_back(fmt::format("rank {} on group '{}'", m.rank, job.groups[g].name));
@@ -398,16 +408,21 @@ std::vector<Divergence> find_divergences(const FrJob& job, std::vector<std::stri
   return out;
 }
 
+}  // namespace
+
+std::vector<Divergence> find_divergences(const FrJob& job, std::vector<std::string>* notes) {
+  return divergences_of(Alignment(job), notes, nullptr);
+}
+
 PostmortemResult analyse_flight_records(const FrJob& job, const PostmortemOptions& options) {
   PostmortemResult res;
   res.notes = job.notes;
   for (const auto& d : job.ranks) res.total_calls += static_cast<int64_t>(d.calls.size());
-  res.divergences = find_divergences(job, &res.notes);
+  const Alignment a(job);
+  std::vector<int64_t> group_min_last;
+  res.divergences = divergences_of(a, &res.notes, &group_min_last);
 
   // Each rank's last call, and whether some member of its group never issued it.
-  const Alignment a(job);
-  std::vector<int64_t> group_min_last(job.groups.size(), 0);
-  for (uint32_t g = 0; g < job.groups.size(); ++g) group_min_last[g] = view_of(a, g).min_last;
   res.ranks.resize(static_cast<std::size_t>(job.world));
   for (int64_t r = 0; r < job.world; ++r) {
     RankState& s = res.ranks[static_cast<std::size_t>(r)];

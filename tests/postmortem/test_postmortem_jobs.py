@@ -68,6 +68,7 @@ def test_seed_deadlock_pp1_broadcast(jobs):
     for c in res["culprits"]:  # they died after the token count's all-reduce, which completed
         assert c["last_call"]["call"]["op"] == "all_reduce"
         assert c["last_call"]["issued_by_every_member"]
+        assert c["last_call"]["timeout_ms"] == 4000  # the job's --timeout 4, on its subgroups
         assert group_desc(doc, c["last_call"]["group"]) == "DATA_PARALLEL_GROUP_WITH_CP"
         assert any(f["filename"].endswith("fr_job.py") for f in c["last_call"]["frames"])
     m = res["protocol_matches"][0]
@@ -98,7 +99,7 @@ def test_group_local_src_at_pp2(jobs):
     assert d["group_desc"] == "MODEL_PARALLEL_GROUP"
     assert (d["issued"], d["not_issued"]) == ([1, 3], [0, 2])
     mp = next(g for g in res["groups"] if g["name"] == d["group"])
-    assert mp["members"] == "0-3" and not mp["members_inferred"]
+    assert mp["members"] == "0-3" and not mp["members_inferred"] and mp["members_from_layout"]
     m = res["protocol_matches"][0]
     assert m["protocol"] == "pr285-src-local"
     assert (m["topology"]["tp"], m["topology"]["pp"]) == (2, 2)
