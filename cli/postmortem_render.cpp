@@ -261,50 +261,32 @@ void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::P
   notes();
 }
 
-nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::PostmortemResult& r,
-                                       const PostmortemRenderOptions& o) {
-  (void)o;
-  nlohmann::ordered_json j;
-  j["world"] = job.world;
-  j["total_calls"] = r.total_calls;
-  j["diverged"] = r.diverged();
-  nlohmann::ordered_json groups = nlohmann::ordered_json::array();
-  for (const auto& g : job.groups) {
-    groups.push_back({{"name", g.name},
-                      {"desc", g.desc},
-                      {"size", g.members.size()},
-                      {"members", format_rank_set(g.members, 64)},
-                      {"members_inferred", g.members_inferred},
-                      {"members_from_layout", g.members_from_layout}});
+namespace {
+
+nlohmann::ordered_json divergence_json(const FrJob& job, const Divergence& d) {
+  nlohmann::ordered_json x = {{"kind", oracle::divergence_kind_name(d.kind)},
+                              {"group", job.groups[d.group].name},
+                              {"group_desc", job.groups[d.group].desc},
+                              {"seq", d.seq},
+                              {"time_created_ns", d.time_ns},
+                              {"call", signature_json(job.signatures[d.signature])},
+                              {"issued", d.issued},
+                              {"not_issued", d.not_issued},
+                              {"no_dump", d.no_dump},
+                              {"blames_idle_rank", d.blames_idle_rank},
+                              {"summary", headline(job, d)}};
+  if (d.kind == DivergenceKind::kMismatch) {
+    nlohmann::ordered_json vars = nlohmann::ordered_json::array();
+    for (const auto& [sig, ranks] : d.variants)
+      vars.push_back({{"call", signature_json(job.signatures[sig])}, {"ranks", ranks}});
+    x["variants"] = vars;
+    x["detail"] = d.detail;
   }
-  j["groups"] = groups;
-  nlohmann::ordered_json divs = nlohmann::ordered_json::array();
-  for (const auto& d : r.divergences) {
-    nlohmann::ordered_json x = {{"kind", oracle::divergence_kind_name(d.kind)},
-                                {"group", job.groups[d.group].name},
-                                {"group_desc", job.groups[d.group].desc},
-                                {"seq", d.seq},
-                                {"time_created_ns", d.time_ns},
-                                {"call", signature_json(job.signatures[d.signature])},
-                                {"issued", d.issued},
-                                {"not_issued", d.not_issued},
-                                {"no_dump", d.no_dump},
-                                {"blames_idle_rank", d.blames_idle_rank},
-                                {"summary", headline(job, d)}};
-    if (d.kind == DivergenceKind::kMismatch) {
-      nlohmann::ordered_json vars = nlohmann::ordered_json::array();
-      for (const auto& [sig, ranks] : d.variants)
-        vars.push_back({{"call", signature_json(job.signatures[sig])}, {"ranks", ranks}});
-      x["variants"] = vars;
-      x["detail"] = d.detail;
-    }
-    divs.push_back(x);
-  }
-  j["divergences"] = divs;
-  j["ranks"] = {{"culprit", r.culprits},
-                {"waiting", r.waiting},
-                {"complete", r.complete},
-                {"missing", r.missing}};
+  return x;
+}
+
+// The first 256 culprits, each with its last call.
+nlohmann::ordered_json culprits_json(const FrJob& job, const oracle::PostmortemResult& r) {
   nlohmann::ordered_json last = nlohmann::ordered_json::array();
   for (int64_t rank : r.culprits) {
     if (last.size() >= 256) break;
@@ -323,7 +305,36 @@ nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::Postmorte
     }
     last.push_back(x);
   }
-  j["culprits"] = last;
+  return last;
+}
+
+}  // namespace
+
+nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::PostmortemResult& r,
+                                       const PostmortemRenderOptions& o) {
+  (void)o;
+  nlohmann::ordered_json j;
+  j["world"] = job.world;
+  j["total_calls"] = r.total_calls;
+  j["diverged"] = r.diverged();
+  nlohmann::ordered_json groups = nlohmann::ordered_json::array();
+  for (const auto& g : job.groups) {
+    groups.push_back({{"name", g.name},
+                      {"desc", g.desc},
+                      {"size", g.members.size()},
+                      {"members", format_rank_set(g.members, 64)},
+                      {"members_inferred", g.members_inferred},
+                      {"members_from_layout", g.members_from_layout}});
+  }
+  j["groups"] = groups;
+  nlohmann::ordered_json divs = nlohmann::ordered_json::array();
+  for (const auto& d : r.divergences) divs.push_back(divergence_json(job, d));
+  j["divergences"] = divs;
+  j["ranks"] = {{"culprit", r.culprits},
+                {"waiting", r.waiting},
+                {"complete", r.complete},
+                {"missing", r.missing}};
+  j["culprits"] = culprits_json(job, r);
   nlohmann::ordered_json matches = nlohmann::ordered_json::array();
   for (const auto& m : r.matches) {
     matches.push_back(
