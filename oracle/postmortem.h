@@ -80,6 +80,7 @@ struct PostmortemResult {
 // and whose members were only inferred from the calls get their whole membership from Megatron's
 // layout (SPEC §7) where every layout of `job.world` ranks consistent with all such groups gives
 // the same; a note says which.
+// Call it on a loaded job before analyse_flight_records (the CLI does).
 void resolve_megatron_groups(FrJob& job);
 
 // The headline divergence is the earliest one that blames an idle rank (one that is not itself
