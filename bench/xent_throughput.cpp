@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/cases.h"
 #include "kernels/cpu/fused_xent_rows.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/device_buffer.h"
 #include "kernels/fused_xent.h"
+#include "synth/cases.h"
 
 using Clock = std::chrono::steady_clock;
 using namespace lossguard;
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
               dtype == DType::kFloat16 ? float_to_half(x) : float_to_bfloat16(x);
       }
     });
-    fixtures::Rng rng(7);
+    synth::Rng rng(7);
     for (auto& t : targets) t = rng.uniform_int(0, vocab - 1);
   }
   std::vector<float> scale(static_cast<std::size_t>(rows), 1.0f / static_cast<float>(rows));

@@ -106,6 +106,9 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
                 &err == &std::cerr && isatty(STDERR_FILENO) == 1, !cmd->output.json_path.empty()};
     try {
       cmd->run(report, ctx);
+    } catch (const JobFaultError& e) {
+      report.fault_error(e.what());
+      err << "lossguard: the job failed: " << e.what() << "\n";
     } catch (const InputError& e) {
       report.error(e.what());
       err << "lossguard: error: " << e.what() << "\n";

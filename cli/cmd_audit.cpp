@@ -37,8 +37,7 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
   for (const auto& c : captures) report.add_input(c.file, "audit capture");
   const std::vector<oracle::AuditStep> steps = oracle::audit_captures(captures, opt);
   render_audit(steps, captures, o.strict_scale, o.explain, o.svg_path, report, ctx);
-  report.verified();
-  if (oracle::audit_failed(steps, o.strict_scale)) report.fail();
+  report.record(oracle::audit_judgement(steps, o.strict_scale));
 }
 
 }  // namespace

@@ -51,9 +51,7 @@ CheckPlan plan_of(const CheckOptions& o) {
     }
     plan.reduces.push_back(mode_from_option<Reduction>("--reduce", r));
   }
-  for (int64_t c : o.cp_sizes) {
-    if (c < 1) throw_input_error("--cp sizes must be >= 1, got {}", c);
-  }
+  require_sizes_at_least_1("--cp", o.cp_sizes);
   plan.cp_sizes = o.cp_sizes;
   for (const auto& name : o.impls)
     plan.impls.push_back(mode_from_option<trainer::Impl>("--impl", name));
@@ -73,18 +71,13 @@ CheckPlan plan_of(const CheckOptions& o) {
 
 void run_check(const CheckOptions& o, Report& report, Context& ctx) {
   const CheckPlan plan = plan_of(o);
-  if (plan.device == kernels::Device::kCuda &&
-      !kernels::cuda_available()) {  // SPEC §8: nothing verified, exit 4
-    const kernels::DeviceInfo info = kernels::query_device_info();
-    throw UnverifiedError(fmt::format("--device cuda: no CUDA device ({})",
-                                      info.status.empty() ? "none found" : info.status));
-  }
+  kernels::require_device(plan.device);
   // LibTorch starts up while the dump is read and the oracle makes its pass over the logits.
   std::optional<trainer::TorchPreload> torch_loading;
   if (std::find(plan.impls.begin(), plan.impls.end(), trainer::Impl::kTorch) != plan.impls.end())
     torch_loading.emplace();
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
-  if (loaded.batch.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  oracle::require_samples(loaded.batch);
   const CheckView view{&plan, o.impls, o.device, o.token_loss_is};
   run_per_step(loaded.batch, o.dumps.step, report, ctx, [&](const StepView& v) {
     const Batch& b = *v.batch;
@@ -96,8 +89,7 @@ void run_check(const CheckOptions& o, Report& report, Context& ctx) {
     const oracle::CheckResult result =
         run_check_step(plan, b, placement, global_batch_size_of(o.global_batch_size, b), ctx);
     render_check(result, view, report, ctx);
-    report.verified();
-    if (!result.ok()) report.fail();
+    report.record(result.judgement());
   });
 }
 

@@ -68,9 +68,7 @@ void count_step(const CountOptions& o, const CLI::App& app, const StepView& v,
   }
   const oracle::CountResult result = oracle::evaluate_count(b, request);
   render_count(result, b, view, report, ctx);
-  if (!result.verified()) throw UnverifiedError("the dumps hold no samples");
-  report.verified();
-  if (!result.ok()) report.fail();
+  report.record(result.judgement());
 }
 
 void run_count(const CountOptions& o, const CLI::App& app, Report& report, Context& ctx) {

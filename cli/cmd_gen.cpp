@@ -4,8 +4,8 @@
 
 #include "cli/command.h"
 #include "core/errors.h"
-#include "fixtures/cases.h"
 #include "io/dump.h"
+#include "synth/cases.h"
 
 namespace lossguard::cli {
 
@@ -16,14 +16,14 @@ struct GenCliOptions {
   std::string case_name = "random";
   std::string dtype = "float32";
   bool list = false;
-  fixtures::GenOptions gen;
+  synth::GenOptions gen;
 };
 
 void run_gen(GenCliOptions& o, CLI::App& app, Report& report, Context& ctx) {
   if (o.list) {
-    for (const auto& c : fixtures::list_cases())
+    for (const auto& c : synth::list_cases())
       ctx.out << fmt::format("{:<20} {}\n", c.name, c.description);
-    report.verified();
+    report.record(Judgement::verified());
     return;
   }
   if (o.out_path.empty())
@@ -34,10 +34,9 @@ void run_gen(GenCliOptions& o, CLI::App& app, Report& report, Context& ctx) {
     if (app.count("--max-prompt") == 0) o.gen.max_prompt = 512;
     if (app.count("--max-response") == 0) o.gen.max_response = 1024;
   }
-  Batch batch = fixtures::make_case(o.case_name, o.gen);
+  Batch batch = synth::make_case(o.case_name, o.gen);
   io::write_batch(batch, o.out_path);
-  int64_t effective = 0;
-  for (int64_t i = 0; i < batch.num_samples(); ++i) effective += batch.mask_sum(i);
+  const int64_t effective = batch.num_effective_tokens();
   ctx.out << fmt::format(
       "wrote {}: case {}, seed {}, {} samples, {} tokens, {} response tokens, {} effective{}\n",
       o.out_path, o.case_name, o.gen.seed, batch.num_samples(), batch.tokens.size(),
@@ -50,7 +49,7 @@ void run_gen(GenCliOptions& o, CLI::App& app, Report& report, Context& ctx) {
   report.results()["seed"] = o.gen.seed;
   report.results()["num_samples"] = batch.num_samples();
   report.results()["num_effective_tokens"] = effective;
-  report.verified();
+  report.record(Judgement::verified());
 }
 
 }  // namespace

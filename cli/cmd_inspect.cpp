@@ -19,8 +19,7 @@ void run_inspect(const InspectOptions& o, Report& report, Context& ctx) {
   LoadedBatch loaded = load_batch(o.dumps, report, ctx);
   const oracle::BatchSummary summary = oracle::summarize_batch(loaded.batch);
   render_inspect(loaded, summary, o.max_rows, report, ctx);
-  if (loaded.batch.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
-  report.verified();
+  report.record(oracle::samples_judgement(loaded.batch));
 }
 
 }  // namespace

@@ -38,14 +38,12 @@ void run_postmortem(const PostmortemOptions& o, Report& report, Context& ctx) {
   auto& res = report.results();
   const nlohmann::ordered_json doc = postmortem_json(job, r, o.render);
   for (auto it = doc.begin(); it != doc.end(); ++it) res[it.key()] = *it;
-  if (r.no_collectives()) {
-    throw UnverifiedError(
-        "the dumps hold no collective call (was TORCH_FR_BUFFER_SIZE > 0 in the job?)");
+  const Judgement judgement = r.judgement();
+  if (judgement.unverified.empty()) {
+    report.add_case({"lossguard.postmortem", "ranks_aligned", !r.diverged(),
+                     r.diverged() ? "the ranks diverged (see the report)" : "", false});
   }
-  report.add_case({"lossguard.postmortem", "ranks_aligned", !r.diverged(),
-                   r.diverged() ? "the ranks diverged (see the report)" : "", false});
-  if (r.diverged()) report.fault();
-  report.verified();
+  report.record(judgement);
 }
 
 }  // namespace

@@ -29,10 +29,7 @@ void replay_step(const ReplayOptions& o, const ReplaySettings& set, const StepVi
   const std::optional<oracle::ReplayMetrics> metrics =
       oracle::replay_metrics(b, set.reduce, run->in.global_tokens);
   render_replay(*run, metrics, b, o, report, ctx);
-  if (b.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
-  report.verified();
-  if (run->result.fault || (metrics && metrics->faults())) report.fault();
-  if (run->result.wrong_decision) report.fail();
+  report.record(oracle::replay_judgement(b, run->result, metrics));
   if (run->real) {
     ctx.out << std::flush;  // a launcher may stop the other ranks once one exits non-zero
     const auto& findings = run->result.findings;

@@ -1,10 +1,8 @@
 // `lossguard topo`: ranks, coordinates and process groups of a TP x PP x CP x DP topology (SPEC
 // §7).
-#include <fmt/format.h>
-#include <fmt/ranges.h>
-
 #include "cli/command.h"
 #include "cli/placement_options.h"
+#include "cli/topo_render.h"
 #include "oracle/topology.h"
 
 namespace lossguard::cli {
@@ -17,71 +15,8 @@ struct TopoOptions : TopologySizes {
 
 void run_topo(const TopoOptions& o, Report& report, Context& ctx) {
   const oracle::Topology t(o.tp, o.pp, o.cp, o.dp, o.ep, o.etp);
-  std::ostream& out = ctx.out;
-  out << fmt::format(
-      "TP{} PP{} CP{} DP{}{}: world {} (Megatron order tp-cp-ep-dp-pp; dense layers EP = 1)\n",
-      o.tp, o.pp, o.cp, o.dp, t.ep() > 1 ? fmt::format(" EP{}", t.ep()) : "", t.world());
-  out << "global_rank = tp + TP*(cp + CP*(dp + DP*pp))\n";
-  if (t.ep() > 1) {
-    out << fmt::format(
-        "expert layers: ETP{} EP{} EDP{} PP{} (CP folded into expert data parallelism)\n"
-        "global_rank = etp + ETP*(ep + EP*(edp + EDP*pp))\n",
-        t.etp(), t.ep(), t.edp(), t.pp());
-  }
-  out << "\n";
-  out << fmt::format("{:>7} {:>5} {:>5} {:>5} {:>5}  {}\n", "rank", "tp", "cp", "dp", "pp",
-                     "pipeline last rank");
-  nlohmann::ordered_json ranks = nlohmann::ordered_json::array();
-  for (int64_t r = 0; r < t.world(); ++r) {
-    const oracle::Coord c = t.coord(r);
-    if (o.max_rows == 0 || r < o.max_rows) {
-      out << fmt::format("{:>7} {:>5} {:>5} {:>5} {:>5}  {}\n", r, c.tp, c.cp, c.dp, c.pp,
-                         t.pipeline_last_rank(r));
-    } else if (r == o.max_rows) {
-      out << fmt::format("{:>7} ... {} more ranks (--max-rows 0 shows all)\n", "", t.world() - r);
-    }
-    if (ctx.want_json) {
-      ranks.push_back({{"rank", r},
-                       {"tp", c.tp},
-                       {"cp", c.cp},
-                       {"dp", c.dp},
-                       {"pp", c.pp},
-                       {"pipeline_last_rank", t.pipeline_last_rank(r)}});
-    }
-  }
-  out << "\ngroups (members ordered by global rank):\n";
-  nlohmann::ordered_json groups = nlohmann::ordered_json::object();
-  std::vector<oracle::GroupKind> kinds(std::begin(oracle::kAllGroupKinds),
-                                       std::end(oracle::kAllGroupKinds));
-  if (t.ep() > 1) {
-    kinds.insert(kinds.end(), std::begin(oracle::kExpertGroupKinds),
-                 std::end(oracle::kExpertGroupKinds));
-  }
-  for (oracle::GroupKind k : kinds) {
-    const int64_t n = t.num_groups(k);
-    std::vector<std::string> shown;
-    nlohmann::ordered_json list = nlohmann::ordered_json::array();
-    for (int64_t g = 0; g < n; ++g) {
-      const auto members = t.members({k, g});
-      if (g < 8) shown.push_back(fmt::format("[{}]", fmt::join(members, ",")));
-      if (ctx.want_json) list.push_back(members);
-    }
-    out << fmt::format("  {:<6} {} group(s) of {}: {}{}\n", oracle::group_kind_name(k), n,
-                       t.group_size(k), fmt::join(shown, " "), n > 8 ? " ..." : "");
-    groups[oracle::group_kind_name(k)] = list;
-  }
-  auto& res = report.results();
-  res["tp"] = o.tp;
-  res["pp"] = o.pp;
-  res["cp"] = o.cp;
-  res["dp"] = o.dp;
-  res["ep"] = t.ep();
-  res["etp"] = t.etp();
-  res["world"] = t.world();
-  res["ranks"] = ranks;
-  res["groups"] = groups;
-  report.add_case({"lossguard.topo", "layout", true, "", false});
-  report.verified();
+  render_topo(t, o.max_rows, report, ctx);
+  report.record(Judgement::verified());  // a layout is computed, never judged
 }
 
 }  // namespace

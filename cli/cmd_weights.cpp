@@ -61,19 +61,19 @@ void weights_step(const WeightsOptions& o, const StepView& v, oracle::WeightsReq
                   : 0;
   view.svg_path = o.svg_path;
   render_weights(result, b, view, report, ctx);
-  report.verified();
-  if (result.fails()) report.fail();
+  report.record(result.judgement());
 }
 
 void run_weights(const WeightsOptions& o, Report& report, Context& ctx) {
   oracle::WeightsRequest request;
   request.terms = parse_term_contracts(o.reduce, o.contracts, o.terms);
-  if (o.cp < 1 || o.tp < 1) throw_input_error("--cp and --tp must be >= 1");
+  require_sizes_at_least_1("--cp", {o.cp});
+  require_sizes_at_least_1("--tp", {o.tp});
   request.split = mode_from_option<Split>("--split", o.placement.split);
   request.strict_scale = o.strict_scale;
   request.per_token = o.per_token;
   LoadedBatch loaded = load_batch(o.dumps, report, ctx, LoadNeeds{false, false, false});
-  if (loaded.batch.num_samples() == 0) throw UnverifiedError("the dumps hold no samples");
+  oracle::require_samples(loaded.batch);
   request.vary = oracle::parse_variations(o.vary);
   run_per_step(loaded.batch, o.dumps.step, report, ctx,
                [&](const StepView& v) { weights_step(o, v, request, report, ctx); });

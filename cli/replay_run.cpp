@@ -63,7 +63,7 @@ oracle::Placement step_placement(const ReplayOptions& o, const ReplaySettings& s
 
 // This process's rank of the real job, its outcomes gathered on rank 0.
 distributed::RealReplayOutput run_real(const ReplayOptions& o, const ReplaySettings& set,
-                                       distributed::RealReplayInput& real, Report& report) {
+                                       distributed::RealReplayInput& real) {
   real.env = distributed::launch_env_from_environment();
   real.timeout_s = o.timeout_s;
   if (real.env.world_size != set.topo.world()) {
@@ -82,10 +82,7 @@ distributed::RealReplayOutput run_real(const ReplayOptions& o, const ReplaySetti
   }
   distributed::RealReplayOutput got;
   distributed::dist_api().run(&real, &got);
-  if (!got.error.empty()) {
-    report.fault();
-    throw InputError(fmt::format("rank {}: {}", real.env.rank, got.error));
-  }
+  if (!got.error.empty()) throw JobFaultError(fmt::format("rank {}: {}", real.env.rank, got.error));
   return got;
 }
 
@@ -105,10 +102,10 @@ std::optional<ReplayRun> run_replay_step(const ReplayOptions& o, const ReplaySet
   }
   run.real.emplace();
   run.real->inputs = &run.in;
-  distributed::RealReplayOutput got = run_real(o, set, *run.real, report);
+  distributed::RealReplayOutput got = run_real(o, set, *run.real);
   if (run.real->env.rank != 0) {  // rank 0 alone reports; every rank exits with its verdict
     const distributed::JobVerdict verdict = distributed::follow_job_verdict(*run.real);
-    report.verified();
+    report.record(Judgement::verified());  // rank 0's verdict is forced below
     report.suppress_outputs();
     report.force_exit_code(verdict.exit_code);
     if (!verdict.heard_from_rank0)

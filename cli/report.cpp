@@ -43,6 +43,18 @@ void Report::error(const std::string& message) {
   errors_.push_back(message);
 }
 
+void Report::record(const Judgement& judgement) {
+  if (!judgement.unverified.empty()) throw UnverifiedError(judgement.unverified);
+  verified_ = true;
+  failed_ = failed_ || judgement.failed;
+  faulted_ = faulted_ || judgement.faulted;
+}
+
+void Report::fault_error(const std::string& message) {
+  faulted_ = true;
+  error(message);
+}
+
 void Report::unverified(const std::string& reason) {
   unverified_ = true;
   unverified_reason_ = reason;

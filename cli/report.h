@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/errors.h"
+#include "core/judgement.h"
 #include "oracle/findings.h"
 
 namespace CLI {
@@ -39,12 +40,14 @@ class Report {
  public:
   explicit Report(std::string command);
 
-  // Outcomes; the exit code is the most severe, ordered 3 > 1 > 2 > 4 (SPEC §8).
-  void fail() { failed_ = true; }
-  void fault() { faulted_ = true; }
+  // Outcomes; the exit code is the most severe, ordered 3 > 1 > 2 > 4 (SPEC §8). A result's
+  // judgement (decided by the library) is recorded as it is: nothing verified throws
+  // UnverifiedError (cli/app.cpp reports it), else the check counts as run and its failure or fault
+  // is kept.
+  void record(const Judgement& judgement);
   void error(const std::string& message);
+  void fault_error(const std::string& message);  // a JobFaultError: exit 3, the message kept
   void unverified(const std::string& reason);
-  void verified() { verified_ = true; }  // at least one check ran
   // A real-mode replay rank other than 0 exits with the code rank 0 decided, whatever it saw
   // itself.
   void force_exit_code(int code) { forced_exit_code_ = code; }

@@ -31,6 +31,10 @@ int64_t Batch::mask_sum(int64_t i) const {
                          response_offsets[i + 1] - response_offsets[i]);
 }
 
+int64_t Batch::num_effective_tokens() const {
+  return count_mask_ones(loss_mask.data(), num_response_tokens());
+}
+
 SampleClass Batch::classify(int64_t i, int64_t mask_sum) const {
   SampleClass c;
   const int64_t t = total_lengths[i], r = response_lengths[i];

@@ -80,6 +80,7 @@ struct Batch {
   }
   int64_t prompt_length(int64_t i) const { return total_lengths[i] - response_lengths[i]; }
   int64_t mask_sum(int64_t i) const;
+  int64_t num_effective_tokens() const;  // response tokens whose loss mask is 1, all samples
   SampleClass classify(int64_t i, int64_t mask_sum) const;  // mask_sum: mask_sum(i)
   SampleKind kind(int64_t i) const { return classify(i, mask_sum(i)).kind; }
   SampleKind kind(int64_t i, int64_t mask_sum) const { return classify(i, mask_sum).kind; }

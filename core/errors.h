@@ -38,6 +38,13 @@ class UnverifiedError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The job under test broke while lossguard ran it (a rank of a real replay raised): exit code 3,
+// the message naming the rank.
+class JobFaultError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 // A broken internal invariant: a lossguard bug. Exit code 2, with the source location.
 class InternalError : public std::logic_error {
  public:

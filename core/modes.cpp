@@ -7,6 +7,12 @@
 
 namespace lossguard {
 
+void require_sizes_at_least_1(const char* what, const std::vector<int64_t>& sizes) {
+  for (int64_t s : sizes) {
+    if (s < 1) throw_input_error("{} sizes must be >= 1, got {}", what, s);
+  }
+}
+
 int64_t chunk_size(int64_t t, int64_t cp, const ShardLayout& layout, int64_t sample_padded) {
   if (cp < 1) throw_input_error("CP size must be >= 1, got {}", cp);
   const int64_t parts = 2 * cp;

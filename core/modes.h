@@ -129,6 +129,9 @@ struct ShardLayout {
       0;  // thd: pad each sample to a multiple of lcm(this, 2cp) (Relax's VL path)
 };
 
+// Throws InputError naming `what` ("--cp", "--tp") when one of `sizes` is below 1.
+void require_sizes_at_least_1(const char* what, const std::vector<int64_t>& sizes);
+
 // Chunk size for a sample of length T on `cp` ranks (the zig-zag cut is 2·cp chunks of this size);
 // throws InputError when the layout cannot hold T. `sample_padded` > 0 is the length the sample
 // itself says it was padded to (Batch::padded_total_length); it takes precedence over the layout's

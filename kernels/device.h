@@ -11,6 +11,9 @@ enum class Device { kCpu, kCuda };
 
 // True when this build has CUDA and the process sees at least one device.
 bool cuda_available();
+// Throws UnverifiedError (SPEC §8: nothing verified, exit 4) naming why when `device` is CUDA and
+// none is available.
+void require_device(Device device);
 
 // Worker threads for the CPU twins: LOSSGUARD_NUM_THREADS, else the hardware's concurrency.
 int cpu_threads();

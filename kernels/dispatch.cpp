@@ -6,6 +6,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/errors.h"
 #include "kernels/device_buffer.h"
 #include "kernels/device_info.h"
 #include "kernels/fused_xent.h"
@@ -15,6 +16,14 @@
 namespace lossguard::kernels {
 
 bool cuda_available() { return query_device_info().device_count > 0; }
+
+void require_device(Device device) {
+  if (device != Device::kCuda) return;
+  const DeviceInfo info = query_device_info();
+  if (info.device_count > 0) return;
+  throw UnverifiedError("--device cuda: no CUDA device (" +
+                        (info.status.empty() ? std::string("none found") : info.status) + ")");
+}
 
 int cpu_threads() {
   if (const char* e = std::getenv("LOSSGUARD_NUM_THREADS")) {

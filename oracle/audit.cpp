@@ -1356,4 +1356,8 @@ bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale) {
                      [&](const AuditStep& s) { return s.failed(strict_scale); });
 }
 
+Judgement audit_judgement(const std::vector<AuditStep>& steps, bool strict_scale) {
+  return Judgement::verified(audit_failed(steps, strict_scale));
+}
+
 }  // namespace lossguard::oracle

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "core/judgement.h"
 #include "core/layout.h"
 #include "core/rank_capture.h"
 #include "oracle/findings.h"
@@ -89,5 +90,6 @@ std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
                                       const AuditOptions& options);
 // The audit's verdict: some step failed.
 bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale);
+Judgement audit_judgement(const std::vector<AuditStep>& steps, bool strict_scale);
 
 }  // namespace lossguard::oracle

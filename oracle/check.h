@@ -10,6 +10,7 @@
 
 #include "core/batch.h"
 #include "core/candidate_result.h"
+#include "core/judgement.h"
 #include "oracle/compare.h"
 #include "oracle/findings.h"
 #include "oracle/grad_stream.h"
@@ -133,6 +134,7 @@ struct CheckResult {
   std::optional<TokenLossCheck> token_loss;  // set when it ran
   std::vector<Finding> findings;
   bool ok() const;
+  Judgement judgement() const { return Judgement::verified(!ok()); }
 };
 // The findings of a checked step, in report order: legacy response slicing (policy legacy), the
 // token_loss finding, then the batch's own (batch_findings).

@@ -11,9 +11,7 @@
 namespace lossguard::oracle {
 
 CountSizes count_sizes(std::vector<int64_t> requested) {
-  for (int64_t c : requested) {
-    if (c < 1) throw_input_error("--cp sizes must be >= 1, got {}", c);
-  }
+  require_sizes_at_least_1("--cp", requested);
   std::sort(requested.begin(), requested.end());
   requested.erase(std::unique(requested.begin(), requested.end()), requested.end());
   CountSizes s;
@@ -21,6 +19,11 @@ CountSizes count_sizes(std::vector<int64_t> requested) {
   if (!s.cp1_requested) requested.insert(requested.begin(), 1);
   s.cp_sizes = std::move(requested);
   return s;
+}
+
+Judgement CountResult::judgement() const {
+  return verified() ? Judgement::verified(!ok())
+                    : Judgement::nothing_verified("the dumps hold no samples");
 }
 
 bool CountResult::ok() const {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "core/judgement.h"
 #include "core/layout.h"
 #include "oracle/denominators.h"
 #include "oracle/findings.h"
@@ -52,6 +53,7 @@ struct CountResult {
   bool reported(std::size_t c) const { return sizes.cp_sizes[c] != 1 || sizes.cp1_requested; }
   bool ok() const;                                           // every invariant holds
   bool verified() const { return !counts.samples.empty(); }  // SPEC §8: else nothing verified
+  Judgement judgement() const;  // nothing verified without samples, else failed unless ok()
 };
 
 // Counts, denominators and invariants of one step; a placement that is not a partition breaks I3.

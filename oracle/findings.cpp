@@ -8,6 +8,7 @@
 #include <cmath>
 #include <thread>
 
+#include "core/errors.h"
 #include "oracle/denominators.h"
 
 namespace lossguard::oracle {
@@ -180,6 +181,16 @@ BatchSummary summarize_batch(const Batch& b) {
   }
   s.findings = batch_findings(b);
   return s;
+}
+
+Judgement samples_judgement(const Batch& batch) {
+  return batch.num_samples() == 0 ? Judgement::nothing_verified("the dumps hold no samples")
+                                  : Judgement::verified();
+}
+
+void require_samples(const Batch& batch) {
+  const Judgement j = samples_judgement(batch);
+  if (!j.unverified.empty()) throw UnverifiedError(j.unverified);
 }
 
 }  // namespace lossguard::oracle

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "core/judgement.h"
 #include "oracle/row_math.h"
 
 namespace lossguard::oracle {
@@ -33,6 +34,11 @@ struct BatchSummary {
   bool must_skip() const { return effective_tokens == 0 && !classes.empty(); }
 };
 BatchSummary summarize_batch(const Batch& batch);
+
+// SPEC §8: a batch without samples verifies nothing (exit 4). samples_judgement says so;
+// require_samples throws it as UnverifiedError before a command starts its work.
+Judgement samples_judgement(const Batch& batch);
+void require_samples(const Batch& batch);
 
 // Relax before PR #285 took a sample's targets as tokens[-R:], which for R = 0 is all T tokens: one
 // finding naming the samples with R = 0 and T > 0, if there are any.

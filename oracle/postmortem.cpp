@@ -564,4 +564,12 @@ void resolve_megatron_groups(FrJob& job) {
   }
 }
 
+Judgement PostmortemResult::judgement() const {
+  if (no_collectives()) {
+    return Judgement::nothing_verified(
+        "the dumps hold no collective call (was TORCH_FR_BUFFER_SIZE > 0 in the job?)");
+  }
+  return Judgement::verified(false, diverged());
+}
+
 }  // namespace lossguard::oracle

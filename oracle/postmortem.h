@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/flight_record.h"
+#include "core/judgement.h"
 #include "oracle/replay_protocol.h"
 #include "oracle/topology.h"
 
@@ -73,6 +74,8 @@ struct PostmortemResult {
   std::vector<std::string> notes;
   bool no_collectives() const { return total_calls == 0; }
   bool diverged() const { return !divergences.empty(); }
+  // Nothing verified without a collective call; a divergence is the job's fault (exit 3).
+  Judgement judgement() const;
 };
 
 // Groups that Megatron names by their group_desc (MODEL_PARALLEL_GROUP,

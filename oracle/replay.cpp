@@ -290,4 +290,10 @@ std::optional<ReplayMetrics> replay_metrics(const Batch& b, ReduceMode reduce,
   return m;
 }
 
+Judgement replay_judgement(const Batch& batch, const ReplayResult& result,
+                           const std::optional<ReplayMetrics>& metrics) {
+  if (batch.num_samples() == 0) return samples_judgement(batch);
+  return Judgement::verified(result.wrong_decision, result.fault || (metrics && metrics->faults()));
+}
+
 }  // namespace lossguard::oracle

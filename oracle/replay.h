@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/batch.h"
+#include "core/judgement.h"
 #include "oracle/findings.h"
 #include "oracle/rank_set.h"
 #include "oracle/replay_program.h"
@@ -60,5 +61,10 @@ struct ReplayMetrics {
 // nullopt when the batch has neither token_loss nor log_probs.
 std::optional<ReplayMetrics> replay_metrics(const Batch& batch, ReduceMode reduce,
                                             int64_t global_tokens);
+
+// A replayed step's judgement: nothing verified without samples; a fault when a rank errored,
+// blocked or mismatched or the metric fails fast; failed when a rank decided wrong.
+Judgement replay_judgement(const Batch& batch, const ReplayResult& result,
+                           const std::optional<ReplayMetrics>& metrics);
 
 }  // namespace lossguard::oracle

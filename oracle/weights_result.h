@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/judgement.h"
 #include "core/term.h"
 #include "oracle/findings.h"
 #include "oracle/weights.h"
@@ -54,6 +55,7 @@ struct WeightsResult {
   std::vector<Finding> findings;   // a term weighted unlike main, per term
   bool multi() const { return terms.size() > 1; }
   bool fails() const;
+  Judgement judgement() const { return Judgement::verified(fails()); }
   std::string verdict_text() const;  // "pass: ...", "FAIL: ... (terms kl, mtp)"
 };
 

@@ -13,7 +13,6 @@
 #include <sstream>
 
 #include "cli/app.h"
-#include "fixtures/cases.h"
 #include "io/dump.h"
 #include "kernels/device.h"
 #include "oracle/compare.h"
@@ -24,6 +23,7 @@
 #include "oracle/placement.h"
 #include "oracle/row_math.h"
 #include "oracle/weights.h"
+#include "synth/cases.h"
 #include "test_util.h"
 #include "trainer/candidate.h"
 
@@ -32,21 +32,21 @@ namespace {
 
 Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10,
            int64_t vocab = 7) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = seed;
   o.num_samples = samples;
   o.vocab_size = vocab;
   o.max_prompt = 6;
   o.max_response = 9;
   o.dtype = dtype;
-  return fixtures::make_case(c, o);
+  return synth::make_case(c, o);
 }
 
 // A random `gen` batch written to dir/name.safetensors; its path.
 std::string write_random(const std::filesystem::path& dir, const std::string& name, DType dtype,
                          uint64_t seed, int64_t samples, int64_t vocab, int64_t max_prompt = 16,
                          int64_t max_response = 16) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = seed;
   o.num_samples = samples;
   o.vocab_size = vocab;
@@ -54,7 +54,7 @@ std::string write_random(const std::filesystem::path& dir, const std::string& na
   o.max_response = max_response;
   o.dtype = dtype;
   const std::string path = (dir / (name + ".safetensors")).string();
-  io::write_batch(fixtures::make_case("random", o), path);
+  io::write_batch(synth::make_case("random", o), path);
   return path;
 }
 
@@ -223,13 +223,13 @@ TEST(Candidate, LegacyPolicyFailsExactlyOnBatchesWithZeroTokenSamples) {
   const auto dir = testing::temp_dir("check-legacy");
   int with = 0, without = 0;
   for (uint64_t seed = 1; seed <= 8; ++seed) {
-    fixtures::GenOptions o;
+    synth::GenOptions o;
     o.seed = seed;
     o.num_samples = 5;
     o.vocab_size = 6;
     o.empty_fraction = seed % 2 ? 0.3 : 0.0;
     o.masked_fraction = 0.0;
-    const Batch b = fixtures::make_case("random", o);
+    const Batch b = synth::make_case("random", o);
     bool has_zero = false;
     for (int64_t i = 0; i < b.num_samples(); ++i) has_zero |= b.mask_sum(i) == 0;
     (has_zero ? with : without)++;
@@ -315,11 +315,11 @@ class Mutations : public ::testing::TestWithParam<MutationCase> {};
 
 // A "random" batch with every response token effective (no empty or fully masked sample), written
 // as safetensors in `dir`.
-Batch write_effective_batch(const std::filesystem::path& dir, fixtures::GenOptions o,
+Batch write_effective_batch(const std::filesystem::path& dir, synth::GenOptions o,
                             std::string* path) {
   o.empty_fraction = 0.0;
   o.masked_fraction = 0.0;
-  Batch b = fixtures::make_case("random", o);
+  Batch b = synth::make_case("random", o);
   *path = (dir / "b.safetensors").string();
   io::write_batch(b, *path);
   return b;
@@ -343,7 +343,7 @@ std::pair<int64_t, int64_t> zigzag_owner(int64_t t, int64_t r, int64_t j, int64_
 TEST_P(Mutations, CheckRejectsThePlantedBugAndNamesWhere) {
   const MutationCase mc = GetParam();
   const auto dir = testing::temp_dir("mutations");
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = 42;
   o.num_samples = 6;
   o.vocab_size = 9;
@@ -432,7 +432,7 @@ TEST_P(Mutations, CheckRejectsThePlantedBugAndNamesWhere) {
 // planted bug is rejected at the coordinates worked out here from the batch.
 TEST(Check, AtARealVocabularyRejectsPlantedBugsInBf16) {
   const auto dir = testing::temp_dir("real-vocab");
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = 7;
   o.num_samples = 4;
   o.vocab_size = 151936;

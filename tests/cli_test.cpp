@@ -13,9 +13,9 @@
 
 #include "cli/app.h"
 #include "cli/report.h"
-#include "fixtures/cases.h"
 #include "io/dump.h"
 #include "malformed_catalog.h"
+#include "synth/cases.h"
 #include "test_util.h"
 
 namespace lossguard::cli {
@@ -122,7 +122,7 @@ TEST(Cli, NoSamplesMeansNothingVerified) {
 
 TEST(Cli, GenWritesEveryCaseInEveryFormat) {
   const auto dir = testing::temp_dir("cli-gen");
-  for (const auto& c : fixtures::list_cases()) {
+  for (const auto& c : synth::list_cases()) {
     for (const char* ext : {".safetensors", ".pt", ".json"}) {
       const std::string path = (dir / (c.name + ext)).string();
       Result g = run_cli({"gen", "--case", c.name, "--samples", "5", "--max-prompt", "8",
@@ -726,14 +726,14 @@ TEST(CliDumps, SparseDumpOver2GiBIsCounted) {
 // position (named as such: multiplying by the mask turns it into NaN) and a target outside the
 // vocabulary.
 TEST(CliDumps, InspectNamesNanAtMaskedPositionAndOutOfVocabTargets) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = 3;
   o.num_samples = 3;
   o.vocab_size = 5;
   o.min_prompt = 2;
   o.empty_fraction = 0.0;
   o.masked_fraction = 0.0;
-  Batch b = fixtures::make_case("random", o);
+  Batch b = synth::make_case("random", o);
   // Sample 0: mask its response index 0 and put a NaN in that row; sample 1: target 7 >= V = 5.
   b.loss_mask[b.response_offsets[0]] = 0;
   std::vector<double> logits(static_cast<std::size_t>(b.logits->numel()));
@@ -944,14 +944,32 @@ TEST(CliDumps, InputIdsAliasAndFieldMapping) {
 TEST(CliReport, ExitCodePrecedenceIsFaultFailErrorUnverified) {
   for (int mask = 0; mask < 16; ++mask) {
     Report r("t");
-    r.verified();
+    r.record(Judgement::verified(/*failed=*/(mask & 4) != 0, /*faulted=*/(mask & 8) != 0));
     if (mask & 1) r.unverified("u");
     if (mask & 2) r.error("e");
-    if (mask & 4) r.fail();
-    if (mask & 8) r.fault();
     const int want = mask & 8 ? 3 : mask & 4 ? 1 : mask & 2 ? 2 : mask & 1 ? 4 : 0;
     EXPECT_EQ(r.exit_code(), want) << "outcomes " << mask;
   }
+}
+
+// A result's judgement is recorded as the library decided it: nothing verified is exit 4 with its
+// reason (thrown, as every command's "nothing verified" reaches cli/app.cpp), a fault outranks a
+// failure of another step.
+TEST(CliReport, RecordsTheLibrarysOutcome) {
+  Report r("t");
+  EXPECT_EQ(r.exit_code(), 4);  // nothing recorded: nothing verified
+  EXPECT_THROW(r.record(Judgement::nothing_verified("no samples")), UnverifiedError);
+  r.record(Judgement::verified());
+  EXPECT_EQ(r.exit_code(), 0);
+  r.record(Judgement::verified(/*failed=*/true));
+  EXPECT_EQ(r.exit_code(), 1);
+  r.record(Judgement::verified());  // a later passing step keeps the failure
+  EXPECT_EQ(r.exit_code(), 1);
+  r.record(Judgement::verified(false, /*faulted=*/true));
+  EXPECT_EQ(r.exit_code(), 3);
+  Report f("t");
+  f.fault_error("rank 2: boom");
+  EXPECT_EQ(f.exit_code(), 3);
 }
 
 // --junit on every command that judges: a JUnit document with a test case per check, failures

@@ -26,14 +26,14 @@ DeviceBuffer upload(const T* host, std::size_t count) {
 
 TEST(CudaTokenCount, AgreesExactlyWithTheCpuTwin) {
   SKIP_WITHOUT_CUDA();
-  fixtures::Rng rng(test_seed());
+  synth::Rng rng(test_seed());
   for (int trial = 0; trial < 12; ++trial) {
-    fixtures::GenOptions o;
+    synth::GenOptions o;
     o.seed = rng.next();
     o.masks_only = true;
     o.num_samples = rng.uniform_int(1, 300);
     o.max_response = rng.uniform_int(1, 5000);
-    const Batch b = fixtures::make_case(trial % 2 ? "random" : "long-random", o);
+    const Batch b = synth::make_case(trial % 2 ? "random" : "long-random", o);
     const std::vector<int64_t> cps = {1, 2, 3, 4, 8, 16};
     TokenCountArgs a = host_token_count_args(b, cps);
     std::vector<int64_t> want(static_cast<std::size_t>(token_count_size(a))), got(want.size(), -1);

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/cases.h"
 #include "kernels/fused_xent.h"
+#include "synth/cases.h"
 
 namespace lossguard::kernels {
 
@@ -42,7 +42,7 @@ struct XentData {
 };
 
 inline XentData make_data(const XentCase& c, uint64_t seed) {
-  fixtures::Rng rng(seed);
+  synth::Rng rng(seed);
   XentData d;
   const int64_t n = c.rows * c.vocab;
   d.exact.resize(static_cast<std::size_t>(n));

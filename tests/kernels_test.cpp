@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "fixtures/cases.h"
 #include "kernels/cpu/fused_xent_rows.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/fused_xent.h"
@@ -17,6 +16,7 @@
 #include "kernels/zero_flag.h"
 #include "kernels_reference.h"
 #include "oracle/denominators.h"
+#include "synth/cases.h"
 
 namespace lossguard::kernels {
 namespace {
@@ -51,18 +51,18 @@ void expect_counts_match_oracle(const Batch& b, const std::vector<int64_t>& cps,
 
 TEST(TokenCount, MatchesTheOracleOnEveryFixtureCase) {
   const std::vector<int64_t> cps = {1, 2, 3, 4, 8, 16};
-  for (const auto& c : fixtures::list_cases()) {
-    fixtures::GenOptions o;
+  for (const auto& c : synth::list_cases()) {
+    synth::GenOptions o;
     o.seed = test_seed();
     o.masks_only = true;
-    expect_counts_match_oracle(fixtures::make_case(c.name, o), cps, {}, c.name);
+    expect_counts_match_oracle(synth::make_case(c.name, o), cps, {}, c.name);
   }
 }
 
 TEST(TokenCount, MatchesTheOracleOnRandomBatchesAndEveryLayout) {
-  fixtures::Rng rng(test_seed());
+  synth::Rng rng(test_seed());
   for (int trial = 0; trial < 40; ++trial) {
-    fixtures::GenOptions o;
+    synth::GenOptions o;
     o.seed = rng.next();
     o.masks_only = true;
     o.num_samples = rng.uniform_int(0, 40);
@@ -71,7 +71,7 @@ TEST(TokenCount, MatchesTheOracleOnRandomBatchesAndEveryLayout) {
         rng.uniform_int(1, trial % 2 ? 300 : 6000);  // both the short- and the long-mask path
     o.empty_fraction = 0.2;
     o.masked_fraction = 0.2;
-    const Batch b = fixtures::make_case(trial % 3 == 0 ? "long-random" : "random", o);
+    const Batch b = synth::make_case(trial % 3 == 0 ? "long-random" : "random", o);
     int64_t longest = 0;
     for (int64_t t : b.total_lengths) longest = std::max(longest, t);
     const std::vector<int64_t> cps = {1, 2, 4, 8};

@@ -5,9 +5,9 @@
 #include <set>
 
 #include "core/errors.h"
-#include "fixtures/cases.h"
 #include "oracle/cp_shard.h"
 #include "oracle/denominators.h"
+#include "synth/cases.h"
 
 namespace lossguard::oracle {
 namespace {
@@ -39,9 +39,9 @@ TEST(CpShard, WorkedExamplesOfSpecSection2) {
 }
 
 TEST(Denominators, WorkedExamplesTotals) {
-  fixtures::GenOptions o;
-  Batch b = fixtures::make_case("cp-examples",
-                                o);  // (10,4) (16,8) (12,5) (10,0) (5,4) (7,7 SFT), masks all ones
+  synth::GenOptions o;
+  Batch b = synth::make_case("cp-examples",
+                             o);  // (10,4) (16,8) (12,5) (10,0) (5,4) (7,7 SFT), masks all ones
   OwnedCounts c = count_owned_tokens(b, {1, 2, 4}, {});
   const std::vector<int64_t> cp2_totals = {4, 8, 5,
                                            0, 4, 6};  // the table's "total" column (cp = 2 rows)
@@ -66,16 +66,16 @@ int64_t owner_of_position(int64_t pos, int64_t cp, int64_t cs) {
 }
 
 TEST(Denominators, PropertyOwnershipMatchesPerTokenFormulationAndInvariantsHold) {
-  fixtures::Rng rng(20261202);
+  synth::Rng rng(20261202);
   for (int trial = 0; trial < 40; ++trial) {
-    fixtures::GenOptions o;
+    synth::GenOptions o;
     o.seed = 1000 + trial;
     o.num_samples = 100;
     o.max_prompt = rng.uniform_int(0, 40);
     o.min_prompt = 0;
     o.max_response = rng.uniform_int(0, 60);
     o.vocab_size = 0;
-    Batch b = fixtures::make_case(trial % 4 == 0 ? "sft-preshifted" : "random", o);
+    Batch b = synth::make_case(trial % 4 == 0 ? "sft-preshifted" : "random", o);
     std::vector<int64_t> cps;
     for (int64_t cp = 1; cp <= 16; ++cp) cps.push_back(cp);
     OwnedCounts c = count_owned_tokens(b, cps, {});
@@ -119,10 +119,10 @@ TEST(Denominators, PropertyOwnershipMatchesPerTokenFormulationAndInvariantsHold)
 }
 
 TEST(Denominators, PartitionInvarianceOverDpAndMicrobatches) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.num_samples = 37;
   o.vocab_size = 0;
-  Batch b = fixtures::make_case("random", o);
+  Batch b = synth::make_case("random", o);
   OwnedCounts c = count_owned_tokens(b, {1, 2, 4, 8}, {});
   for (int64_t dp : {1, 2, 3, 5}) {
     for (int64_t mb : {1, 2, 4}) {
@@ -142,12 +142,12 @@ TEST(Denominators, PartitionInvarianceOverDpAndMicrobatches) {
 }
 
 TEST(Denominators, PaddedAndBshdLayoutsMoveTokensNotTotals) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.num_samples = 50;
   o.max_prompt = 20;
   o.max_response = 20;
   o.vocab_size = 0;
-  Batch b = fixtures::make_case("random", o);
+  Batch b = synth::make_case("random", o);
   OwnedCounts thd = count_owned_tokens(b, {1, 2, 4}, {});
   OwnedCounts padded = count_owned_tokens(b, {1, 2, 4}, {Packing::kThd, 64, 0});
   OwnedCounts bshd = count_owned_tokens(b, {1, 2, 4}, {Packing::kBshd, 0, 50});
@@ -165,8 +165,8 @@ TEST(Denominators, PaddedAndBshdLayoutsMoveTokensNotTotals) {
 }
 
 TEST(Denominators, SftNotPreshiftedBreaksI1AndSaysWhy) {
-  fixtures::GenOptions o;
-  Batch b = fixtures::make_case("sft-not-preshifted", o);
+  synth::GenOptions o;
+  Batch b = synth::make_case("sft-not-preshifted", o);
   OwnedCounts c = count_owned_tokens(b, {1, 2}, {});
   const auto inv = check_invariants(b, c, Policy::kFixed, {}, nullptr);
   EXPECT_FALSE(inv[0].ok);
@@ -176,9 +176,9 @@ TEST(Denominators, SftNotPreshiftedBreaksI1AndSaysWhy) {
 }
 
 TEST(Denominators, LegacyNamesEveryEmptySample) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.num_samples = 9;
-  Batch b = fixtures::make_case("empty-responses", o);  // samples 1, 4, 7 are empty
+  Batch b = synth::make_case("empty-responses", o);  // samples 1, 4, 7 are empty
   OwnedCounts c = count_owned_tokens(b, {1, 2}, {});
   const auto inv = check_invariants(b, c, Policy::kLegacy, {}, nullptr);
   EXPECT_FALSE(inv[0].ok);

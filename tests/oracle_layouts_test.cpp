@@ -8,11 +8,11 @@
 #include <set>
 
 #include "core/errors.h"
-#include "fixtures/cases.h"
 #include "oracle/audit.h"
 #include "oracle/denominators.h"
 #include "oracle/placement.h"
 #include "oracle/weights.h"
+#include "synth/cases.h"
 
 namespace lossguard::oracle {
 namespace {
@@ -30,14 +30,14 @@ int64_t zigzag_owner(int64_t pos, int64_t cp, int64_t cs) {
 }
 
 Batch random_batch(uint64_t seed, int64_t n, const char* kind = "random") {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = seed;
   o.num_samples = n;
   o.min_prompt = 0;
   o.max_prompt = 30;
   o.max_response = 40;
   o.vocab_size = 0;
-  return fixtures::make_case(kind, o);
+  return synth::make_case(kind, o);
 }
 
 void expect_invariants_hold(const Batch& b, const OwnedCounts& c, const Placement* p,

@@ -3,19 +3,19 @@
 
 #include "core/errors.h"
 #include "distributed/wait_graph.h"
-#include "fixtures/cases.h"
 #include "oracle/metrics.h"
 #include "oracle/placement.h"
 #include "oracle/replay.h"
+#include "synth/cases.h"
 
 namespace lossguard::oracle {
 namespace {
 
 Batch batch_of(const std::string& name, int64_t samples = 8) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.num_samples = samples;
   o.seed = 7;
-  return fixtures::make_case(name, o);
+  return synth::make_case(name, o);
 }
 
 ReplayResult replay(const Batch& b, int64_t tp, int64_t pp, int64_t cp, int64_t dp, Protocol p,
@@ -124,11 +124,11 @@ TEST(Replay, NoSkipDriftsOnEveryZeroTokenBatch) {
 TEST(Replay, DecisionFollowsTheGlobalCountNotALocalOne) {
   // One DP rank holds every token, the others none: every rank must still step.
   Batch b = batch_of("zero-token", 6);
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.num_samples = 1;
   o.empty_fraction = 0;
   o.masked_fraction = 0;
-  Batch one = fixtures::make_case("random", o);
+  Batch one = synth::make_case("random", o);
   BatchBuilder builder;
   builder.begin_file("mixed");
   for (const Batch* part : {&one, &b}) {

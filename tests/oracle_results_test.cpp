@@ -5,21 +5,21 @@
 #include <string>
 
 #include "core/errors.h"
-#include "fixtures/cases.h"
 #include "oracle/count_result.h"
 #include "oracle/replay.h"
 #include "oracle/weights_result.h"
+#include "synth/cases.h"
 #include "weights_batches.h"
 
 namespace lossguard::oracle {
 namespace {
 
 Batch random_batch(int64_t samples = 12) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = 3;
   o.num_samples = samples;
   o.vocab_size = 0;
-  return fixtures::make_case("random", o);
+  return synth::make_case("random", o);
 }
 
 TEST(CountResult, SizesAreSortedUniqueWithOneAddedForI1) {
@@ -57,9 +57,9 @@ TEST(CountResult, APlacementThatIsNotAPartitionFailsI3AndTheVerdict) {
 
 // Under legacy, an empty response counts 1 at CP = 1 and 0 at CP > 1: I1 breaks.
 TEST(CountResult, LegacyPolicyBreaksI1OnEmptyResponses) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.vocab_size = 0;
-  const Batch b = fixtures::make_case("empty-responses", o);
+  const Batch b = synth::make_case("empty-responses", o);
   CountRequest r;
   r.policy = Policy::kLegacy;
   r.sizes = count_sizes({1, 2});
@@ -138,9 +138,9 @@ ReplayResult replay(const Batch& b, int64_t tp, int64_t pp, int64_t dp, Protocol
 // The verdict and the failing cases' messages come with the result: a correct protocol passes, a
 // src-local broadcast faults, a decision read from values[0] under sample-mean is wrong.
 TEST(ReplayResult, DecidesPassFaultAndWrongDecisionWithTheirMessages) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.vocab_size = 0;
-  const Batch zero = fixtures::make_case("zero-token", o);
+  const Batch zero = synth::make_case("zero-token", o);
   const ReplayResult ok = replay(zero, 2, 2, 1, Protocol::kPr285);
   EXPECT_TRUE(ok.ok());
   EXPECT_EQ(ok.wrong_decision_message(), "");

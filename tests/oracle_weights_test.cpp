@@ -10,9 +10,9 @@
 #include "core/batch.h"
 #include "core/contract.h"
 #include "core/errors.h"
-#include "fixtures/cases.h"
 #include "oracle/placement.h"
 #include "oracle/weights.h"
+#include "synth/cases.h"
 #include "weights_batches.h"
 
 namespace lossguard::oracle {
@@ -161,7 +161,7 @@ TEST(Weights, Bug1IsAnNOverNPrimeScaleAtCp1AndBreaksSplitInvariance) {
 // buggy one is exact exactly where its formula says, checked against formulas written here from
 // counts.
 TEST(Weights, SplitInvarianceAndBugFormulasOverRandomBatches) {
-  fixtures::Rng rng(20261202);
+  synth::Rng rng(20261202);
   int batches = 0, hf_ga_exact = 0, hf_ga_wrong = 0;
   for (int trial = 0; trial < 2000; ++trial) {
     std::vector<S> samples;
@@ -253,7 +253,7 @@ TEST(Weights, SplitInvarianceAndBugFormulasOverRandomBatches) {
 // A random batch of up to 12 samples (RL, SFT and empty ones, masks 70% ones) and a random layout
 // of it (DP, micro-batches, CP 1-4; all-gather 30% of the time), for the run-versus-token
 // properties.
-std::pair<Batch, StepLayout> random_batch_and_layout(fixtures::Rng& rng) {
+std::pair<Batch, StepLayout> random_batch_and_layout(synth::Rng& rng) {
   std::vector<S> samples;
   for (int64_t i = 0, n = rng.uniform_int(1, 12); i < n; ++i) {
     const int64_t t = rng.uniform_int(0, 30), r = rng.uniform_int(0, t);
@@ -275,7 +275,7 @@ std::pair<Batch, StepLayout> random_batch_and_layout(fixtures::Rng& rng) {
 // weights, the greatest relative difference and its first token, over random batches (RL and SFT,
 // empty samples), zig-zag and all-gather layouts and contracts that break in every dimension.
 TEST(Weights, SplitInvarianceMatchesATokenByTokenComparison) {
-  fixtures::Rng rng(20261203);
+  synth::Rng rng(20261203);
   const char* contracts[] = {"relax",
                              "relax-legacy",
                              "hf-ga",
@@ -357,7 +357,7 @@ TEST(Weights, SplitInvarianceMatchesATokenByTokenComparison) {
 // empty and unplaced-free), zig-zag and all-gather layouts, contracts with every kind of break and
 // a truth scaled as a loss term's is, every field of the diagnosis and of the shard table.
 TEST(Weights, SummaryFromRunsEqualsThePerTokenDiagnosis) {
-  fixtures::Rng rng(20261204);
+  synth::Rng rng(20261204);
   const char* contracts[] = {"relax",
                              "relax-legacy",
                              "hf-ga",
@@ -430,7 +430,7 @@ TEST(Weights, SummaryFromRunsEqualsThePerTokenDiagnosis) {
 }
 
 TEST(Weights, AllGatherOwnsEveryTokenExactlyOnce) {
-  fixtures::Rng rng(7);
+  synth::Rng rng(7);
   for (int trial = 0; trial < 500; ++trial) {
     std::vector<S> samples;
     for (int64_t i = 0, n = rng.uniform_int(1, 8); i < n; ++i) {

@@ -8,23 +8,23 @@
 #include <string>
 #include <tuple>
 
-#include "fixtures/cases.h"
 #include "oracle/check.h"
 #include "oracle/loss.h"
+#include "synth/cases.h"
 #include "trainer/candidate.h"
 
 namespace lossguard {
 namespace {
 
 Batch make(const std::string& name, DType dtype) {
-  fixtures::GenOptions o;
+  synth::GenOptions o;
   o.seed = 5;
   o.num_samples = 12;
   o.vocab_size = 11;
   o.max_prompt = 6;
   o.max_response = 9;
   o.dtype = dtype;
-  return fixtures::make_case(name, o);
+  return synth::make_case(name, o);
 }
 
 struct Judged {
