@@ -4,17 +4,21 @@
     scripts/check-house.py [--includes] [--format] [--sizes] [--self-test]   (no flag: every check)
 
 --includes  every `#include "DIR/..."` of a project file follows the dependency rules (an arrow = may
-            include): cli -> oracle, trainer, io, distributed, kernels, core; oracle -> core; trainer ->
-            kernels, core; kernels -> core; io -> core; distributed -> oracle, core; core -> core.
+            include): cli -> oracle, trainer, io, distributed, kernels, synth, core; oracle -> core;
+            synth -> core; trainer -> kernels, core; kernels -> core; io -> core; distributed -> oracle, core; core -> core.
             oracle/ never includes LibTorch, CUDA or NCCL headers; NCCL only in distributed/ (and
-            kernels/device_info_cuda.cu). Exceptions are listed below with their reason.
+            kernels/device_info.cu). Exceptions are listed below with their reason.
 --format    every tracked C++/CUDA file is as clang-format (.clang-format) writes it.
 --sizes     a subcommand file (cli/cmd_*.cpp) has at most 170 lines; a function body of the product
-            (not tests/, bench/) over 80 lines says why in a comment above it that contains "Long:".
---self-test plants a forbidden include and a misformatted line in a copy and checks both are caught.
+            (not tests/, bench/) over 80 lines says why in a comment above it that contains "Long:";
+            so does a Python function (def, methods and nested ones too; from the def line to its last
+            line) of python/lossguard_capture/, in a `#` comment above its def (or its decorators).
+--self-test plants a forbidden include, a misformatted line, a long C++ and a long Python function and an
+            oversized subcommand file in a copy and checks each is caught.
 Exit 0 when clean, 1 listing every violation as FILE:LINE: what.
 """
 import argparse
+import ast
 import os
 import re
 import shutil
@@ -23,7 +27,7 @@ import sys
 import tempfile
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
-MODULES = ("core", "oracle", "trainer", "kernels", "io", "distributed", "fixtures", "cli")
+MODULES = ("core", "oracle", "trainer", "kernels", "io", "distributed", "synth", "cli")
 ALLOWED = {
     "core": {"core"},
     "oracle": {"oracle", "core"},
@@ -31,8 +35,8 @@ ALLOWED = {
     "kernels": {"kernels", "core"},
     "io": {"io", "core"},
     "distributed": {"distributed", "oracle", "core"},
-    "fixtures": {"fixtures", "oracle", "core"},
-    "cli": {"cli", "oracle", "trainer", "io", "distributed", "kernels", "fixtures", "core"},
+    "synth": {"synth", "core"},
+    "cli": {"cli", "oracle", "trainer", "io", "distributed", "kernels", "synth", "core"},
 }
 # (file, included prefix): why the rule bends there.
 EXCEPTIONS = {
@@ -164,6 +168,46 @@ def _reason_above(lines, brace_line):
     return False
 
 
+PY_PRODUCT = "python/lossguard_capture/"
+
+
+def python_functions(text):
+    """(name, first line, def line, last line) of every function of a Python source (methods and nested
+    functions too), 1-based; the first line is its first decorator's, else the def's."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            found.append((node.name, first, node.lineno, node.end_lineno))
+    return sorted(found, key=lambda fn: fn[2])
+
+
+def _py_reason_above(lines, first_line):
+    """Whether the `#` comment block directly above line `first_line` (1-based) contains "Long:"."""
+    k = first_line - 2
+    while k >= 0 and lines[k].strip().startswith("#"):
+        if "Long:" in lines[k]:
+            return True
+        k -= 1
+    return False
+
+
+def check_python_sizes(root, files=None):
+    problems = []
+    for f in files or tracked(["*.py"], root):
+        if not (f.startswith(PY_PRODUCT) and f.endswith(".py")):
+            continue
+        with open(os.path.join(root, f), encoding="utf-8") as fh:
+            text = fh.read()
+        lines = text.split("\n")
+        for name, first, start, end in python_functions(text):
+            length = end - start + 1
+            if length > MAX_FUNCTION_LINES and not _py_reason_above(lines, first):
+                problems.append(f"{f}:{start}: a function of {length} lines ({name}): split it along its seams, "
+                                f"or say why not in a `#` comment above it containing \"Long:\"")
+    return problems
+
+
 def check_sizes(root, files=None):
     problems = []
     for f in files or tracked(["*.h", "*.cpp", "*.cu", "*.cuh"], root):
@@ -181,7 +225,7 @@ def check_sizes(root, files=None):
             if length > MAX_FUNCTION_LINES and not _reason_above(lines, start):
                 problems.append(f"{f}:{start}: a function of {length} lines: split it along its "
                                 f"seams, or say why not in a comment above it containing \"Long:\"")
-    return problems
+    return problems + check_python_sizes(root, files)
 
 
 def self_test():
@@ -198,13 +242,20 @@ def self_test():
                      f"// Long: a planted reason.\nint long_two(int x)\n    const {{\n{body}  return x;\n}}\n")
         with open(os.path.join(tmp, "cli", "cmd_planted.cpp"), "w") as fh:
             fh.write("// planted\n" * 171)
+        os.makedirs(os.path.join(tmp, PY_PRODUCT))
+        py_body = "".join(f"        x += {k}\n" for k in range(85))
+        with open(os.path.join(tmp, PY_PRODUCT, "long.py"), "w") as fh:   # caught: the method; not: the rest
+            fh.write(f"class C:\n    @staticmethod\n    def long_one(x):\n{py_body}        return x\n\n"
+                     f"    # Long: a planted reason.\n    @staticmethod\n    def long_two(x):\n{py_body}"
+                     f"        return x\n\n\ndef short(x):\n    return x\n")
         inc = check_includes(tmp, ["oracle/planted.cpp"])
         fmt = check_format(tmp, ["oracle/planted.cpp"])
-        size = check_sizes(tmp, ["oracle/long.cpp", "cli/cmd_planted.cpp"])
+        size = check_sizes(tmp, ["oracle/long.cpp", "cli/cmd_planted.cpp", PY_PRODUCT + "long.py"])
         ok = (len(inc) == 2 and "may not include trainer/candidate.h" in inc[0] and "torch" in inc[1]
               and len(fmt) == 1 and "planted.cpp" in fmt[0]
-              and len(size) == 2 and "long.cpp:1: a function of 88 lines" in size[0]
-              and "cmd_planted.cpp: 171 lines" in size[1])
+              and len(size) == 3 and "long.cpp:1: a function of 88 lines" in size[0]
+              and "cmd_planted.cpp: 171 lines" in size[1]
+              and f"{PY_PRODUCT}long.py:3: a function of 87 lines (long_one)" in size[2])
         print("check-house self-test:", "the planted include, format and size errors are caught"
               if ok else f"MISSED: {inc} {fmt} {size}")
         return 0 if ok else 1

@@ -30,3 +30,16 @@ if ! "$VENV/bin/python" -c 'import torch, numpy, safetensors, pytest' 2>/dev/nul
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q torch numpy safetensors pytest
 fi
+
+# The Python lint and type check (scripts/check-python.sh, ctest python.lint), at pinned versions: a new
+# release's new rules must not fail `make test` on code nobody touched. Bump them here, deliberately.
+PY_CHECK_PINS=(ruff==0.17.6 mypy==2.4.1)
+if ! "$VENV/bin/python" - "${PY_CHECK_PINS[@]}" 2>/dev/null <<'PYEOF'
+import sys
+from importlib.metadata import version
+sys.exit(any(version(name) != want for name, want in (pin.split("==") for pin in sys.argv[1:])))
+PYEOF
+then
+  echo "setup: installing ${PY_CHECK_PINS[*]} into $VENV" >&2
+  "$VENV/bin/python" -m pip install -q "${PY_CHECK_PINS[@]}"
+fi

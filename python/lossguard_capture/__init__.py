@@ -31,10 +31,26 @@ from ._version import __version__
 from .adapter import Adapter, Spec
 from .audit import AuditError, AuditFailed, AuditResult, find_lossguard, run_audit
 from .capture import Capture, InactiveStep, coordinates
-from .recorder import (CP_LAYOUTS, REDUCE_CHOICES, SCHEMA, TERM_MASKS, CaptureWarning, MicroBatch, Recorder,
-                       StepRecorder, capture_filename, check_terms)
-from .zigzag import (owned_count, zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned,
-                     zigzag_owned_logit_positions, zigzag_slices)
+from .recorder import (
+    CP_LAYOUTS,
+    REDUCE_CHOICES,
+    SCHEMA,
+    TERM_MASKS,
+    CaptureWarning,
+    MicroBatch,
+    Recorder,
+    StepRecorder,
+    capture_filename,
+    check_terms,
+)
+from .zigzag import (
+    owned_count,
+    zigzag_chunk_size,
+    zigzag_local_logit_index,
+    zigzag_owned,
+    zigzag_owned_logit_positions,
+    zigzag_slices,
+)
 
 __all__ = [
     "__version__", "Adapter", "Spec",

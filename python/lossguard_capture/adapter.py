@@ -36,7 +36,8 @@ import os
 import sys
 import warnings
 import weakref
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Tuple, Type
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
 from .capture import Capture, _rank_and_world
@@ -45,6 +46,7 @@ from .recorder import StepRecorder, check_reduce
 __all__ = ["Spec", "Adapter", "step_dir", "deprecated_alias"]
 
 _ADAPTER_IDS = itertools.count()
+_A = TypeVar("_A", bound="Adapter")
 
 
 def step_dir(out_dir: str, step: int) -> str:
@@ -58,7 +60,7 @@ class Spec:
     versions ``[low, high)``, how to read the ``installed`` version, and what the adapter ``relies_on``
     (said in the error).  ``module`` names the adapter in messages (``lossguard_capture.hf``)."""
 
-    def __init__(self, module: str, package: str, supported: Tuple[str, str], installed: Callable[[], str],
+    def __init__(self, module: str, package: str, supported: tuple[str, str], installed: Callable[[], str],
                  relies_on: str):
         self.module, self.package, self.supported = module, package, (str(supported[0]), str(supported[1]))
         self.installed, self.relies_on = installed, relies_on
@@ -79,11 +81,11 @@ class Spec:
     def supports(self, version: str) -> bool:
         """Whether ``version`` is in ``[low, high)``; a pre-release of ``high`` (``high.dev0``, ``high rc1``)
         counts as ``high``: outside."""
-        from packaging.version import Version      # a dependency of every trainer adapted here
+        from packaging.version import Version  # a dependency of every trainer adapted here
         v, lo, hi = Version(version), Version(self.supported[0]), Version(self.supported[1])
         return lo <= v and v.release < hi.release
 
-    def check_version(self, version: Optional[str] = None, *, allow_unsupported: bool = False) -> None:
+    def check_version(self, version: str | None = None, *, allow_unsupported: bool = False) -> None:
         """RuntimeError naming the package, ``version`` (default: the installed one) and the supported range
         when it is outside :attr:`supported`; a warning instead with ``allow_unsupported``."""
         v = version or self.installed()
@@ -96,7 +98,7 @@ class Spec:
                                      "weights, but an unverified loss path may be missed or mis-described.")
         # asked for: say what it means, not how to ask for it
         warnings.warn(msg + "Trying anyway (allow_unsupported=True): the weights are still measured, but an "
-                            "unverified loss path may be missed or mis-described.")
+                            "unverified loss path may be missed or mis-described.", stacklevel=2)
 
     def __repr__(self) -> str:
         return f"Spec({self.module!r}, {self.requirement!r})"
@@ -138,17 +140,17 @@ class Adapter:
     A subclass sets ``spec`` (and ``requires``: further packages it checks) and implements ``_attach``."""
 
     spec: ClassVar[Spec]
-    requires: ClassVar[Tuple[Spec, ...]] = ()
+    requires: ClassVar[tuple[Spec, ...]] = ()
 
-    def __init__(self, out_dir: str, *, steps: Optional[Iterable[int]] = (0,), fail_fast: bool = True,
-                 audit_step: Optional[int] = None, lossguard_bin: Optional[str] = None,
-                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: Optional[str] = "per-token",
+    def __init__(self, out_dir: str, *, steps: Iterable[int] | None = (0,), fail_fast: bool = True,
+                 audit_step: int | None = None, lossguard_bin: str | None = None,
+                 audit_args: Sequence[str] = (), timeout: float = 300.0, reduce: str | None = "per-token",
                  strict: bool = True, allow_unsupported: bool = False):
         self.allow_unsupported = bool(allow_unsupported)
         for spec in (self.spec, *self.requires):
             spec.check_version(allow_unsupported=self.allow_unsupported)
         self.out_dir = out_dir
-        self.steps: Optional[List[int]] = None if steps is None else sorted({int(s) for s in steps})
+        self.steps: list[int] | None = None if steps is None else sorted({int(s) for s in steps})
         if self.steps is not None and not self.steps:
             raise ValueError("steps is empty (None captures every step)")
         self.fail_fast = bool(fail_fast)
@@ -160,16 +162,16 @@ class Adapter:
         self.lossguard_bin = lossguard_bin
         self.audit_args = list(audit_args)
         self.timeout = float(timeout)
-        self.reduce: Optional[str] = None if reduce is None else check_reduce(reduce)
+        self.reduce: str | None = None if reduce is None else check_reduce(reduce)
         self.strict = strict
-        self.paths: Dict[int, str] = {}
-        self.results: Dict[int, AuditResult] = {}
-        self._target_ref: Optional[Callable[[], Any]] = None
+        self.paths: dict[int, str] = {}
+        self.results: dict[int, AuditResult] = {}
+        self._target_ref: Callable[[], Any] | None = None
         self._id = next(_ADAPTER_IDS)
         self._audits = 0
 
     # -- what each adapter says -----------------------------------------------------------------
-    def _attach(self, target: Any, **where: Any) -> None:
+    def _attach(self, target: Any, /, **where: Any) -> None:
         """Check ``target`` and wire the adapter into it (instance attributes; classes untouched)."""
         raise NotImplementedError
 
@@ -183,7 +185,7 @@ class Adapter:
         """What the adapter is attached to (None before :meth:`attach`)."""
         return None if self._target_ref is None else self._target_ref()
 
-    def attach(self, target: Any, **where: Any) -> "Adapter":
+    def attach(self: _A, target: Any, **where: Any) -> _A:
         """Wire the adapter into ``target`` (idempotent; another target is an error) and return it."""
         current = self.target
         if current is target:
@@ -216,12 +218,12 @@ class Adapter:
         """``out_dir/step{step:06d}``."""
         return step_dir(self.out_dir, step)
 
-    def recorder(self, step: int, *, reduce: Optional[str] = None, terms: Any = None,
+    def recorder(self, step: int, *, reduce: str | None = None, terms: Any = None,
                  **coordinates: Any) -> StepRecorder:
         """Step ``step``'s recorder, writing into :meth:`step_dir`, built through
         :class:`lossguard_capture.Capture` with this rank's ``coordinates`` (``rank``, ``world_size``, ``tp``,
         ``cp``, ``dp``, ``tp_rank``...; what is not given is found) and the step's declared ``terms``."""
-        cap = Capture(self.step_dir(step), reduce=reduce or self.reduce, strict=self.strict,
+        cap = Capture(self.step_dir(step), reduce=check_reduce(reduce or self.reduce), strict=self.strict,
                       terms=terms, trainer=self.spec.module.rsplit(".", 1)[-1], **coordinates)
         rec = cap.step(step)
         assert isinstance(rec, StepRecorder)          # Capture(steps=None) records every step it is asked
@@ -243,7 +245,7 @@ class Adapter:
         where = self.step_dir(step)
         json_path = os.path.join(self.out_dir, f"audit-step{int(step):06d}.json")
 
-        def compute() -> Dict[str, Any]:
+        def compute() -> dict[str, Any]:
             return run_audit([where], binary=self.lossguard_bin, args=self.audit_args, timeout=self.timeout,
                              json_path=json_path, step=step).to_json()
 
@@ -260,7 +262,7 @@ class Adapter:
         return result
 
     @property
-    def verdicts(self) -> Dict[int, str]:
+    def verdicts(self) -> dict[int, str]:
         """Each audited step's verdict: ``pass``, ``fail``, ``error``, ``fault`` or ``unverified``."""
         return {s: r.verdict for s, r in self.results.items()}
 
@@ -269,7 +271,7 @@ class Adapter:
                 f"paths={len(self.paths)}, verdicts={self.verdicts})")
 
 
-def deprecated_alias(cls: Type[Adapter], name: str, use: str, **old_defaults: Any) -> Type[Adapter]:
+def deprecated_alias(cls: type[Adapter], name: str, use: str, **old_defaults: Any) -> type[Adapter]:
     """A subclass of ``cls`` called ``name`` that keeps an old entry's defaults (``old_defaults``) and warns
     (DeprecationWarning) that ``use`` replaces it."""
     def __init__(self: Adapter, out_dir: str, **options: Any) -> None:

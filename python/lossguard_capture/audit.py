@@ -15,8 +15,9 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 __all__ = ["AuditResult", "AuditFailed", "AuditError", "find_lossguard", "run_audit", "agree", "EXIT_MEANINGS"]
 
@@ -29,7 +30,7 @@ class AuditError(RuntimeError):
     """``lossguard audit`` gave no verdict: no binary, a timeout, captures it refused (exit 2), nothing
     verified (exit 4), or this rank could not learn the verdict from rank 0."""
 
-    def __init__(self, message: str, result: "Optional[AuditResult]" = None):
+    def __init__(self, message: str, result: "AuditResult | None" = None):
         super().__init__(message)
         self.result = result
 
@@ -55,7 +56,7 @@ class AuditResult:
     the audited ``paths``, and ``json_path`` when a JSON report was asked for."""
 
     def __init__(self, exit_code: int, text: str, command: Sequence[str], paths: Sequence[str],
-                 step: Optional[int] = None, json_path: Optional[str] = None):
+                 step: int | None = None, json_path: str | None = None):
         self.exit_code = int(exit_code)
         self.text = text
         self.command = list(command)
@@ -81,16 +82,16 @@ class AuditResult:
                          f"{EXIT_MEANINGS.get(self.exit_code, 'unexpected')}):\n{self.text.rstrip()}\n"
                          f"(command: {' '.join(self.command)})", self)
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         return {"exit_code": self.exit_code, "text": self.text, "command": self.command, "paths": self.paths,
                 "step": self.step, "json_path": self.json_path}
 
     @classmethod
-    def from_json(cls, d: Dict[str, Any]) -> "AuditResult":
+    def from_json(cls, d: dict[str, Any]) -> "AuditResult":
         return cls(d["exit_code"], d["text"], d["command"], d["paths"], d.get("step"), d.get("json_path"))
 
 
-def find_lossguard(binary: Optional[str] = None) -> str:
+def find_lossguard(binary: str | None = None) -> str:
     """The ``lossguard`` executable: ``binary``, else ``$LOSSGUARD_BIN``, else ``lossguard`` on ``PATH``.
     AuditError naming all three when none is an executable file."""
     for where, cand in (("binary=", binary), ("$LOSSGUARD_BIN", os.environ.get("LOSSGUARD_BIN"))):
@@ -105,11 +106,11 @@ def find_lossguard(binary: Optional[str] = None) -> str:
                      "(build: cmake --build build; the binary is build/cli/lossguard)")
 
 
-def run_audit(paths: Sequence[str], *, binary: Optional[str] = None, args: Sequence[str] = (),
-              timeout: float = 300.0, json_path: Optional[str] = None, step: Optional[int] = None) -> AuditResult:
+def run_audit(paths: Sequence[str], *, binary: str | None = None, args: Sequence[str] = (),
+              timeout: float = 300.0, json_path: str | None = None, step: int | None = None) -> AuditResult:
     """``lossguard audit PATHS... ARGS... [--json JSON_PATH]``; AuditError if it cannot run or times out."""
     exe = find_lossguard(binary)
-    cmd: List[str] = [exe, "audit", *[str(p) for p in paths], *[str(a) for a in args]]
+    cmd: list[str] = [exe, "audit", *[str(p) for p in paths], *[str(a) for a in args]]
     if json_path is not None:
         cmd += ["--json", json_path]
     try:
@@ -132,8 +133,8 @@ def _default_store() -> Any:
         return None
 
 
-def agree(key: str, compute: Callable[[], Dict[str, Any]], *, timeout: float = 300.0,
-          wait_timeout: Optional[float] = None) -> Dict[str, Any]:
+def agree(key: str, compute: Callable[[], dict[str, Any]], *, timeout: float = 300.0,
+          wait_timeout: float | None = None) -> dict[str, Any]:
     """Every rank calls this with the same ``key``; rank 0 runs ``compute()`` once all ranks have arrived
     (or reports the missing ones after ``timeout``) and every rank returns its JSON-able result.
 
@@ -149,7 +150,7 @@ def agree(key: str, compute: Callable[[], Dict[str, Any]], *, timeout: float = 3
     except ImportError:                 # pragma: no cover
         distributed = False
 
-    def safe() -> Dict[str, Any]:
+    def safe() -> dict[str, Any]:
         try:
             return compute()
         except Exception as e:                          # noqa: BLE001 - handed to every rank
@@ -160,7 +161,7 @@ def agree(key: str, compute: Callable[[], Dict[str, Any]], *, timeout: float = 3
     rank, world = dist.get_rank(), dist.get_world_size()
     store = _default_store()
     if store is None:       # fall back on a collective (bounded by the process group's own timeout)
-        box: List[Any] = [safe() if rank == 0 else None]
+        box: list[Any] = [safe() if rank == 0 else None]
         dist.barrier()
         dist.broadcast_object_list(box, src=0)
         return box[0]

@@ -23,15 +23,16 @@ unless given.
 """
 
 import os
+from collections.abc import Iterable, Mapping
 from types import TracebackType
-from typing import Any, Dict, Iterable, Literal, Mapping, Optional, Type
+from typing import Any, Literal
 
 from .recorder import CP_LAYOUTS, StepRecorder, check_reduce, check_terms
 
 __all__ = ["Capture", "coordinates"]
 
 
-def coordinates(rank: int, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1) -> Dict[str, int]:
+def coordinates(rank: int, *, tp: int = 1, pp: int = 1, cp: int = 1, dp: int = 1) -> dict[str, int]:
     """A global rank's ``tp_rank``, ``cp_rank``, ``dp_rank``, ``pp_rank`` in Megatron's order
     (``tp-cp-ep-dp-pp`` with EP = 1): ``rank = tp + TP*(cp + CP*(dp + DP*pp))``."""
     world = tp * pp * cp * dp
@@ -70,11 +71,11 @@ class Capture:
     Each is hooked separately: ``h.hook(l_kl, term="kl")``, its count ``h.set(num_tokens=n, term="kl")``."""
 
     def __init__(self, out_dir: str, *, reduce: str = "per-token", cp_layout: str = "zigzag", tp: int = 1,
-                 pp: int = 1, cp: int = 1, dp: Optional[int] = None, strict: bool = True,
-                 steps: Optional[Iterable[int]] = None, rank: Optional[int] = None,
-                 world_size: Optional[int] = None, tp_rank: Optional[int] = None, pp_rank: Optional[int] = None,
-                 cp_rank: Optional[int] = None, dp_rank: Optional[int] = None,
-                 terms: Optional[Mapping[str, Any]] = None, trainer: Optional[str] = None):
+                 pp: int = 1, cp: int = 1, dp: int | None = None, strict: bool = True,
+                 steps: Iterable[int] | None = None, rank: int | None = None,
+                 world_size: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
+                 cp_rank: int | None = None, dp_rank: int | None = None,
+                 terms: Mapping[str, Any] | None = None, trainer: str | None = None):
         check_reduce(reduce)
         #: written as metadata ``trainer``: audit lists the presets of that trainer first (hf, trl, megatron...)
         self.trainer = trainer
@@ -135,14 +136,14 @@ class _InactiveMicroBatch:
     index = -1
     dummy = False
 
-    def hook(self, token_loss: Any, record_token_loss: bool = True, index: Any = None, *, term: Optional[str] = None,
+    def hook(self, token_loss: Any, record_token_loss: bool = True, index: Any = None, *, term: str | None = None,
              mask: Any = None) -> Any:
         return token_loss
 
     def loss(self, scalar_loss: Any) -> Any:
         return scalar_loss
 
-    def set(self, num_tokens: Any = None, sample_denoms: Any = None, *, term: Optional[str] = None) -> None:
+    def set(self, num_tokens: Any = None, sample_denoms: Any = None, *, term: str | None = None) -> None:
         return None
 
 
@@ -169,6 +170,6 @@ class InactiveStep:
     def __enter__(self) -> "InactiveStep":
         return self
 
-    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> "Literal[False]":
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> "Literal[False]":
         return False

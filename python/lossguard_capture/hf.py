@@ -78,8 +78,9 @@ captured micro-batch (an error saying what to change): a loss that does not call
 """
 
 import sys
+from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 
@@ -92,7 +93,7 @@ __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "chec
 SPEC = Spec("lossguard_capture.hf", "transformers", ("5.24.0", "5.25.0"), lambda: transformers.__version__,
             "it hooks Trainer.compute_loss, fixed_cross_entropy and Accelerator.backward as these versions have them")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
-transformers = SPEC.require("transformers", "pip install 'lossguard-capture[hf]'")
+transformers: Any = SPEC.require("transformers", "pip install 'lossguard-capture[hf]'")
 from transformers import TrainerCallback  # noqa: E402
 
 
@@ -108,9 +109,9 @@ class _CEState:
     def __init__(self, mb: MicroBatch, labels: torch.Tensor, real: Callable[..., torch.Tensor]):
         self.mb, self.labels, self.real = mb, labels, real
         self.calls = 0
-        self.problems: List[str] = []
+        self.problems: list[str] = []
 
-    def index_for(self, rows: int) -> Optional[torch.Tensor]:
+    def index_for(self, rows: int) -> torch.Tensor | None:
         """Where the owned positions (each row's first L-1) are among ``rows`` flattened targets: B x L rows
         (the Trainer's own ``logits.view(-1, V)`` against labels shifted left) or B x (L-1) rows
         (``logits[:, :-1]`` against ``labels[:, 1:]``, the classic custom loss); None otherwise."""
@@ -136,8 +137,8 @@ _WHAT_TO_DO = ("lossguard measures one torch.nn.functional.cross_entropy call pe
 def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
     real = state.real
 
-    def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                      size_average: Optional[bool] = None, ignore_index: int = -100, reduce: Optional[bool] = None,
+    def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                      size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
                       reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
         state.calls += 1
         why = None
@@ -202,7 +203,7 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
 def _find_trainer(callback: "TrainerAudit") -> Any:
     """The Trainer whose callback handler holds ``callback``: a caller's ``self`` up the stack (the
     callback handler calls on_train_begin from Trainer.train)."""
-    f: Optional[FrameType] = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     while f is not None:
         obj = f.f_locals.get("self")
         if isinstance(obj, transformers.Trainer) and callback in getattr(obj.callback_handler, "callbacks", ()):
@@ -226,34 +227,34 @@ class TrainerAudit(Adapter, TrainerCallback):
 
     def __init__(self, out_dir: str, **options: Any):
         super().__init__(out_dir, **options)
-        self._step: Optional[StepRecorder] = None
+        self._step: StepRecorder | None = None
         self._k = 0                                   # micro-batches of the open step
         self._rows = 0                                # rows (samples) of the open step on this rank
         self._num_items: Any = None                   # the Trainer's num_items_in_batch (compute_loss's argument)
-        self._pending: Optional[MicroBatch] = None    # compute_loss done, backward not yet
-        self._handles: List[Any] = []                 # hooks of the open step (removed when it ends)
+        self._pending: MicroBatch | None = None    # compute_loss done, backward not yet
+        self._handles: list[Any] = []                 # hooks of the open step (removed when it ends)
         self._grad_norm: Any = None
 
     # -- what each Trainer adapter says ---------------------------------------------------------
     def _bind(self, trainer: Any) -> None:
         """Accept ``trainer`` (or raise RuntimeError), and settle what depends on its type."""
 
-    def _refusals(self, trainer: Any) -> List[str]:
+    def _refusals(self, trainer: Any) -> list[str]:
         """What of ``trainer``'s configuration this adapter cannot measure, besides the shared refusals."""
         return []
 
-    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> "Tuple[Any, MicroBatch, int]":
+    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> "tuple[Any, MicroBatch, int]":
         """Run ``orig(model, inputs, *args, **kwargs)`` (the Trainer's compute_loss) measuring one micro-batch:
         return its output, the recorder's micro-batch (hooked) and its number of rows.  CannotMeasure when the
         loss path is not the one this adapter reads."""
         raise NotImplementedError
 
-    def _begin_step(self, step: int) -> Optional[Dict[str, Any]]:
+    def _begin_step(self, step: int) -> dict[str, Any] | None:
         """A captured step opens: reset per-step state; return the step's declared terms (or None)."""
         return None
 
-    def _step_records(self, step: int) -> Dict[str, Any]:
+    def _step_records(self, step: int) -> dict[str, Any]:
         """The step's own records for ``finish`` (``num_tokens_reduced``, ``l_norm``); may raise."""
         return {"num_tokens_reduced": self._num_items}
 
@@ -262,7 +263,7 @@ class TrainerAudit(Adapter, TrainerCallback):
     def trainer(self) -> Any:
         return self.target
 
-    def _attach(self, trainer: Any, **where: Any) -> None:
+    def _attach(self, trainer: Any, /, **where: Any) -> None:
         """Checks the trainer and its configuration, wraps ``trainer.compute_loss``,
         ``trainer.accelerator.backward`` and ``trainer._get_grad_norm`` (instance attributes; the classes are
         untouched), and adds the callback if it is not there yet."""
@@ -454,9 +455,9 @@ class AuditCallback(TrainerAudit):
 
     def __init__(self, out_dir: str, **options: Any):
         super().__init__(out_dir, **options)
-        self._last_col: List[torch.Tensor] = []       # shifted labels of each row's last logit (must be ignored)
+        self._last_col: list[torch.Tensor] = []       # shifted labels of each row's last logit (must be ignored)
 
-    def _refusals(self, trainer: Any) -> List[str]:
+    def _refusals(self, trainer: Any) -> list[str]:
         if getattr(trainer, "label_smoother", None) is not None:
             return ["label_smoothing_factor != 0 (the LabelSmoother does not go through cross_entropy)"]
         return []
@@ -466,12 +467,12 @@ class AuditCallback(TrainerAudit):
                 "averages each micro-batch (the model does not accept loss kwargs: the hf-ga shape)")
         return f"reduce={self.reduce}; the Trainer {mode}"
 
-    def _begin_step(self, step: int) -> Optional[Dict[str, Any]]:
+    def _begin_step(self, step: int) -> dict[str, Any] | None:
         self._last_col = []
         return None
 
-    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> "Tuple[Any, MicroBatch, int]":
+    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> "tuple[Any, MicroBatch, int]":
         ids = inputs.get("input_ids") if hasattr(inputs, "get") else None
         if ids is None or ids.dim() != 2:
             raise CannotMeasure("the batch has no 2-D input_ids [batch, seq]")
@@ -509,7 +510,7 @@ class AuditCallback(TrainerAudit):
             raise CannotMeasure("; ".join(problems) + f". {_WHAT_TO_DO}")
         return out, mb, B
 
-    def _step_records(self, step: int) -> Dict[str, Any]:
+    def _step_records(self, step: int) -> dict[str, Any]:
         for col in self._last_col:
             if bool((col != -100).any()):
                 raise RuntimeError(f"{self.spec.module}: a row's last logit has a label (shift_labels without -100 "
@@ -517,7 +518,7 @@ class AuditCallback(TrainerAudit):
         return {"num_tokens_reduced": self._num_items}
 
 
-def attach(trainer: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+def attach(trainer: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
            **options: Any) -> AuditCallback:
     """Capture ``steps`` of ``trainer`` (a ``transformers.Trainer``; every rank, before ``trainer.train()``)
     into ``out_dir/step{n:06d}/`` and, with ``fail_fast``, stop on a FAIL before the optimizer applies the

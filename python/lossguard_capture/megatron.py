@@ -141,7 +141,8 @@ does not run either: moe_utils.py:1192 reads ``te_general_gemm``, left undefined
 :22-39, a NameError.)
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -178,12 +179,12 @@ def _is_float_01(t: torch.Tensor) -> bool:
 class _MB:
     """One captured micro-batch: the recorder's handle and what is read at finalize / finish."""
 
-    def __init__(self, handle: MicroBatch, loss_mask: Optional[torch.Tensor]):
+    def __init__(self, handle: MicroBatch, loss_mask: torch.Tensor | None):
         self.handle = handle
         self.loss_mask = loss_mask          # [b, s], the full rows (any device; read in finish); None: packed
-        self.loss: Optional[torch.Tensor] = None      # the tensor loss_func returned (scaled in place later)
+        self.loss: torch.Tensor | None = None      # the tensor loss_func returned (scaled in place later)
         self.arity = 0
-        self.mtp_scaled: List[torch.Tensor] = []      # what GPTModel handed MTPLossAutoScaler, per depth
+        self.mtp_scaled: list[torch.Tensor] = []      # what GPTModel handed MTPLossAutoScaler, per depth
 
 
 class _Current:
@@ -225,9 +226,9 @@ class _Packed:
             self.problem = (f"tokens has {self.tokens.numel()} entries for sum(total_lengths) = {int(self.T.sum())}, "
                             f"loss_masks {self.masks.numel()} for sum(response_lengths) = {int(self.R.sum())}")
             return
-        index: List[int] = []
+        index: list[int] = []
         offset = 0
-        for t, rr in zip(self.T.tolist(), self.R.tolist()):
+        for t, rr in zip(self.T.tolist(), self.R.tolist(), strict=True):
             index += [offset + i for i in zigzag_local_logit_index(t, rr, cp, r)]
             offset += t if cp == 1 else 2 * zigzag_chunk_size(t, cp)
         self.stream_index = torch.tensor(index, dtype=torch.int64)
@@ -243,7 +244,7 @@ class _Packed:
                             f"{self.stream_length}")
             return
         offset, start = 0, 0
-        for k, (t, rr) in enumerate(zip(self.T.tolist(), self.R.tolist())):
+        for k, (t, _rr) in enumerate(zip(self.T.tolist(), self.R.tolist(), strict=True)):
             sample = self.tokens[start:start + t]
             for lo, hi in zigzag_slices(t, cp, r, clip=False):      # cp 1: (0, T) and an empty one
                 real = max(0, min(hi, t) - lo)
@@ -293,7 +294,7 @@ class _StepState:
     def __init__(self, rec: StepRecorder, global_batch_size: Any):
         self.rec = rec
         self.global_batch_size = global_batch_size
-        self.mbs: List[_MB] = []
+        self.mbs: list[_MB] = []
         self.finalized = False
         self.grad_scale: Any = None
         self.num_tokens_reduced: Any = None
@@ -308,7 +309,7 @@ class _StepState:
         self.current: Any = None               # the micro-batch whose wrapped loss_func is running (per_token)
         self.written = False                   # the capture is written (fail fast: before the update)
         self.metrics: Any = None               # (values, keys) the loop reduced (SPEC §6), when it says so
-        self.global_batch_unit: Optional[str] = None   # what global_batch_size counts, when said
+        self.global_batch_unit: str | None = None   # what global_batch_size counts, when said
 
 
 class MegatronStep:
@@ -323,8 +324,8 @@ class MegatronStep:
         self.step = int(step)
         self.global_batch_size = global_batch_size
         self.active = audit.should_capture(step)
-        self.path: Optional[str] = None
-        self._state: Optional[_StepState] = None
+        self.path: str | None = None
+        self._state: _StepState | None = None
 
     def __enter__(self) -> "MegatronStep":
         if self.audit._state is not None:
@@ -345,7 +346,7 @@ class MegatronStep:
             if grad_norm is not None:
                 self._state.grad_norm_override = grad_norm
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         st = self._state
         self._state = None
         if st is None:
@@ -374,16 +375,15 @@ class MegatronAdapter(Adapter):
 
     spec = SPEC
 
-    def __init__(self, out_dir: str, *, terms: Optional[Dict[str, Dict[str, Any]]] = None, **options: Any):
+    def __init__(self, out_dir: str, *, terms: dict[str, dict[str, Any]] | None = None, **options: Any):
         super().__init__(out_dir, **options)
         #: the terms besides the main one the user's loss function hands over with per_token(term=...)
         #: (SPEC §11: name -> reduce, coef, mask), then the MTP depths' when mtp_num_layers is set
-        self.user_terms: Dict[str, Dict[str, Any]] = {str(k): dict(v) for k, v in (terms or {}).items()}
+        self.user_terms: dict[str, dict[str, Any]] = {str(k): dict(v) for k, v in (terms or {}).items()}
         if not _ps.model_parallel_is_initialized():
             raise RuntimeError("lossguard_capture.megatron: megatron.core.parallel_state is not initialised "
                                "(call initialize_model_parallel first)")
         pp = _ps.get_pipeline_model_parallel_world_size()
-        vpp = _ps.get_virtual_pipeline_model_parallel_world_size()
         import torch.distributed as dist
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.pp, self.pp_rank = pp, _ps.get_pipeline_model_parallel_rank()
@@ -400,55 +400,30 @@ class MegatronAdapter(Adapter):
             raise RuntimeError(f"lossguard_capture.megatron: TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp} "
                                f"!= world {self.world_size} (expert or partial data parallelism are not supported)")
         self.config: Any = None
-        self._state: Optional[_StepState] = None
-        self._index_cache: Dict[Tuple[int, int], torch.Tensor] = {}
+        self._state: _StepState | None = None
+        self._index_cache: dict[tuple[int, int], torch.Tensor] = {}
         self._optimizer_wrapped = False
         self._scheduler_wrapped = False
         self.mtp_layers = 0                 # config.mtp_num_layers (0: no MTP loss)
-        self.mtp_terms: Dict[str, Dict[str, Any]] = {}      # the declared MTP terms, depth order
-        self._lm_losses: List[torch.Tensor] = []            # compute_language_model_loss outputs, this forward
-        self._mtp_scaled: List[torch.Tensor] = []           # MTPLossAutoScaler.apply's mtp_loss, this forward
+        self.mtp_terms: dict[str, dict[str, Any]] = {}      # the declared MTP terms, depth order
+        self._lm_losses: list[torch.Tensor] = []            # compute_language_model_loss outputs, this forward
+        self._mtp_scaled: list[torch.Tensor] = []           # MTPLossAutoScaler.apply's mtp_loss, this forward
         self._mtp_saved: Any = None                         # gpt_model.MTPLossAutoScaler while the proxy is in
         self._thd_forward = False       # the last GPTModel forward of a captured step had THD packed_seq_params
 
     # -- wiring ---------------------------------------------------------------------------------
-    def _attach(self, config: Any, *, model: Any = None, optimizer: Any = None, scheduler: Any = None) -> None:
+    # Narrower than Adapter._attach's **where on purpose: Megatron's wiring takes these three only
+    def _attach(self, config: Any, *, model: Any = None, optimizer: Any = None,  # type: ignore[override]
+                scheduler: Any = None) -> None:
         """Wrap ``config.finalize_model_grads_func`` (required: it is where DP x CP reduce the gradients and
         the count) and, when given, the optimizer's ``step`` (its result: the skip decision and the norm) and,
         with fail fast, ``step_with_ready_grads`` / ``get_grad_norm`` / ``clip_grad_norm`` (instance
         attributes; the classes are untouched).  ``model``: the model chunks (or one), checked now rather than
         at the first captured step.  ``scheduler``: the LR scheduler (Megatron's ``OptimizerParamScheduler``,
         or anything with ``step``): whether its ``step`` ran in a captured step is ``scheduler_stepped``."""
-        bad = []
-        if getattr(config, "finalize_model_grads_func", None) is None:
-            bad.append("config.finalize_model_grads_func is None (set it to megatron.core.distributed."
-                       "finalize_model_grads, as Megatron-LM's training loop does)")
-        if getattr(config, "hybrid_context_parallel", False):
-            bad.append("hybrid_context_parallel")
-        if getattr(config, "overlap_moe_expert_parallel_comm", False):
-            bad.append("overlap_moe_expert_parallel_comm (the combined 1F1B schedule)")
         chunks = [] if model is None else list(model) if isinstance(model, (list, tuple)) else [model]
-        for chunk in chunks:
-            why = self._check_chunk(chunk)
-            if why:
-                bad.append(why)
         mtp = getattr(config, "mtp_num_layers", None)
-        language_models = []
-        if mtp:
-            if not chunks:
-                bad.append(f"mtp_num_layers = {mtp} without model=: the MTP loss is hooked on the GPTModel "
-                           f"(pass model= to attach)")
-            for chunk in chunks:
-                lm = self._gpt_model(chunk)
-                if lm is None:
-                    bad.append(f"mtp_num_layers = {mtp} but no megatron.core GPTModel was found in a model chunk "
-                               f"of type {type(chunk).__name__} (its MTP loss is hooked there)")
-                elif getattr(lm, "mtp", None) is None:
-                    bad.append(f"mtp_num_layers = {mtp} but the GPTModel has no MTP block (mtp_block_spec)")
-                else:
-                    language_models.append(lm)
-        if bad:
-            raise RuntimeError("lossguard_capture.megatron does not support: " + "; ".join(bad))
+        language_models = self._check_attach(config, chunks, mtp)
         self.config = config
         if mtp:
             self.mtp_layers = int(mtp)
@@ -466,33 +441,76 @@ class MegatronAdapter(Adapter):
         if clash:
             raise RuntimeError(f"lossguard_capture.megatron: terms {clash} are the MTP depths' names")
         self.wrap_finalize(config)
-        audit = self
         if optimizer is not None:
-            orig_step = optimizer.step
-
-            def step(*args: Any, **kwargs: Any) -> Any:
-                out = orig_step(*args, **kwargs)
-                st = audit._state
-                if st is not None:
-                    st.optimizer_called = True
-                    if isinstance(out, tuple) and len(out) >= 2:
-                        st.update_successful, st.grad_norm = out[0], out[1]
-                    elif isinstance(out, bool):
-                        st.update_successful = out
-                return out
-            optimizer.step = step
-            self._optimizer_wrapped = True
-            if self.fail_fast:
-                self._wrap_update(optimizer)
+            self._wrap_optimizer_step(optimizer)
         if scheduler is not None:
-            orig_sched = scheduler.step
+            self._wrap_scheduler_step(scheduler)
 
-            def sched_step(*args: Any, **kwargs: Any) -> Any:
-                if audit._state is not None:
-                    audit._state.scheduler_called = True
-                return orig_sched(*args, **kwargs)
-            scheduler.step = sched_step
-            self._scheduler_wrapped = True
+    def _check_attach(self, config: Any, chunks: list[Any], mtp: Any) -> list[Any]:
+        """The GPTModels whose MTP loss is hooked (``mtp``: config.mtp_num_layers); RuntimeError naming every
+        part of ``config`` and ``chunks`` the adapter does not support (nothing is wrapped then)."""
+        bad = []
+        if getattr(config, "finalize_model_grads_func", None) is None:
+            bad.append("config.finalize_model_grads_func is None (set it to megatron.core.distributed."
+                       "finalize_model_grads, as Megatron-LM's training loop does)")
+        if getattr(config, "hybrid_context_parallel", False):
+            bad.append("hybrid_context_parallel")
+        if getattr(config, "overlap_moe_expert_parallel_comm", False):
+            bad.append("overlap_moe_expert_parallel_comm (the combined 1F1B schedule)")
+        for chunk in chunks:
+            why = self._check_chunk(chunk)
+            if why:
+                bad.append(why)
+        language_models = []
+        if mtp:
+            if not chunks:
+                bad.append(f"mtp_num_layers = {mtp} without model=: the MTP loss is hooked on the GPTModel "
+                           f"(pass model= to attach)")
+            for chunk in chunks:
+                lm = self._gpt_model(chunk)
+                if lm is None:
+                    bad.append(f"mtp_num_layers = {mtp} but no megatron.core GPTModel was found in a model chunk "
+                               f"of type {type(chunk).__name__} (its MTP loss is hooked there)")
+                elif getattr(lm, "mtp", None) is None:
+                    bad.append(f"mtp_num_layers = {mtp} but the GPTModel has no MTP block (mtp_block_spec)")
+                else:
+                    language_models.append(lm)
+        if bad:
+            raise RuntimeError("lossguard_capture.megatron does not support: " + "; ".join(bad))
+        return language_models
+
+    def _wrap_optimizer_step(self, optimizer: Any) -> None:
+        """``optimizer.step`` (an instance attribute) noting, in a captured step, that it ran and what it
+        returned (the skip decision and the norm); with fail fast, the update itself too (_wrap_update)."""
+        audit = self
+        orig_step = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            out = orig_step(*args, **kwargs)
+            st = audit._state
+            if st is not None:
+                st.optimizer_called = True
+                if isinstance(out, tuple) and len(out) >= 2:
+                    st.update_successful, st.grad_norm = out[0], out[1]
+                elif isinstance(out, bool):
+                    st.update_successful = out
+            return out
+        optimizer.step = step
+        self._optimizer_wrapped = True
+        if self.fail_fast:
+            self._wrap_update(optimizer)
+
+    def _wrap_scheduler_step(self, scheduler: Any) -> None:
+        """``scheduler.step`` (an instance attribute) noting that it ran in a captured step."""
+        audit = self
+        orig_sched = scheduler.step
+
+        def sched_step(*args: Any, **kwargs: Any) -> Any:
+            if audit._state is not None:
+                audit._state.scheduler_called = True
+            return orig_sched(*args, **kwargs)
+        scheduler.step = sched_step
+        self._scheduler_wrapped = True
 
     def wrap_finalize(self, config: Any) -> None:
         """Wrap ``config.finalize_model_grads_func`` (where DP x CP reduce the gradients and the count), unless it
@@ -603,7 +621,7 @@ class MegatronAdapter(Adapter):
             self._mtp_saved = None
 
     @staticmethod
-    def _check_chunk(chunk: Any) -> Optional[str]:
+    def _check_chunk(chunk: Any) -> str | None:
         if not isinstance(chunk, _MegatronDDP):
             return (f"a model chunk of type {type(chunk).__name__}, not megatron.core.distributed."
                     f"DistributedDataParallel (its gradient reduction is what grad_scale reads)")
@@ -626,7 +644,7 @@ class MegatronAdapter(Adapter):
                              cp_layout="zigzag", terms=self.all_terms or None)
 
     @property
-    def all_terms(self) -> Dict[str, Dict[str, Any]]:
+    def all_terms(self) -> dict[str, dict[str, Any]]:
         """The declared terms besides main: the user's (``terms=``), then the MTP depths'."""
         return {**self.user_terms, **self.mtp_terms}
 
@@ -722,7 +740,7 @@ class MegatronAdapter(Adapter):
             entry.handle.set(num_tokens=outputs[1])
         return outputs
 
-    def per_token(self, token_losses: torch.Tensor, *, term: Optional[str] = None) -> torch.Tensor:
+    def per_token(self, token_losses: torch.Tensor, *, term: str | None = None) -> torch.Tensor:
         """Inside a wrapped ``loss_func`` (one that receives logits and forms its own per-token losses): hand
         lossguard the per-token tensor ``[b, s/cp]`` (this rank's CP-local positions of the micro-batch's
         rows, as the model returned them) where the loss function forms it, before any sum or mean; returns
@@ -730,9 +748,9 @@ class MegatronAdapter(Adapter):
         ``attach(..., terms=...)``); ``None``: the main (policy / cross-entropy) term.  Each at most once per
         micro-batch.  Outside a captured step's wrapped loss_func it does nothing."""
         st = self._state
-        cur = None if st is None else st.current
-        if cur is None:
+        if st is None or st.current is None:
             return token_losses
+        cur = st.current
         name = "main" if term is None else str(term)
         index: Any = cur.index
         if cur.packed is not None:
@@ -763,8 +781,8 @@ class MegatronAdapter(Adapter):
         return token_losses
 
     def packed_loss_func(self, loss_func: Callable[..., Any], *, sample_indices: Any, tokens: Any,
-                         total_lengths: Any, response_lengths: Any, loss_masks: Any, cp_size: Optional[int] = None,
-                         cp_rank: Optional[int] = None, dummy: bool = False, sample_denoms: Any = None,
+                         total_lengths: Any, response_lengths: Any, loss_masks: Any, cp_size: int | None = None,
+                         cp_rank: int | None = None, dummy: bool = False, sample_denoms: Any = None,
                          stream_tokens: Any = None) -> Callable[..., Any]:
         """``loss_func`` wrapped for a PACKED (THD) micro-batch, slime's layout: each sample is padded to a
         multiple of ``2*cp`` and cut into ``2*cp`` chunks, this CP rank holding chunks ``r`` and ``2cp-1-r`` of
@@ -826,7 +844,7 @@ class MegatronAdapter(Adapter):
         return wrapped
 
     def _hook_mtp(self, st: _StepState, mb: MicroBatch, index: torch.Tensor, b: int,
-                  s_local: int) -> List[torch.Tensor]:
+                  s_local: int) -> list[torch.Tensor]:
         """Hook this forward's MTP per-token losses (one term per depth) and return what GPTModel handed
         MTPLossAutoScaler (read at finalize for ``mb.{k}.loss``)."""
         D = self.mtp_layers
@@ -837,7 +855,7 @@ class MegatronAdapter(Adapter):
                            f"then the main one (gpt_model.py:640, 714) and hands MTPLossAutoScaler {D} tensor(s) "
                            f"(:655-661); this forward step made {len(lm)} compute_language_model_loss and "
                            f"{len(scaled)} MTPLossAutoScaler call(s) (one model call with labels per forward step)")
-        for j, (name, l) in enumerate(zip(self.mtp_terms, lm[:D]), start=1):
+        for j, (name, l) in enumerate(zip(self.mtp_terms, lm[:D], strict=True), start=1):
             if tuple(l.shape) != (b, s_local) or not l.is_floating_point():
                 self._fail(st, f"the MTP depth-{j} per-token loss is {tuple(l.shape)} {l.dtype}, not [b, s/cp] = "
                                f"{(b, s_local)}")
@@ -910,13 +928,13 @@ class MegatronAdapter(Adapter):
             self._fail(st, f"gradient buckets are scaled differently ({sorted(factors)}, AVG over "
                            f"{sorted(avg_sizes)}): one grad_scale cannot describe them")
         pre = (factors.pop() if factors else 1.0) / (avg_sizes.pop() if avg_sizes else 1)
-        scalings: List[List[Any]] = [[] for _ in chunks]
+        scalings: list[list[Any]] = [[] for _ in chunks]
         originals = []
         for i, chunk in enumerate(chunks):
             orig_scale = chunk.scale_gradients
 
             def scale_gradients(scaling_factor: Any, _orig: Any = orig_scale,
-                                _log: List[Any] = scalings[i]) -> Any:
+                                _log: list[Any] = scalings[i]) -> Any:
                 _log.append(scaling_factor)
                 return _orig(scaling_factor)
             originals.append((chunk, "scale_gradients" in vars(chunk), orig_scale))
@@ -1022,7 +1040,7 @@ class MegatronAdapter(Adapter):
         return path
 
 
-def attach(config: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+def attach(config: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
            model: Any = None, optimizer: Any = None, scheduler: Any = None, **options: Any) -> MegatronAdapter:
     """Capture ``steps`` of a Megatron-core loop (every rank of every pipeline stage, after
     ``initialize_model_parallel``) into ``out_dir/step{n:06d}/``: wraps ``config.finalize_model_grads_func``

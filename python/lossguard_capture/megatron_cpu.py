@@ -40,15 +40,16 @@ Megatron's code run as they are.  With a GPU none of this is needed.
 """
 import contextlib
 import sys
-from typing import Iterator, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-HITS: Set[str] = set()
+HITS: set[str] = set()
 
 
-def _is_cuda(d) -> bool:
+def _is_cuda(d: Any) -> bool:
     if isinstance(d, bool):
         return False
     if isinstance(d, int):
@@ -61,7 +62,8 @@ def _is_cuda(d) -> bool:
 
 
 class _CudaOnCpu(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Callable[..., Any], types: Sequence[type], args: Sequence[Any] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             f = sys._getframe(1)

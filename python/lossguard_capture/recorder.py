@@ -36,8 +36,9 @@ import os
 import re
 import tempfile
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Dict, List, Literal, Mapping, Optional, Sequence, Tuple, Type
+from typing import Any, Literal
 
 import torch
 
@@ -50,9 +51,9 @@ SCHEMA = "audit/1"
 
 #: The objectives ``reduce`` may claim (docs/semantics.md §4 and §9); ``lossguard audit`` judges the
 #: measured weights against the one the capture names.
-REDUCE_CHOICES: Tuple[str, ...] = ("per-token", "sample-mean", "token-mean", "seq-mean-token-sum",
+REDUCE_CHOICES: tuple[str, ...] = ("per-token", "sample-mean", "token-mean", "seq-mean-token-sum",
                                    "seq-mean-token-mean", "seq-mean-token-sum-norm")
-CP_LAYOUTS: Tuple[str, ...] = ("zigzag", "allgather")
+CP_LAYOUTS: tuple[str, ...] = ("zigzag", "allgather")
 
 # the per-token loss dtypes the metadata `dtype` may name (docs/semantics.md §10)
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
@@ -68,9 +69,9 @@ def capture_filename(step: int, rank: int) -> str:
     return f"step{int(step):06d}-rank{int(rank):05d}.safetensors"
 
 
-def check_reduce(reduce: str) -> str:
+def check_reduce(reduce: str | None) -> str:
     """``reduce`` if it is one of :data:`REDUCE_CHOICES`, else ValueError naming them."""
-    if reduce not in REDUCE_CHOICES:
+    if reduce is None or reduce not in REDUCE_CHOICES:
         raise ValueError(f"reduce must be one of {', '.join(REDUCE_CHOICES)}; got {reduce!r}")
     return reduce
 
@@ -80,7 +81,7 @@ def check_reduce(reduce: str) -> str:
 #: ``m_{t+J}`` within the sample (0 where ``t+J >= R``: Megatron-core's MTP mask at depth J, the loss mask
 #: rolled left by J, multi_token_prediction.py:158-161, 0.16.1); a mask the trainer gives per micro-batch
 #: (``hook(..., mask=)``, written as ``mb.{k}.term.NAME.mask``).
-TERM_MASKS: Tuple[str, ...] = ("loss", "all", "shift:J", "roll:J", "field")
+TERM_MASKS: tuple[str, ...] = ("loss", "all", "shift:J", "roll:J", "field")
 
 _TERM_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 _SHIFT_MASK = re.compile(r"(?:shift|roll):([1-9][0-9]*)")
@@ -96,7 +97,7 @@ def check_term_name(name: Any) -> str:
     return name
 
 
-def check_terms(terms: Optional[Mapping[str, Any]], reduce: str) -> Dict[str, Dict[str, str]]:
+def check_terms(terms: Mapping[str, Any] | None, reduce: str) -> dict[str, dict[str, str]]:
     """Validate loss-term declarations ``{NAME: {"reduce": R, "coef": C, "mask": M}}`` (every key optional;
     ``None`` for a term = all defaults) and return them normalised to their metadata text, in the given
     order: ``reduce`` (default: the capture's ``reduce``), ``coef`` (``repr(float)``, default ``"1.0"``),
@@ -106,7 +107,7 @@ def check_terms(terms: Optional[Mapping[str, Any]], reduce: str) -> Dict[str, Di
         return {}
     if not isinstance(terms, Mapping):
         raise ValueError(f"terms must be a dict NAME -> dict(reduce=, coef=, mask=); got {type(terms).__name__}")
-    out: Dict[str, Dict[str, str]] = {}
+    out: dict[str, dict[str, str]] = {}
     for name, decl in terms.items():
         check_term_name(name)
         if decl is None:
@@ -187,7 +188,8 @@ def _int_or_float64(t: torch.Tensor, name: str) -> torch.Tensor:
         return t.to(torch.int64)
     if torch.all(torch.isfinite(t)) and torch.equal(t, torch.round(t)):
         return t.to(torch.int64)
-    warnings.warn(f"lossguard_capture: {name} is not integral ({t.tolist()}); written as float64", CaptureWarning)
+    warnings.warn(f"lossguard_capture: {name} is not integral ({t.tolist()}); written as float64", CaptureWarning,
+                  stacklevel=2)
     return t.to(torch.float64)
 
 
@@ -196,12 +198,12 @@ class _Hook:
     per-token values, the owned-token index, and (named terms) the field mask and the trainer's count."""
 
     def __init__(self) -> None:
-        self.hooked: Optional[torch.Tensor] = None     # the hooked tensor (for its shape/dtype)
-        self.grads: List[torch.Tensor] = []           # grads seen by the hook (detached, device)
-        self.token_loss: Optional[torch.Tensor] = None
+        self.hooked: torch.Tensor | None = None     # the hooked tensor (for its shape/dtype)
+        self.grads: list[torch.Tensor] = []           # grads seen by the hook (detached, device)
+        self.token_loss: torch.Tensor | None = None
         self.handle: Any = None
-        self.index: Optional[torch.Tensor] = None
-        self.mask: Optional[torch.Tensor] = None       # a field-mask term's [sum R] mask
+        self.index: torch.Tensor | None = None
+        self.mask: torch.Tensor | None = None       # a field-mask term's [sum R] mask
         self.num_tokens: Any = None                    # a named term's count (set(term=))
 
     def attach(self, token_loss: torch.Tensor, record_token_loss: bool, index: Any) -> None:
@@ -215,7 +217,7 @@ class _Hook:
                 return None
             self.handle = token_loss.register_hook(_keep)
 
-    def weights(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(token_weight, token_loss) on the host, owned tokens in local order, in the written dtypes."""
         assert self.hooked is not None
         if self.grads:
@@ -243,39 +245,39 @@ class _Hook:
 class MicroBatch:
     """One micro-batch's records; returned by ``microbatch()`` of a step recorder."""
 
-    def __init__(self, step: "_Step", index: int, fields: Dict[str, Any], dummy: bool):
+    def __init__(self, step: "_Step", index: int, fields: dict[str, Any], dummy: bool):
         self._step = step
         self.index = index
         self.dummy = bool(dummy)
         self._fields = fields                # name -> tensor (any device) or python value
         self._main = _Hook()                 # the unnamed `main` term
-        self._terms: Dict[str, _Hook] = {}   # named terms, in the order first hooked or set
-        self._loss: Optional[torch.Tensor] = None
+        self._terms: dict[str, _Hook] = {}   # named terms, in the order first hooked or set
+        self._loss: torch.Tensor | None = None
 
     # the main term's state, under the names it always had
     @property
-    def _hooked(self) -> Optional[torch.Tensor]:
+    def _hooked(self) -> torch.Tensor | None:
         return self._main.hooked
 
     @property
-    def _grads(self) -> List[torch.Tensor]:
+    def _grads(self) -> list[torch.Tensor]:
         return self._main.grads
 
     @property
-    def _token_loss(self) -> Optional[torch.Tensor]:
+    def _token_loss(self) -> torch.Tensor | None:
         return self._main.token_loss
 
     @property
-    def dtype(self) -> Optional[torch.dtype]:
+    def dtype(self) -> torch.dtype | None:
         """The hooked (main) per-token loss tensor's own dtype (``None`` before hook())."""
         return None if self._main.hooked is None else self._main.hooked.dtype
 
     @property
-    def dtypes(self) -> List[torch.dtype]:
+    def dtypes(self) -> list[torch.dtype]:
         """The own dtypes of every hooked tensor: the main term's and each named term's."""
         return [h.hooked.dtype for h in [self._main, *self._terms.values()] if h.hooked is not None]
 
-    def _term(self, term: Optional[str]) -> "_Hook":
+    def _term(self, term: str | None) -> "_Hook":
         if term is None:
             return self._main
         check_term_name(term)
@@ -285,7 +287,7 @@ class MicroBatch:
 
     # -- per-token loss -------------------------------------------------------------------------
     def hook(self, token_loss: torch.Tensor, record_token_loss: bool = True, index: Any = None, *,
-             term: Optional[str] = None, mask: Any = None) -> torch.Tensor:
+             term: str | None = None, mask: Any = None) -> torch.Tensor:
         """Register a backward hook on the per-token loss tensor (the rank's owned tokens, local order:
         per sample, owned response indices ascending).  The gradient ``dL/dl_t`` that reaches it is kept
         (detached, on its device) as ``token_weight``; if the hook fires several times (several backward
@@ -316,7 +318,8 @@ class MicroBatch:
         if not isinstance(token_loss, torch.Tensor):
             raise TypeError("hook() takes the per-token loss tensor")
         if not token_loss.is_floating_point():
-            raise TypeError(f"micro-batch {self.index}: the per-token loss must be a float tensor, got {token_loss.dtype}")
+            raise TypeError(f"micro-batch {self.index}: the per-token loss must be a float tensor, "
+                            f"got {token_loss.dtype}")
         if index is None and token_loss.dim() != 1:
             raise ValueError(f"micro-batch {self.index}: per-token loss must be 1-D [owned] (or give index=), "
                              f"got {tuple(token_loss.shape)}")
@@ -347,7 +350,7 @@ class MicroBatch:
             self._loss = torch.tensor(float(scalar_loss), dtype=torch.float64)
         return scalar_loss
 
-    def set(self, num_tokens: Any = None, sample_denoms: Any = None, *, term: Optional[str] = None) -> None:
+    def set(self, num_tokens: Any = None, sample_denoms: Any = None, *, term: str | None = None) -> None:
         """Set ``num_tokens`` / ``sample_denoms`` once the loss function has computed them; with ``term``,
         that term's ``num_tokens`` (``mb.{k}.term.NAME.num_tokens``)."""
         self._step._check_open()
@@ -364,10 +367,55 @@ class MicroBatch:
             self._fields["sample_denoms"] = sample_denoms
 
     # -- writing --------------------------------------------------------------------------------
-    def _tensors(self, cp_rank: int, layout: str, strict: bool) -> Dict[str, torch.Tensor]:
+    def _tensors(self, cp_rank: int, layout: str, strict: bool) -> dict[str, torch.Tensor]:
+        """The micro-batch's ``mb.{k}.*`` tensors: its fields, then the hooked weights of the main term and of
+        each other term; what does not fit (docs/semantics.md §1-2) raises with ``strict``, else warns."""
         k = f"mb.{self.index}."
+        out = self._field_tensors(k)
+        cp_size = int(out[k + "cp_size"])
+        T = out[k + "total_lengths"]
+        R = out[k + "response_lengths"]
+        problems = self._packed_problems(out, k)
+
+        # expected owned count (zig-zag only; for the shape checks below)
+        packed_ok = not problems
+        expected_owned = None
+        if packed_ok and layout == "zigzag" and not self.dummy:
+            r = cp_rank % cp_size
+            expected_owned = sum(owned_count(int(t), int(rr), cp_size, r)
+                                 for t, rr in zip(T.tolist(), R.tolist(), strict=True))
+
+        def shape_check(n_hooked: int, what: str) -> None:
+            if expected_owned is not None and n_hooked != expected_owned:
+                problems.append(f"{what} has {n_hooked} entries but the rank owns {expected_owned} response "
+                                f"tokens of these samples (docs/semantics.md §2, cp rank {cp_rank % cp_size} of "
+                                f"{cp_size})")
+
+        none_owned = self.dummy or expected_owned == 0
+        if self._main.hooked is not None:
+            w, tl = self._main.weights()
+            out[k + "token_weight"] = w
+            if tl is not None:
+                out[k + "token_loss"] = tl
+            shape_check(w.numel(), "the hooked per-token loss")
+        elif none_owned:
+            out[k + "token_weight"] = torch.zeros(0, dtype=torch.float32)
+        else:
+            problems.append("no per-token loss tensor was hooked (call handle.hook(per_token_loss))")
+        n_response = int(R.sum()) if packed_ok else None
+        for name, h in self._terms.items():
+            self._term_tensors(out, f"{k}term.{name}.", name, h, none_owned, n_response, shape_check, problems)
+        if problems:
+            msg = f"lossguard_capture: micro-batch {self.index}: " + "; ".join(problems)
+            if strict:
+                raise ValueError(msg)
+            warnings.warn(msg, CaptureWarning, stacklevel=2)
+        return out
+
+    def _field_tensors(self, k: str) -> dict[str, torch.Tensor]:
+        """The micro-batch's fields as host tensors named ``{k}NAME`` (integral ones as int64)."""
         f = self._fields
-        out: Dict[str, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
         for name in ("sample_indices", "total_lengths", "response_lengths"):
             out[k + name] = _as_tensor(f[name]).cpu().reshape(-1).to(torch.int64)
         out[k + "tokens"] = _as_tensor(f["tokens"]).cpu().reshape(-1).to(torch.int64)
@@ -385,13 +433,18 @@ class MicroBatch:
             out[k + "loss"] = self._loss.cpu().to(torch.float64).reshape(())
         out[k + "dummy"] = torch.tensor(1 if self.dummy else 0, dtype=torch.int64)
         if f.get("sample_denoms") is not None:
-            out[k + "sample_denoms"] = _int_or_float64(_as_tensor(f["sample_denoms"]).cpu().reshape(-1), k + "sample_denoms")
+            out[k + "sample_denoms"] = _int_or_float64(_as_tensor(f["sample_denoms"]).cpu().reshape(-1),
+                                                       k + "sample_denoms")
+        return out
 
-        # consistency of the packed fields (values are on the host now)
+    @staticmethod
+    def _packed_problems(out: dict[str, torch.Tensor], k: str) -> list[str]:
+        """Where the packed fields (values on the host now) disagree with each other: one sample per index,
+        0 <= R <= T, sum(T) tokens and sum(R) mask entries."""
         n = out[k + "sample_indices"].numel()
         T = out[k + "total_lengths"]
         R = out[k + "response_lengths"]
-        problems: List[str] = []
+        problems: list[str] = []
         if T.numel() != n or R.numel() != n:
             problems.append(f"{n} sample_indices but {T.numel()} total_lengths and {R.numel()} response_lengths")
         elif bool((R > T).any()) or bool((R < 0).any()):
@@ -400,66 +453,42 @@ class MicroBatch:
             if out[k + "tokens"].numel() != int(T.sum()):
                 problems.append(f"tokens has {out[k + 'tokens'].numel()} entries, sum(total_lengths) = {int(T.sum())}")
             if out[k + "loss_masks"].numel() != int(R.sum()):
-                problems.append(f"loss_masks has {out[k + 'loss_masks'].numel()} entries, sum(response_lengths) = {int(R.sum())}")
+                problems.append(f"loss_masks has {out[k + 'loss_masks'].numel()} entries, "
+                                f"sum(response_lengths) = {int(R.sum())}")
+        return problems
 
-        # expected owned count (zig-zag only; for the shape checks below)
-        packed_ok = not problems
-        expected_owned = None
-        if packed_ok and layout == "zigzag" and not self.dummy:
-            r = cp_rank % cp_size
-            expected_owned = sum(owned_count(int(t), int(rr), cp_size, r) for t, rr in zip(T.tolist(), R.tolist()))
-
-        def shape_check(n_hooked: int, what: str) -> None:
-            if expected_owned is not None and n_hooked != expected_owned:
-                problems.append(f"{what} has {n_hooked} entries but the rank owns "
-                                f"{expected_owned} response tokens of these samples (docs/semantics.md §2, cp rank {cp_rank % cp_size} of {cp_size})")
-
-        if self._main.hooked is not None:
-            w, tl = self._main.weights()
-            out[k + "token_weight"] = w
+    @staticmethod
+    def _term_tensors(out: dict[str, torch.Tensor], p: str, name: str, h: _Hook, none_owned: bool,
+                      n_response: int | None, shape_check: Callable[[int, str], None], problems: list[str]) -> None:
+        """Term ``name``'s tensors ``{p}token_weight`` / ``token_loss`` / ``num_tokens`` / ``mask``; what is
+        wrong with them goes to ``problems`` (``n_response``: sum(R), None when the packed fields are broken)."""
+        if h.hooked is not None:
+            w, tl = h.weights()
+            out[p + "token_weight"] = w
             if tl is not None:
-                out[k + "token_loss"] = tl
-            shape_check(w.numel(), "the hooked per-token loss")
-        elif self.dummy or expected_owned == 0:
-            out[k + "token_weight"] = torch.zeros(0, dtype=torch.float32)
-        else:
-            problems.append("no per-token loss tensor was hooked (call handle.hook(per_token_loss))")
-
-        for name, h in self._terms.items():
-            p = f"{k}term.{name}."
-            if h.hooked is not None:
-                w, tl = h.weights()
-                out[p + "token_weight"] = w
-                if tl is not None:
-                    out[p + "token_loss"] = tl
-                shape_check(w.numel(), f"term {name!r}: the hooked per-token loss")
-            elif h.num_tokens is not None:
-                if self.dummy or expected_owned == 0:
-                    out[p + "token_weight"] = torch.zeros(0, dtype=torch.float32)
-                else:
-                    problems.append(f"term {name!r}: num_tokens was set but no per-token loss tensor was hooked "
-                                    f"(call handle.hook(per_token_loss, term={name!r}))")
-            if h.num_tokens is not None:
-                out[p + "num_tokens"] = _int_or_float64(_as_tensor(h.num_tokens).cpu().reshape(()), p + "num_tokens")
-            if h.mask is not None:
-                fm = h.mask.cpu().reshape(-1)
-                if fm.dtype == torch.bool or not fm.is_floating_point():
-                    fm = fm.to(torch.int64)
-                elif torch.equal(fm, torch.round(fm)):
-                    fm = fm.to(torch.int64)
-                if fm.is_floating_point() or bool(((fm != 0) & (fm != 1)).any()):
-                    problems.append(f"term {name!r}: the field mask holds values other than 0 and 1")
-                    fm = fm.to(torch.float64)
-                if packed_ok and fm.numel() != int(R.sum()):
-                    problems.append(f"term {name!r}: the field mask has {fm.numel()} entries, "
-                                    f"sum(response_lengths) = {int(R.sum())}")
-                out[p + "mask"] = fm.contiguous()
-        if problems:
-            msg = f"lossguard_capture: micro-batch {self.index}: " + "; ".join(problems)
-            if strict:
-                raise ValueError(msg)
-            warnings.warn(msg, CaptureWarning)
-        return out
+                out[p + "token_loss"] = tl
+            shape_check(w.numel(), f"term {name!r}: the hooked per-token loss")
+        elif h.num_tokens is not None:
+            if none_owned:
+                out[p + "token_weight"] = torch.zeros(0, dtype=torch.float32)
+            else:
+                problems.append(f"term {name!r}: num_tokens was set but no per-token loss tensor was hooked "
+                                f"(call handle.hook(per_token_loss, term={name!r}))")
+        if h.num_tokens is not None:
+            out[p + "num_tokens"] = _int_or_float64(_as_tensor(h.num_tokens).cpu().reshape(()), p + "num_tokens")
+        if h.mask is not None:
+            fm = h.mask.cpu().reshape(-1)
+            if fm.dtype == torch.bool or not fm.is_floating_point():
+                fm = fm.to(torch.int64)
+            elif torch.equal(fm, torch.round(fm)):
+                fm = fm.to(torch.int64)
+            if fm.is_floating_point() or bool(((fm != 0) & (fm != 1)).any()):
+                problems.append(f"term {name!r}: the field mask holds values other than 0 and 1")
+                fm = fm.to(torch.float64)
+            if n_response is not None and fm.numel() != n_response:
+                problems.append(f"term {name!r}: the field mask has {fm.numel()} entries, "
+                                f"sum(response_lengths) = {n_response}")
+            out[p + "mask"] = fm.contiguous()
 
     def _remove_hook(self) -> None:
         self._main.remove()
@@ -476,7 +505,7 @@ class _Step:
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
                  cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
-                 terms: Optional[Mapping[str, Any]] = None, trainer: Optional[str] = None):
+                 terms: Mapping[str, Any] | None = None, trainer: str | None = None):
         if tp * pp * cp * dp != world_size:
             raise ValueError(f"tp*pp*cp*dp = {tp * pp * cp * dp} != world_size {world_size}")
         for name, c, size in (("tp", tp_rank, tp), ("pp", pp_rank, pp), ("cp", cp_rank, cp), ("dp", dp_rank, dp)):
@@ -488,7 +517,7 @@ class _Step:
             raise ValueError(f"cp_layout must be 'zigzag' or 'allgather', got {cp_layout!r}")
         check_reduce(reduce)
         #: declared loss terms other than `main`: NAME -> {"reduce", "coef", "mask"} as metadata text
-        self.terms: Dict[str, Dict[str, str]] = check_terms(terms, reduce)
+        self.terms: dict[str, dict[str, str]] = check_terms(terms, reduce)
         self.out_dir = out_dir
         self.step, self.rank, self.world_size = int(step), int(rank), int(world_size)
         self.tp, self.pp, self.cp, self.dp = int(tp), int(pp), int(cp), int(dp)
@@ -497,8 +526,8 @@ class _Step:
         self.strict = strict
         #: metadata ``trainer`` (hf, trl, megatron, verl...): audit lists that trainer's presets first
         self.trainer = None if trainer is None else str(trainer)
-        self.microbatches: List[MicroBatch] = []
-        self.path: Optional[str] = None        # set by a successful finish()
+        self.microbatches: list[MicroBatch] = []
+        self.path: str | None = None        # set by a successful finish()
         self.aborted = False                   # set by abort(): nothing was, or will be, written
 
     @property
@@ -539,7 +568,7 @@ class _Step:
         self.microbatches.append(mb)
         return mb
 
-    def _loss_dtype(self) -> Optional[str]:
+    def _loss_dtype(self) -> str | None:
         """The metadata ``dtype``: the hooked per-token loss tensors' own dtype, the least precise one (the
         widest tolerance) over every hooked tensor, the main term's and every named term's.  If the main
         term's tensors of different micro-batches differ, with a warning (named terms in another dtype than
@@ -552,15 +581,15 @@ class _Step:
         if len(main) > 1:
             warnings.warn(f"lossguard_capture: step {self.step}: the hooked per-token losses have different dtypes "
                           f"({', '.join(sorted(dtype_name(d) for d in main))}); metadata dtype = {dtype_name(worst)}",
-                          CaptureWarning)
+                          CaptureWarning, stacklevel=2)
         return dtype_name(worst)
 
     def _tensors(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
                  global_batch_size: Any, metrics_values: Any,
-                 metrics_keys: Optional[Sequence[str]],
+                 metrics_keys: Sequence[str] | None,
                  l_norm: Any = None, scheduler_stepped: Any = None,
-                 global_batch_unit: Optional[str] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-        out: Dict[str, torch.Tensor] = {}
+                 global_batch_unit: str | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        out: dict[str, torch.Tensor] = {}
         for mb in self.microbatches:
             out.update(mb._tensors(self.cp_rank, self.cp_layout, self.strict))
         if grad_scale is None:
@@ -568,7 +597,8 @@ class _Step:
                              "Megatron's per-token finalisation)")
         out["grad_scale"] = _as_tensor(grad_scale).cpu().reshape(()).to(torch.float64)
         if num_tokens_reduced is not None:
-            out["num_tokens_reduced"] = _int_or_float64(_as_tensor(num_tokens_reduced).cpu().reshape(()), "num_tokens_reduced")
+            out["num_tokens_reduced"] = _int_or_float64(_as_tensor(num_tokens_reduced).cpu().reshape(()),
+                                                        "num_tokens_reduced")
         if skipped is not None:
             out["skipped"] = torch.tensor(1 if bool(_as_tensor(skipped).cpu().reshape(())) else 0, dtype=torch.int64)
         if scheduler_stepped is not None:          # whether the LR scheduler advanced this step (§10)
@@ -582,7 +612,7 @@ class _Step:
             # seq-mean-token-sum-norm's L_norm as the trainer used it (TRL dr_grpo's max_completion_length,
             # verl's loss_scale_factor); without it audit takes the step's longest response
             out["l_norm"] = _as_tensor(l_norm).cpu().reshape(()).to(torch.float64)
-        meta: Dict[str, Any] = {
+        meta: dict[str, Any] = {
             "lossguard.schema": SCHEMA, "step": self.step, "rank": self.rank, "world_size": self.world_size,
             "tp": self.tp, "pp": self.pp, "cp": self.cp, "dp": self.dp,
             "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "cp_rank": self.cp_rank, "dp_rank": self.dp_rank,
@@ -614,8 +644,8 @@ class _Step:
         return {n: t.contiguous().clone() for n, t in out.items()}, {k: str(v) for k, v in meta.items()}
 
     def _finish(self, grad_scale: Any, num_tokens_reduced: Any, skipped: Any, grad_norm: Any,
-                global_batch_size: Any, metrics_values: Any, metrics_keys: Optional[Sequence[str]],
-                l_norm: Any = None, scheduler_stepped: Any = None, global_batch_unit: Optional[str] = None) -> str:
+                global_batch_size: Any, metrics_values: Any, metrics_keys: Sequence[str] | None,
+                l_norm: Any = None, scheduler_stepped: Any = None, global_batch_unit: str | None = None) -> str:
         from safetensors.torch import save_file
 
         self._check_open()
@@ -667,16 +697,16 @@ class StepRecorder(_Step):
 
     def tensors(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                 grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-                metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None,
-                scheduler_stepped: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                metrics_keys: Sequence[str] | None = None, l_norm: Any = None,
+                scheduler_stepped: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The (tensors, metadata) that :meth:`finish` writes, for inspection."""
         return self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
                              metrics_values, metrics_keys, l_norm, scheduler_stepped)
 
     def finish(self, *, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-               metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None,
-               scheduler_stepped: Any = None, global_batch_unit: Optional[str] = None) -> str:
+               metrics_keys: Sequence[str] | None = None, l_norm: Any = None,
+               scheduler_stepped: Any = None, global_batch_unit: str | None = None) -> str:
         """Write the step's capture file (atomically) and return its path.  ``grad_scale`` is the factor
         this rank applied to its gradients after backward; the rest are optional step records (§10);
         ``l_norm``: seq-mean-token-sum-norm's L_norm as the trainer used it; ``scheduler_stepped``: whether
@@ -690,8 +720,8 @@ class StepRecorder(_Step):
     def __enter__(self) -> "StepRecorder":
         return self
 
-    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
-                 tb: Optional[TracebackType]) -> "Literal[False]":
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> "Literal[False]":
         if self.closed:
             return False
         self.abort()
@@ -717,7 +747,7 @@ class Recorder(_Step):
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
                  cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
-                 terms: Optional[Mapping[str, Any]] = None):
+                 terms: Mapping[str, Any] | None = None):
         warnings.warn("lossguard_capture.Recorder is deprecated: use lossguard_capture.Capture "
                       "(cap = Capture(out_dir, ...) once per run; with cap.step(n) as s: ... s.finish(...)) "
                       "or a trainer adapter (lossguard_capture.hf/trl/megatron/verl.attach)",
@@ -735,15 +765,15 @@ class Recorder(_Step):
 
     def tensors(self, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                 grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-                metrics_keys: Optional[Sequence[str]] = None,
-                l_norm: Any = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+                metrics_keys: Sequence[str] | None = None,
+                l_norm: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """The (tensors, metadata) that :meth:`finish` writes, for inspection."""
         return self._tensors(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
                              metrics_values, metrics_keys, l_norm)
 
     def finish(self, grad_scale: Any, num_tokens_reduced: Any = None, skipped: Any = None,
                grad_norm: Any = None, global_batch_size: Any = None, metrics_values: Any = None,
-               metrics_keys: Optional[Sequence[str]] = None, l_norm: Any = None) -> str:
+               metrics_keys: Sequence[str] | None = None, l_norm: Any = None) -> str:
         """As :meth:`StepRecorder.finish`, positional."""
         return self._finish(grad_scale, num_tokens_reduced, skipped, grad_norm, global_batch_size,
                             metrics_values, metrics_keys, l_norm)

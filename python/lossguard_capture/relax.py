@@ -20,7 +20,7 @@ and data.py @36882ca, cp_utils.py @55634da, initialize.py @78973a5, misc.py @b71
 * the zero-token skip of PR #285 (``_is_global_zero_token_step``: neither the optimizer nor the LR scheduler
   steps), judged by audit's decision check on every pipeline stage.
 """
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -47,7 +47,7 @@ class RelaxAudit(_slime.SlimeAudit):
     adapter_class = RelaxAdapter
 
 
-def install(args: Any, out_dir: Optional[str] = None, **options: Any) -> _slime.SlimeAudit:
+def install(args: Any, out_dir: str | None = None, **options: Any) -> _slime.SlimeAudit:
     """:func:`lossguard_capture.slime.install` for Relax."""
     return _slime.install(args, out_dir, trainer=RELAX, audit_class=RelaxAudit, **options)
 
@@ -64,6 +64,6 @@ def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, opti
     _slime.before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler, trainer="relax")
 
 
-def per_token(t: torch.Tensor, *, term: Optional[str] = None) -> torch.Tensor:
+def per_token(t: torch.Tensor, *, term: str | None = None) -> torch.Tensor:
     """In a ``--custom-loss-function-path`` loss: hand lossguard the per-token losses before reducing them."""
     return _slime.per_token(t, term=term)

@@ -49,8 +49,9 @@ import atexit
 import importlib
 import inspect
 import os
+from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class Trainer:
 
     def __init__(self, name: str, model_module: str, loss_module: str, commits: str, *,
                  index_keys: Sequence[str], denoms_key: str,
-                 micro_batch: Optional[Callable[[Dict[str, Any]], Dict[str, Any]]] = None):
+                 micro_batch: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
         self.name, self.model_module, self.loss_module, self.commits = name, model_module, loss_module, commits
         self.index_keys, self.denoms_key = tuple(index_keys), denoms_key   # rollout keys: global indices; d_i
         self.micro_batch = micro_batch or (lambda batch: {})
@@ -94,25 +95,26 @@ class _Terms:
     def __init__(self, loss_type: str):
         self.loss_type = loss_type
         self.first = True
-        self.entropy: Optional[List[torch.Tensor]] = None
-        self.kl: Optional[torch.Tensor] = None
+        self.entropy: list[torch.Tensor] | None = None
+        self.kl: torch.Tensor | None = None
 
 
-def _params(f: Any) -> List[str]:
+def _params(f: Any) -> list[str]:
     try:
         return list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
         return []
 
 
-def _env_steps(value: str) -> Optional[List[int]]:
+def _env_steps(value: str) -> list[int] | None:
     value = value.strip()
     if value == "all":
         return None
     try:
         return [int(x) for x in value.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"LOSSGUARD_STEPS={value!r}: a comma list of train steps (slime's train/step) or 'all'")
+        raise ValueError(f"LOSSGUARD_STEPS={value!r}: a comma list of train steps (slime's train/step) or "
+                         f"'all'") from None
 
 
 class SlimeAudit:
@@ -120,38 +122,39 @@ class SlimeAudit:
     owns the Megatron adapter (``.megatron``, made at the first train step: ``paths``, ``results``,
     ``verdicts``)."""
 
-    adapter_class = SlimeAdapter
+    adapter_class: type[_lcm.MegatronAdapter] = SlimeAdapter
 
-    def __init__(self, trainer: Trainer, args: Any, out_dir: str, steps: Optional[Sequence[int]] = (0,),
+    def __init__(self, trainer: Trainer, args: Any, out_dir: str, steps: Sequence[int] | None = (0,),
                  fail_fast: bool = True, **options: Any):
         self.trainer, self.args, self.out_dir = trainer, args, out_dir
         self.steps, self.fail_fast, self.options = steps, fail_fast, options
-        self.model_mod = importlib.import_module(trainer.model_module)
-        self.loss_mod = importlib.import_module(trainer.loss_module)
+        self.model_mod: Any = importlib.import_module(trainer.model_module)
+        self.loss_mod: Any = importlib.import_module(trainer.loss_module)
         self._check_attach_points()
         self._check_config(args)
         self.loss_type = str(getattr(args, "loss_type", "policy_loss"))
         self.per_token_loss = bool(getattr(args, "calculate_per_token_loss", False))
         self.reduce = "per-token" if self.per_token_loss else "sample-mean"
-        self.terms: Dict[str, Dict[str, Any]] = {}
+        self.terms: dict[str, dict[str, Any]] = {}
         if self.loss_type == "policy_loss":
             if float(getattr(args, "entropy_coef", 0.0) or 0.0) != 0.0:
                 self.terms["entropy"] = dict(reduce=self.reduce, coef=-float(args.entropy_coef))
             if getattr(args, "use_kl_loss", False) and float(getattr(args, "kl_loss_coef", 0.0) or 0.0) != 0.0:
                 self.terms["kl"] = dict(reduce=self.reduce, coef=float(args.kl_loss_coef))
-        self.megatron: Optional[_lcm.MegatronAdapter] = None
+        self.megatron: _lcm.MegatronAdapter | None = None
         self.step_ctx: Any = None
-        self.indices: Dict[int, List[int]] = {}
-        self.mb: Optional[_Terms] = None
+        self.indices: dict[int, list[int] | None] = {}
+        self.mb: _Terms | None = None
         self.calls = 0
-        self._skipped_role: Optional[str] = None
+        self._skipped_role: str | None = None
         self._patch()
         atexit.register(self.close)
 
     # -- the names it relies on ---------------------------------------------------------------------
     def _check_attach_points(self) -> None:
         m, l = self.model_mod, self.loss_mod
-        want = [(m, "loss_function", ("args", "batch", "num_microbatches")), (m, "get_batch", ("data_iterator", "keys")),
+        want = [(m, "loss_function", ("args", "batch", "num_microbatches")),
+                (m, "get_batch", ("data_iterator", "keys")),
                 (l, "get_sum_of_sample_mean", ("total_lengths", "response_lengths", "loss_masks")),
                 (l, "policy_loss_function", ("args", "batch", "logits", "sum_of_sample_mean")),
                 (l, "get_log_probs_and_entropy", ("logits",)), (l, "compute_approx_kl", ()), (l, "load_function", ())]
@@ -166,8 +169,9 @@ class SlimeAudit:
         if lf and "logits" not in lf:
             missing.append(f"{m.__name__}.loss_function{tuple(lf)} takes no logits")
         if missing:
-            raise RuntimeError(f"lossguard_capture.{self.trainer.name}: this {self.trainer.name} lacks the attach points "
-                               f"the adapter was built against ({self.trainer.commits}): " + "; ".join(missing))
+            raise RuntimeError(f"lossguard_capture.{self.trainer.name}: this {self.trainer.name} lacks the "
+                               f"attach points the adapter was built against ({self.trainer.commits}): "
+                               + "; ".join(missing))
         self.has_step_gbs = "step_global_batch_size" in lf
 
     def _check_config(self, args: Any) -> None:
@@ -236,18 +240,20 @@ class SlimeAudit:
                     if audit.step_ctx is not None:
                         audit.close()
             normalize_reduced_loss_metrics.__wrapped__ = orig_norm      # type: ignore[attr-defined]
-            setattr(m, "normalize_reduced_loss_metrics", normalize_reduced_loss_metrics)
-        for mod, name, new, old in ((m, "get_batch", get_batch, orig_get_batch),
-                                    (m, "loss_function", loss_function, orig_loss),
-                                    (l, "get_sum_of_sample_mean", get_sum_of_sample_mean, orig_factory),
-                                    (l, "get_log_probs_and_entropy", get_log_probs_and_entropy, orig_lpe),
-                                    (l, "compute_approx_kl", compute_approx_kl, orig_kl),
-                                    (l, "load_function", load_function, orig_load)):
+            m.normalize_reduced_loss_metrics = normalize_reduced_loss_metrics
+        wrappers: tuple[tuple[Any, str, Callable[..., Any], Any], ...] = (
+            (m, "get_batch", get_batch, orig_get_batch),
+            (m, "loss_function", loss_function, orig_loss),
+            (l, "get_sum_of_sample_mean", get_sum_of_sample_mean, orig_factory),
+            (l, "get_log_probs_and_entropy", get_log_probs_and_entropy, orig_lpe),
+            (l, "compute_approx_kl", compute_approx_kl, orig_kl),
+            (l, "load_function", load_function, orig_load))
+        for mod, name, new, old in wrappers:
             new.__wrapped__ = old           # type: ignore[attr-defined]
             setattr(mod, name, new)
 
     @staticmethod
-    def _local_indices(it: Any) -> Optional[List[int]]:
+    def _local_indices(it: Any) -> list[int] | None:
         """The rollout-local indices of the micro-batch ``it.get_next`` is about to return (slime's DataIterator:
         ``micro_batch_indices[offset]``, or ``offset .. offset + micro_batch_size``)."""
         offset = getattr(it, "offset", None)
@@ -259,7 +265,7 @@ class SlimeAudit:
         size = getattr(it, "micro_batch_size", None)
         return None if size is None else list(range(int(offset), int(offset) + int(size)))
 
-    def _global_indices(self, it: Any, local: List[int], batch: Dict[str, Any]) -> Optional[List[int]]:
+    def _global_indices(self, it: Any, local: list[int], batch: dict[str, Any]) -> list[int] | None:
         """The global indices of the samples ``batch`` holds, in its order: the micro-batch's rows (``local``)
         mapped through the rollout's index key, matched to ``unconcat_tokens`` by identity or value (a dynamic-
         CP sub-group keeps a subset of the rows, Relax's ``dynamic_cp_split_data``); None when they do not
@@ -276,12 +282,13 @@ class SlimeAudit:
         held = batch.get("unconcat_tokens")
         if toks is None or held is None:
             return glob if held is None or len(held) == len(glob) else None
-        cands = [(g, toks[i]) for g, i in zip(glob, local)]
-        out: List[int] = []
+        cands = [(g, toks[i]) for g, i in zip(glob, local, strict=True)]
+        out: list[int] = []
         for t in held:
             hit = next((k for k, (_, c) in enumerate(cands) if c is t), None)
             if hit is None:
-                hit = next((k for k, (_, c) in enumerate(cands) if isinstance(c, torch.Tensor) and isinstance(t, torch.Tensor)
+                hit = next((k for k, (_, c) in enumerate(cands)
+                            if isinstance(c, torch.Tensor) and isinstance(t, torch.Tensor)
                             and c.shape == t.shape and bool(torch.equal(c.detach().cpu(), t.detach().cpu()))), None)
             if hit is None:
                 return None
@@ -295,7 +302,7 @@ class SlimeAudit:
         meg = self.megatron
         st = None if meg is None else meg._state
         logits = rest[-1] if rest else kwargs.get("logits")
-        if st is None or not rest or not isinstance(logits, torch.Tensor) or not logits.requires_grad:
+        if meg is None or st is None or not rest or not isinstance(logits, torch.Tensor) or not logits.requires_grad:
             return orig(args, batch, num_microbatches, *rest, **kwargs)
         gbs = (rest[0] if self.has_step_gbs and len(rest) == 2
                else batch.get("dynamic_global_batch_size") or getattr(args, "global_batch_size", None))
@@ -308,8 +315,9 @@ class SlimeAudit:
                 meg._fail(st, f"step_global_batch_size {gbs} in one micro-batch, {st.global_batch_size} in another")
         indices = self.indices.pop(id(batch), None)
         if indices is None:
-            meg._fail(st, f"{self.trainer.name}'s loss_function received a batch whose samples are unknown (the wrapped "
-                          f"get_batch did not return it, or its unconcat_tokens are not the rows its iterator gave)")
+            meg._fail(st, f"{self.trainer.name}'s loss_function received a batch whose samples are unknown (the "
+                          f"wrapped get_batch did not return it, or its unconcat_tokens are not the rows its "
+                          f"iterator gave)")
         if getattr(args, "qkv_format", "thd") != "thd":
             meg._fail(st, f"qkv_format {args.qkv_format!r}: the adapter reads slime's packed (thd) micro-batches only")
         denoms = None
@@ -360,7 +368,7 @@ class SlimeAudit:
         return x
 
     @staticmethod
-    def _is_entropy(x: torch.Tensor, parts: List[torch.Tensor]) -> bool:
+    def _is_entropy(x: torch.Tensor, parts: list[torch.Tensor]) -> bool:
         if x.dim() != 1 or x.numel() != sum(int(p.numel()) for p in parts):
             return False
         return bool(torch.equal(x.detach(), torch.cat([p.detach().reshape(-1) for p in parts]))) if parts else True
@@ -407,9 +415,10 @@ class SlimeAudit:
         orig, audit = chunk.zero_grad_buffer, self
 
         def zero_grad_buffer(*args: Any, **kwargs: Any) -> Any:
-            st = None if audit.megatron is None else audit.megatron._state
-            if audit.step_ctx is not None and st is not None and st.finalized and not (
-                    audit.metrics_close and audit.megatron.last_stage):      # there: at the metrics, just after
+            meg = audit.megatron
+            st = None if meg is None else meg._state
+            if audit.step_ctx is not None and meg is not None and st is not None and st.finalized and not (
+                    audit.metrics_close and meg.last_stage):      # there: at the metrics, just after
                 audit.close()
             return orig(*args, **kwargs)
         zero_grad_buffer.__wrapped__ = orig       # type: ignore[attr-defined]
@@ -438,15 +447,15 @@ def _main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-_AUDIT: Optional[SlimeAudit] = None
+_AUDIT: SlimeAudit | None = None
 
 
-def current() -> Optional[SlimeAudit]:
+def current() -> SlimeAudit | None:
     """The process's audit (None before :func:`install`)."""
     return _AUDIT
 
 
-def install(args: Any, out_dir: Optional[str] = None, *, steps: Any = "env", fail_fast: Optional[bool] = None,
+def install(args: Any, out_dir: str | None = None, *, steps: Any = "env", fail_fast: bool | None = None,
             trainer: Trainer = SLIME, audit_class: type = SlimeAudit, **options: Any) -> SlimeAudit:
     """Switch the audit on in this process (what the init hook does; call it from your own init hook instead).
     ``out_dir`` / ``steps`` / ``fail_fast`` default to the environment (module docstring); ``options``: the
@@ -493,7 +502,7 @@ def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, opti
     _chain("LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP", args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
 
-def per_token(t: torch.Tensor, *, term: Optional[str] = None) -> torch.Tensor:
+def per_token(t: torch.Tensor, *, term: str | None = None) -> torch.Tensor:
     """In a ``--custom-loss-function-path`` loss: hand lossguard the per-token losses (the owned response tokens
     in local order, as slime's reducers take them) before reducing them; returns ``t``."""
     a = _AUDIT

@@ -82,16 +82,16 @@ smoothing (no per-token tensor of TRL's); an active ``sys.setprofile`` profiler 
 """
 
 import sys
+from collections.abc import Callable, Sequence
 from types import FrameType
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
-
-from .recorder import MicroBatch
 
 from . import hf as _hf
 from .adapter import Spec
 from .hf import CannotMeasure, TrainerAudit
+from .recorder import MicroBatch
 
 __all__ = ["attach", "AuditCallback", "SPEC", "SUPPORTED", "OBJECTIVES", "check_version"]
 
@@ -100,7 +100,7 @@ SPEC = Spec("lossguard_capture.trl", "trl", ("1.16.0", "1.17.0"), lambda: trl.__
             "it reads GRPOTrainer._compute_loss's and SFTTrainer.compute_loss's per-token loss tensor as these "
             "versions build it")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
-trl = SPEC.require("trl", "pip install 'trl>=1.16.0,<1.17.0' 'transformers>=5.24.0,<5.25.0'; "
+trl: Any = SPEC.require("trl", "pip install 'trl>=1.16.0,<1.17.0' 'transformers>=5.24.0,<5.25.0'; "
                           "scripts/setup-trainers.sh pins them")
 from trl import GRPOTrainer, SFTTrainer  # noqa: E402
 
@@ -118,7 +118,7 @@ from trl import GRPOTrainer, SFTTrainer  # noqa: E402
 #:   is ``per-token``, and audit reports the local normalisation against it.
 #: * ``luspo`` "scales each sequence's loss by its length": ``(per_token_loss * mask).sum(-1).mean()``,
 #:   ``seq-mean-token-sum`` (``m_t / B``).
-OBJECTIVES: Dict[str, str] = {
+OBJECTIVES: dict[str, str] = {
     "grpo": "sample-mean", "sapo": "sample-mean", "bnpo": "per-token", "dr_grpo": "seq-mean-token-sum-norm",
     "dapo": "per-token", "cispo": "per-token", "vespo": "per-token", "luspo": "seq-mean-token-sum",
 }
@@ -142,7 +142,7 @@ class _ReturnLocals:
 
     def __init__(self, code: Any, names: Sequence[str]):
         self.code, self.names = code, tuple(names)
-        self.found: Optional[Dict[str, Any]] = None
+        self.found: dict[str, Any] | None = None
         self.returns = 0
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
@@ -204,14 +204,14 @@ class AuditCallback(TrainerAudit):
     spec = SPEC
     requires = (_hf.SPEC,)
 
-    def __init__(self, out_dir: str, *, reduce: Optional[str] = None, allow_untracked_terms: bool = False,
+    def __init__(self, out_dir: str, *, reduce: str | None = None, allow_untracked_terms: bool = False,
                  **options: Any):
         super().__init__(out_dir, reduce=reduce, **options)
         self.allow_untracked_terms = allow_untracked_terms
-        self.kind: Optional[str] = None              # "grpo" or "sft", set at attach
-        self.loss_type: Optional[str] = None
-        self._generation_counts: List[Any] = []       # GRPO: each micro-batch's inputs["num_items_in_batch"]
-        self._entropy_coef: Optional[float] = None    # GRPO: the step's applied entropy coefficient (term declared)
+        self.kind: str | None = None              # "grpo" or "sft", set at attach
+        self.loss_type: str | None = None
+        self._generation_counts: list[Any] = []       # GRPO: each micro-batch's inputs["num_items_in_batch"]
+        self._entropy_coef: float | None = None    # GRPO: the step's applied entropy coefficient (term declared)
         self._entropy_field = False                   # ... over the high-entropy mask (top_entropy_quantile < 1)
 
     def _bind(self, trainer: Any) -> None:
@@ -230,7 +230,7 @@ class AuditCallback(TrainerAudit):
             raise RuntimeError(f"lossguard_capture.trl supports GRPOTrainer and SFTTrainer, not "
                                f"{type(trainer).__name__} (a plain transformers.Trainer: lossguard_capture.hf)")
 
-    def _refusals(self, trainer: Any) -> List[str]:
+    def _refusals(self, trainer: Any) -> list[str]:
         bad, untracked = [], []
         if self.kind == "grpo":
             # the entropy bonus (grpo_trainer.py:3189-3211) is recorded as the declared term `entropy`
@@ -253,7 +253,7 @@ class AuditCallback(TrainerAudit):
         what = "GRPOTrainer" if self.kind == "grpo" else "SFTTrainer"
         return f"the {what} loss_type={self.loss_type}; reduce={self.reduce}"
 
-    def _begin_step(self, step: int) -> Optional[Dict[str, Any]]:
+    def _begin_step(self, step: int) -> dict[str, Any] | None:
         # The beta KL penalty is inside per_token_loss (grpo_trainer.py:3149-3150): part of the main term, nothing
         # to declare.  The entropy bonus is a term of its own (:3189-3211): declared with the coefficient this
         # step applies (:3206-3209), as it enters the loss (`loss - apply_coef * entropy_loss`, :3211).
@@ -271,8 +271,8 @@ class AuditCallback(TrainerAudit):
         self._entropy_field = trainer.top_entropy_quantile < 1.0
         return {"entropy": dict(reduce="per-token", coef=-coef, mask="field" if self._entropy_field else "loss")}
 
-    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> "Tuple[Any, MicroBatch, int]":
+    def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> "tuple[Any, MicroBatch, int]":
         if self.kind == "grpo":
             grab = _ReturnLocals(_GRPO_CODE, ("per_token_loss", "mask", "entropies", "effective_mask", "apply_coef"))
         else:
@@ -288,7 +288,7 @@ class AuditCallback(TrainerAudit):
             mb, rows = self._sft_microbatch(inputs, grab.found)
         return out, mb, rows
 
-    def _grpo_microbatch(self, inputs: Any, found: Dict[str, Any]) -> "Tuple[MicroBatch, int]":
+    def _grpo_microbatch(self, inputs: Any, found: dict[str, Any]) -> "tuple[MicroBatch, int]":
         X, mask = found["per_token_loss"], found["mask"]
         comp = inputs["completion_ids"]
         B, C = comp.shape
@@ -324,7 +324,7 @@ class AuditCallback(TrainerAudit):
             self._generation_counts.append(inputs["num_items_in_batch"])
         return mb, B
 
-    def _grpo_entropy(self, mb: MicroBatch, found: Dict[str, Any], B: int, C: int) -> None:
+    def _grpo_entropy(self, mb: MicroBatch, found: dict[str, Any], B: int, C: int) -> None:
         """The entropy bonus's per-token entropies [B, C] hooked as term ``entropy`` (see the module docstring),
         with the count the micro-batch divides them by."""
         applied = found.get("apply_coef")
@@ -343,11 +343,11 @@ class AuditCallback(TrainerAudit):
         if not isinstance(e, torch.Tensor) or tuple(e.shape) != (B, C):
             raise CannotMeasure("the entropy bonus has no [B, C] effective_mask")
         e = e.detach()
-        extra = {"mask": e.reshape(-1)} if self._entropy_field else {}
-        mb.hook(H, index=torch.arange(B * C, dtype=torch.int64), term="entropy", **extra)
+        mb.hook(H, index=torch.arange(B * C, dtype=torch.int64), term="entropy",
+                mask=e.reshape(-1) if self._entropy_field else None)
         mb.set(num_tokens=e.sum(), term="entropy")          # the micro-batch's count it divides by (:3200)
 
-    def _sft_microbatch(self, inputs: Any, found: Dict[str, Any]) -> "Tuple[MicroBatch, int]":
+    def _sft_microbatch(self, inputs: Any, found: dict[str, Any]) -> "tuple[MicroBatch, int]":
         X, outputs = found["per_token_loss"], found["outputs"]
         if X is None or outputs is None:
             raise CannotMeasure("SFTTrainer.compute_loss did not build per_token_loss from the fused LM head "
@@ -368,7 +368,7 @@ class AuditCallback(TrainerAudit):
         self._handles.append(_Spread(mb, X, label_mask.detach()))
         return mb, B
 
-    def _step_records(self, step: int) -> Dict[str, Any]:
+    def _step_records(self, step: int) -> dict[str, Any]:
         if self.kind != "grpo":
             return {"num_tokens_reduced": self._num_items}
         # one generation batch for the whole step (its micro-batches are slices of one buffered batch and share
@@ -385,7 +385,7 @@ class AuditCallback(TrainerAudit):
         return {"num_tokens_reduced": num_tokens_reduced, "l_norm": l_norm}
 
 
-def attach(trainer: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+def attach(trainer: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
            **options: Any) -> AuditCallback:
     """Capture ``steps`` of ``trainer`` (a ``GRPOTrainer`` or an ``SFTTrainer``; every rank, before
     ``trainer.train()``) into ``out_dir/step{n:06d}/`` and, with ``fail_fast``, stop on a FAIL before the

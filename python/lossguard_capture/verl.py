@@ -88,7 +88,8 @@ nor a per-sample ``torch.mean``, an entropy present in some micro-batches of a s
 import functools
 import inspect
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -102,17 +103,17 @@ __all__ = ["attach", "VerlAdapter", "VerlCapture", "SPEC", "SUPPORTED", "LOSS_AG
 SPEC = Spec("lossguard_capture.verl", "verl", ("0.9.1", "0.9.2"), lambda: verl.__version__,
             "it hooks losses.ppo_loss, core_algos.agg_loss and the FSDP engine's train_batch as that release has them")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
-verl = SPEC.require("verl", "scripts/setup-trainers.sh pins verl==0.9.1 in ~/.cache/lossguard/venv-verl")
+verl: Any = SPEC.require("verl", "scripts/setup-trainers.sh pins verl==0.9.1 in ~/.cache/lossguard/venv-verl")
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.utils import losses as verl_losses  # noqa: E402
 
 #: the modes ``core_algos.agg_loss`` knows in verl 0.9.1 (core_algos.py:1170-1204; also
 #: ``ActorConfig.__post_init__``, workers/config/actor.py).
-LOSS_AGG_MODES: Tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
                                    "seq-mean-token-sum-norm")
 
 #: the lossguard objective each mode's name and docstring claim (``reduce`` of the captures).
-CLAIMS: Dict[str, str] = {
+CLAIMS: dict[str, str] = {
     "token-mean": "token-mean",
     "token-sum": "per-token",                 # "the sum over all valid tokens": no lossguard objective; per-token x N
     "seq-mean-token-sum": "seq-mean-token-sum",
@@ -122,7 +123,7 @@ CLAIMS: Dict[str, str] = {
 
 #: the declared terms besides the main (policy-gradient) one: the KL loss (``use_kl_loss``) and the entropy
 #: bonus (``entropy_coeff != 0``).
-TERMS: Tuple[str, ...] = ("kl", "entropy")
+TERMS: tuple[str, ...] = ("kl", "entropy")
 
 #: the per-sample key :func:`attach` adds to the mini-batch (global sample indices for the captures).
 SAMPLE_INDEX_KEY = "lossguard_sample_index"
@@ -199,7 +200,7 @@ class _Layout:
                                    f"indices for {self.n} samples")
         else:
             self.sample_indices = torch.arange(first_index, first_index + self.n, dtype=torch.int64)
-        self._index: Dict[int, torch.Tensor] = {}
+        self._index: dict[int, torch.Tensor] = {}
 
     def owned_index(self, loss_mat: torch.Tensor) -> torch.Tensor:
         """The owned tokens of a ``[n, W]`` loss matrix in local order (per sample, response indices ascending)."""
@@ -216,7 +217,7 @@ class _Layout:
             self._index[W] = flat[cols[None, :] < self.R[:, None]]
         return self._index[W].to(loss_mat.device)
 
-    def fields(self) -> Dict[str, Any]:
+    def fields(self) -> dict[str, Any]:
         return dict(sample_indices=self.sample_indices, tokens=self.tokens, total_lengths=self.T,
                     response_lengths=self.R, loss_masks=self.masks, cp_size=1)
 
@@ -225,7 +226,7 @@ class _GeoProbe:
     """geo_mean: the measured per-sample gradient dL/dL_i, written per token through a probe tensor."""
 
     def __init__(self, mb: MicroBatch, per_sample: torch.Tensor, layout: _Layout):
-        self.grads: List[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
         self.handle = per_sample.register_hook(self._keep)
         self.layout = layout
         owned = int(layout.R.sum())
@@ -265,24 +266,24 @@ class _Call:
         self.loss_mode = loss_mode
         self.mode = mode
         self.in_pg = 0
-        self.pg_modes: List[str] = []
+        self.pg_modes: list[str] = []
         self.hooked: set = set()                         # the named terms hooked in this micro-batch
-        self.kld: Optional[torch.Tensor] = None          # what kl_penalty returned
-        self.ent: Optional[torch.Tensor] = None          # the padded entropy matrix
-        self.means: List[Tuple[torch.Tensor, torch.Tensor]] = []
-        self.pg_return: Optional[torch.Tensor] = None
+        self.kld: torch.Tensor | None = None          # what kl_penalty returned
+        self.ent: torch.Tensor | None = None          # the padded entropy matrix
+        self.means: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pg_return: torch.Tensor | None = None
 
 
 class _OpenStep:
     def __init__(self, step: int, dp: int, dp_rank: int, rank: int, world: int,
-                 global_batch_size: Optional[int]):
+                 global_batch_size: int | None):
         self.step, self.dp, self.dp_rank, self.rank, self.world = step, dp, dp_rank, rank, world
         self.global_batch_size = global_batch_size
-        self.rec: Optional[StepRecorder] = None
-        self.terms: Dict[str, Dict[str, Any]] = {}       # the declared terms: name -> reduce, coef, mask
-        self.reduce: Optional[str] = None
+        self.rec: StepRecorder | None = None
+        self.terms: dict[str, dict[str, Any]] = {}       # the declared terms: name -> reduce, coef, mask
+        self.reduce: str | None = None
         self.batch_num_tokens: Any = None
-        self.geo: List[_GeoProbe] = []
+        self.geo: list[_GeoProbe] = []
         self.next_index = 0
         self.warned: set = set()
 
@@ -299,16 +300,16 @@ class VerlAdapter(Adapter):
 
     spec = SPEC
 
-    def __init__(self, out_dir: str, *, reduce: Optional[str] = None, kl: bool = True, entropy: bool = True,
+    def __init__(self, out_dir: str, *, reduce: str | None = None, kl: bool = True, entropy: bool = True,
                  **options: Any):
         super().__init__(out_dir, reduce=reduce, **options)
         self.kl = bool(kl)
         self.entropy = bool(entropy)
-        self._open: Optional[_OpenStep] = None
+        self._open: _OpenStep | None = None
         self._calls = 0
 
     # -- wiring ---------------------------------------------------------------------------------
-    def _attach(self, engine: Any, **where: Any) -> None:
+    def _attach(self, engine: Any, /, **where: Any) -> None:
         """Wrap ``engine.train_batch`` (instance attribute; the class is untouched): a captured call numbers its
         samples, opens the step, wraps the loss function it is handed and ``engine.optimizer_step``, whose
         wrapper writes the capture (and, fail fast, audits it) before verl's optimizer step."""
@@ -356,8 +357,8 @@ class VerlAdapter(Adapter):
         return f"reduce={self.reduce or 'the loss_agg_mode claim'}; kl={self.kl}, entropy={self.entropy}"
 
     # -- steps ----------------------------------------------------------------------------------
-    def begin_step(self, step: int, *, dp: int, dp_rank: int, global_batch_size: Optional[int] = None,
-                   rank: Optional[int] = None, world_size: Optional[int] = None) -> None:
+    def begin_step(self, step: int, *, dp: int, dp_rank: int, global_batch_size: int | None = None,
+                   rank: int | None = None, world_size: int | None = None) -> None:
         """Open optimizer step ``step`` on this rank: the wrapped loss function records into it until
         :meth:`finish_step` or :meth:`abort_step`."""
         if self._open is not None:
@@ -417,7 +418,7 @@ class VerlAdapter(Adapter):
                    f"{getattr(_underlying(loss_fn), '__qualname__', loss_fn)!r}")
             if not self.allow_unsupported:
                 raise RuntimeError(msg)
-            warnings.warn(msg, CaptureWarning)
+            warnings.warn(msg, CaptureWarning, stacklevel=2)
         sig = inspect.signature(loss_fn)
         cap = self
 
@@ -444,7 +445,7 @@ class VerlAdapter(Adapter):
             coef = float(cfg.kl_loss_coef)
             if coef == 0.0:
                 warnings.warn("lossguard_capture.verl: use_kl_loss with kl_loss_coef = 0: the KL term carries no "
-                              "gradient and is not recorded", CaptureWarning)
+                              "gradient and is not recorded", CaptureWarning, stacklevel=2)
             else:
                 st.terms["kl"] = dict(reduce=st.reduce, coef=coef, mask="loss")
         if entropy:
@@ -458,23 +459,23 @@ class VerlAdapter(Adapter):
             st.warned.add(key)
             warnings.warn(msg, CaptureWarning, stacklevel=3)
 
-    def _measure(self, loss_fn: Callable[..., Any], sig: inspect.Signature, args: Tuple[Any, ...],
-                 kwargs: Dict[str, Any]) -> Any:
+    def _measure(self, loss_fn: Callable[..., Any], sig: inspect.Signature, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """One micro-batch of an open step: verl's loss function called with its aggregation wrapped (the
+        module docstring's "What is measured"), then refused if a term could not be measured."""
         st = self._open
         assert st is not None
-        # bound through every functools.partial layer: partial(ppo_loss, config) fixes config POSITIONALLY (as
-        # a user may write it; verl's worker passes config=), and the call gives model_output=, data=
-        fn, full_args, full_kwargs = loss_fn, tuple(args), dict(kwargs)
-        while isinstance(fn, functools.partial):
-            fn, full_args, full_kwargs = fn.func, tuple(fn.args) + full_args, {**fn.keywords, **full_kwargs}
-        bound = inspect.signature(fn).bind(*full_args, **full_kwargs)
-        bound.apply_defaults()
-        cfg, data = bound.arguments.get("config"), bound.arguments.get("data")
-        model_output = bound.arguments.get("model_output")
-        if cfg is None or data is None:
-            raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data: verl "
-                               "calls it as loss_fn(model_output=..., data=micro_batch) after partial(ppo_loss, "
-                               "config=...) (verl 0.9.1 workers/engine_workers.py:643; ppo_loss(config, model_output, data, dp_group))")
+        cfg, data, model_output = _loss_arguments(loss_fn, args, kwargs)
+        call, ent_in = self._open_call(st, cfg, data, model_output)
+        out = _call_patched(_patches(st, call, ent_in), loss_fn, args, kwargs)
+        loss, _metrics = out
+        self._check_call(st, call)
+        call.mb.loss(loss)           # the whole scalar the engine backpropagates: every term
+        return out
+
+    def _open_call(self, st: _OpenStep, cfg: Any, data: Any, model_output: Any) -> tuple[_Call, Any]:
+        """The micro-batch's recorder handle and call state (the step's recorder made at its first), and the
+        entropy the model output holds (None: none)."""
         mode = check_loss_agg_mode(getattr(cfg, "loss_agg_mode", None))
         pl = cfg.policy_loss
         loss_mode = pl.get("loss_mode", "vanilla") if hasattr(pl, "get") else getattr(pl, "loss_mode", "vanilla")
@@ -494,85 +495,12 @@ class VerlAdapter(Adapter):
                                f"micro-batches and not in others (calculate_entropy changed within the step)")
         st.next_index += layout.n
         mb = rec.microbatch(**layout.fields())
-        call = _Call(layout, mb, loss_mode, mode)
+        return _Call(layout, mb, loss_mode, mode), ent_in
 
-        real_agg, real_core_agg = verl_losses.agg_loss, core_algos.agg_loss
-        real_get, real_kl, real_mean = verl_losses.get_policy_loss_fn, verl_losses.kl_penalty, torch.mean
-        real_pad = verl_losses.no_padding_2_padding
-        if real_core_agg is not real_agg:
-            raise RuntimeError("lossguard_capture.verl: core_algos.agg_loss and losses.agg_loss differ (patched by "
-                               "someone else?)")
-        agg_sig = inspect.signature(real_agg)
-
-        def agg_loss(*a: Any, **k: Any) -> Any:
-            b = agg_sig.bind(*a, **k)
-            b.apply_defaults()
-            m = b.arguments["loss_agg_mode"]
-            check_loss_agg_mode(m)
-            out = real_agg(*a, **k)
-            loss_mat = b.arguments["loss_mat"]
-            if call.in_pg:
-                call.pg_modes.append(m)
-                if len(call.pg_modes) == 1:
-                    mb.hook(loss_mat, index=layout.owned_index(loss_mat))
-            else:
-                for term, mat in (("kl", call.kld), ("entropy", call.ent)):
-                    if mat is not None and loss_mat is mat and term in st.terms and term not in call.hooked:
-                        mb.hook(loss_mat, index=layout.owned_index(loss_mat), term=term)
-                        call.hooked.add(term)
-            return out
-
-        def kl_penalty(*a: Any, **k: Any) -> Any:
-            out = real_kl(*a, **k)
-            call.kld = out
-            return out
-
-        def no_padding_2_padding(*a: Any, **k: Any) -> Any:
-            out = real_pad(*a, **k)
-            src = a[0] if a else k.get("tensor")
-            if ent_in is not None and src is ent_in:
-                call.ent = out
-            return out
-
-        def mean(*a: Any, **k: Any) -> Any:
-            out = real_mean(*a, **k)
-            if a and isinstance(a[0], torch.Tensor) and not k and len(a) == 1:
-                call.means.append((a[0], out))
-            return out
-
-        def get_policy_loss_fn(name: Any) -> Any:
-            fn = real_get(name)
-
-            @functools.wraps(fn)
-            def policy_loss(*a: Any, **k: Any) -> Any:
-                call.in_pg += 1
-                torch.mean = mean
-                try:
-                    res = fn(*a, **k)
-                    call.pg_return = res[0]
-                    return res
-                finally:
-                    torch.mean = real_mean
-                    call.in_pg -= 1
-            return policy_loss
-
-        patched = [(verl_losses, "agg_loss", agg_loss), (core_algos, "agg_loss", agg_loss),
-                   (verl_losses, "get_policy_loss_fn", get_policy_loss_fn), (verl_losses, "kl_penalty", kl_penalty),
-                   (verl_losses, "no_padding_2_padding", no_padding_2_padding)]
-        for mod, name, fn in patched:
-            setattr(mod, name, fn)
-        try:
-            out = loss_fn(*args, **kwargs)
-        finally:
-            replaced = [f"{mod.__name__}.{name}" for mod, name, fn in patched if getattr(mod, name) is not fn]
-            verl_losses.agg_loss, core_algos.agg_loss = real_agg, real_core_agg
-            verl_losses.get_policy_loss_fn, verl_losses.kl_penalty = real_get, real_kl
-            verl_losses.no_padding_2_padding = real_pad
-            torch.mean = real_mean
-        if replaced:
-            raise RuntimeError(f"lossguard_capture.verl: {', '.join(replaced)} replaced by someone else during the "
-                               f"loss function")
-        loss, _metrics = out
+    def _check_call(self, st: _OpenStep, call: _Call) -> None:
+        """RuntimeError when the call's terms did not reach agg_loss as measured (a policy loss that
+        aggregates per sample is measured per sample, and says so once a step)."""
+        loss_mode, mode, layout = call.loss_mode, call.mode, call.layout
         problems = []
         if len(call.pg_modes) > 1:
             problems.append(f"the policy loss {loss_mode!r} called agg_loss {len(call.pg_modes)} times")
@@ -580,7 +508,7 @@ class VerlAdapter(Adapter):
             geo = [(a, o) for a, o in call.means if o is call.pg_return and a.dim() == 1 and a.shape[0] == layout.n
                    and a.requires_grad]
             if len(geo) == 1:
-                st.geo.append(_GeoProbe(mb, geo[0][0], layout))
+                st.geo.append(_GeoProbe(call.mb, geo[0][0], layout))
                 self._warn_once(st, "geo", f"lossguard_capture.verl: the policy loss {loss_mode!r} aggregates no "
                                 f"per-token losses (a torch.mean over the micro-batch's per-sample losses, "
                                 f"core_algos.py:2000); its loss_agg_mode {mode!r} is not used: measured per sample "
@@ -598,11 +526,119 @@ class VerlAdapter(Adapter):
             problems.append("the model output holds an entropy but it did not reach agg_loss")
         if problems:
             raise RuntimeError("lossguard_capture.verl: cannot measure verl's loss: " + "; ".join(problems))
-        mb.loss(loss)           # the whole scalar the engine backpropagates: every term
+
+
+def _loss_arguments(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The call's ``config``, ``data`` and ``model_output``, bound through every functools.partial layer:
+    partial(ppo_loss, config) fixes config POSITIONALLY (as a user may write it; verl's worker passes
+    config=), and the call gives model_output=, data=."""
+    fn: Any = loss_fn
+    full_args, full_kwargs = tuple(args), dict(kwargs)
+    while isinstance(fn, functools.partial):
+        fn, full_args, full_kwargs = fn.func, tuple(fn.args) + full_args, {**fn.keywords, **full_kwargs}
+    bound = inspect.signature(fn).bind(*full_args, **full_kwargs)
+    bound.apply_defaults()
+    cfg, data = bound.arguments.get("config"), bound.arguments.get("data")
+    if cfg is None or data is None:
+        raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data: verl "
+                           "calls it as loss_fn(model_output=..., data=micro_batch) after partial(ppo_loss, "
+                           "config=...) (verl 0.9.1 workers/engine_workers.py:643; "
+                           "ppo_loss(config, model_output, data, dp_group))")
+    return cfg, data, bound.arguments.get("model_output")
+
+
+def _patches(st: _OpenStep, call: _Call, ent_in: Any) -> list[tuple[Any, str, Callable[..., Any]]]:
+    """(module, name, wrapper) for each verl function wrapped during one loss-function call: each calls the
+    real one and returns its result unchanged, hooking the matrices that reach agg_loss on the way."""
+    mb, layout = call.mb, call.layout
+    real_agg, real_core_agg = verl_losses.agg_loss, core_algos.agg_loss
+    real_get, real_kl, real_mean = verl_losses.get_policy_loss_fn, verl_losses.kl_penalty, torch.mean
+    real_pad = verl_losses.no_padding_2_padding
+    if real_core_agg is not real_agg:
+        raise RuntimeError("lossguard_capture.verl: core_algos.agg_loss and losses.agg_loss differ (patched by "
+                           "someone else?)")
+    agg_sig = inspect.signature(real_agg)
+
+    def agg_loss(*a: Any, **k: Any) -> Any:
+        b = agg_sig.bind(*a, **k)
+        b.apply_defaults()
+        m = b.arguments["loss_agg_mode"]
+        check_loss_agg_mode(m)
+        out = real_agg(*a, **k)
+        loss_mat = b.arguments["loss_mat"]
+        if call.in_pg:
+            call.pg_modes.append(m)
+            if len(call.pg_modes) == 1:
+                mb.hook(loss_mat, index=layout.owned_index(loss_mat))
+        else:
+            for term, mat in (("kl", call.kld), ("entropy", call.ent)):
+                if mat is not None and loss_mat is mat and term in st.terms and term not in call.hooked:
+                    mb.hook(loss_mat, index=layout.owned_index(loss_mat), term=term)
+                    call.hooked.add(term)
         return out
 
+    def kl_penalty(*a: Any, **k: Any) -> Any:
+        out = real_kl(*a, **k)
+        call.kld = out
+        return out
 
-def attach(engine: Any, out_dir: str, *, steps: Optional[Sequence[int]] = (0,), fail_fast: bool = True,
+    def no_padding_2_padding(*a: Any, **k: Any) -> Any:
+        out = real_pad(*a, **k)
+        src = a[0] if a else k.get("tensor")
+        if ent_in is not None and src is ent_in:
+            call.ent = out
+        return out
+
+    def mean(*a: Any, **k: Any) -> Any:
+        out = real_mean(*a, **k)
+        if a and isinstance(a[0], torch.Tensor) and not k and len(a) == 1:
+            call.means.append((a[0], out))
+        return out
+
+    def get_policy_loss_fn(name: Any) -> Any:
+        fn = real_get(name)
+
+        @functools.wraps(fn)
+        def policy_loss(*a: Any, **k: Any) -> Any:
+            call.in_pg += 1
+            torch.mean = mean
+            try:
+                res = fn(*a, **k)
+                call.pg_return = res[0]
+                return res
+            finally:
+                torch.mean = real_mean
+                call.in_pg -= 1
+        return policy_loss
+
+    return [(verl_losses, "agg_loss", agg_loss), (core_algos, "agg_loss", agg_loss),
+            (verl_losses, "get_policy_loss_fn", get_policy_loss_fn), (verl_losses, "kl_penalty", kl_penalty),
+            (verl_losses, "no_padding_2_padding", no_padding_2_padding)]
+
+
+def _call_patched(patched: list[tuple[Any, str, Callable[..., Any]]], loss_fn: Callable[..., Any],
+                  args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``loss_fn(*args, **kwargs)`` with each (module, name) of ``patched`` set to its wrapper for the call and
+    the real one back after it (and torch.mean, which the policy loss's wrapper sets while it runs);
+    RuntimeError when someone else replaced a wrapper meanwhile."""
+    real = [(mod, name, getattr(mod, name)) for mod, name, _ in patched]
+    real_mean = torch.mean
+    for mod, name, fn in patched:
+        setattr(mod, name, fn)
+    try:
+        out = loss_fn(*args, **kwargs)
+    finally:
+        replaced = [f"{mod.__name__}.{name}" for mod, name, fn in patched if getattr(mod, name) is not fn]
+        for mod, name, fn in real:
+            setattr(mod, name, fn)
+        torch.mean = real_mean
+    if replaced:
+        raise RuntimeError(f"lossguard_capture.verl: {', '.join(replaced)} replaced by someone else during the "
+                           f"loss function")
+    return out
+
+
+def attach(engine: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
            **options: Any) -> VerlAdapter:
     """Capture ``steps`` of the actor's loss on ``engine`` (a verl FSDP engine; every rank) into
     ``out_dir/step{n:06d}/``; with ``fail_fast`` a FAIL of the audited step raises AuditFailed from

@@ -8,7 +8,6 @@ logit that predicts it (position ``t-1``), not by the rank holding the token.
 These helpers are plain Python (no torch) so a trainer can build its local order cheaply.
 """
 
-from typing import List, Optional, Tuple
 
 __all__ = [
     "zigzag_chunk_size",
@@ -31,7 +30,7 @@ def _check(total_length: int, response_length: int, cp_size: int, cp_rank: int) 
         raise ValueError(f"cp_rank {cp_rank} outside [0, {cp_size})")
 
 
-def zigzag_chunk_size(total_length: int, cp_size: int, padded_total_length: Optional[int] = None) -> int:
+def zigzag_chunk_size(total_length: int, cp_size: int, padded_total_length: int | None = None) -> int:
     """``ceil(T / (2*cp))``, or ``padded_total_length / (2*cp)`` when a padded length is given."""
     if padded_total_length is not None:
         if padded_total_length < total_length or padded_total_length % (2 * cp_size):
@@ -43,7 +42,7 @@ def zigzag_chunk_size(total_length: int, cp_size: int, padded_total_length: Opti
 
 
 def zigzag_slices(total_length: int, cp_size: int, cp_rank: int,
-                  padded_total_length: Optional[int] = None, clip: bool = True) -> List[Tuple[int, int]]:
+                  padded_total_length: int | None = None, clip: bool = True) -> list[tuple[int, int]]:
     """The two position ranges ``[start, end)`` CP rank ``cp_rank`` holds: chunk ``r`` then chunk ``2cp-1-r``.
 
     With ``clip=True`` (default) the ranges are clipped to the real positions ``[0, T)`` (the padding is
@@ -65,7 +64,7 @@ def zigzag_slices(total_length: int, cp_size: int, cp_rank: int,
 
 
 def zigzag_owned_logit_positions(total_length: int, response_length: int, cp_size: int, cp_rank: int,
-                                 padded_total_length: Optional[int] = None) -> List[int]:
+                                 padded_total_length: int | None = None) -> list[int]:
     """Logit positions (ascending) whose predicted response token this rank owns.
 
     For an RL sample (``R < T``) position ``p`` predicts response index ``p + 1 - P``; for an SFT sample
@@ -80,7 +79,7 @@ def zigzag_owned_logit_positions(total_length: int, response_length: int, cp_siz
 
 
 def zigzag_owned(total_length: int, response_length: int, cp_size: int, cp_rank: int,
-                 padded_total_length: Optional[int] = None) -> List[int]:
+                 padded_total_length: int | None = None) -> list[int]:
     """Response indices (mask indices) owned by ``cp_rank``, ascending — docs/semantics.md §2 exactly.
 
     For each chunk ``k`` of the rank: ``logits_k = [max(start, P-1), min(end, T-1))``; an RL sample
@@ -106,13 +105,13 @@ def zigzag_owned(total_length: int, response_length: int, cp_size: int, cp_rank:
 
 
 def owned_count(total_length: int, response_length: int, cp_size: int, cp_rank: int,
-                padded_total_length: Optional[int] = None) -> int:
+                padded_total_length: int | None = None) -> int:
     """``len(zigzag_owned(...))``: the number of response tokens (masked or not) this rank owns."""
     return len(zigzag_owned(total_length, response_length, cp_size, cp_rank, padded_total_length))
 
 
 def zigzag_local_logit_index(total_length: int, response_length: int, cp_size: int, cp_rank: int,
-                             padded_total_length: Optional[int] = None) -> List[int]:
+                             padded_total_length: int | None = None) -> list[int]:
     """Where the owned tokens' logits sit in the rank's local shard of the sample, ascending.
 
     The local shard is chunk ``r`` followed by chunk ``2cp-1-r`` of the padded sample (``2*cs``

@@ -261,6 +261,7 @@ def test_run_audit_verdicts(tmp_path, monkeypatch):
 
 def _agree_worker(rank, world, init, out):
     import json
+
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     res = {}
@@ -284,6 +285,7 @@ def _agree_worker(rank, world, init, out):
 
 def test_agree_across_two_processes_never_hangs(tmp_path):
     import json
+
     import torch.multiprocessing as mp
     mp.spawn(_agree_worker, args=(2, f"file://{tmp_path}/pg", str(tmp_path)), nprocs=2, join=True)
     r0 = json.load(open(tmp_path / "agree-0.json"))

@@ -82,7 +82,7 @@ def test_round_trip(tmp_path):
                    tp_rank=0, pp_rank=1, cp_rank=1, dp_rank=0)
     idx, toks, T, R, masks = _two_samples()
     # cp rank 1 owns sample 10: 0..4, sample 11: 2,3  -> 7 owned tokens
-    owned = [zigzag_owned(t, r, 2, 1) for t, r in zip(T, R)]
+    owned = [zigzag_owned(t, r, 2, 1) for t, r in zip(T, R, strict=True)]
     assert owned == [[0, 1, 2, 3, 4], [2, 3]]
     owned_mask = torch.tensor([masks[i][j] for i in range(2) for j in owned[i]], dtype=torch.float32)
     x = torch.randn(7, requires_grad=True)

@@ -54,7 +54,8 @@ def test_terms_metadata_and_hand_derived_weights(tmp_path):
         L.backward()
         path = s.finish(grad_scale=1.0, num_tokens_reduced=3)
     meta = meta_of(path)
-    assert set(meta) == BASE_META | {"dtype", "terms"} | {f"term.{n}.{f}" for n in TERMS for f in ("reduce", "coef", "mask")}
+    assert set(meta) == BASE_META | {"dtype", "terms"} | {f"term.{n}.{f}" for n in TERMS
+                                                          for f in ("reduce", "coef", "mask")}
     assert meta["terms"] == "kl,mtp,aux"
     assert [meta[f"term.kl.{f}"] for f in ("reduce", "coef", "mask")] == ["per-token", "0.1", "loss"]
     assert [meta[f"term.mtp.{f}"] for f in ("reduce", "coef", "mask")] == ["per-token", "0.3", "shift:1"]
@@ -83,7 +84,8 @@ def test_term_defaults_follow_the_captures_reduce(tmp_path):
     meta = meta_of(path)
     assert meta["terms"] == "kl,z,b-2_x"
     for n in ("kl", "z"):
-        assert (meta[f"term.{n}.reduce"], meta[f"term.{n}.coef"], meta[f"term.{n}.mask"]) == ("sample-mean", "1.0", "loss")
+        got = (meta[f"term.{n}.reduce"], meta[f"term.{n}.coef"], meta[f"term.{n}.mask"])
+        assert got == ("sample-mean", "1.0", "loss")
     assert meta["term.b-2_x.coef"] == "2.0"
 
 
