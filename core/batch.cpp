@@ -234,8 +234,30 @@ void BatchBuilder::append_float_rows(const std::string& field, const HostArray& 
     std::memcpy(bytes.data() + old, converted.data, converted.size_bytes());
 }
 
-// Long: one check per field of a sample, in the order SPEC §1 lists them, each with its own error
-// naming the file, the sample and the field; then the appends.
+namespace {
+
+// A sample's loss mask as 0/1 bytes, any other value as 2 (the caller names it).
+void narrow_sample_mask(const HostArray& m, int64_t r, uint8_t* dst) {
+  if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
+    std::memcpy(dst, m.data, static_cast<std::size_t>(r));
+  } else if (dtype_is_float(m.dtype)) {
+    for (int64_t j = 0; j < r; ++j) {
+      const double v = m.get_f64(j);
+      dst[j] = v == 1.0 ? 1 : (v == 0.0 ? 0 : 2);
+    }
+  } else {
+    thread_local std::vector<int64_t> buf;
+    buf.resize(static_cast<std::size_t>(r));
+    m.copy_i64(0, r, buf.data());
+    for (int64_t j = 0; j < r; ++j) dst[j] = buf[j] == 0 ? 0 : (buf[j] == 1 ? 1 : 2);
+  }
+}
+
+}  // namespace
+
+// One check per field of a sample, in the order SPEC §1 lists them (lengths, loss mask, logits,
+// per-token fields), each with its own error naming the file, the sample and the field; each field
+// is appended once checked, and the lengths and per-sample values last.
 void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   LG_CHECK(!batch_.files.empty(), "begin_file before add_sample");
   if (f.tokens == nullptr) fail_sample(idx, "field 'tokens' is missing");
@@ -257,51 +279,58 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   if (r > t)
     fail_sample(idx, fmt::format("response_length R = {} exceeds total_length T = {}", r, t));
 
-  // Loss mask.
-  const std::size_t mask_start = batch_.loss_mask.size();
-  if (f.loss_mask != nullptr) {
-    require_1d(batch_.files.back(), idx, "loss_mask", *f.loss_mask);
-    if (f.loss_mask->numel() != r) {
-      fail_sample(idx, fmt::format("len(loss_mask) = {} but response_length R = {}",
-                                   f.loss_mask->numel(), r));
-    }
-    any_mask_ = true;
-    batch_.loss_mask.resize(mask_start + r);
-    uint8_t* dst = batch_.loss_mask.data() + mask_start;
-    const HostArray& m = *f.loss_mask;
-    if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
-      std::memcpy(dst, m.data, static_cast<std::size_t>(r));
-    } else if (dtype_is_float(m.dtype)) {
-      for (int64_t j = 0; j < r; ++j) {
-        const double v = m.get_f64(j);
-        dst[j] = v == 1.0 ? 1 : (v == 0.0 ? 0 : 2);
-      }
-    } else {
-      thread_local std::vector<int64_t> buf;
-      buf.resize(static_cast<std::size_t>(r));
-      m.copy_i64(0, r, buf.data());
-      for (int64_t j = 0; j < r; ++j) dst[j] = buf[j] == 0 ? 0 : (buf[j] == 1 ? 1 : 2);
-    }
-    uint8_t bad = 0;
-    for (int64_t j = 0; j < r; ++j) bad |= dst[j] & 0xfe;
-    if (bad != 0) {
-      for (int64_t j = 0; j < r; ++j) {
-        const double v = m.get_f64(j);
-        if (v != 0.0 && v != 1.0)
-          fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
-      }
-    }
-  } else {
-    batch_.loss_mask.resize(mask_start + r, 1);
-  }
-
-  // Logits [R, V].
+  append_sample_mask(idx, f.loss_mask, r);
   const int64_t rows_before = batch_.response_offsets.back();
+  add_sample_logits(idx, f.logits, r, rows_before);
+  add_sample_per_token(idx, f.per_token, r, rows_before);
+
+  batch_.origins.push_back({static_cast<int>(batch_.files.size()) - 1, idx});
+  batch_.total_lengths.push_back(t);
+  batch_.response_lengths.push_back(r);
+  if (needs_.tokens) {
+    const std::size_t tok_start = batch_.tokens.size();
+    batch_.tokens.resize(tok_start + static_cast<std::size_t>(t));
+    f.tokens->copy_i64(0, t, batch_.tokens.data() + tok_start);
+  }
+  batch_.token_offsets.push_back(batch_.token_offsets.back() + t);
+  batch_.response_offsets.push_back(rows_before + r);
+  set_sample_values(batch_.num_samples() - 1, idx, f.padded_total_length, f.sample_denom,
+                    f.removed);
+}
+
+void BatchBuilder::append_sample_mask(int64_t idx, const HostArray* mask, int64_t r) {
+  const std::size_t mask_start = batch_.loss_mask.size();
+  if (mask == nullptr) {
+    batch_.loss_mask.resize(mask_start + r, 1);
+    return;
+  }
+  require_1d(batch_.files.back(), idx, "loss_mask", *mask);
+  if (mask->numel() != r) {
+    fail_sample(idx,
+                fmt::format("len(loss_mask) = {} but response_length R = {}", mask->numel(), r));
+  }
+  any_mask_ = true;
+  batch_.loss_mask.resize(mask_start + r);
+  uint8_t* dst = batch_.loss_mask.data() + mask_start;
+  narrow_sample_mask(*mask, r, dst);
+  uint8_t bad = 0;
+  for (int64_t j = 0; j < r; ++j) bad |= dst[j] & 0xfe;
+  if (bad != 0) {
+    for (int64_t j = 0; j < r; ++j) {
+      const double v = mask->get_f64(j);
+      if (v != 0.0 && v != 1.0)
+        fail_sample(idx, fmt::format("loss_mask[{}] = {} (must be 0 or 1)", j, v));
+    }
+  }
+}
+
+void BatchBuilder::add_sample_logits(int64_t idx, const HostArray* logits, int64_t r,
+                                     int64_t rows_before) {
   // An empty response may state its zero logits rows as a plain empty list (JSON "logits": []).
   const bool no_rows =
-      f.logits != nullptr && r == 0 && f.logits->shape.size() == 1 && f.logits->shape[0] == 0;
-  if (f.logits != nullptr && !no_rows) {
-    const HostArray& l = *f.logits;
+      logits != nullptr && r == 0 && logits->shape.size() == 1 && logits->shape[0] == 0;
+  if (logits != nullptr && !no_rows) {
+    const HostArray& l = *logits;
     if (l.shape.size() != 2)
       fail_sample(idx, fmt::format("logits must be 2-D [R, V], has shape {}", l.shape_string()));
     if (l.shape[0] != r)
@@ -319,9 +348,12 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
   } else if (vocab_size_ >= 0 && r > 0) {
     fail_sample(idx, "field 'logits' is missing (earlier samples have it)");
   }
+}
 
-  // Per-token fields [R].
-  for (const auto& [name, arr] : f.per_token) {
+void BatchBuilder::add_sample_per_token(int64_t idx,
+                                        const std::map<std::string, const HostArray*>& per_token,
+                                        int64_t r, int64_t rows_before) {
+  for (const auto& [name, arr] : per_token) {
     if (arr == nullptr || partial_.count(name)) continue;
     require_1d(batch_.files.back(), idx, name.c_str(), *arr);
     if (arr->numel() != r) {
@@ -338,24 +370,11 @@ void BatchBuilder::add_sample(int64_t idx, const SampleFields& f) {
     per_token_rows_[name] += r;
   }
   for (const auto& [name, rows] : per_token_rows_) {
-    if (r > 0 && rows == rows_before && !f.per_token.count(name) && !partial_.count(name)) {
+    if (r > 0 && rows == rows_before && !per_token.count(name) && !partial_.count(name)) {
       mark_partial(name, fmt::format("{} sample {} lacks it (earlier samples have it)",
                                      batch_.files.back(), idx));
     }
   }
-
-  batch_.origins.push_back({static_cast<int>(batch_.files.size()) - 1, idx});
-  batch_.total_lengths.push_back(t);
-  batch_.response_lengths.push_back(r);
-  if (needs_.tokens) {
-    const std::size_t tok_start = batch_.tokens.size();
-    batch_.tokens.resize(tok_start + static_cast<std::size_t>(t));
-    f.tokens->copy_i64(0, t, batch_.tokens.data() + tok_start);
-  }
-  batch_.token_offsets.push_back(batch_.token_offsets.back() + t);
-  batch_.response_offsets.push_back(rows_before + r);
-  set_sample_values(batch_.num_samples() - 1, idx, f.padded_total_length, f.sample_denom,
-                    f.removed);
 }
 
 void BatchBuilder::set_sample_values(int64_t global, int64_t idx, std::optional<int64_t> padded,
@@ -386,30 +405,32 @@ void BatchBuilder::set_sample_values(int64_t global, int64_t idx, std::optional<
   }
 }
 
-// Long: the packed twin of add_sample: one check per packed field (lengths, offsets, mask,
-// per-token fields, logits), each with its own error, then one append per field.
-void BatchBuilder::add_packed(const PackedFields& f) {
-  LG_CHECK(!batch_.files.empty(), "begin_file before add_packed");
-  const std::string& file = batch_.files.back();
-  auto need = [&](const HostArray* a, const char* name) -> const HostArray& {
-    if (a == nullptr) throw_input_error("{}: packed batch: field '{}' is missing", file, name);
-    if (a->shape.size() != 1)
-      throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
-    if (dtype_is_float(a->dtype))
-      throw_input_error("{}: field '{}' has dtype {}, must be an integer dtype", file, name,
-                        dtype_name(a->dtype));
-    return *a;
-  };
-  const HostArray& tokens = need(f.tokens, "tokens");
-  const HostArray& tl = need(f.total_lengths, "total_lengths");
-  const HostArray& rl = need(f.response_lengths, "response_lengths");
+namespace {
+
+// A packed index field (tokens, total_lengths, response_lengths): present, 1-D, integer.
+const HostArray& packed_index_field(const std::string& file, const HostArray* a, const char* name) {
+  if (a == nullptr) throw_input_error("{}: packed batch: field '{}' is missing", file, name);
+  if (a->shape.size() != 1)
+    throw_input_error("{}: field '{}' must be 1-D, has shape {}", file, name, a->shape_string());
+  if (dtype_is_float(a->dtype))
+    throw_input_error("{}: field '{}' has dtype {}, must be an integer dtype", file, name,
+                      dtype_name(a->dtype));
+  return *a;
+}
+
+struct PackedSums {
+  int64_t tokens = 0;     // sum T
+  int64_t responses = 0;  // sum R
+};
+
+// Checks every sample's lengths and their sums before anything is sliced.
+PackedSums check_packed_lengths(const std::string& file, const HostArray& tl, const HostArray& rl) {
   const int64_t s = tl.numel();
   if (rl.numel() != s) {
     throw_input_error("{}: len(total_lengths) = {} but len(response_lengths) = {}", file, s,
                       rl.numel());
   }
-  // Check lengths and sums before slicing anything.
-  int64_t sum_t = 0, sum_r = 0;
+  PackedSums sums;
   for (int64_t i = 0; i < s; ++i) {
     const int64_t t = tl.get_i64(i), r = rl.get_i64(i);
     if (t < 0) throw_input_error("{}: sample {}: total_length = {} is negative", file, i, t);
@@ -419,29 +440,92 @@ void BatchBuilder::add_packed(const PackedFields& f) {
                         i, r, t);
     if (t > (int64_t{1} << 40))
       throw_input_error("{}: sample {}: total_length = {} is implausibly large", file, i, t);
-    sum_t += t;
-    if (sum_t > (int64_t{1} << 62))
+    sums.tokens += t;
+    if (sums.tokens > (int64_t{1} << 62))
       throw_input_error("{}: sum(total_lengths) exceeds 2^62 by sample {}", file, i);
-    sum_r += r;
+    sums.responses += r;
   }
+  return sums;
+}
+
+// A per-response-token field (absent is fine) must have sum(response_lengths) rows.
+void check_packed_rows(const std::string& file, const HostArray* a, const char* name,
+                       int64_t sum_r) {
+  if (a == nullptr) return;
+  if (a->shape.empty() || a->shape[0] != sum_r) {
+    throw_input_error("{}: field '{}' has shape {}, but sum(response_lengths) = {} rows are needed",
+                      file, name, a->shape_string(), sum_r);
+  }
+}
+
+// A packed loss mask as 0/1 bytes, any other value as 2 (the caller names it).
+void narrow_packed_mask(const HostArray& m, int64_t sum_r, uint8_t* dst) {
+  if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
+    if (sum_r > 0) std::memcpy(dst, m.data, static_cast<std::size_t>(sum_r));  // else both null
+  } else if ((m.dtype == DType::kInt64 &&
+              reinterpret_cast<uintptr_t>(m.data) % alignof(int64_t) == 0) ||
+             (m.dtype == DType::kInt32 &&
+              reinterpret_cast<uintptr_t>(m.data) % alignof(int32_t) == 0)) {
+    // The common integer masks, read in their own width (no float conversion).
+    auto narrow = [&](const auto* src) {
+      for (int64_t j = 0; j < sum_r; ++j) dst[j] = src[j] == 1 ? 1 : (src[j] == 0 ? 0 : 2);
+    };
+    if (m.dtype == DType::kInt64)
+      narrow(reinterpret_cast<const int64_t*>(m.data));
+    else
+      narrow(reinterpret_cast<const int32_t*>(m.data));
+  } else {
+    std::vector<double> buf(static_cast<std::size_t>(std::min<int64_t>(sum_r, 1 << 16)));
+    for (int64_t j0 = 0; j0 < sum_r; j0 += static_cast<int64_t>(buf.size())) {
+      const int64_t n = std::min<int64_t>(sum_r - j0, static_cast<int64_t>(buf.size()));
+      m.copy_f64(j0, n, buf.data());
+      for (int64_t j = 0; j < n; ++j) dst[j0 + j] = buf[j] == 1.0 ? 1 : (buf[j] == 0.0 ? 0 : 2);
+    }
+  }
+}
+
+}  // namespace
+
+// The packed twin of add_sample: one check per packed field (lengths, offsets, mask, per-token
+// fields, logits), each with its own error, then one append per field.
+void BatchBuilder::add_packed(const PackedFields& f) {
+  LG_CHECK(!batch_.files.empty(), "begin_file before add_packed");
+  const std::string& file = batch_.files.back();
+  const HostArray& tokens = packed_index_field(file, f.tokens, "tokens");
+  const HostArray& tl = packed_index_field(file, f.total_lengths, "total_lengths");
+  const HostArray& rl = packed_index_field(file, f.response_lengths, "response_lengths");
+  const PackedSums sums = check_packed_lengths(file, tl, rl);
+  const int64_t sum_t = sums.tokens, sum_r = sums.responses;
   if (tokens.numel() != sum_t) {
     throw_input_error("{}: len(tokens) = {} disagrees with sum(total_lengths) = {}", file,
                       tokens.numel(), sum_t);
   }
-  auto check_rows = [&](const HostArray* a, const char* name) {
-    if (a == nullptr) return;
-    if (a->shape.empty() || a->shape[0] != sum_r) {
-      throw_input_error(
-          "{}: field '{}' has shape {}, but sum(response_lengths) = {} rows are needed", file, name,
-          a->shape_string(), sum_r);
-    }
-  };
-  check_rows(f.loss_masks, "loss_masks");
-  check_rows(f.logits, "logits");
+  check_packed_rows(file, f.loss_masks, "loss_masks", sum_r);
+  check_packed_rows(file, f.logits, "logits", sum_r);
+  const std::map<std::string, const HostArray*> per_token = packed_per_token(f.per_token, sum_r);
+  if (f.loss_masks && f.loss_masks->shape.size() != 1) {
+    throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file,
+                      f.loss_masks->shape_string());
+  }
+  const int64_t rows_before = batch_.response_offsets.back();
+  check_packed_against_earlier(f.logits, per_token, rows_before, sum_r);
+
+  // Bulk append: the lengths are known to add up, so every per-sample rule left is the mask
+  // values'.
+  const std::size_t s0 = batch_.total_lengths.size();
+  append_packed_lengths(tl, rl, tokens, sum_t);
+  append_packed_mask(f.loss_masks, s0, sum_r, rows_before);
+  set_packed_sample_values(f, tl.numel(), s0);
+  append_packed_rows(f.logits, per_token, sum_r);
+}
+
+std::map<std::string, const HostArray*> BatchBuilder::packed_per_token(
+    const std::map<std::string, const HostArray*>& fields, int64_t sum_r) {
+  const std::string& file = batch_.files.back();
   // A per-token field of another length is dropped with the reason, failing only a command that
   // needs it: a per-rank dump of a CP > 1 run holds each CP rank's own tokens' values there.
   std::map<std::string, const HostArray*> per_token;
-  for (const auto& [name, a] : f.per_token) {
+  for (const auto& [name, a] : fields) {
     if (a == nullptr) continue;
     if (a->shape.size() == 1 && a->shape[0] != sum_r) {
       mark_partial(name, fmt::format("{} has {} values but sum(response_lengths) = {}: a CP-local "
@@ -450,20 +534,19 @@ void BatchBuilder::add_packed(const PackedFields& f) {
                                      file, a->shape[0], sum_r));
       continue;
     }
-    check_rows(a, name.c_str());
+    check_packed_rows(file, a, name.c_str(), sum_r);
     per_token[name] = a;
   }
-  if (f.loss_masks && f.loss_masks->shape.size() != 1) {
-    throw_input_error("{}: field 'loss_masks' must be 1-D, has shape {}", file,
-                      f.loss_masks->shape_string());
-  }
+  return per_token;
+}
 
-  // Bulk append: the lengths are known to add up, so every per-sample rule left is the mask
-  // values'.
-  const int64_t rows_before = batch_.response_offsets.back();
-  if (logits_rows_ != rows_before && f.logits != nullptr)
+void BatchBuilder::check_packed_against_earlier(
+    const HostArray* logits, const std::map<std::string, const HostArray*>& per_token,
+    int64_t rows_before, int64_t sum_r) {
+  const std::string& file = batch_.files.back();
+  if (logits_rows_ != rows_before && logits != nullptr)
     throw_input_error("{}: has logits but earlier dumps have none", file);
-  if (vocab_size_ >= 0 && f.logits == nullptr && sum_r > 0)
+  if (vocab_size_ >= 0 && logits == nullptr && sum_r > 0)
     throw_input_error("{}: field 'logits' is missing (earlier dumps have it)", file);
   for (const auto& [name, rows] : per_token_rows_) {
     if (sum_r > 0 && !per_token.count(name) && !partial_.count(name))
@@ -476,8 +559,8 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     if (per_token_rows_[name] != rows_before && !partial_.count(name))
       mark_partial(name, fmt::format("{} has it but earlier dumps have not", file));
   }
-  if (f.logits != nullptr) {
-    const HostArray& l = *f.logits;
+  if (logits != nullptr) {
+    const HostArray& l = *logits;
     if (l.shape.size() != 2)
       throw_input_error("{}: logits must be 2-D [sum R, V], has shape {}", file, l.shape_string());
     if (!dtype_is_float(l.dtype))
@@ -488,6 +571,11 @@ void BatchBuilder::add_packed(const PackedFields& f) {
                         l.shape[1], vocab_size_);
     }
   }
+}
+
+void BatchBuilder::append_packed_lengths(const HostArray& tl, const HostArray& rl,
+                                         const HostArray& tokens, int64_t sum_t) {
+  const int64_t s = tl.numel();
   const int file_index = static_cast<int>(batch_.files.size()) - 1;
   for (int64_t i = 0; i < s; ++i) batch_.origins.push_back({file_index, i});
   const std::size_t s0 = batch_.total_lengths.size();
@@ -505,52 +593,38 @@ void BatchBuilder::add_packed(const PackedFields& f) {
     batch_.tokens.resize(t0 + static_cast<std::size_t>(sum_t));
     if (sum_t > 0) tokens.copy_i64(0, sum_t, batch_.tokens.data() + t0);
   }
+}
+
+void BatchBuilder::append_packed_mask(const HostArray* mask, std::size_t s0, int64_t sum_r,
+                                      int64_t rows_before) {
   const std::size_t m0 = batch_.loss_mask.size();
   batch_.loss_mask.resize(m0 + static_cast<std::size_t>(sum_r), 1);
-  if (f.loss_masks != nullptr) {
-    any_mask_ = true;
-    const HostArray& m = *f.loss_masks;
-    uint8_t* dst = batch_.loss_mask.data() + m0;
-    if (m.dtype == DType::kBool || m.dtype == DType::kUInt8 || m.dtype == DType::kInt8) {
-      if (sum_r > 0) std::memcpy(dst, m.data, static_cast<std::size_t>(sum_r));  // else both null
-    } else if ((m.dtype == DType::kInt64 &&
-                reinterpret_cast<uintptr_t>(m.data) % alignof(int64_t) == 0) ||
-               (m.dtype == DType::kInt32 &&
-                reinterpret_cast<uintptr_t>(m.data) % alignof(int32_t) == 0)) {
-      // The common integer masks, read in their own width (no float conversion).
-      auto narrow = [&](const auto* src) {
-        for (int64_t j = 0; j < sum_r; ++j) dst[j] = src[j] == 1 ? 1 : (src[j] == 0 ? 0 : 2);
-      };
-      if (m.dtype == DType::kInt64)
-        narrow(reinterpret_cast<const int64_t*>(m.data));
-      else
-        narrow(reinterpret_cast<const int32_t*>(m.data));
-    } else {
-      std::vector<double> buf(static_cast<std::size_t>(std::min<int64_t>(sum_r, 1 << 16)));
-      for (int64_t j0 = 0; j0 < sum_r; j0 += static_cast<int64_t>(buf.size())) {
-        const int64_t n = std::min<int64_t>(sum_r - j0, static_cast<int64_t>(buf.size()));
-        m.copy_f64(j0, n, buf.data());
-        for (int64_t j = 0; j < n; ++j) dst[j0 + j] = buf[j] == 1.0 ? 1 : (buf[j] == 0.0 ? 0 : 2);
-      }
-    }
-    uint8_t bad = 0;
-    for (int64_t j = 0; j < sum_r; ++j) bad |= dst[j] & 0xfe;
-    if (bad != 0) {
-      for (int64_t j = 0; j < sum_r; ++j) {
-        const double v = m.get_f64(j);
-        if (v == 0.0 || v == 1.0) continue;
-        const auto it = std::upper_bound(batch_.response_offsets.end() - s - 1,
-                                         batch_.response_offsets.end(), rows_before + j);
-        const int64_t sample =
-            static_cast<int64_t>(it - (batch_.response_offsets.end() - s - 1)) - 1;
-        const int64_t start =
-            batch_.response_offsets[s0 + static_cast<std::size_t>(sample)] - rows_before;
-        throw_input_error("{}: sample {}: loss_mask[{}] = {} (must be 0 or 1)", file, sample,
-                          j - start, v);
-      }
-    }
+  if (mask == nullptr) return;  // all ones
+  any_mask_ = true;
+  const HostArray& m = *mask;
+  uint8_t* dst = batch_.loss_mask.data() + m0;
+  narrow_packed_mask(m, sum_r, dst);
+  uint8_t bad = 0;
+  for (int64_t j = 0; j < sum_r; ++j) bad |= dst[j] & 0xfe;
+  if (bad == 0) return;
+  // The first value that is neither 0 nor 1, named by its sample within the dump (the dump's s
+  // samples are appended from s0 on).
+  const auto s = static_cast<int64_t>(batch_.total_lengths.size() - s0);
+  for (int64_t j = 0; j < sum_r; ++j) {
+    const double v = m.get_f64(j);
+    if (v == 0.0 || v == 1.0) continue;
+    const auto it = std::upper_bound(batch_.response_offsets.end() - s - 1,
+                                     batch_.response_offsets.end(), rows_before + j);
+    const int64_t sample = static_cast<int64_t>(it - (batch_.response_offsets.end() - s - 1)) - 1;
+    const int64_t start =
+        batch_.response_offsets[s0 + static_cast<std::size_t>(sample)] - rows_before;
+    throw_input_error("{}: sample {}: loss_mask[{}] = {} (must be 0 or 1)", batch_.files.back(),
+                      sample, j - start, v);
   }
-  // Per-sample values, one per sample.
+}
+
+void BatchBuilder::set_packed_sample_values(const PackedFields& f, int64_t s, std::size_t s0) {
+  const std::string& file = batch_.files.back();
   auto per_sample = [&](const HostArray* a, const char* name) {
     if (a != nullptr && (a->shape.size() != 1 || a->numel() != s)) {
       throw_input_error("{}: field '{}' has shape {}, but the dump has {} samples", file, name,
@@ -570,13 +644,18 @@ void BatchBuilder::add_packed(const PackedFields& f) {
                       denoms ? std::optional<double>(denoms->get_f64(i)) : std::nullopt,
                       removed ? std::optional<bool>(removed->get_f64(i) != 0.0) : std::nullopt);
   }
-  if (f.logits != nullptr) {
-    vocab_size_ = f.logits->shape[1];
+}
+
+void BatchBuilder::append_packed_rows(const HostArray* logits,
+                                      const std::map<std::string, const HostArray*>& per_token,
+                                      int64_t sum_r) {
+  if (logits != nullptr) {
+    vocab_size_ = logits->shape[1];
     if (needs_.logits && logits_rows_ == 0 && logits_bytes_.empty() && !logits_dtype_) {
-      borrowed_logits_ = *f.logits;  // zero copy
-      logits_dtype_ = f.logits->dtype;
+      borrowed_logits_ = *logits;  // zero copy
+      logits_dtype_ = logits->dtype;
     } else if (needs_.logits) {
-      append_float_rows("logits", *f.logits, 0);
+      append_float_rows("logits", *logits, 0);
     }
     logits_rows_ += sum_r;
   }

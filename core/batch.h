@@ -169,6 +169,29 @@ class BatchBuilder {
   // Validates and stores sample `global`'s optional per-sample values (SPEC §1).
   void set_sample_values(int64_t global, int64_t index_in_file, std::optional<int64_t> padded,
                          std::optional<double> denom, std::optional<bool> removed);
+  // add_sample's fields after the lengths, each checked then appended; rows_before is the
+  // batch's response rows before this sample.
+  void append_sample_mask(int64_t index_in_file, const HostArray* mask, int64_t r);
+  void add_sample_logits(int64_t index_in_file, const HostArray* logits, int64_t r,
+                         int64_t rows_before);
+  void add_sample_per_token(int64_t index_in_file,
+                            const std::map<std::string, const HostArray*>& per_token, int64_t r,
+                            int64_t rows_before);
+  // add_packed's checks, in its order: the per-token fields of sum_r rows (others are marked
+  // partial), then what the dump must share with earlier dumps (logits, vocabulary, fields).
+  std::map<std::string, const HostArray*> packed_per_token(
+      const std::map<std::string, const HostArray*>& fields, int64_t sum_r);
+  void check_packed_against_earlier(const HostArray* logits,
+                                    const std::map<std::string, const HostArray*>& per_token,
+                                    int64_t rows_before, int64_t sum_r);
+  // add_packed's appends, in its order; s0 is the batch's sample count before the dump.
+  void append_packed_lengths(const HostArray& total_lengths, const HostArray& response_lengths,
+                             const HostArray& tokens, int64_t sum_t);
+  void append_packed_mask(const HostArray* mask, std::size_t s0, int64_t sum_r,
+                          int64_t rows_before);
+  void set_packed_sample_values(const PackedFields& fields, int64_t s, std::size_t s0);
+  void append_packed_rows(const HostArray* logits,
+                          const std::map<std::string, const HostArray*>& per_token, int64_t sum_r);
 
   LoadNeeds needs_;
   Batch batch_;
