@@ -313,22 +313,15 @@ struct ContractFactors {
   std::vector<double> per_sample;  // [S]
 };
 
-// Long: SPEC §9's w_t formula in its three steps (counts, denominators, factors), sharing the
-// per-(micro-batch, CP rank) tables; a hot path of `weights` (bench/weights_bench.sh).
-ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const Contract& contract,
-                                 const ObjectiveSizes& sizes_in, const PlacedSamples& placed,
-                                 const TermMasks& masks) {
-  const ObjectiveSizes z = resolve_sizes(b, sizes_in);
+// Step 1 of contract_factors: each rank's count per micro-batch as the contract counts it
+// ([num_mb * cp], as ContractWeights::count). A sample placed twice is counted where first placed:
+// its owners are that sub-group's ranks only.
+std::vector<int64_t> contract_counts(const Batch& b, const StepLayout& layout,
+                                     const Contract& contract, const PlacedSamples& placed,
+                                     const TermMasks& masks) {
   const int64_t s = b.num_samples(), cp = layout.cp;
   const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
-  ContractFactors out;
-  const std::vector<int64_t>& m = masks.own_sum;
-  int64_t nonzero = 0;
-  for (int64_t i = 0; i < s; ++i) nonzero += m[i] > 0;
-
-  // 1. Each rank's count per micro-batch as the contract counts it (a sample placed twice is
-  // counted where first placed: its owners are that sub-group's ranks only).
-  out.count.assign(static_cast<std::size_t>(num_mb * cp), 0);
+  std::vector<int64_t> count(static_cast<std::size_t>(num_mb * cp), 0);
   std::vector<int64_t> owned;
   std::vector<OwnedRun> runs;
   std::map<int64_t, const std::vector<int64_t>*> by_cp_size;  // this call's view of the cache
@@ -340,7 +333,7 @@ ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const
     const bool clamp =
         contract.clamp == ClampRule::kPerSample || (contract.clamp == ClampRule::kAtCp1 && cs == 1);
     auto clamped = [&](int64_t x) { return clamp ? std::max<int64_t>(x, 1) : x; };
-    int64_t* row = &out.count[static_cast<std::size_t>(at.microbatch * cp + base)];
+    int64_t* row = &count[static_cast<std::size_t>(at.microbatch * cp + base)];
     switch (contract.count) {
       case CountRule::kCpLocal: {
         const std::vector<int64_t>*& known = by_cp_size[cs];
@@ -369,68 +362,109 @@ ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const
         break;
     }
   }
-  for (int64_t x : out.count) out.global_count += x;
+  return count;
+}
 
-  // 2. The denominator D of every (micro-batch, CP rank).
-  std::vector<int64_t> rank_total(static_cast<std::size_t>(layout.dp * cp), 0);
-  for (int64_t k = 0; k < num_mb; ++k) {
-    const int64_t d = layout.microbatches[k].dp_rank;
-    if (d < 0 || d >= layout.dp)
-      throw_input_error("micro-batch on DP rank {}, but DP is {}", d, layout.dp);
-    for (int64_t c = 0; c < cp; ++c) rank_total[d * cp + c] += out.count[k * cp + c];
-  }
-  std::vector<int64_t> over_dp(static_cast<std::size_t>(cp), 0),
-      over_cp(static_cast<std::size_t>(layout.dp), 0);
-  int64_t all = 0;
-  for (int64_t d = 0; d < layout.dp; ++d) {
-    for (int64_t c = 0; c < cp; ++c) {
-      over_dp[c] += rank_total[d * cp + c];
-      over_cp[d] += rank_total[d * cp + c];
-      all += rank_total[d * cp + c];
-    }
-  }
-  // norm=generation:S: micro-batch index / S names its generation batch; counted over every rank.
-  std::vector<int64_t> generation_total;
-  if (contract.norm == NormRule::kGeneration) {
+// Step 2 of contract_factors: the denominator D of every (micro-batch, CP rank), from the counts'
+// totals per rank, per DP and CP group, over every rank and per generation batch.
+class ContractDenominators {
+ public:
+  ContractDenominators(const StepLayout& layout, const Contract& contract,
+                       const std::vector<int64_t>& count)
+      : layout_(layout), contract_(contract), count_(count) {
+    const int64_t cp = layout.cp;
+    const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
+    rank_total_.assign(static_cast<std::size_t>(layout.dp * cp), 0);
     for (int64_t k = 0; k < num_mb; ++k) {
-      const auto g = static_cast<std::size_t>(layout.microbatches[k].index / contract.generation);
-      if (generation_total.size() <= g) generation_total.resize(g + 1, 0);
-      for (int64_t c = 0; c < cp; ++c) generation_total[g] += out.count[k * cp + c];
+      const int64_t d = layout.microbatches[k].dp_rank;
+      if (d < 0 || d >= layout.dp)
+        throw_input_error("micro-batch on DP rank {}, but DP is {}", d, layout.dp);
+      for (int64_t c = 0; c < cp; ++c) rank_total_[d * cp + c] += count[k * cp + c];
+    }
+    over_dp_.assign(static_cast<std::size_t>(cp), 0);
+    over_cp_.assign(static_cast<std::size_t>(layout.dp), 0);
+    for (int64_t d = 0; d < layout.dp; ++d) {
+      for (int64_t c = 0; c < cp; ++c) {
+        over_dp_[c] += rank_total_[d * cp + c];
+        over_cp_[d] += rank_total_[d * cp + c];
+        all_ += rank_total_[d * cp + c];
+      }
+    }
+    // norm=generation:S: micro-batch index / S names its generation batch; counted over every
+    // rank.
+    if (contract.norm == NormRule::kGeneration) {
+      for (int64_t k = 0; k < num_mb; ++k) {
+        const auto g = static_cast<std::size_t>(layout.microbatches[k].index / contract.generation);
+        if (generation_total_.size() <= g) generation_total_.resize(g + 1, 0);
+        for (int64_t c = 0; c < cp; ++c) generation_total_[g] += count[k * cp + c];
+      }
     }
   }
-  auto denominator = [&](int64_t k, int64_t c) -> int64_t {
-    const int64_t d = layout.microbatches[k].dp_rank;
-    switch (contract.norm) {
+
+  // D of micro-batch k's CP rank c.
+  int64_t at(int64_t k, int64_t c) const {
+    const int64_t cp = layout_.cp, d = layout_.microbatches[k].dp_rank;
+    switch (contract_.norm) {
       case NormRule::kGeneration:
-        return generation_total[static_cast<std::size_t>(layout.microbatches[k].index /
-                                                         contract.generation)];
+        return generation_total_[static_cast<std::size_t>(layout_.microbatches[k].index /
+                                                          contract_.generation)];
       case NormRule::kNone:
         return 1;
       case NormRule::kMicrobatch:
-        return out.count[k * cp + c];
+        return count_[k * cp + c];
       case NormRule::kRank:
-        return rank_total[d * cp + c];
+        return rank_total_[d * cp + c];
       case NormRule::kGlobal:
-        switch (contract.norm_group) {
+        switch (contract_.norm_group) {
           case ReduceGroup::kDpCp:
-            return all;
+            return all_;
           case ReduceGroup::kDp:
-            return over_dp[c];
+            return over_dp_[c];
           case ReduceGroup::kCp:
-            return over_cp[d];
+            return over_cp_[d];
           case ReduceGroup::kWorld:
-            return all * layout.tp;
+            return all_ * layout_.tp;
         }
     }
     return 1;
-  };
+  }
 
-  // 3. The factors.
+ private:
+  const StepLayout& layout_;
+  const Contract& contract_;
+  const std::vector<int64_t>& count_;  // [num_mb * cp]
+  std::vector<int64_t> rank_total_;    // [dp * cp]
+  std::vector<int64_t> over_dp_;       // [cp]: summed over DP ranks
+  std::vector<int64_t> over_cp_;       // [dp]: summed over CP ranks
+  int64_t all_ = 0;
+  std::vector<int64_t> generation_total_;  // norm=generation:S only
+};
+
+// The longest response among micro-batch mb's samples.
+int64_t longest_response(const Batch& b, const MicroBatch& mb) {
+  const int64_t s = b.num_samples();
+  int64_t longest = 0;
+  for (const auto& group : mb.groups) {
+    for (int64_t i : group) {
+      if (i >= 0 && i < s) longest = std::max(longest, b.response_lengths[i]);
+    }
+  }
+  return longest;
+}
+
+// Step 3 of contract_factors: factor[k * cp + c] of every (micro-batch, CP rank); 0 for a dummy
+// micro-batch.
+std::vector<double> contract_factor_values(const Batch& b, const StepLayout& layout,
+                                           const Contract& contract, const ObjectiveSizes& z,
+                                           int64_t nonzero,
+                                           const ContractDenominators& denominator) {
+  const int64_t cp = layout.cp;
+  const auto num_mb = static_cast<int64_t>(layout.microbatches.size());
   const std::vector<int64_t> rank_microbatches = layout.microbatches_per_rank();
   const double grad_div = contract.grad == GradRule::kMean
                               ? static_cast<double>(group_size(contract.grad_group, layout))
                               : 1.0;
-  out.factor.assign(static_cast<std::size_t>(num_mb * cp), 0.0);
+  std::vector<double> factor(static_cast<std::size_t>(num_mb * cp), 0.0);
   for (int64_t k = 0; k < num_mb; ++k) {
     const MicroBatch& mb = layout.microbatches[k];
     if (mb.dummy) continue;
@@ -442,19 +476,32 @@ ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const
     sz.batch = z.global_batch_size;
     sz.batch_nonzero = std::max<int64_t>(nonzero, 1);
     sz.l_norm = z.l_norm;
-    for (const auto& group : mb.groups) {
-      for (int64_t i : group) {
-        if (i >= 0 && i < s) {
-          sz.microbatch_max_response = std::max(sz.microbatch_max_response, b.response_lengths[i]);
-        }
-      }
-    }
+    sz.microbatch_max_response = std::max(sz.microbatch_max_response, longest_response(b, mb));
     const double scale = scale_value(contract.scale, sz);
     for (int64_t c = 0; c < cp; ++c) {
-      out.factor[k * cp + c] =
-          scale / static_cast<double>(std::max<int64_t>(denominator(k, c), 1)) / grad_div;
+      factor[k * cp + c] =
+          scale / static_cast<double>(std::max<int64_t>(denominator.at(k, c), 1)) / grad_div;
     }
   }
+  return factor;
+}
+
+// SPEC §9's w_t formula in its three steps (counts, denominators, factors); a hot path of
+// `weights` (bench/weights_bench.sh).
+ContractFactors contract_factors(const Batch& b, const StepLayout& layout, const Contract& contract,
+                                 const ObjectiveSizes& sizes_in, const PlacedSamples& placed,
+                                 const TermMasks& masks) {
+  const ObjectiveSizes z = resolve_sizes(b, sizes_in);
+  const int64_t s = b.num_samples();
+  ContractFactors out;
+  const std::vector<int64_t>& m = masks.own_sum;
+  int64_t nonzero = 0;
+  for (int64_t i = 0; i < s; ++i) nonzero += m[i] > 0;
+
+  out.count = contract_counts(b, layout, contract, placed, masks);
+  for (int64_t x : out.count) out.global_count += x;
+  const ContractDenominators denominator(layout, contract, out.count);
+  out.factor = contract_factor_values(b, layout, contract, z, nonzero, denominator);
   out.per_sample.assign(static_cast<std::size_t>(s), 1.0);
   if (contract.sample == SampleRule::kMean) {
     for (int64_t i = 0; i < s; ++i)
@@ -1134,20 +1181,19 @@ std::vector<InvarianceResult> check_split_invariance(const Batch& b, const StepL
   return std::move(check_split_invariance_terms({term}, base, split, vary).front());
 }
 
-// Long: I5 as one plan (every variation placed once, every term weighed on it, threads over
-// variations); the seams are commented.
-std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
-    const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
-    Variations vary) {
-  if (terms.empty()) return {};
-  const Batch& b0 = *terms.front().batch;
-  struct Reference {
-    ContractWeights computed;
-    const ContractWeights* weights = nullptr;
-    int64_t true_count = 0;
-    WeightDiagnosis diagnosis;
-  };
-  std::vector<Reference> refs(terms.size());
+namespace {
+
+// I5's reference for one term: its base layout's weights against the truth.
+struct InvarianceReference {
+  ContractWeights computed;
+  const ContractWeights* weights = nullptr;
+  int64_t true_count = 0;
+  WeightDiagnosis diagnosis;
+};
+
+std::vector<InvarianceReference> invariance_references(const std::vector<TermInvariance>& terms,
+                                                       const StepLayout& base) {
+  std::vector<InvarianceReference> refs(terms.size());
   for (std::size_t k = 0; k < terms.size(); ++k) {
     const TermInvariance& t = terms[k];
     for (uint8_t m : t.batch->loss_mask) refs[k].true_count += m;
@@ -1169,12 +1215,18 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
             : diagnose_weights(*t.batch, refs[k].weights->weight, *t.truth, refs[k].weights->place,
                                base, refs[k].true_count, refs[k].weights->global_count);
   }
+  return refs;
+}
+
+// One variation of the base layout: its DP, micro-batches per rank and CP.
+struct InvarianceVariant {
+  int64_t dp, m, cp;
+  std::string label;
+};
+
+std::vector<InvarianceVariant> invariance_variants(const StepLayout& base, Variations vary) {
   const int64_t base_m = base.dp > 0 ? base.num_microbatches(0) : 1;
-  struct Variant {
-    int64_t dp, m, cp;
-    std::string label;
-  };
-  std::vector<Variant> variants;
+  std::vector<InvarianceVariant> variants;
   for (int64_t x : {1, 2, 4, 8}) {
     if (vary.dp && x != base.dp) variants.push_back({x, base_m, base.cp, fmt::format("DP {}", x)});
   }
@@ -1185,47 +1237,72 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
   for (int64_t x : {1, 2, 4, 8}) {
     if (vary.cp && x != base.cp) variants.push_back({base.dp, base_m, x, fmt::format("CP {}", x)});
   }
-  // Only layouts the trainer can produce are compared (reported as skipped otherwise): none that
-  // leaves a micro-batch without samples, and for a trainer that cuts equal micro-batches (TRL),
-  // none where DP x M does not divide the batch, nor (norm=generation:S) where M is not a multiple
-  // of S: the generation batch would reach into another optimizer step, which the dump does not
-  // hold.
-  auto skip_reason = [&](const Variant& v) -> std::string {
-    const int64_t n = b0.num_samples(), cells = v.dp * v.m;
-    if (cells > n) {
-      return fmt::format("leaves micro-batches empty ({} samples over DP {} x {} micro-batches)", n,
-                         v.dp, v.m);
+  return variants;
+}
+
+// Only layouts the trainer can produce are compared (reported as skipped otherwise, with this
+// reason; empty: compared): none that leaves a micro-batch without samples, and for a trainer that
+// cuts equal micro-batches (TRL), none where DP x M does not divide the batch, nor
+// (norm=generation:S) where M is not a multiple of S: the generation batch would reach into
+// another optimizer step, which the dump does not hold.
+std::string variant_skip_reason(const std::vector<TermInvariance>& terms, int64_t n,
+                                const InvarianceVariant& v) {
+  const int64_t cells = v.dp * v.m;
+  if (cells > n) {
+    return fmt::format("leaves micro-batches empty ({} samples over DP {} x {} micro-batches)", n,
+                       v.dp, v.m);
+  }
+  for (const TermInvariance& t : terms) {
+    if (t.contract->equal_microbatches && n % cells != 0) {
+      return fmt::format(
+          "a layout the trainer never builds: DP {} x {} micro-batches does not divide the {} "
+          "samples into equal micro-batches",
+          v.dp, v.m, n);
     }
-    for (const TermInvariance& t : terms) {
-      if (t.contract->equal_microbatches && n % cells != 0) {
-        return fmt::format(
-            "a layout the trainer never builds: DP {} x {} micro-batches does not divide the {} "
-            "samples into equal micro-batches",
-            v.dp, v.m, n);
-      }
-      if (t.contract->norm == NormRule::kGeneration && v.m % t.contract->generation != 0) {
-        return fmt::format(
-            "a layout the trainer never builds within one step: {} micro-batches is not a "
-            "multiple of the generation batch's S = {}",
-            v.m, t.contract->generation);
-      }
+    if (t.contract->norm == NormRule::kGeneration && v.m % t.contract->generation != 0) {
+      return fmt::format(
+          "a layout the trainer never builds within one step: {} micro-batches is not a "
+          "multiple of the generation batch's S = {}",
+          v.m, t.contract->generation);
     }
-    return {};
-  };
-  // The base layout's weights of every term as runs (the same factors as base_weights).
-  std::vector<TermMasks> masks;
-  std::vector<CachedRuns> base_runs;
-  for (const TermInvariance& t : terms) masks.push_back(term_masks(*t.batch, *t.contract, t.sizes));
-  for (std::size_t k = 0; k < terms.size(); ++k)
-    base_runs.push_back(
-        cache_runs(*terms[k].batch, layout_weights(*terms[k].batch, base, *terms[k].contract,
-                                                   terms[k].sizes, masks[k], nullptr)));
+  }
+  return {};
+}
+
+// The variation's static layout, with the base layout's TP, sharding and CP layout.
+StepLayout variant_layout(int64_t num_samples, const StepLayout& base, const InvarianceVariant& v,
+                          Split split) {
+  StepLayout l =
+      static_layout(place_samples(num_samples, v.dp, v.m, split), v.cp, base.tp, base.shard);
+  l.cp_layout = base.cp_layout;
+  l.allgather_pad = base.allgather_pad;
+  return l;
+}
+
+// I5 as one plan: the terms' references and base layout's weights as runs (the same factors as
+// base_weights), computed once and read by every variation.
+class InvariancePlan {
+ public:
+  InvariancePlan(const std::vector<TermInvariance>& terms, const StepLayout& base, Split split)
+      : terms_(terms),
+        b0_(*terms.front().batch),
+        base_(base),
+        split_(split),
+        refs_(invariance_references(terms, base)) {
+    for (const TermInvariance& t : terms)
+      masks_.push_back(term_masks(*t.batch, *t.contract, t.sizes));
+    for (std::size_t k = 0; k < terms.size(); ++k)
+      base_runs_.push_back(
+          cache_runs(*terms[k].batch, layout_weights(*terms[k].batch, base, *terms[k].contract,
+                                                     terms[k].sizes, masks_[k], nullptr)));
+  }
+
   // One variation: its placement once; per term, its weights against the base layout's (as runs)
   // and, when they differ, token by token against the truth. Empty: a layout that cannot hold the
-  // batch.
-  auto evaluate = [&](const Variant& v) -> std::vector<InvarianceResult> {
-    if (std::string why = skip_reason(v); !why.empty()) {
-      std::vector<InvarianceResult> out(terms.size());
+  // batch. Called from several threads at once.
+  std::vector<InvarianceResult> evaluate(const InvarianceVariant& v) const {
+    if (std::string why = variant_skip_reason(terms_, b0_.num_samples(), v); !why.empty()) {
+      std::vector<InvarianceResult> out(terms_.size());
       for (InvarianceResult& res : out) {
         res.layout = {{"dp", v.dp}, {"cp", v.cp}, {"microbatches", v.m}};
         res.label = v.label;
@@ -1234,58 +1311,83 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       }
       return out;
     }
-    StepLayout l =
-        static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp, base.tp, base.shard);
-    l.cp_layout = base.cp_layout;
-    l.allgather_pad = base.allgather_pad;
+    const StepLayout l = variant_layout(b0_.num_samples(), base_, v, split_);
     PlacedSamples slots;
     try {
-      slots = place_sample_slots(b0, l);
+      slots = place_sample_slots(b0_, l);
     } catch (const InputError&) {
       return {};  // a layout that cannot hold the batch (bshd, a short max length)
     }
     std::optional<PlacedTokens> placed;  // per token, only to diagnose a break
     std::vector<InvarianceResult> out;
-    for (std::size_t k = 0; k < terms.size(); ++k) {
-      const Batch& b = *terms[k].batch;
+    for (std::size_t k = 0; k < terms_.size(); ++k) {
+      const TermInvariance& t = terms_[k];
+      const Batch& b = *t.batch;
       InvarianceResult res;
       res.layout = {{"dp", v.dp}, {"cp", v.cp}, {"microbatches", v.m}};
       res.label = v.label;
       LayoutWeights w;
       try {
-        w = layout_weights(b, l, *terms[k].contract, terms[k].sizes, masks[k], &slots);
+        w = layout_weights(b, l, *t.contract, t.sizes, masks_[k], &slots);
       } catch (const ScaleRangeError&) {
         throw;  // the contract's fault on every layout: exit 2, not a layout left out
       } catch (const InputError&) {
         return {};
       }
-      const double worst = max_weight_difference(b, base_runs[k], w, res.worst);
+      const double worst = max_weight_difference(b, base_runs_[k], w, res.worst);
       res.max_rel_diff = std::max(worst, 0.0);
       res.ok = res.max_rel_diff <= kWeightRelTol;  // false for inf
       if (res.ok) {
-        res.against_truth = refs[k].diagnosis;
-      } else if (terms[k].diagnose_every_break && terms[k].truth_per_sample != nullptr) {
-        res.against_truth =
-            diagnose_layout_weights(b, w, *terms[k].truth_per_sample, refs[k].true_count);
-      } else if (terms[k].diagnose_every_break) {
-        if (!placed) placed = place_tokens(b0, l);
-        const ContractWeights cw =
-            contract_weights(b, l, *terms[k].contract, terms[k].sizes, &*placed);
-        res.against_truth = diagnose_weights(b, cw.weight, *terms[k].truth, cw.place, l,
-                                             refs[k].true_count, cw.global_count);
+        res.against_truth = refs_[k].diagnosis;
+      } else if (t.diagnose_every_break && t.truth_per_sample != nullptr) {
+        res.against_truth = diagnose_layout_weights(b, w, *t.truth_per_sample, refs_[k].true_count);
+      } else if (t.diagnose_every_break) {
+        if (!placed) placed = place_tokens(b0_, l);
+        const ContractWeights cw = contract_weights(b, l, *t.contract, t.sizes, &*placed);
+        res.against_truth = diagnose_weights(b, cw.weight, *t.truth, cw.place, l,
+                                             refs_[k].true_count, cw.global_count);
       } else {
-        res.against_truth.kind = "not-run";  // the first break is diagnosed below
+        res.against_truth.kind = "not-run";  // the first break is diagnosed later
       }
       out.push_back(std::move(res));
     }
     return out;
-  };
-  // Variations are independent: a few at a time on their own threads (each holds a weight vector
-  // the size of the batch's response tokens per term).
+  }
+
+  // Term k's diagnosis against the truth on variation v (a term that diagnoses only its first
+  // break).
+  WeightDiagnosis diagnose_break(std::size_t k, const InvarianceVariant& v) const {
+    const TermInvariance& t = terms_[k];
+    const StepLayout l = variant_layout(b0_.num_samples(), base_, v, split_);
+    const Batch& b = *t.batch;
+    if (t.truth_per_sample != nullptr) {
+      return summarize_weights(b, l, *t.contract, t.sizes, *t.truth_per_sample, refs_[k].true_count)
+          .diagnosis;
+    }
+    const ContractWeights w = contract_weights(b, l, *t.contract, t.sizes);
+    return diagnose_weights(b, w.weight, *t.truth, w.place, l, refs_[k].true_count, w.global_count);
+  }
+
+ private:
+  const std::vector<TermInvariance>& terms_;
+  const Batch& b0_;
+  const StepLayout& base_;
+  Split split_;
+  std::vector<InvarianceReference> refs_;
+  std::vector<TermMasks> masks_;
+  std::vector<CachedRuns> base_runs_;
+};
+
+// Every variation's results, in order. Variations are independent: a few at a time on their own
+// threads (each holds a weight vector the size of the batch's response tokens per term).
+std::vector<std::vector<InvarianceResult>> evaluate_variants(
+    const InvariancePlan& plan, const std::vector<InvarianceVariant>& variants,
+    int64_t response_tokens) {
   const std::size_t threads =
-      b0.num_response_tokens() < (1 << 16)
+      response_tokens < (1 << 16)
           ? 1  // small batches: a thread costs more than the work
           : std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 4);
+  auto evaluate = [&plan](const InvarianceVariant& v) { return plan.evaluate(v); };
   std::vector<std::vector<InvarianceResult>> results(variants.size());
   for (std::size_t start = 0; start < variants.size(); start += threads) {
     std::vector<std::future<std::vector<InvarianceResult>>> running;
@@ -1295,33 +1397,35 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
     }
     for (std::size_t k = 0; k < running.size(); ++k) results[start + k] = running[k].get();
   }
+  return results;
+}
+
+}  // namespace
+
+// I5 as one plan: every variation placed once, every term weighed on it, threads over variations;
+// then each term's results over the variations that hold the batch, and the first break of a term
+// that diagnoses only that one.
+std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
+    const std::vector<TermInvariance>& terms, const StepLayout& base, Split split,
+    Variations vary) {
+  if (terms.empty()) return {};
+  const Batch& b0 = *terms.front().batch;
+  const InvariancePlan plan(terms, base, split);
+  const std::vector<InvarianceVariant> variants = invariance_variants(base, vary);
+  std::vector<std::vector<InvarianceResult>> results =
+      evaluate_variants(plan, variants, b0.num_response_tokens());
   std::vector<std::vector<InvarianceResult>> out(terms.size());
-  std::vector<const Variant*> variant_of;  // of out[k][j], every k
+  std::vector<const InvarianceVariant*> variant_of;  // of out[k][j], every k
   for (std::size_t v = 0; v < results.size(); ++v) {
     if (results[v].size() != terms.size()) continue;
     variant_of.push_back(&variants[v]);
     for (std::size_t k = 0; k < terms.size(); ++k) out[k].push_back(std::move(results[v][k]));
   }
-  // The first break of a term that diagnoses only that one.
   for (std::size_t k = 0; k < terms.size(); ++k) {
     if (terms[k].diagnose_every_break) continue;
     for (std::size_t j = 0; j < out[k].size(); ++j) {
       if (out[k][j].ok) continue;
-      const Variant& v = *variant_of[j];
-      StepLayout l = static_layout(place_samples(b0.num_samples(), v.dp, v.m, split), v.cp, base.tp,
-                                   base.shard);
-      l.cp_layout = base.cp_layout;
-      l.allgather_pad = base.allgather_pad;
-      const Batch& b = *terms[k].batch;
-      if (terms[k].truth_per_sample != nullptr) {
-        out[k][j].against_truth = summarize_weights(b, l, *terms[k].contract, terms[k].sizes,
-                                                    *terms[k].truth_per_sample, refs[k].true_count)
-                                      .diagnosis;
-        break;
-      }
-      const ContractWeights w = contract_weights(b, l, *terms[k].contract, terms[k].sizes);
-      out[k][j].against_truth = diagnose_weights(b, w.weight, *terms[k].truth, w.place, l,
-                                                 refs[k].true_count, w.global_count);
+      out[k][j].against_truth = plan.diagnose_break(k, *variant_of[j]);
       break;
     }
   }
