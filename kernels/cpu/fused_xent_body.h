@@ -214,9 +214,161 @@ struct Io<HalfBits> {
   }
 };
 
+// A row whose gradient is still to be written: its scratch, block references and lse.
 template <typename T>
-// Long: a row's one pass over its blocks: the running maximum, the sums, the two scratches and the
-// prefetch position are live across every phase of the hottest loop, kept in one body.
+struct PendingRow {
+  T* g = nullptr;
+  const float* sc = nullptr;
+  const float* block_max = nullptr;
+  double lse = 0.0, zy = 0.0;
+  float c = 0.0f;
+  int64_t y = 0;
+};
+
+// Pass 2 of block blk of a row of v logits (in `blocks` blocks): the gradient
+// c * exp(block_max - lse) * exp(z - block_max), streamed out of the row's scratch.
+template <typename T>
+inline void grad_block(const PendingRow<T>& p, int64_t blk, int64_t v, int64_t blocks) {
+  const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
+  T* g = p.g;
+  const float* sc = p.sc;
+  const float f = static_cast<float>(p.c * std::exp(static_cast<double>(p.block_max[blk]) - p.lse));
+  const vf vfac = splat(f);
+  int64_t k = 0;
+  // Whole cache lines bypass the cache (no read-for-ownership of the gradient) once aligned.
+  for (; k < n && reinterpret_cast<uintptr_t>(g + b0 + k) % kStreamAlign != 0; ++k)
+    Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
+  for (; k + kLanes <= n; k += kLanes) Io<T>::stream(g + b0 + k, vload(sc + b0 + k) * vfac);
+  for (; k < n; ++k) Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
+  if (blk == blocks - 1)  // c (p_y - 1), no cancellation: after the block that holds y
+    Io<T>::store_scalar(p.g + p.y, static_cast<float>(p.c * std::expm1(p.zy - p.lse)));
+}
+
+// Pass 1 of the n logits z[b0, b0 + n) once the running maximum m is finite: one sweep,
+// exp(z - m) into the scratch sc with the block's own maximum alongside. Kept (true, with the
+// block's reference block_max = m and the sum s updated) when that maximum is at most m + kSlack
+// (the exponentials stay below e^kSlack, far from float's range); else false, and the caller redoes
+// the block with sum_block_two_sweeps from the cached logits (a rise of the maximum that large,
+// +inf or NaN).
+template <typename T>
+inline bool sum_block_one_sweep(const T* z, float* sc, int64_t b0, int64_t n, float& m, double& s,
+                                float& block_max) {
+  const vf vm = splat(m);
+  vf mx0 = splat(-std::numeric_limits<float>::infinity()), mx1 = mx0;
+  vf vs = splat(0.0f), vs1 = splat(0.0f);
+  int64_t k = 0;
+  for (; k + 2 * kLanes <= n; k += 2 * kLanes) {
+    __builtin_prefetch(z + b0 + k + kPrefetch, 0, 3);
+    const vf x0 = Io<T>::load(z + b0 + k), x1 = Io<T>::load(z + b0 + k + kLanes);
+    mx0 = x0 > mx0 ? x0 : mx0;
+    mx1 = x1 > mx1 ? x1 : mx1;
+    const vf e0 = vexp(x0 - vm), e1 = vexp(x1 - vm);
+    vstore(sc + b0 + k, e0);
+    vstore(sc + b0 + k + kLanes, e1);
+    vs += e0;
+    vs1 += e1;
+  }
+  for (; k + kLanes <= n; k += kLanes) {
+    const vf x = Io<T>::load(z + b0 + k);
+    mx0 = x > mx0 ? x : mx0;
+    const vf e = vexp(x - vm);
+    vstore(sc + b0 + k, e);
+    vs += e;
+  }
+  float bm = hmax(mx1 > mx0 ? mx1 : mx0), bs = hsum(vs) + hsum(vs1);
+  for (; k < n; ++k) {
+    const float x = Io<T>::scalar(z + b0 + k);
+    bm = x > bm ? x : bm;
+    const float e = std::exp(x - m);
+    sc[b0 + k] = e;
+    bs += e;
+  }
+  if (bm <= m + kSlack) {
+    block_max = m;
+    s += bs;
+    if (bm > m) {
+      s *= std::exp(static_cast<double>(m) - bm);
+      m = bm;
+    }
+    return true;
+  }
+  return false;
+}
+
+// Pass 1 of the n logits z[b0, b0 + n) in two sweeps: the block's maximum (rescaling the sum s
+// when it raises the running maximum m, which becomes the block's reference block_max), then
+// exp(z - m) into the scratch sc.
+template <typename T>
+inline void sum_block_two_sweeps(const T* z, float* sc, int64_t b0, int64_t n, float& m, double& s,
+                                 float& block_max) {
+  // Four independent maxima: one chain would wait a max latency per vector.
+  const vf ninf = splat(-std::numeric_limits<float>::infinity());
+  vf mx0 = ninf, mx1 = ninf, mx2 = ninf, mx3 = ninf;
+  int64_t k = 0;
+  // float logits are read again from L1 by the exp sweep; narrower ones are widened once here.
+  constexpr bool kWiden = !std::is_same_v<T, float>;
+  const float* src = kWiden ? sc : reinterpret_cast<const float*>(z);
+  for (; k + 4 * kLanes <= n; k += 4 * kLanes) {
+    const vf x0 = Io<T>::load(z + b0 + k), x1 = Io<T>::load(z + b0 + k + kLanes);
+    const vf x2 = Io<T>::load(z + b0 + k + 2 * kLanes), x3 = Io<T>::load(z + b0 + k + 3 * kLanes);
+    if constexpr (kWiden) {
+      vstore(sc + b0 + k, x0);
+      vstore(sc + b0 + k + kLanes, x1);
+      vstore(sc + b0 + k + 2 * kLanes, x2);
+      vstore(sc + b0 + k + 3 * kLanes, x3);
+    }
+    mx0 = x0 > mx0 ? x0 : mx0;
+    mx1 = x1 > mx1 ? x1 : mx1;
+    mx2 = x2 > mx2 ? x2 : mx2;
+    mx3 = x3 > mx3 ? x3 : mx3;
+  }
+  for (; k + kLanes <= n; k += kLanes) {
+    const vf x = Io<T>::load(z + b0 + k);
+    if constexpr (kWiden) vstore(sc + b0 + k, x);
+    mx0 = x > mx0 ? x : mx0;
+  }
+  mx0 = mx1 > mx0 ? mx1 : mx0;
+  mx2 = mx3 > mx2 ? mx3 : mx2;
+  const vf vmax = mx2 > mx0 ? mx2 : mx0;
+  float bm = hmax(vmax);
+  for (; k < n; ++k) {
+    const float x = Io<T>::scalar(z + b0 + k);
+    if constexpr (kWiden) sc[b0 + k] = x;
+    bm = x > bm ? x : bm;
+  }
+  if (bm > m) {
+    s = m == -std::numeric_limits<float>::infinity() ? 0.0
+                                                     : s * std::exp(static_cast<double>(m) - bm);
+    m = bm;
+  }
+  block_max = m;
+  const vf vm = splat(m);
+  vf vs = splat(0.0f), vs1 = splat(0.0f);
+  k = 0;
+  for (; k + 2 * kLanes <= n; k += 2 * kLanes) {
+    const vf e0 = vexp(vload(src + b0 + k) - vm), e1 = vexp(vload(src + b0 + k + kLanes) - vm);
+    vstore(sc + b0 + k, e0);
+    vstore(sc + b0 + k + kLanes, e1);
+    vs += e0;
+    vs1 += e1;
+  }
+  for (; k + kLanes <= n; k += kLanes) {
+    const vf e = vexp(vload(src + b0 + k) - vm);
+    vstore(sc + b0 + k, e);
+    vs += e;
+  }
+  float bs = hsum(vs) + hsum(vs1);
+  for (; k < n; ++k) {
+    const float e = std::exp(src[b0 + k] - m);
+    sc[b0 + k] = e;
+    bs += e;
+  }
+  s += bs;
+}
+
+// A row's one pass over its blocks: pass 1 of block blk (the running maximum m and sum s carried
+// from block to block) and pass 2 of the same block of the previous row.
+template <typename T>
 void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
   const int64_t v = a.vocab, blocks = (v + kBlock - 1) / kBlock;
   // Two scratches: row r's first pass fills one while row r-1's gradient streams out of the
@@ -230,33 +382,7 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
       static_cast<float*>(std::malloc(static_cast<std::size_t>(2 * stride) * sizeof(float)))};
   if (scratch.p == nullptr) throw std::bad_alloc();
   T* grad = static_cast<T*>(a.grad);
-  // A row whose gradient is still to be written: its scratch, block references and lse.
-  struct Pending {
-    T* g = nullptr;
-    const float* sc = nullptr;
-    const float* block_max = nullptr;
-    double lse = 0.0, zy = 0.0;
-    float c = 0.0f;
-    int64_t y = 0;
-  };
-  Pending pending;
-  // Pass 2 of one block: the gradient c * exp(block_max - lse) * exp(z - block_max).
-  auto grad_block = [&](const Pending& p, int64_t blk) {
-    const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
-    T* g = p.g;
-    const float* sc = p.sc;
-    const float f =
-        static_cast<float>(p.c * std::exp(static_cast<double>(p.block_max[blk]) - p.lse));
-    const vf vfac = splat(f);
-    int64_t k = 0;
-    // Whole cache lines bypass the cache (no read-for-ownership of the gradient) once aligned.
-    for (; k < n && reinterpret_cast<uintptr_t>(g + b0 + k) % kStreamAlign != 0; ++k)
-      Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
-    for (; k + kLanes <= n; k += kLanes) Io<T>::stream(g + b0 + k, vload(sc + b0 + k) * vfac);
-    for (; k < n; ++k) Io<T>::store_scalar(g + b0 + k, sc[b0 + k] * f);
-    if (blk == blocks - 1)  // c (p_y - 1), no cancellation: after the block that holds y
-      Io<T>::store_scalar(p.g + p.y, static_cast<float>(p.c * std::expm1(p.zy - p.lse)));
-  };
+  PendingRow<T> pending;
   int which = 0;
   for (int64_t row = begin; row < end; ++row) {
     T* g = grad != nullptr ? grad + row * v : nullptr;
@@ -273,122 +399,14 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
     // Pass 1: online log-sum-exp, one read of the logits.
     float m = -std::numeric_limits<float>::infinity();
     double s = 0.0;
-    auto sum_block = [&](int64_t blk) {
-      const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
-      // Once the running maximum m is finite, a block takes one sweep: exp(z - m) with its own
-      // maximum alongside, kept when that maximum is at most m + kSlack (the exponentials stay
-      // below e^kSlack, far from float's range; the block's reference stays m), else redone
-      // below from the cached logits (a rise of the maximum that large, +inf or NaN).
-      if (m > -std::numeric_limits<float>::infinity()) {
-        const vf vm = splat(m);
-        vf mx0 = splat(-std::numeric_limits<float>::infinity()), mx1 = mx0;
-        vf vs = splat(0.0f), vs1 = splat(0.0f);
-        int64_t k = 0;
-        for (; k + 2 * kLanes <= n; k += 2 * kLanes) {
-          __builtin_prefetch(z + b0 + k + kPrefetch, 0, 3);
-          const vf x0 = Io<T>::load(z + b0 + k), x1 = Io<T>::load(z + b0 + k + kLanes);
-          mx0 = x0 > mx0 ? x0 : mx0;
-          mx1 = x1 > mx1 ? x1 : mx1;
-          const vf e0 = vexp(x0 - vm), e1 = vexp(x1 - vm);
-          vstore(sc + b0 + k, e0);
-          vstore(sc + b0 + k + kLanes, e1);
-          vs += e0;
-          vs1 += e1;
-        }
-        for (; k + kLanes <= n; k += kLanes) {
-          const vf x = Io<T>::load(z + b0 + k);
-          mx0 = x > mx0 ? x : mx0;
-          const vf e = vexp(x - vm);
-          vstore(sc + b0 + k, e);
-          vs += e;
-        }
-        float bm = hmax(mx1 > mx0 ? mx1 : mx0), bs = hsum(vs) + hsum(vs1);
-        for (; k < n; ++k) {
-          const float x = Io<T>::scalar(z + b0 + k);
-          bm = x > bm ? x : bm;
-          const float e = std::exp(x - m);
-          sc[b0 + k] = e;
-          bs += e;
-        }
-        if (bm <= m + kSlack) {
-          block_max[blk] = m;
-          s += bs;
-          if (bm > m) {
-            s *= std::exp(static_cast<double>(m) - bm);
-            m = bm;
-          }
-          return;
-        }
-      }
-      // Four independent maxima: one chain would wait a max latency per vector.
-      const vf ninf = splat(-std::numeric_limits<float>::infinity());
-      vf mx0 = ninf, mx1 = ninf, mx2 = ninf, mx3 = ninf;
-      int64_t k = 0;
-      // float logits are read again from L1 by the exp sweep; narrower ones are widened once here.
-      constexpr bool kWiden = !std::is_same_v<T, float>;
-      const float* src = kWiden ? sc : reinterpret_cast<const float*>(z);
-      for (; k + 4 * kLanes <= n; k += 4 * kLanes) {
-        const vf x0 = Io<T>::load(z + b0 + k), x1 = Io<T>::load(z + b0 + k + kLanes);
-        const vf x2 = Io<T>::load(z + b0 + k + 2 * kLanes),
-                 x3 = Io<T>::load(z + b0 + k + 3 * kLanes);
-        if constexpr (kWiden) {
-          vstore(sc + b0 + k, x0);
-          vstore(sc + b0 + k + kLanes, x1);
-          vstore(sc + b0 + k + 2 * kLanes, x2);
-          vstore(sc + b0 + k + 3 * kLanes, x3);
-        }
-        mx0 = x0 > mx0 ? x0 : mx0;
-        mx1 = x1 > mx1 ? x1 : mx1;
-        mx2 = x2 > mx2 ? x2 : mx2;
-        mx3 = x3 > mx3 ? x3 : mx3;
-      }
-      for (; k + kLanes <= n; k += kLanes) {
-        const vf x = Io<T>::load(z + b0 + k);
-        if constexpr (kWiden) vstore(sc + b0 + k, x);
-        mx0 = x > mx0 ? x : mx0;
-      }
-      mx0 = mx1 > mx0 ? mx1 : mx0;
-      mx2 = mx3 > mx2 ? mx3 : mx2;
-      const vf vmax = mx2 > mx0 ? mx2 : mx0;
-      float bm = hmax(vmax);
-      for (; k < n; ++k) {
-        const float x = Io<T>::scalar(z + b0 + k);
-        if constexpr (kWiden) sc[b0 + k] = x;
-        bm = x > bm ? x : bm;
-      }
-      if (bm > m) {
-        s = m == -std::numeric_limits<float>::infinity()
-                ? 0.0
-                : s * std::exp(static_cast<double>(m) - bm);
-        m = bm;
-      }
-      block_max[blk] = m;
-      const vf vm = splat(m);
-      vf vs = splat(0.0f), vs1 = splat(0.0f);
-      k = 0;
-      for (; k + 2 * kLanes <= n; k += 2 * kLanes) {
-        const vf e0 = vexp(vload(src + b0 + k) - vm), e1 = vexp(vload(src + b0 + k + kLanes) - vm);
-        vstore(sc + b0 + k, e0);
-        vstore(sc + b0 + k + kLanes, e1);
-        vs += e0;
-        vs1 += e1;
-      }
-      for (; k + kLanes <= n; k += kLanes) {
-        const vf e = vexp(vload(src + b0 + k) - vm);
-        vstore(sc + b0 + k, e);
-        vs += e;
-      }
-      float bs = hsum(vs) + hsum(vs1);
-      for (; k < n; ++k) {
-        const float e = std::exp(src[b0 + k] - m);
-        sc[b0 + k] = e;
-        bs += e;
-      }
-      s += bs;
-    };
     for (int64_t blk = 0; blk < blocks; ++blk) {
-      sum_block(blk);
-      if (pending.g != nullptr) grad_block(pending, blk);
+      const int64_t b0 = blk * kBlock, n = min64(kBlock, v - b0);
+      // Once the running maximum m is finite, a block takes one sweep; else, or when its maximum
+      // rises too far, two.
+      if (!(m > -std::numeric_limits<float>::infinity() &&
+            sum_block_one_sweep(z, sc, b0, n, m, s, block_max[blk])))
+        sum_block_two_sweeps(z, sc, b0, n, m, s, block_max[blk]);
+      if (pending.g != nullptr) grad_block(pending, blk, v, blocks);
     }
     pending.g = nullptr;
     const double lse = static_cast<double>(m) + std::log(s);
@@ -402,11 +420,11 @@ void run_rows(const XentArgs& a, int64_t begin, int64_t end) {
       std::memset(static_cast<void*>(g), 0, static_cast<std::size_t>(v) * sizeof(T));
       continue;
     }
-    pending = Pending{g, sc, block_max, lse, zy, c, y};
+    pending = PendingRow<T>{g, sc, block_max, lse, zy, c, y};
     which ^= 1;
   }
   if (pending.g != nullptr) {
-    for (int64_t blk = 0; blk < blocks; ++blk) grad_block(pending, blk);
+    for (int64_t blk = 0; blk < blocks; ++blk) grad_block(pending, blk, v, blocks);
   }
   stream_fence();
 }
