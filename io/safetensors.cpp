@@ -79,22 +79,11 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return parse_safetensors(mapping, static_cast<const std::byte*>(mapping->addr), file_size, path);
 }
 
-// Long: the safetensors header checked in the format's order (length, JSON, each tensor's dtype,
-// shape and offsets, overlaps, the file's size), each error naming the file and the tensor.
-SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std::byte* base,
-                                  uint64_t file_size, const std::string& path) {
-  // A pass over a mapped dump gives back the pages it read (HostArray::drop_pages) only when the
-  // dump is over a quarter of the machine's memory: a smaller one stays mapped (clean pages the
-  // kernel may reclaim at will), and the next pass over it faults nothing in: check's three passes
-  // over a 1.3 GB dump spent 0.4 s of system time re-reading it, and the unmapping's TLB flushes.
-  static const uint64_t quarter_of_memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
-                                            static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 4;
-  const bool gives_back_pages = file_size > quarter_of_memory;
-  if (file_size < 8) {
-    throw_input_error("{}: safetensors file of {} bytes is shorter than its 8-byte header size",
-                      path, file_size);
-  }
+namespace {
 
+// The header's length N from the first 8 bytes (little-endian), checked against the format's cap
+// and the file's size.
+uint64_t header_size_of(const std::byte* base, uint64_t file_size, const std::string& path) {
   uint64_t header_size = 0;
   for (int k = 0; k < 8; ++k)
     header_size |= static_cast<uint64_t>(std::to_integer<uint8_t>(base[k])) << (8 * k);
@@ -108,7 +97,11 @@ SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std
         "(truncated?)",
         path, header_size, file_size - 8);
   }
-  std::string_view header(reinterpret_cast<const char*>(base + 8), header_size);
+  return header_size;
+}
+
+// The header's JSON: an object that names no tensor twice.
+nlohmann::json parse_header(std::string_view header, const std::string& path) {
   if (header.empty() || header.front() != '{') {
     throw_input_error("{}: safetensors header does not start with '{{'", path);
   }
@@ -131,79 +124,81 @@ SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std
   if (!doc.is_object()) throw_input_error("{}: safetensors header is not a JSON object", path);
   if (!duplicate.empty())
     throw_input_error("{}: safetensors header names tensor '{}' twice", path, duplicate);
+  return doc;
+}
 
-  const uint64_t data_size = file_size - 8 - header_size;
-  const std::byte* data = base + 8 + header_size;
-  SafetensorsFile out;
-  struct Span {
-    uint64_t begin, end;
-    std::string name;
-  };
-  std::vector<Span> spans;
-  for (auto it = doc.begin(); it != doc.end(); ++it) {
-    const std::string& name = it.key();
-    const nlohmann::json& info = it.value();
-    if (name == "__metadata__") {
-      if (!info.is_object()) throw_input_error("{}: __metadata__ is not an object", path);
-      for (auto m = info.begin(); m != info.end(); ++m) {
-        if (!m.value().is_string())
-          throw_input_error("{}: __metadata__['{}'] is not a string", path, m.key());
-        out.metadata[m.key()] = m.value().get<std::string>();
-      }
-      continue;
-    }
-    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") ||
-        !info.contains("data_offsets")) {
-      throw_input_error("{}: tensor '{}': header entry needs dtype, shape and data_offsets", path,
-                        name);
-    }
-    HostArray a;
-    const auto& dt = info["dtype"];
-    if (!dt.is_string() || !parse_dtype(dt.get<std::string>(), &a.dtype)) {
-      throw_input_error("{}: tensor '{}': unsupported dtype {}", path, name, dt.dump());
-    }
-    const auto& shape = info["shape"];
-    if (!shape.is_array()) throw_input_error("{}: tensor '{}': shape is not a list", path, name);
-    uint64_t numel = 1;
-    for (const auto& d : shape) {
-      if (!d.is_number_unsigned())
-        throw_input_error("{}: tensor '{}': shape {} has a non-natural entry", path, name,
-                          shape.dump());
-      const uint64_t dim = d.get<uint64_t>();
-      if (dim != 0 && numel > (uint64_t{1} << 62) / dim)
-        throw_input_error("{}: tensor '{}': shape {} overflows", path, name, shape.dump());
-      numel *= dim;
-      a.shape.push_back(static_cast<int64_t>(dim));
-    }
-    const auto& off = info["data_offsets"];
-    if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
-        !off[1].is_number_unsigned()) {
-      throw_input_error("{}: tensor '{}': data_offsets must be two natural numbers, got {}", path,
-                        name, off.dump());
-    }
-    const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
-    if (begin > end)
-      throw_input_error("{}: tensor '{}': data_offsets [{}, {}] are reversed", path, name, begin,
-                        end);
-    if (end > data_size) {
-      throw_input_error(
-          "{}: tensor '{}': data_offsets [{}, {}] run past the data buffer of {} bytes (truncated "
-          "file?)",
-          path, name, begin, end, data_size);
-    }
-    const uint64_t want = numel * dtype_size_bytes(a.dtype);
-    if (end - begin != want) {
-      throw_input_error(
-          "{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but shape {} x {} needs {}", path,
-          name, begin, end, end - begin, a.shape_string(), dtype_name(a.dtype), want);
-    }
-    a.owner = mapping;
-    a.data = data + begin;
-    a.file_backed = gives_back_pages;
-    spans.push_back({begin, end, name});
-    out.tensors.emplace_back(name, std::move(a));
+// __metadata__: an object of strings.
+void read_metadata(const nlohmann::json& info, const std::string& path,
+                   std::map<std::string, std::string>& metadata) {
+  if (!info.is_object()) throw_input_error("{}: __metadata__ is not an object", path);
+  for (auto m = info.begin(); m != info.end(); ++m) {
+    if (!m.value().is_string())
+      throw_input_error("{}: __metadata__['{}'] is not a string", path, m.key());
+    metadata[m.key()] = m.value().get<std::string>();
   }
-  // The buffer must be covered exactly, in order, with no gap and no overlap.
+}
+
+// Where a tensor's bytes lie in the data buffer, [begin, end).
+struct TensorSpan {
+  uint64_t begin, end;
+  std::string name;
+};
+
+// One tensor's header entry: its dtype and shape into `a`, its data_offsets checked against them
+// and against the data buffer of data_size bytes.
+TensorSpan read_tensor_entry(const std::string& name, const nlohmann::json& info,
+                             uint64_t data_size, const std::string& path, HostArray& a) {
+  if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") ||
+      !info.contains("data_offsets")) {
+    throw_input_error("{}: tensor '{}': header entry needs dtype, shape and data_offsets", path,
+                      name);
+  }
+  const auto& dt = info["dtype"];
+  if (!dt.is_string() || !parse_dtype(dt.get<std::string>(), &a.dtype)) {
+    throw_input_error("{}: tensor '{}': unsupported dtype {}", path, name, dt.dump());
+  }
+  const auto& shape = info["shape"];
+  if (!shape.is_array()) throw_input_error("{}: tensor '{}': shape is not a list", path, name);
+  uint64_t numel = 1;
+  for (const auto& d : shape) {
+    if (!d.is_number_unsigned())
+      throw_input_error("{}: tensor '{}': shape {} has a non-natural entry", path, name,
+                        shape.dump());
+    const uint64_t dim = d.get<uint64_t>();
+    if (dim != 0 && numel > (uint64_t{1} << 62) / dim)
+      throw_input_error("{}: tensor '{}': shape {} overflows", path, name, shape.dump());
+    numel *= dim;
+    a.shape.push_back(static_cast<int64_t>(dim));
+  }
+  const auto& off = info["data_offsets"];
+  if (!off.is_array() || off.size() != 2 || !off[0].is_number_unsigned() ||
+      !off[1].is_number_unsigned()) {
+    throw_input_error("{}: tensor '{}': data_offsets must be two natural numbers, got {}", path,
+                      name, off.dump());
+  }
+  const uint64_t begin = off[0].get<uint64_t>(), end = off[1].get<uint64_t>();
+  if (begin > end)
+    throw_input_error("{}: tensor '{}': data_offsets [{}, {}] are reversed", path, name, begin,
+                      end);
+  if (end > data_size) {
+    throw_input_error(
+        "{}: tensor '{}': data_offsets [{}, {}] run past the data buffer of {} bytes (truncated "
+        "file?)",
+        path, name, begin, end, data_size);
+  }
+  const uint64_t want = numel * dtype_size_bytes(a.dtype);
+  if (end - begin != want) {
+    throw_input_error(
+        "{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but shape {} x {} needs {}", path,
+        name, begin, end, end - begin, a.shape_string(), dtype_name(a.dtype), want);
+  }
+  return {begin, end, name};
+}
+
+// The spans' order by offset, once checked to cover the buffer of data_size bytes exactly, in
+// order, with no gap and no overlap.
+std::vector<std::size_t> covering_order(const std::vector<TensorSpan>& spans, uint64_t data_size,
+                                        const std::string& path) {
   std::vector<std::size_t> order(spans.size());
   for (std::size_t k = 0; k < order.size(); ++k) order[k] = k;
   std::sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) {
@@ -227,6 +222,48 @@ SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std
     throw_input_error("{}: the tensors cover {} bytes of a {}-byte data buffer (trailing bytes)",
                       path, cursor, data_size);
   }
+  return order;
+}
+
+}  // namespace
+
+// The safetensors header checked in the format's order (length, JSON, each tensor's dtype, shape
+// and offsets, overlaps, the file's size), each error naming the file and the tensor.
+SafetensorsFile parse_safetensors(std::shared_ptr<const void> mapping, const std::byte* base,
+                                  uint64_t file_size, const std::string& path) {
+  // A pass over a mapped dump gives back the pages it read (HostArray::drop_pages) only when the
+  // dump is over a quarter of the machine's memory: a smaller one stays mapped (clean pages the
+  // kernel may reclaim at will), and the next pass over it faults nothing in: check's three passes
+  // over a 1.3 GB dump spent 0.4 s of system time re-reading it, and the unmapping's TLB flushes.
+  static const uint64_t quarter_of_memory = static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                                            static_cast<uint64_t>(sysconf(_SC_PAGESIZE)) / 4;
+  const bool gives_back_pages = file_size > quarter_of_memory;
+  if (file_size < 8) {
+    throw_input_error("{}: safetensors file of {} bytes is shorter than its 8-byte header size",
+                      path, file_size);
+  }
+  const uint64_t header_size = header_size_of(base, file_size, path);
+  const nlohmann::json doc =
+      parse_header(std::string_view(reinterpret_cast<const char*>(base + 8), header_size), path);
+
+  const uint64_t data_size = file_size - 8 - header_size;
+  const std::byte* data = base + 8 + header_size;
+  SafetensorsFile out;
+  std::vector<TensorSpan> spans;
+  for (auto it = doc.begin(); it != doc.end(); ++it) {
+    const std::string& name = it.key();
+    if (name == "__metadata__") {
+      read_metadata(it.value(), path, out.metadata);
+      continue;
+    }
+    HostArray a;
+    spans.push_back(read_tensor_entry(name, it.value(), data_size, path, a));
+    a.owner = mapping;
+    a.data = data + spans.back().begin;
+    a.file_backed = gives_back_pages;
+    out.tensors.emplace_back(name, std::move(a));
+  }
+  const std::vector<std::size_t> order = covering_order(spans, data_size, path);
   std::vector<std::pair<std::string, HostArray>> sorted;
   for (std::size_t k : order) {
     for (auto& t : out.tensors) {
