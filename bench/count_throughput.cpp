@@ -14,7 +14,7 @@
 #include "io/dump.h"
 #include "kernels/cpu/parallel.h"
 #include "kernels/token_count.h"
-#include "oracle/denominators.h"
+#include "oracle/count/denominators.h"
 
 using Clock = std::chrono::steady_clock;
 using namespace lossguard;

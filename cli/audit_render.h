@@ -6,7 +6,7 @@
 
 #include "cli/command.h"
 #include "core/rank_capture.h"
-#include "oracle/audit.h"
+#include "oracle/audit/audit.h"
 
 namespace lossguard::cli {
 

@@ -6,7 +6,7 @@
 
 #include "cli/check_run.h"
 #include "cli/command.h"
-#include "oracle/check.h"
+#include "oracle/check/check.h"
 
 namespace lossguard::cli {
 

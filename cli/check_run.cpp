@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <chrono>
 
-#include "oracle/loss.h"
+#include "oracle/check/loss.h"
 
 namespace lossguard::cli {
 

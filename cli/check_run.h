@@ -1,6 +1,6 @@
 // `check`'s run over one step: every (loss, reduction), CP size and candidate, each judged by the
 // oracle as it streams its gradient, gathered into an oracle::CheckResult. Wiring only: the
-// verdicts are oracle/check.h's.
+// verdicts are oracle/check/check.h's.
 #pragma once
 #include <optional>
 #include <string>
@@ -10,7 +10,7 @@
 #include "core/batch.h"
 #include "core/contract.h"
 #include "kernels/device.h"
-#include "oracle/check.h"
+#include "oracle/check/check.h"
 #include "trainer/candidate.h"
 
 namespace lossguard::cli {

@@ -11,7 +11,7 @@
 #include "cli/mode_option.h"
 #include "core/errors.h"
 #include "io/capture.h"
-#include "oracle/audit.h"
+#include "oracle/audit/audit.h"
 
 namespace lossguard::cli {
 

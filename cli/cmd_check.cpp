@@ -1,6 +1,6 @@
 // `lossguard check`: the candidate (a CP-sharded trainer: LibTorch in the dump's dtype, or the
 // kernels) against the float64 oracle, for every CP size, loss and reduction: denominator (exact),
-// loss value, gradient. cli/check_run.cpp runs the cases, oracle/check.h judges them,
+// loss value, gradient. cli/check_run.cpp runs the cases, oracle/check/check.h judges them,
 // cli/check_render.cpp prints the result.
 #include <fmt/format.h>
 
@@ -16,7 +16,7 @@
 #include "cli/steps.h"
 #include "core/errors.h"
 #include "kernels/device_info.h"
-#include "oracle/compare.h"
+#include "oracle/check/compare.h"
 
 namespace lossguard::cli {
 

@@ -11,8 +11,8 @@
 #include "cli/placement_options.h"
 #include "cli/steps.h"
 #include "core/errors.h"
-#include "oracle/count_result.h"
-#include "oracle/placement.h"
+#include "oracle/count/count_result.h"
+#include "oracle/count/placement.h"
 
 namespace lossguard::cli {
 

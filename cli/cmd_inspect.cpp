@@ -4,7 +4,7 @@
 #include "cli/inputs.h"
 #include "cli/inspect_render.h"
 #include "core/errors.h"
-#include "oracle/findings.h"
+#include "oracle/count/findings.h"
 
 namespace lossguard::cli {
 

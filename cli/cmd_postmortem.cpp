@@ -7,7 +7,7 @@
 #include "cli/command.h"
 #include "cli/postmortem_render.h"
 #include "io/flight_recorder.h"
-#include "oracle/postmortem.h"
+#include "oracle/postmortem/postmortem.h"
 
 namespace lossguard::cli {
 

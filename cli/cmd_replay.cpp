@@ -14,7 +14,7 @@
 #include "cli/steps.h"
 #include "core/errors.h"
 #include "distributed/real_replay.h"
-#include "oracle/replay.h"
+#include "oracle/replay/replay.h"
 
 namespace lossguard::cli {
 

@@ -3,7 +3,7 @@
 #include "cli/command.h"
 #include "cli/placement_options.h"
 #include "cli/topo_render.h"
-#include "oracle/topology.h"
+#include "oracle/replay/topology.h"
 
 namespace lossguard::cli {
 

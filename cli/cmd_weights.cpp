@@ -13,7 +13,7 @@
 #include "core/contract.h"
 #include "core/errors.h"
 #include "core/term.h"
-#include "oracle/weights_result.h"
+#include "oracle/weights/weights_result.h"
 
 namespace lossguard::cli {
 

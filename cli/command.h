@@ -18,7 +18,8 @@ namespace lossguard::cli {
 // micro-batch of each DP rank as a row).
 inline constexpr int64_t kMaxCount = int64_t{1} << 40;
 inline constexpr int64_t kMaxDp = int64_t{1} << 20;
-inline constexpr int64_t kMaxCp = int64_t{1} << 14;  // CP owners are int16 (oracle/weights.h)
+inline constexpr int64_t kMaxCp = int64_t{1}
+                                  << 14;  // CP owners are int16 (oracle/weights/weights.h)
 inline constexpr int64_t kMaxMicrobatches = int64_t{1} << 22;  // DP x micro-batches
 
 struct Context {

@@ -5,7 +5,7 @@
 
 #include "cli/command.h"
 #include "cli/placement_options.h"
-#include "oracle/count_result.h"
+#include "oracle/count/count_result.h"
 
 namespace lossguard::cli {
 

@@ -7,7 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 
-#include "oracle/denominators.h"
+#include "oracle/count/denominators.h"
 
 namespace lossguard::cli {
 

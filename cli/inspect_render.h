@@ -5,7 +5,7 @@
 
 #include "cli/command.h"
 #include "cli/inputs.h"
-#include "oracle/findings.h"
+#include "oracle/count/findings.h"
 
 namespace lossguard::cli {
 

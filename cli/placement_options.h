@@ -4,9 +4,9 @@
 #include <string>
 
 #include "core/batch.h"
-#include "oracle/cp_shard.h"
-#include "oracle/denominators.h"
-#include "oracle/placement.h"
+#include "oracle/count/cp_shard.h"
+#include "oracle/count/denominators.h"
+#include "oracle/count/placement.h"
 
 namespace lossguard::cli {
 

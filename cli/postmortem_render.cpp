@@ -4,8 +4,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "oracle/rank_set.h"
-#include "oracle/replay_protocol.h"
+#include "oracle/replay/rank_set.h"
+#include "oracle/replay/replay_protocol.h"
 
 namespace lossguard::cli {
 

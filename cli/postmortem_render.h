@@ -5,7 +5,7 @@
 #include <ostream>
 
 #include "core/flight_record.h"
-#include "oracle/postmortem.h"
+#include "oracle/postmortem/postmortem.h"
 
 namespace lossguard::cli {
 

@@ -11,7 +11,7 @@
 #include "cli/placement_options.h"
 #include "cli/steps.h"
 #include "distributed/real_replay.h"
-#include "oracle/replay.h"
+#include "oracle/replay/replay.h"
 
 namespace lossguard::cli {
 

@@ -2,7 +2,7 @@
 #pragma once
 #include <string>
 
-#include "oracle/replay.h"
+#include "oracle/replay/replay.h"
 
 namespace lossguard::cli {
 

@@ -11,7 +11,7 @@
 
 #include "core/errors.h"
 #include "core/judgement.h"
-#include "oracle/findings.h"
+#include "oracle/count/findings.h"
 
 namespace CLI {
 class App;

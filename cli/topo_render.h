@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "cli/command.h"
-#include "oracle/topology.h"
+#include "oracle/replay/topology.h"
 
 namespace lossguard::cli {
 

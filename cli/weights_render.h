@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "cli/command.h"
-#include "oracle/weights_result.h"
+#include "oracle/weights/weights_result.h"
 
 namespace lossguard::cli {
 

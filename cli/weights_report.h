@@ -8,7 +8,7 @@
 
 #include "core/contract.h"
 #include "core/layout.h"
-#include "oracle/weights.h"
+#include "oracle/weights/weights.h"
 
 namespace lossguard::cli {
 

@@ -38,7 +38,7 @@ inline void stream_rows(const std::byte* data, int64_t rows, std::size_t row_byt
 }
 
 // How a candidate computes the nll from logits: `check` derives its tolerances from it
-// (oracle/check.cpp has the derivations). kUnknown: the per-dtype defaults alone.
+// (oracle/check/check.cpp has the derivations). kUnknown: the per-dtype defaults alone.
 struct Arithmetic {
   enum class Kind {
     kUnknown,

@@ -1,7 +1,7 @@
 // A distributed job's PyTorch Flight Recorder dumps as data (SPEC §12): per rank, the collective
 // and p2p calls its recorder kept, with the process groups, call signatures and stacks interned
 // once per job so that 16,384 ranks of 2,000 calls fit in memory. io/flight_recorder.h reads it;
-// oracle/postmortem.h explains it.
+// oracle/postmortem/postmortem.h explains it.
 #pragma once
 #include <cstdint>
 #include <functional>

@@ -1,6 +1,6 @@
 // Where a step's samples were computed (SPEC §1 "Steps and layout", §2, §7): which DP rank, which
-// micro-batch, which CP size and CP sub-group. Built from flags (oracle/placement.h) or read from a
-// dump or a capture that recorded the trainer's real layout.
+// micro-batch, which CP size and CP sub-group. Built from flags (oracle/count/placement.h) or read
+// from a dump or a capture that recorded the trainer's real layout.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -1,6 +1,7 @@
 // What a trainer recorded on one rank for one step (SPEC §10, the audit capture): the micro-batches
 // it computed loss for, each owned token's measured dL/dl_t, and the step's scale, count, decision
-// and metrics. io/capture.cpp reads it; oracle/audit.cpp judges it. Optional records are optional.
+// and metrics. io/capture.cpp reads it; oracle/audit/audit.cpp judges it. Optional records are
+// optional.
 #pragma once
 #include <cstdint>
 #include <map>

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "distributed/real_replay.h"
-#include "oracle/replay.h"
+#include "oracle/replay/replay.h"
 
 namespace lossguard::distributed {
 

@@ -1,6 +1,6 @@
 // Real-mode replay: TCPStore rendezvous, the backend's collectives on every topology group this
 // rank is in (gloo_collectives.cpp, nccl_collectives.cpp), the rank's protocol program
-// (oracle/replay.h) over them with deadlines, and the outcomes through the store to rank 0.
+// (oracle/replay/replay.h) over them with deadlines, and the outcomes through the store to rank 0.
 #include "distributed/real_replay.h"
 
 #include <fcntl.h>

@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "oracle/replay.h"
+#include "oracle/replay/replay.h"
 
 namespace lossguard::distributed {
 

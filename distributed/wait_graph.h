@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "oracle/topology.h"
+#include "oracle/replay/topology.h"
 
 namespace lossguard::distributed {
 

@@ -8,9 +8,9 @@
 
 #include "core/batch.h"
 #include "core/errors.h"
-#include "oracle/denominators.h"
-#include "oracle/findings.h"
-#include "oracle/replay.h"
+#include "oracle/count/denominators.h"
+#include "oracle/count/findings.h"
+#include "oracle/replay/replay.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace lossguard;

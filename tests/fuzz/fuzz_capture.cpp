@@ -24,9 +24,9 @@
 #include "core/errors.h"
 #include "core/rank_capture.h"
 #include "core/term.h"
-#include "oracle/audit.h"
-#include "oracle/placement.h"
-#include "oracle/weights.h"
+#include "oracle/audit/audit.h"
+#include "oracle/count/placement.h"
+#include "oracle/weights/weights.h"
 
 namespace {
 

@@ -16,9 +16,9 @@
 #include "core/contract.h"
 #include "core/errors.h"
 #include "core/term.h"
-#include "oracle/placement.h"
-#include "oracle/weights.h"
-#include "oracle/weights_result.h"
+#include "oracle/count/placement.h"
+#include "oracle/weights/weights.h"
+#include "oracle/weights/weights_result.h"
 
 namespace {
 

@@ -331,7 +331,7 @@ def test_gradient_is_sum_of_measured_weights(runs, config, monkeypatch):
 #: config -> (exit code, the main term's diagnosis kind(s), a preset or change audit must name, or None).
 #: seq-mean-token-sum-norm: docs/semantics.md §9's truth is m_t / (B L_norm), L_norm the step's longest
 #: response (9): -lsf is exact and -dense a uniform L_norm/R_pad = 0.75.  A lossguard build whose truth omits
-#: the 1/B (m_t / L_norm, before the fix of oracle/weights.cpp) reads both x 1/B: accepted too.
+#: the 1/B (m_t / L_norm, before the fix of oracle/weights/weights.cpp) reads both x 1/B: accepted too.
 AUDIT = {
     "token-mean": (0, "exact", "verl-token-mean"),
     "token-mean-dense": (0, "exact", "verl-token-mean"),

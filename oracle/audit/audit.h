@@ -1,0 +1,95 @@
+// Audit (SPEC §10): a trainer's own numbers, recorded on every rank (core/capture.h), judged
+// against the truth: coverage of every effective token, the counts, the measured effective weights
+// with the diagnosis of §9 and the contracts that reproduce them, the loss, the skip decision on
+// every rank, the metrics. Captures that do not fit together throw InputError (exit 2).
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/batch.h"
+#include "core/judgement.h"
+#include "core/layout.h"
+#include "core/rank_capture.h"
+#include "oracle/count/findings.h"
+#include "oracle/weights/weights.h"
+
+namespace lossguard::oracle {
+
+struct AuditCheck {
+  std::string name;        // coverage, counts, weights, loss, decision, metrics
+  std::optional<bool> ok;  // nullopt: not run (its records are absent, or not judged)
+  std::string detail;      // one line; on failure names rank, micro-batch, sample and token
+};
+
+struct AuditRank {
+  int64_t rank = 0, dp_rank = 0, cp_rank = 0, tp_rank = 0, pp_rank = 0;
+  int64_t microbatches = 0, owned_tokens = 0;
+  double grad_scale = 1.0;
+  std::optional<bool> skipped;
+  std::optional<double> grad_norm;
+  std::string file;
+};
+
+// One loss term besides main (SPEC §11), measured from its own records (mb.{k}.term.NAME.*) and
+// judged over its own mask, relative to the main term's scale.
+struct AuditTerm {
+  Term term;                            // as declared (an undeclared term: its name only)
+  bool declared = true;                 // in metadata `terms`
+  bool hooked = false;                  // some loss rank recorded it
+  int64_t tokens = 0;                   // N_k: tokens under the term's mask
+  double relative_to = 1.0;             // main's uniform scale, which the term's truth carries
+  WeightDiagnosis diagnosis;            // kind "not-run" when it was not weighed
+  std::vector<std::string> matches;     // contracts reproducing its weights (when not exact)
+  std::vector<double> measured, truth;  // [sum R]
+};
+
+struct AuditStep {
+  int64_t step = 0;
+  Reduction reduce = Reduction::kPerToken;
+  Batch batch;
+  StepLayout layout;
+  std::vector<AuditRank> ranks;
+  std::vector<AuditCheck> checks;
+  WeightDiagnosis diagnosis;
+  std::vector<std::string>
+      matches;  // presets (or single component changes) reproducing the weights
+  std::vector<double> measured, truth;  // [sum R]
+  TokenPlace place;
+  int64_t global_tokens = 0;
+  bool expected_skip = false;
+  double weight_rel_tol = 1e-5;       // main's weights: from the dtype its records support
+  double term_weight_rel_tol = 1e-5;  // named terms' weights: from the claimed dtype
+  DType dtype = DType::kFloat32;  // the dtype main's weight tolerance comes from (believed claim)
+  std::vector<Finding> findings;
+  std::vector<AuditTerm> terms;  // declared or hooked terms besides main; empty: single-term
+  bool failed(bool strict_scale) const;
+};
+
+// The relative tolerances of the weights and loss checks for a trainer that computed its per-token
+// loss in `dtype` (argued in audit.cpp): float32 1e-5, float64 1e-9, bf16 4u / 8u, fp16 4u / 8u.
+struct AuditTolerance {
+  double weight = 1e-5, loss = 1e-5;
+};
+AuditTolerance audit_tolerance(DType dtype);
+
+struct AuditOptions {
+  std::optional<Reduction> reduce;  // overrides the objective the captures claim
+  std::optional<double>
+      weight_rel_tol;  // none: from the trainer's recorded dtype (audit_tolerance)
+  bool strict_scale = false;
+  bool strict_records = false;  // a record the format does not name is an input error
+  // Name the presets (or single component changes) that reproduce the measured weights: a pass
+  // over the tokens per candidate contract, the bulk of a small audit's time.
+  bool match_presets = true;
+};
+
+// One result per step, in step order.
+std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
+                                      const AuditOptions& options);
+// The audit's verdict: some step failed.
+bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale);
+Judgement audit_judgement(const std::vector<AuditStep>& steps, bool strict_scale);
+
+}  // namespace lossguard::oracle

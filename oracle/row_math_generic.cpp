@@ -1,3 +1,0 @@
-// The oracle's row loops compiled for the generic instruction set (see CMakeLists.txt).
-#define LOSSGUARD_ORACLE_ISA generic
-#include "oracle/row_math_body.h"

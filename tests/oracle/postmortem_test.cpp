@@ -1,0 +1,315 @@
+// The post-mortem alignment (SPEC §12) on Flight Recorder jobs written by hand: each divergence
+// kind found where it was planted and nowhere else, the ranks' parts, the headline's choice, the
+// membership completed from Megatron's layout, and the naming by the skip-decision protocols shown
+// accepting the seed's deadlock and refusing the same dumps with the bug's trace removed.
+#include "oracle/postmortem/postmortem.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <map>
+
+namespace lossguard::oracle {
+namespace {
+
+// A job written call by call: `call(rank, group, op, ...)` appends to that rank's dump with the
+// group's next call number on that rank.
+class JobBuilder {
+ public:
+  explicit JobBuilder(int64_t world) {
+    b_.job().world = world;
+    for (int64_t r = 0; r < world; ++r) {
+      FrRankDump d;
+      d.rank = r;
+      d.path = "rank" + std::to_string(r);
+      d.version = "2.10";
+      b_.job().ranks.push_back(d);
+    }
+  }
+  uint32_t group(const std::string& name, std::vector<int64_t> members, std::string desc = "",
+                 bool inferred = false) {
+    const uint32_t g = b_.group(name, desc);
+    b_.job().groups[g].members = std::move(members);
+    b_.job().groups[g].members_inferred = inferred;
+    return g;
+  }
+  // Appends a collective; returns its number on the group.
+  int64_t call(int64_t rank, uint32_t g, const std::string& op, std::vector<int64_t> sizes = {1},
+               const std::string& dtype = "Float", std::vector<FrFrame> frames = {}) {
+    FrSignature s;
+    s.op = op;
+    s.profiling_name = "nccl:" + op;
+    s.input_sizes = {sizes};
+    s.output_sizes = {sizes};
+    s.input_dtypes = {dtype};
+    s.output_dtypes = {dtype};
+    FrCall c;
+    auto& d = b_.job().ranks[static_cast<std::size_t>(rank)];
+    c.record_id = static_cast<int64_t>(d.calls.size());
+    c.time_created_ns = ++clock_;
+    c.group = g;
+    c.seq = ++seq_[{rank, g}];
+    c.signature = b_.signature(std::move(s));
+    c.stack = b_.stack(std::move(frames));
+    d.calls.push_back(c);
+    return c.seq;
+  }
+  void p2p(int64_t rank, uint32_t g, const std::string& op, int32_t src, int32_t dst) {
+    FrSignature s;
+    s.op = op;
+    s.profiling_name = fmt::format("nccl:{} {}{}{}", op, op == "send" ? src : dst,
+                                   op == "send" ? "->" : "<-", op == "send" ? dst : src);
+    FrCall c;
+    auto& d = b_.job().ranks[static_cast<std::size_t>(rank)];
+    c.record_id = static_cast<int64_t>(d.calls.size());
+    c.time_created_ns = ++clock_;
+    c.group = g;
+    c.is_p2p = true;
+    c.seq = ++p2p_seq_[{rank, g}];
+    c.p2p_src = src;
+    c.p2p_dst = dst;
+    c.signature = b_.signature(std::move(s));
+    d.calls.push_back(c);
+  }
+  FrJob& job() { return b_.job(); }
+
+ private:
+  FrJobBuilder b_;
+  int64_t clock_ = 0;
+  std::map<std::pair<int64_t, uint32_t>, int64_t> seq_, p2p_seq_;
+};
+
+TEST(Postmortem, CleanJobHasNoDivergenceAndEveryRankComplete) {
+  JobBuilder j(3);
+  const uint32_t w = j.group("0", {0, 1, 2}, "default_pg");
+  for (int step = 0; step < 3; ++step) {
+    for (int64_t r = 0; r < 3; ++r) j.call(r, w, "all_reduce", {8});
+  }
+  const PostmortemResult res = analyse_flight_records(j.job());
+  EXPECT_FALSE(res.diverged());
+  EXPECT_EQ(res.total_calls, 9);
+  EXPECT_EQ(res.complete, (std::vector<int64_t>{0, 1, 2}));
+  EXPECT_TRUE(res.culprits.empty());
+}
+
+TEST(Postmortem, RankThatStoppedIsTheCulpritAndTheOthersWait) {
+  JobBuilder j(3);
+  const uint32_t w = j.group("0", {0, 1, 2}, "default_pg");
+  for (int step = 0; step < 3; ++step) {
+    for (int64_t r = 0; r < 3; ++r) {
+      if (step == 2 && r == 2) continue;  // rank 2 died before its third all-reduce
+      j.call(r, w, "all_reduce", {8});
+    }
+  }
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_EQ(res.divergences.size(), 1u);
+  const Divergence& d = res.divergences[0];
+  EXPECT_EQ(d.kind, DivergenceKind::kMissingCall);
+  EXPECT_EQ(d.seq, 3);
+  EXPECT_EQ(d.issued, (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(d.not_issued, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(d.blames_idle_rank);  // rank 2's own last call completed on every member
+  EXPECT_EQ(res.culprits, (std::vector<int64_t>{2}));
+  EXPECT_EQ(res.waiting, (std::vector<int64_t>{0, 1}));
+  EXPECT_FALSE(res.ranks[2].last_call_unmatched);
+  EXPECT_TRUE(res.ranks[0].last_call_unmatched);
+}
+
+TEST(Postmortem, MismatchedOperationSizesAndDtypesAreFoundAtTheirCall) {
+  for (const std::string what : {"op", "size", "dtype"}) {
+    JobBuilder j(4);
+    const uint32_t g = j.group("3", {0, 1, 2, 3}, "dp");
+    for (int64_t r = 0; r < 4; ++r) j.call(r, g, "all_reduce", {4});
+    for (int64_t r = 0; r < 4; ++r) {
+      if (r != 1) {
+        j.call(r, g, "all_reduce", {4});
+      } else if (what == "op") {
+        j.call(r, g, "broadcast", {4});
+      } else if (what == "size") {
+        j.call(r, g, "all_reduce", {5});
+      } else {
+        j.call(r, g, "all_reduce", {4}, "Long");
+      }
+    }
+    const PostmortemResult res = analyse_flight_records(j.job());
+    ASSERT_EQ(res.divergences.size(), 1u) << what;
+    const Divergence& d = res.divergences[0];
+    EXPECT_EQ(d.kind, DivergenceKind::kMismatch) << what;
+    EXPECT_EQ(d.seq, 2) << what;
+    ASSERT_EQ(d.variants.size(), 2u);
+    EXPECT_EQ(d.variants[0].second, (std::vector<int64_t>{0, 2, 3})) << what;  // majority first
+    EXPECT_EQ(d.variants[1].second, (std::vector<int64_t>{1})) << what;
+    EXPECT_EQ(d.not_issued, (std::vector<int64_t>{1}));
+    EXPECT_NE(d.detail.find(what == "op"     ? "operation"
+                            : what == "size" ? "sizes"
+                                             : "dtypes"),
+              std::string::npos)
+        << d.detail;
+  }
+}
+
+TEST(Postmortem, UnevenCollectivesMayCarryDifferentSizes) {
+  JobBuilder j(2);
+  const uint32_t g = j.group("1", {0, 1}, "ep");
+  j.call(0, g, "all_to_all", {6});
+  j.call(1, g, "all_to_all", {9});
+  EXPECT_FALSE(analyse_flight_records(j.job()).diverged());
+  EXPECT_FALSE(signature_difference({"", "gather", {{3}}, {}, {"Float"}, {}},
+                                    {"", "gather", {{0}}, {}, {"Float"}, {}}));
+  EXPECT_TRUE(signature_difference({"", "all_reduce", {{3}}, {}, {"Float"}, {}},
+                                   {"", "all_reduce", {{4}}, {}, {"Float"}, {}}));
+}
+
+TEST(Postmortem, SendWithoutReceiveIsFound) {
+  JobBuilder j(2);
+  const uint32_t g = j.group("0", {0, 1}, "default_pg");
+  j.p2p(0, g, "send", 0, 1);
+  j.p2p(1, g, "recv", 0, 1);
+  j.p2p(0, g, "send", 0, 1);  // rank 1 never posts the second receive
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_EQ(res.divergences.size(), 1u);
+  EXPECT_EQ(res.divergences[0].kind, DivergenceKind::kSendWithoutRecv);
+  EXPECT_EQ(res.divergences[0].issued, (std::vector<int64_t>{0}));
+  EXPECT_EQ(res.divergences[0].not_issued, (std::vector<int64_t>{1}));
+  EXPECT_EQ(res.divergences[0].seq, 2);
+}
+
+TEST(Postmortem, HeadlineIsTheDivergenceBlamingARankThatWaitsNowhere) {
+  // Rank 2 died after the world barrier; rank 1 waits for it in group A, and rank 0 waits in B
+  // for rank 1. Rank 0's call came first, so time order alone would headline B, blaming rank 1,
+  // which is only waiting: the root is rank 2.
+  JobBuilder j(3);
+  const uint32_t w = j.group("0", {0, 1, 2}, "default_pg");
+  const uint32_t a = j.group("5", {1, 2}, "A");
+  const uint32_t b = j.group("6", {0, 1}, "B");
+  for (int64_t r = 0; r < 3; ++r) j.call(r, w, "barrier", {0});
+  j.call(0, b, "all_reduce");
+  j.call(1, a, "all_reduce");
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_EQ(res.divergences.size(), 2u);
+  EXPECT_EQ(res.divergences[0].group, a);
+  EXPECT_EQ(res.divergences[0].not_issued, (std::vector<int64_t>{2}));
+  EXPECT_TRUE(res.divergences[0].blames_idle_rank);
+  EXPECT_EQ(res.divergences[1].group, b);
+  EXPECT_FALSE(res.divergences[1].blames_idle_rank);  // it blames rank 1, waiting in A
+  EXPECT_EQ(res.culprits, (std::vector<int64_t>{1, 2}));
+  EXPECT_TRUE(res.ranks[1].last_call_unmatched);
+}
+
+TEST(Postmortem, RankWhoseBufferDroppedEveryCallOnAGroupIsNotJudged) {
+  JobBuilder j(2);
+  const uint32_t g = j.group("0", {0, 1}, "default_pg");
+  const uint32_t other = j.group("1", {1}, "solo");
+  j.call(0, g, "all_reduce");
+  j.call(1, other, "all_reduce");
+  j.job().ranks[1].calls[0].record_id = 5000;  // its ring buffer wrapped
+  j.job().ranks[1].wrapped = true;
+  const PostmortemResult res = analyse_flight_records(j.job());
+  EXPECT_FALSE(res.diverged());
+  bool noted = false;
+  for (const auto& n : res.notes)
+    noted = noted || n.find("rank 1 on group '0'") != std::string::npos;
+  EXPECT_TRUE(noted);
+}
+
+TEST(Postmortem, MegatronGroupsAreCompletedFromTheLayoutsTheyAdmit) {
+  // TP2 PP2 (ranks 0-3): ranks 0 and 2 never reached the model-parallel all-reduce, so the
+  // calls alone give MODEL_PARALLEL_GROUP the members {1, 3}; the pipeline group {1, 3} and the
+  // one-rank DP+CP groups {2}, {3} admit TP2 PP2 and PP4, both of which give it 0-3.
+  JobBuilder j(4);
+  const uint32_t pp = j.group("2", {1, 3}, "PIPELINE_MODEL_PARALLEL_GROUP", true);
+  const uint32_t dpa = j.group("4", {2}, "DATA_PARALLEL_GROUP_WITH_CP", true);
+  const uint32_t dpb = j.group("6", {3}, "DATA_PARALLEL_GROUP_WITH_CP", true);
+  const uint32_t mp = j.group("7", {1, 3}, "MODEL_PARALLEL_GROUP", true);
+  j.call(2, dpa, "all_reduce", {1}, "Long");
+  j.call(3, dpb, "all_reduce", {1}, "Long");
+  j.call(1, pp, "broadcast", {1}, "Long");
+  j.call(3, pp, "broadcast", {1}, "Long");
+  j.call(1, mp, "all_reduce");
+  j.call(3, mp, "all_reduce");
+  EXPECT_FALSE(analyse_flight_records(j.job()).diverged());  // invisible with inferred members
+  resolve_megatron_groups(j.job());
+  EXPECT_EQ(j.job().groups[mp].members, (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_TRUE(j.job().groups[mp].members_from_layout);
+  EXPECT_EQ(j.job().groups[pp].members, (std::vector<int64_t>{1, 3}));  // TP2 PP2 and PP4 differ
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());
+  EXPECT_EQ(res.divergences[0].group, mp);
+  EXPECT_EQ(res.divergences[0].not_issued, (std::vector<int64_t>{0, 2}));
+  ASSERT_FALSE(res.matches.empty());
+  EXPECT_EQ(res.matches[0].protocol, Protocol::kPr285SrcLocal);
+  EXPECT_EQ(res.matches[0].topo.tp(), 2);
+  EXPECT_EQ(res.matches[0].topo.pp(), 2);
+}
+
+// The seed's deadlock as a 4-rank DP job records it: every rank all-reduces its token count over
+// DP+CP; rank 0 alone broadcasts the flag on its one-rank pipeline group (src = PP-1 = 0 is not in
+// the others' groups: they raise), steps (the grad norm on its one-rank model-parallel group) and
+// waits in the next step's barrier.
+JobBuilder seed_job(bool with_broadcast) {
+  JobBuilder j(4);
+  const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
+  const uint32_t dpcp = j.group("5", {0, 1, 2, 3}, "DATA_PARALLEL_GROUP_WITH_CP", true);
+  const uint32_t pp0 = j.group("1", {0}, "PIPELINE_MODEL_PARALLEL_GROUP", true);
+  const uint32_t mp0 = j.group("6", {0}, "MODEL_PARALLEL_GROUP", true);
+  for (int64_t r = 0; r < 4; ++r) j.call(r, dpcp, "all_reduce", {1}, "Long");
+  if (with_broadcast) j.call(0, pp0, "broadcast", {1}, "Long");
+  j.call(0, mp0, "all_reduce", {1}, "Float");
+  j.call(0, w, "barrier", {0}, "Float");
+  return j;
+}
+
+TEST(PostmortemNaming, TheSeedDeadlockIsNamedPr285AlwaysBroadcast) {
+  JobBuilder j = seed_job(true);
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());
+  EXPECT_EQ(res.divergences[0].issued, (std::vector<int64_t>{0}));
+  EXPECT_EQ(res.divergences[0].not_issued, (std::vector<int64_t>{1, 2, 3}));
+  ASSERT_FALSE(res.matches.empty()) << res.naming_note;
+  EXPECT_EQ(res.matches[0].protocol, Protocol::kPr285AlwaysBroadcast);
+  EXPECT_EQ(res.matches[0].topo.pp(), 1);
+  EXPECT_EQ(res.matches[0].topo.dp() * res.matches[0].topo.cp(), 4);
+  for (const auto& m : res.matches) EXPECT_NE(m.protocol, Protocol::kPr285);  // the fix hangs not
+}
+
+TEST(PostmortemNaming, WithoutTheOneRankBroadcastNoProtocolIsClaimed) {
+  // The same hang but rank 0 never broadcast: no skip-decision protocol issues that trace, so
+  // naming one would be a guess.
+  JobBuilder j = seed_job(false);
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());
+  for (const auto& m : res.matches) {
+    EXPECT_NE(m.protocol, Protocol::kPr285AlwaysBroadcast);
+    EXPECT_NE(m.protocol, Protocol::kPr285SrcLocal);
+  }
+}
+
+TEST(PostmortemNaming, APointToPointDivergenceIsNotNamed) {
+  JobBuilder j(2);
+  const uint32_t g = j.group("0", {0, 1}, "default_pg");
+  j.p2p(0, g, "send", 0, 1);
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());
+  EXPECT_TRUE(res.matches.empty());
+  EXPECT_NE(res.naming_note.find("p2p"), std::string::npos);
+}
+
+TEST(FlightRecord, ProfilingNamesNormaliseAcrossBackends) {
+  EXPECT_EQ(parse_profiling_name("gloo:all_reduce")->op, "all_reduce");
+  EXPECT_EQ(parse_profiling_name("nccl:allreduce_coalesced")->op, "all_reduce");
+  EXPECT_EQ(parse_profiling_name("nccl:_allgather_base")->op, "all_gather");
+  const auto send = parse_profiling_name("nccl:send 1->2");
+  ASSERT_TRUE(send);
+  EXPECT_EQ(send->op, "send");
+  EXPECT_EQ(send->src, 1);
+  EXPECT_EQ(send->dst, 2);
+  const auto recv = parse_profiling_name("gloo:recv 3<-?");
+  ASSERT_TRUE(recv);
+  EXPECT_EQ(recv->src, -1);
+  EXPECT_EQ(recv->dst, 3);
+  EXPECT_FALSE(parse_profiling_name("all_reduce"));
+  EXPECT_FALSE(parse_profiling_name("nccl:send 1-2"));
+}
+
+}  // namespace
+}  // namespace lossguard::oracle
