@@ -58,12 +58,31 @@ def step_dir(out_dir: str, step: int) -> str:
 class Spec:
     """What an adapter was checked against: the ``package`` (its distribution name), the ``supported``
     versions ``[low, high)``, how to read the ``installed`` version, and what the adapter ``relies_on``
-    (said in the error).  ``module`` names the adapter in messages (``lossguard_capture.hf``)."""
+    (said in the error).  ``module`` names the adapter in messages (``lossguard_capture.hf``).
+
+    ``verified``: the releases inside the range whose loss path the adapter's tests ran on (the trainer tests,
+    ``make gallery``); ``refused``: ``(low, high, reason)`` for known releases outside the range, the reason
+    saying what differs on the loss path and the nearest supported release (said in the error)."""
 
     def __init__(self, module: str, package: str, supported: tuple[str, str], installed: Callable[[], str],
-                 relies_on: str):
+                 relies_on: str, *, verified: Sequence[str] = (),
+                 refused: Sequence[tuple[str, str, str]] = ()):
         self.module, self.package, self.supported = module, package, (str(supported[0]), str(supported[1]))
         self.installed, self.relies_on = installed, relies_on
+        self.verified = tuple(str(v) for v in verified)
+        self.refused = tuple((str(lo), str(hi), str(why)) for lo, hi, why in refused)
+        outside = [v for v in self.verified if not self.supports(v)]
+        if outside:
+            raise ValueError(f"{module}: verified releases {outside} lie outside the supported range {supported}")
+
+    def refusal(self, version: str) -> str | None:
+        """Why ``version`` is refused, when it falls in a known ``refused`` range; else None."""
+        from packaging.version import Version
+        v = Version(version)
+        for lo, hi, why in self.refused:
+            if Version(lo) <= v and v.release < Version(hi).release:
+                return why
+        return None
 
     def require(self, name: str, install: str) -> Any:
         """Import and return module ``name`` (what the adapter needs); ImportError saying what to ``install``
@@ -79,11 +98,12 @@ class Spec:
         return f"{self.package}>={self.supported[0]},<{self.supported[1]}"
 
     def supports(self, version: str) -> bool:
-        """Whether ``version`` is in ``[low, high)``; a pre-release of ``high`` (``high.dev0``, ``high rc1``)
-        counts as ``high``: outside."""
+        """Whether ``version`` is in ``[low, high)`` and in no ``refused`` range (a release inside the range the
+        tests could not run on); a pre-release of ``high`` (``high.dev0``, ``high rc1``) counts as ``high``:
+        outside."""
         from packaging.version import Version  # a dependency of every trainer adapted here
         v, lo, hi = Version(version), Version(self.supported[0]), Version(self.supported[1])
-        return lo <= v and v.release < hi.release
+        return lo <= v and v.release < hi.release and self.refusal(version) is None
 
     def check_version(self, version: str | None = None, *, allow_unsupported: bool = False) -> None:
         """RuntimeError naming the package, ``version`` (default: the installed one) and the supported range
@@ -92,6 +112,9 @@ class Spec:
         if self.supports(v):
             return
         msg = f"{self.module} supports {self.requirement} ({self.relies_on}); {self.package} {v} is installed.  "
+        why = self.refusal(v)
+        if why:
+            msg += f"{self.package} {v}: {why}.  "
         if not allow_unsupported:
             raise RuntimeError(msg + "Install a supported version (scripts/setup-trainers.sh pins one), or pass "
                                      "allow_unsupported=True to try anyway: the adapter then still measures the real "

@@ -13,7 +13,8 @@ step (default: the first captured one) rank 0 runs ``lossguard audit captures/st
 learns the exit code through the process group's store (bounded waits), and every rank raises
 :class:`lossguard_capture.AuditFailed` — before the optimizer applies that step — when the verdict is FAIL.
 
-What is measured, and where (transformers 5.24.0, accelerate 1.16.0; line numbers of that release):
+What is measured, and where (transformers 5.24.0, accelerate 1.16.0; line numbers of that release; the same
+code at other lines in every release of :data:`SPEC` ``verified``, 5.19.0 to 5.25.0):
 
 * ``Trainer.training_step`` (trainer.py:2051) calls ``self.compute_loss(model, inputs,
   num_items_in_batch=...)`` (trainer.py:2130).  The adapter wraps that call: for its duration
@@ -89,9 +90,17 @@ from .recorder import MicroBatch, StepRecorder
 
 __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "check_version"]
 
-#: transformers versions whose internals this adapter was checked against: [low, high).
-SPEC = Spec("lossguard_capture.hf", "transformers", ("5.24.0", "5.25.0"), lambda: transformers.__version__,
-            "it hooks Trainer.compute_loss, fixed_cross_entropy and Accelerator.backward as these versions have them")
+#: transformers versions whose internals this adapter was checked against: [low, high); ``SPEC.verified`` the
+#: releases its tests ran on.  From 5.19.0 to 5.25.0 the hooked functions (Trainer.training_step, compute_loss,
+#: _get_num_items_in_batch, _get_grad_norm, loss_utils.fixed_cross_entropy / ForCausalLMLoss) are the same
+#: code at other lines (5.19-5.21 divide the TP/CP/SP count with ``//``, a path refused here anyway).
+SPEC = Spec("lossguard_capture.hf", "transformers", ("5.19.0", "5.26.0"), lambda: transformers.__version__,
+            "it hooks Trainer.compute_loss, fixed_cross_entropy and Accelerator.backward as these versions have them",
+            verified=("5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.24.0", "5.25.0"),
+            refused=(("0", "5.19.0", "before 5.19 Trainer.training_step divides by gradient accumulation under "
+                                     "another condition (trainer.py:2066 in 5.18.0) and has no "
+                                     "loss_is_scaled_for_ga, a path the adapter's tests never ran; nearest "
+                                     "supported: 5.19.0"),))
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 transformers: Any = SPEC.require("transformers", "pip install 'lossguard-capture[hf]'")
 from transformers import TrainerCallback  # noqa: E402

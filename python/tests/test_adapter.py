@@ -111,6 +111,22 @@ def test_version_gate_names_the_package_the_installed_and_the_supported_versions
     assert TOY_SPEC.requirement == "toy-trainer>=1.2.0,<1.3.0"
 
 
+def test_a_known_refused_release_says_why_and_verified_releases_lie_inside_the_range():
+    spec = Spec("lossguard_capture.toy", "toy-trainer", ("1.2.0", "1.4.0"), lambda: "1.2.5", "it hooks ToyTrainer.loss",
+                verified=("1.2.0", "1.3.1"), refused=(("1.0.0", "1.2.0", "1.1 divides by the micro-batch count; "
+                                                                          "nearest supported: 1.2.0"),))
+    assert spec.verified == ("1.2.0", "1.3.1")
+    with pytest.raises(RuntimeError, match=r"toy-trainer 1\.1\.7: 1\.1 divides by the micro-batch count; nearest "
+                                           r"supported: 1\.2\.0\."):
+        spec.check_version("1.1.7")
+    with pytest.raises(RuntimeError) as got:                    # outside every known refusal: the range alone
+        spec.check_version("0.9.0")
+    assert "divides" not in str(got.value)
+    assert spec.refusal("1.3.0") is None and spec.refusal("1.0.0") is not None
+    with pytest.raises(ValueError, match="verified releases"):
+        Spec("lossguard_capture.toy", "toy-trainer", ("1.2.0", "1.4.0"), lambda: "1.2.5", "r", verified=("1.4.0",))
+
+
 def test_an_adapter_of_an_unsupported_version_is_refused_at_construction(tmp_path):
     class Old(ToyAdapter):
         spec = Spec("lossguard_capture.toy", "toy-trainer", ("1.2.0", "1.3.0"), lambda: "1.1.9", "reasons")

@@ -309,15 +309,20 @@ def _tiny_trainer(tmp_path, **overrides):
 
 
 def test_unsupported_version_names_the_range():
-    with pytest.raises(RuntimeError, match=r"transformers>=5\.24\.0,<5\.25\.0.*transformers 4\.57\.1 is installed"):
+    with pytest.raises(RuntimeError, match=r"transformers>=5\.19\.0,<5\.26\.0.*transformers 4\.57\.1 is installed\."
+                                           r".*nearest supported: 5\.19\.0"):
         lhf.check_version("4.57.1")
-    for v in ("5.25.0", "5.25.0.dev0", "5.24.0rc1", "6.0.0"):
+    with pytest.raises(RuntimeError, match=r"5\.18\.0: before 5\.19 .*gradient accumulation"):
+        lhf.check_version("5.18.0")
+    for v in ("5.26.0", "5.26.0.dev0", "5.19.0rc1", "6.0.0"):
         with pytest.raises(RuntimeError):
             lhf.check_version(v)
-    lhf.check_version("5.24.0")
+    for v in lhf.SPEC.verified:                              # every release the tests ran on is inside the gate
+        lhf.check_version(v)
+    assert {"5.19.0", "5.25.0"} <= set(lhf.SPEC.verified)
     with pytest.warns(UserWarning, match="supports"):
         lhf.check_version("5.30.0", allow_unsupported=True)
-    lhf.check_version()                                      # the installed pin is inside the range
+    lhf.check_version()                                      # the installed release is inside the range
 
 
 def test_unsupported_configurations_refused(tmp_path):
