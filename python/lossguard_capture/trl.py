@@ -13,7 +13,8 @@ rank 0 runs ``lossguard audit``, every rank learns the verdict through the proce
 waits, :func:`lossguard_capture.audit.agree`), and every rank raises :class:`lossguard_capture.AuditFailed`
 before the optimizer applies that step when the verdict is FAIL.
 
-What is measured, and where (TRL 1.16.0 over transformers 5.24.0; line numbers of those releases):
+What is measured, and where (TRL 1.16.0 over transformers 5.24.0; the line numbers below are of those
+releases unless a release is named; what differs in the older supported releases: "Releases" below):
 
 **GRPOTrainer** (trl/trainer/grpo_trainer.py).  ``compute_loss`` (:2939) calls ``_compute_loss`` (:3020), which
 builds the per-token loss tensor ``per_token_loss`` [B, C] (B completions of the micro-batch, C its padded
@@ -74,11 +75,41 @@ gathered over ranks, :2498) when the whole step is one generation batch's slices
 The objective claimed (``reduce=``), by default what TRL's documentation of ``loss_type`` (grpo_config.py
 ``loss_type``) says the aggregation is: :data:`OBJECTIVES`.
 
+Releases (supported: TRL 1.13.0 to 1.16.x; each verified by tests/trainers/test_trl_trainer.py on 1.13.0,
+1.14.2 and 1.16.0, over transformers 5.24.0 and accelerate 1.16.0):
+
+* GRPO: ``_compute_loss`` is the same code on every supported release (1.12.0 too), only at other lines: the
+  1.16.0 lines cited above are +71 in 1.14.2 (``_compute_loss`` :3091, mask :3098, ``beta`` KL :3220-3221,
+  reduction :3224-3255, entropy bonus :3260-3282, MoE aux loss :3319-3321) and +93 in 1.13.0 (:3113, :3120,
+  :3242-3243, :3246-3277, :3282-3304, :3341-3343); 1.15.0: -74 (:2946, reduction :3079-3110).  The generation
+  batch's count is gathered at 1.14.2 :2560, 1.13.0 :2520.  What differs before 1.15: (1) the Trainer is kept
+  from dividing the loss by gradient accumulation again by ``Trainer.__init__(compute_loss_func="non-None value
+  to disable scaling")`` (1.14.2 grpo_trainer.py:974, 1.13.0 :967) and ``model_accepts_loss_kwargs = False``
+  (1.14.2 :1137, 1.13.0 :1148) instead of ``loss_is_scaled_for_ga = True`` (1.15.0/1.16.0 :285): with
+  transformers 5.24 both leave ``training_step``'s loss undivided, so the weights are the same; (2) the
+  log-probabilities and entropies come from full logits (``selective_log_softmax[_and_entropy]``, 1.14.2
+  ``_full_logits_logps`` :1491, the model called at :1574; 1.13.0 ``_get_per_token_logps_and_entropies``
+  :1452, :1535), not from TRL's fused LM head (1.15+), and without TRL's own ``accelerator.autocast()`` around
+  the model call (1.16.0 :1497): under bf16 the only autocast is the one accelerate's ``prepare_model`` wraps
+  the model's forward in.  Neither changes what is hooked: ``per_token_loss``, ``mask`` and ``entropies`` are
+  the same locals of the same function.  (3) 1.13.x with ``use_liger_kernel``: ``compute_loss`` computes
+  the loss with ``compute_liger_loss`` (1.13.0 :3031-3034), not ``_compute_loss``: refused at attach (1.14
+  routes liger through ``_compute_loss``, 1.14.2 :3008-3013).  1.13.x imports ``requests`` without declaring
+  it (install it).
+* SFT: TRL 1.15 changed where SFT's loss is computed, not what it is (``sum / num_items_in_batch`` on every
+  release).  Before 1.15 there is no per-token tensor of TRL's to read: ``SFTTrainer.compute_loss`` calls
+  ``Trainer.compute_loss`` (1.14.2 sft_trainer.py:1835, 1.13.0 :1803), and the default ``loss_type``
+  ``chunked_nll`` (sft_config.py:333-334 in both) sums ``F.nll_loss(reduction="sum")`` per chunk inside a
+  patched forward (1.14.2 sft_trainer.py:115 and :232, 1.13.0 :114 and :231).  So an ``SFTTrainer`` below
+  :data:`SFT_SINCE` is refused at attach, naming the nearest supported release (1.16.0: 1.15.0's fused LM
+  head runs only as a Triton kernel, so it is not verified here on CPU).
+
 Unsupported (an error at attach, naming the reason): TRL or transformers outside their ranges; DeepSpeed,
 FSDP, XLA, Megatron; TP/CP/SP; a loss term outside the per-token tensor other than GRPO's entropy bonus — an
 MoE aux loss (GRPO :3248-3250, SFT) — unless ``allow_untracked_terms=True`` (then its gradient is not in the
 capture, and audit's weights describe the other terms only); SFT with ``compute_loss_func`` or label
-smoothing (no per-token tensor of TRL's); an active ``sys.setprofile`` profiler during a captured step.
+smoothing (no per-token tensor of TRL's); SFT on TRL < 1.15 and GRPO's liger loss on TRL < 1.14 (Releases);
+an active ``sys.setprofile`` profiler during a captured step.
 """
 
 import sys
@@ -93,16 +124,37 @@ from .adapter import Spec
 from .hf import CannotMeasure, TrainerAudit
 from .recorder import MicroBatch
 
-__all__ = ["attach", "AuditCallback", "SPEC", "SUPPORTED", "OBJECTIVES", "check_version"]
+__all__ = ["attach", "AuditCallback", "SPEC", "SUPPORTED", "SFT_SINCE", "OBJECTIVES", "check_version"]
 
-#: TRL versions whose internals this adapter was checked against: [low, high).
-SPEC = Spec("lossguard_capture.trl", "trl", ("1.16.0", "1.17.0"), lambda: trl.__version__,
+#: TRL versions whose internals this adapter was checked against: [low, high).  SFTTrainer from
+#: :data:`SFT_SINCE` only (module docstring, Releases).
+SPEC = Spec("lossguard_capture.trl", "trl", ("1.13.0", "1.17.0"), lambda: trl.__version__,
             "it reads GRPOTrainer._compute_loss's and SFTTrainer.compute_loss's per-token loss tensor as these "
-            "versions build it")
+            "versions build it", verified=("1.13.0", "1.14.2", "1.16.0"),
+            refused=(("0", "1.13.0", "before 1.13 the adapter's tests never ran (1.12.0's GRPO loss is 1.13.0's by "
+                                     "source, not verified); nearest supported: 1.13.0"),
+                     ("1.15.0", "1.16.0", "not verified: 1.15's fused LM head runs on Triton only, so the tests "
+                                          "cannot run it on CPU (its loss path is 1.16.0's by source); nearest "
+                                          "supported: 1.16.0")))
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
-trl: Any = SPEC.require("trl", "pip install 'trl>=1.16.0,<1.17.0' 'transformers>=5.24.0,<5.25.0'; "
+#: The first TRL whose SFTTrainer builds the per-token loss tensor read here (its fused LM head's log_probs);
+#: below it an SFTTrainer is refused at attach, naming :data:`SFT_NEAREST`, the nearest release verified.
+SFT_SINCE, SFT_NEAREST = "1.15.0", "1.16.0"
+#: The first TRL whose GRPO compute_loss goes through _compute_loss under use_liger_kernel.
+_LIGER_SINCE = "1.14.0"
+trl: Any = SPEC.require("trl", "pip install 'trl>=1.13.0,<1.17.0' 'transformers>=5.24.0,<5.25.0'; "
                           "scripts/setup-trainers.sh pins them")
-from trl import GRPOTrainer, SFTTrainer  # noqa: E402
+try:
+    from trl import GRPOTrainer, SFTTrainer
+except ImportError as _e:           # trl 1.13.x imports requests without declaring it
+    raise ImportError(f"lossguard_capture.trl: importing trl {trl.__version__}'s GRPOTrainer / SFTTrainer failed "
+                      f"({_e}); trl 1.13.x needs `pip install requests`, which it does not declare") from _e
+
+
+def _older(since: str) -> bool:
+    """Whether the installed TRL is older than ``since`` (a pre-release of ``since`` counts as older)."""
+    from packaging.version import Version
+    return Version(SPEC.installed()) < Version(since)
 
 #: The objective each GRPO ``loss_type`` claims (the ``reduce`` written into the capture), from TRL's own
 #: documentation of ``loss_type`` (grpo_config.py) and docs/semantics.md §4/§9:
@@ -236,7 +288,15 @@ class AuditCallback(TrainerAudit):
             # the entropy bonus (grpo_trainer.py:3189-3211) is recorded as the declared term `entropy`
             if getattr(trainer, "aux_loss_enabled", False):
                 untracked.append("the MoE aux loss (grpo_trainer.py:3248-3250)")
+            if getattr(trainer, "use_liger_kernel", False) and _older(_LIGER_SINCE):
+                bad.append(f"use_liger_kernel on trl {SPEC.installed()} (TRL < 1.14 computes GRPO's loss with "
+                           f"compute_liger_loss, 1.13.0 grpo_trainer.py:3031-3034, without a per-token tensor)")
         else:
+            if _older(SFT_SINCE):
+                bad.append(f"SFTTrainer on trl {SPEC.installed()}: TRL < 1.15 computes SFT's loss without a per-token "
+                           f"tensor (loss_type chunked_nll, the default, sums F.nll_loss per chunk in a patched "
+                           f"forward, 1.14.2 sft_trainer.py:115/:232; nll and dft go through Trainer.compute_loss); "
+                           f"nearest supported: {SFT_NEAREST}")
             if getattr(trainer, "compute_loss_func", None) is not None:
                 bad.append("compute_loss_func (the loss is the user's function, not TRL's per-token tensor; "
                            "lossguard_capture.hf measures one that calls torch.nn.functional.cross_entropy)")

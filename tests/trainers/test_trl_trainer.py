@@ -21,6 +21,11 @@ prove
 
 and that ``lossguard_capture.hf`` refuses TRL's SFTTrainer (its loss never calls cross_entropy).
 
+Every supported TRL release runs the whole file (lossguard_capture.trl's Releases); behaviour is chosen by
+the installed version: below ``lossguard_capture.trl.SFT_SINCE`` (1.15) the SFT configurations are not
+trained but must be refused at attach, in DP 1 and DP 2 (:func:`test_sft_is_refused_below_its_floor`), and
+the example's ``--sft`` must stop with that refusal.
+
     scripts/setup-trainers.sh
     ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_trl_trainer.py
 """
@@ -60,7 +65,9 @@ HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 
 DP1 = list(drv.CONFIGS) + ["sft"]
 DP2 = ["grpo", "bnpo", "dr_grpo", "dapo", "dapo-spg4", "dapo-spg1", "sft"]
-CASES = [(1, c) for c in DP1] + [(2, c) for c in DP2]
+# the configurations trained and compared: sft only where the adapter measures SFTTrainer (the driver then
+# only checks that attach refuses it: test_sft_is_refused_below_its_floor)
+CASES = [(w, c) for w, cs in ((1, DP1), (2, DP2)) for c in cs if c != "sft" or drv.SFT_MEASURED]
 IDS = [f"dp{w}-{c}" for w, c in CASES]
 STEPS, GA = drv.STEPS, drv.GA
 
@@ -288,7 +295,8 @@ def generation_count(runs, world, config, step, k):
 
 
 def formula_weights(runs, world, config, step, t, k):
-    """The weight w_t of every token of micro-batch k (rank's capture t) as TRL 1.16 computes it.
+    """The weight w_t of every token of micro-batch k (rank's capture t) as TRL computes it (the lines are
+    1.16.0's; the same code in every supported release).
     m: [n_k, C] masks, m_i the sample's mask total, n_k the micro-batch's rows, M gradient accumulation,
     P the DP world (DDP's mean), L max_completion_length, S steps_per_generation, N the step's token total."""
     md = meta(runs, world, config)
@@ -481,8 +489,9 @@ def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
 
 
 def test_hf_adapter_cannot_measure_sftTrainer(runs):
-    """TRL 1.16's SFTTrainer.compute_loss takes -log_probs from its fused LM head (sft_trainer.py:1611-1618) and
-    never calls torch.nn.functional.cross_entropy: lossguard_capture.hf says so instead of capturing."""
+    """TRL 1.16's SFTTrainer.compute_loss takes -log_probs from its fused LM head (sft_trainer.py:1611-1618), and
+    before 1.15 its default loss_type chunked_nll sums F.nll_loss per chunk (1.14.2 sft_trainer.py:115): it
+    never calls torch.nn.functional.cross_entropy, and lossguard_capture.hf says so instead of capturing."""
     with open(os.path.join(runs[1], "hf-on-sft", "hf-on-sft.json")) as f:
         err = json.load(f)["error"]
     assert err is not None and "did not call torch.nn.functional.cross_entropy" in err, err
@@ -498,15 +507,57 @@ def _grpo(tmp_path, **over):
 
 
 def test_unsupported_version_names_the_range():
-    with pytest.raises(RuntimeError, match=r"trl>=1\.16\.0,<1\.17\.0.*trl 1\.15\.0 is installed"):
-        ltrl.check_version("1.15.0")
-    for v in ("1.17.0", "1.17.0.dev0", "1.16.0rc1", "2.0.0"):
+    with pytest.raises(RuntimeError, match=r"trl>=1\.13\.0,<1\.17\.0.*trl 1\.12\.0 is installed"):
+        ltrl.check_version("1.12.0")
+    for v in ("1.17.0", "1.17.0.dev0", "1.13.0rc1", "1.12.9", "2.0.0"):
         with pytest.raises(RuntimeError):
             ltrl.check_version(v)
-    ltrl.check_version("1.16.0")
+    for v in ("1.13.0", "1.14.2", "1.16.0", "1.16.9"):
+        ltrl.check_version(v)
+    for v in ltrl.SPEC.verified:                              # every release the tests ran on passes the gate
+        ltrl.check_version(v)
+    # 1.15 is inside the range but refused: its fused LM head is Triton-only, so no test could run it here
+    with pytest.raises(RuntimeError, match=r"trl 1\.15\.0: not verified: 1\.15's fused LM head runs on Triton only"
+                                           r".*nearest supported: 1\.16\.0"):
+        ltrl.check_version("1.15.0")
     with pytest.warns(UserWarning, match="supports"):
         ltrl.check_version("1.18.0", allow_unsupported=True)
     ltrl.check_version()                                      # the installed pin is inside the range
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sft_is_refused_below_its_floor(runs, world):
+    """Below lossguard_capture.trl.SFT_SINCE (1.15) TRL builds no per-token SFT loss tensor: the driver's sft
+    configuration must be refused at attach on every rank, with the reason and the nearest supported release.
+    From 1.15 it is attached and trained (the sft cases of every test above)."""
+    d = os.path.join(runs[world], "sft")
+    if drv.SFT_MEASURED:
+        assert meta(runs, world, "sft")["reduce"] == "per-token"
+        assert not any(f.startswith("refused-") for f in os.listdir(d))
+        return
+    files = set(os.listdir(d))
+    assert {f"refused-rank{r}.json" for r in range(world)} <= files and not files & {"adapter", "plain"}, files
+    for r in range(world):
+        with open(os.path.join(d, f"refused-rank{r}.json")) as f:
+            err = json.load(f)["error"]
+        assert err is not None, "attach accepted an SFTTrainer it cannot measure"
+        assert err.startswith("lossguard_capture.trl does not support: "), err
+        assert f"SFTTrainer on trl {drv.trl.__version__}: TRL < 1.15 computes SFT's loss without a per-token tensor" \
+            in err, err
+        assert "loss_type chunked_nll" in err and err.endswith(f"nearest supported: {ltrl.SFT_NEAREST}"), err
+
+
+def test_liger_is_refused_where_it_bypasses_compute_loss(tmp_path):
+    """TRL < 1.14's GRPOTrainer.compute_loss under use_liger_kernel calls compute_liger_loss, never
+    _compute_loss (1.13.0 grpo_trainer.py:3031-3034): refused at attach.  From 1.14 liger goes through
+    _compute_loss and is attached."""
+    tr = _grpo(tmp_path)
+    tr.use_liger_kernel = True                 # as GRPOTrainer sets it from args.use_liger_kernel
+    if drv.TRL < drv.Version("1.14.0"):
+        with pytest.raises(RuntimeError, match=r"use_liger_kernel on trl .*compute_liger_loss"):
+            ltrl.attach(tr, str(tmp_path / "c"))
+    else:
+        assert ltrl.attach(tr, str(tmp_path / "c"), fail_fast=False).kind == "grpo"
 
 
 def test_every_loss_type_has_an_objective():
@@ -610,11 +661,17 @@ def test_fail_fast_without_a_binary_is_an_error_not_a_pass(tmp_path):
                                            (["--sft"], 0, "training finished; step 0 audited: pass")])
 def test_the_example_runs(tmp_path, flags, rc, said):
     """GRPO's dapo passes, bnpo (each micro-batch over its own tokens, GA 2) is stopped before step 0's update,
-    SFT passes: the example a new user copies, run as they would."""
+    SFT passes (below TRL 1.15: attach refuses the SFTTrainer and the example stops with that error, before
+    training): the example a new user copies, run as they would."""
     import subprocess
     r = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "trl_audit.py"), "--out", str(tmp_path),
                         "--lossguard-bin", LOSSGUARD, *flags], capture_output=True, text=True, timeout=300,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if "--sft" in flags and not drv.SFT_MEASURED:
+        assert r.returncode == 1 and "RuntimeError: lossguard_capture.trl does not support: SFTTrainer on trl" in \
+            r.stderr and f"nearest supported: {ltrl.SFT_NEAREST}" in r.stderr, r.stdout[-2000:] + r.stderr[-3000:]
+        assert not os.path.exists(tmp_path / "audit-step000000.json") and "training finished" not in r.stdout
+        return
     assert r.returncode == rc and said in r.stdout, r.stdout[-2000:] + r.stderr[-3000:]
     with open(tmp_path / "audit-step000000.json") as f:
         assert json.load(f)["exit_code"] == rc

@@ -24,6 +24,9 @@ clipping, 2 optimizer steps (both captured).  Per config and run (``DIR/<config>
   ``per_token_loss`` and ``entropies``; SFT: ``-log_softmax`` of the captured tokens);
 * ``meta-rank{r}.json`` — versions, the resolved GRPO sizes, in-run audit results.
 
+On a TRL whose SFTTrainer the adapter refuses (< ``lossguard_capture.trl.SFT_SINCE``), config ``sft`` only
+attaches: the error attach raises goes to ``DIR/sft/refused-rank{r}.json`` and nothing is trained.
+
 ``--hf-on-sft``: attach ``lossguard_capture.hf`` (the plain Trainer adapter) to an SFTTrainer and write the
 error it raises to ``DIR/hf-on-sft.json``.
 """
@@ -57,11 +60,20 @@ from datasets import Dataset  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback  # noqa: E402
+from packaging.version import Version  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import lossguard_capture as lc  # noqa: E402
 import lossguard_capture.trl as ltrl  # noqa: E402
+
+TRL = Version(trl.__version__)
+#: TRL 1.15 patches the model's forward with its fused LM head (GRPO and SFT, trl/trainer/utils.py
+#: add_fused_lm_head); before, GRPO scores completions from the full logits and the helper does not exist.
+FUSED_LM_HEAD = TRL >= Version("1.15.0")
+#: Whether the adapter measures SFTTrainer on this TRL (below it, attach refuses: lossguard_capture.trl.SFT_SINCE).
+SFT_MEASURED = TRL >= Version(ltrl.SFT_SINCE)
+if FUSED_LM_HEAD:
+    from trl.trainer.utils import add_fused_lm_head
 
 SEED = 1234
 BS = 2                    # per_device_train_batch_size
@@ -217,7 +229,14 @@ def verify_grpo(trainer, out, rank):
     """want-step{n}: sum over this rank's micro-batches and terms of sum_t w_t grad(l_t), l_t the trainer's own
     per_token_loss (main) and entropies (term entropy) recomputed by GRPOTrainer._compute_loss on a float64 copy
     of the step's model — or, under bf16 autocast (the precision is then autocast's, not the model's), on a
-    float32 copy as the run had it."""
+    float32 copy as the run had it.
+
+    The copy is made as the trainer made its model: TRL's fused LM head where this TRL adds one (1.15+, in
+    GRPOTrainer.__init__), then the run's own ``accelerator.prepare_model`` (``evaluation_mode``: no DDP
+    wrapper).  Under bf16 that wraps the forward in autocast and casts its outputs to float32, as ``train``
+    did to the trainer's model; TRL < 1.15 calls the model with no autocast of its own (it computes the
+    log-probabilities from these float32 logits), so without it the copy would score the tokens in float32
+    where the run scored them from bf16 logits.  Without mixed precision it changes nothing."""
     trainer.model.train()
     dtype = torch.float32 if trainer.args.bf16 else torch.float64
     for n in range(STEPS):
@@ -225,7 +244,9 @@ def verify_grpo(trainer, out, rank):
         model = LlamaForCausalLM(model_config())
         model.load_state_dict(params)
         model = model.to(dtype).train()
-        add_fused_lm_head(model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        if FUSED_LM_HEAD:
+            add_fused_lm_head(model, temperature=trainer.temperature, outputs=("log_probs", "entropy"))
+        model = trainer.accelerator.prepare_model(model, evaluation_mode=True)
         t = load_file(os.path.join(out, "captures", f"step{n:06d}", f"step{n:06d}-rank{rank:05d}.safetensors"))
         gs = t["grad_scale"].to(dtype)
         total = 0.0
@@ -271,6 +292,21 @@ def verify_sft(out, rank):
                    os.path.join(out, f"want-step{n}-rank{rank}.pt"))
 
 
+def refused_sft(out, rank, world, lossguard_bin):
+    """A TRL whose SFTTrainer the adapter does not measure: attach must refuse it; its message is kept."""
+    os.makedirs(out, exist_ok=True)
+    trainer = sft_trainer(out, world)
+    err = None
+    try:
+        ltrl.attach(trainer, os.path.join(out, "captures"), steps=range(STEPS), lossguard_bin=lossguard_bin)
+    except RuntimeError as e:
+        err = str(e)
+    with open(os.path.join(out, f"refused-rank{rank}.json"), "w") as f:
+        json.dump({"error": err, "trl": trl.__version__}, f)
+    if world > 1:
+        torch.distributed.barrier()
+
+
 def run(config, out, rank, world, adapter, fail_fast, lossguard_bin):
     os.makedirs(out, exist_ok=True)
     if config == "sft":
@@ -313,7 +349,8 @@ def run(config, out, rank, world, adapter, fail_fast, lossguard_bin):
 
 
 def hf_on_sft(out):
-    """lossguard_capture.hf on an SFTTrainer: TRL 1.16's SFT loss does not call F.cross_entropy."""
+    """lossguard_capture.hf on an SFTTrainer: TRL's SFT loss does not call F.cross_entropy (1.15+: the fused LM
+    head's log_probs; before: the default loss_type chunked_nll's F.nll_loss)."""
     import lossguard_capture.hf
     os.makedirs(out, exist_ok=True)
     trainer = sft_trainer(out, 1)
@@ -346,6 +383,9 @@ def main():
         return
     in_run = set(c for c in a.audit_in_run.split(",") if c)
     for config in [c for c in a.configs.split(",") if c]:
+        if config == "sft" and not SFT_MEASURED:
+            refused_sft(os.path.join(a.out, config), rank, world, a.lossguard_bin)
+            continue
         run(config, os.path.join(a.out, config, "adapter"), rank, world, True, config in in_run, a.lossguard_bin)
         run(config, os.path.join(a.out, config, "plain"), rank, world, False, False, None)
 
