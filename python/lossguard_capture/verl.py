@@ -65,11 +65,30 @@ What is measured, and where (verl 0.9.1; line numbers of that release):
 * ``num_tokens_reduced`` is ``batch_num_tokens``, ``global_batch_size`` the trainer's; no per-micro-batch
   count is written (verl computes none).
 
+The releases in :data:`SUPPORTED` (``SPEC.verified``: 0.8.0, 0.9.0, 0.9.1; the tests run on each) are
+measured the same way; what differs from 0.9.1 (line numbers of the release named):
+
+* ``losses.ppo_loss`` (:57) is the same code in 0.9.0 and 0.8.0 (0.8.0's ``losses.py`` differs only in the
+  critic's ``value_loss``).  The engine's ``forward_backward_batch`` is 0.9.0 :700 (count :706-711,
+  ``loss.backward()`` :738) and 0.8.0 :617 (:622-627, :649); the loss call in ``forward_step`` 0.9.0 :1534,
+  0.8.0 :1280.  0.8.0's engine has no ``no_sync`` gradient-sync context (each micro-batch's backward
+  reduces at once: the same gradient) and no grad-scaler branch.
+* ``token-sum`` exists from 0.9.0 (core_algos.py:1176-1180).  0.8.0's ``agg_loss`` (core_algos.py:1138)
+  raises for it (:1197) and its ``ActorConfig.__post_init__`` rejects it (workers/config/actor.py:219):
+  :data:`LOSS_AGG_MODES` has no ``token-sum`` there, and the adapter refuses it with that reason.
+* ``gspo`` forces ``seq-mean-token-mean`` up to 0.9.0 (0.9.0 core_algos.py:1604-1605, 0.8.0 :1597-1598);
+  from 0.9.1 it passes the configured mode (:1605-1606).  ``sapo`` forces it in every release (0.9.0
+  :1687-1688, 0.8.0 :1680-1681).  :data:`FORCED_MODES` is the installed release's table
+  (:func:`forced_modes`); the adapter measures what the policy loss hands ``agg_loss`` either way.
+* ``geo_mean``'s ``torch.mean`` is 0.9.0 :1999, 0.8.0 :1992.  ``dro`` is a policy loss from 0.9.0 on
+  (``PolicyLossConfig.dro_beta``, 0.9.0 workers/config/actor.py:102); 0.8.0 has neither.
+
 The objective claimed (``reduce``) is the one the configured ``loss_agg_mode`` names (:data:`CLAIMS`;
 ``token-sum``, which lossguard has no objective for, claims ``per-token``: its weights are the per-token
-ones times ``N``).  A policy loss that aggregates with another mode than the configured one (``sapo``),
-or none (``geo_mean``), is measured as it is and a :class:`lossguard_capture.CaptureWarning` says so; the
-KL and entropy terms always aggregate with the configured mode (losses.py:125, :137).
+ones times ``N``).  A policy loss that aggregates with another mode than the configured one (``sapo``;
+``gspo`` up to 0.9.0: :data:`FORCED_MODES`), or none (``geo_mean``), is measured as it is and a
+:class:`lossguard_capture.CaptureWarning` says so (citing the release's line when :data:`FORCED_MODES` knows
+it); the KL and entropy terms always aggregate with the configured mode (losses.py:125, :137).
 
 Sample layout: sample ``i`` of a micro-batch is its prompt (``P_i`` tokens) and response (``R_i``): the
 no-padding layout verl's engine trains on (``input_ids`` nested ``[P_i + R_i]``; ``prompts``/``responses``
@@ -78,7 +97,8 @@ reads them, :97-141); response index ``j`` is the loss matrix's column ``j``; it
 ``response_mask[i, j]``.  Sample indices: ``attach`` numbers each DP rank's mini-batch
 ``dp_rank * n_local + position`` (the key :data:`SAMPLE_INDEX_KEY`, carried through verl's micro-batching).
 
-Refused, with the reason: verl outside :data:`SUPPORTED` (``allow_unsupported=True`` only warns), a loss
+Refused, with the reason: verl outside :data:`SUPPORTED` (0.7.x: another data contract, see ``SPEC.refused``;
+``allow_unsupported=True`` only warns), ``token-sum`` on a release without it (0.8.x), a loss
 function other than ``losses.ppo_loss``, an engine other than the FSDP one, Ulysses sequence parallelism,
 a world that is not the DP group, a grad scaler (fp16), an unknown ``loss_agg_mode`` (before anything is
 recorded), a policy loss that calls ``agg_loss`` more than once or aggregates neither through ``agg_loss``
@@ -96,30 +116,84 @@ import torch
 from .adapter import Adapter, Spec, deprecated_alias
 from .recorder import CaptureWarning, MicroBatch, StepRecorder
 
-__all__ = ["attach", "VerlAdapter", "VerlCapture", "SPEC", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS",
-           "SAMPLE_INDEX_KEY", "TERMS", "check_version", "check_loss_agg_mode"]
+__all__ = ["attach", "VerlAdapter", "VerlCapture", "SPEC", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS", "FORCED_MODES",
+           "SAMPLE_INDEX_KEY", "TERMS", "check_version", "check_loss_agg_mode", "loss_agg_modes", "forced_modes"]
 
-#: verl versions whose loss path this adapter was checked against: [low, high).
-SPEC = Spec("lossguard_capture.verl", "verl", ("0.9.1", "0.9.2"), lambda: verl.__version__,
-            "it hooks losses.ppo_loss, core_algos.agg_loss and the FSDP engine's train_batch as that release has them")
+#: verl versions whose loss path this adapter was checked against: [low, high); ``SPEC.verified`` the releases
+#: its tests ran on (tests/trainers/test_verl.py, on each).  0.7.x is refused: its ``ppo_loss`` hands the
+#: policy loss an unpadded micro-batch (0.7.1 workers/utils/losses.py:97 has no ``to_padded_tensor``) and its
+#: ``no_padding_2_padding`` always reads ``attention_mask`` (workers/utils/padding.py:86-125), another data
+#: contract than the one measured here.
+SPEC = Spec("lossguard_capture.verl", "verl", ("0.8.0", "0.9.2"), lambda: verl.__version__,
+            "it hooks losses.ppo_loss, core_algos.agg_loss and the FSDP engine's train_batch as these releases have "
+            "them", verified=("0.8.0", "0.9.0", "0.9.1"),
+            refused=(("0", "0.8.0", "before 0.8 ppo_loss does not pad the micro-batch (0.7.1 "
+                                    "workers/utils/losses.py:97) and no_padding_2_padding always reads attention_mask "
+                                    "(0.7.1 workers/utils/padding.py:86-125): another data contract than the one the "
+                                    "adapter measures; nearest supported: 0.8.0"),))
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 verl: Any = SPEC.require("verl", "scripts/setup-trainers.sh pins verl==0.9.1 in ~/.cache/lossguard/venv-verl")
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.workers.utils import losses as verl_losses  # noqa: E402
 
-#: the modes ``core_algos.agg_loss`` knows in verl 0.9.1 (core_algos.py:1170-1204; also
-#: ``ActorConfig.__post_init__``, workers/config/actor.py).
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                                   "seq-mean-token-sum-norm")
-
-#: the lossguard objective each mode's name and docstring claim (``reduce`` of the captures).
-CLAIMS: dict[str, str] = {
+#: every mode ``core_algos.agg_loss`` knows in 0.9.1 (core_algos.py:1170-1204; also ``ActorConfig.__post_init__``,
+#: workers/config/actor.py:212-220) and the lossguard objective each mode's name and docstring claim.
+_ALL_CLAIMS: dict[str, str] = {
     "token-mean": "token-mean",
     "token-sum": "per-token",                 # "the sum over all valid tokens": no lossguard objective; per-token x N
     "seq-mean-token-sum": "seq-mean-token-sum",
     "seq-mean-token-mean": "seq-mean-token-mean",
     "seq-mean-token-sum-norm": "seq-mean-token-sum-norm",
 }
+
+#: (release, where its core_algos.py has what): the line numbers messages cite, for each release the adapter
+#: was checked against (a release between two of them: the older one's).
+_SITES: tuple[tuple[tuple[int, ...], dict[str, str]], ...] = (
+    ((0, 9, 1), {"release": "0.9.1", "agg_loss": "1140", "sapo": "1688-1689"}),
+    ((0, 9, 0), {"release": "0.9.0", "agg_loss": "1140", "sapo": "1687-1688", "gspo": "1604-1605"}),
+    ((0, 8, 0), {"release": "0.8.0", "agg_loss": "1138", "sapo": "1680-1681", "gspo": "1597-1598"}),
+)
+#: the first release whose agg_loss knows ``token-sum`` (0.9.0 core_algos.py:1176-1180)
+TOKEN_SUM_SINCE = "0.9.0"
+#: the first release whose gspo policy loss aggregates with the configured mode (0.9.1 core_algos.py:1605-1606)
+GSPO_CONFIGURED_SINCE = "0.9.1"
+
+
+def _release(version: str) -> tuple[int, ...]:
+    from packaging.version import Version  # a dependency of verl
+    return Version(version).release
+
+
+def _sites(version: str) -> dict[str, str]:
+    rel = _release(version)
+    return next((sites for r, sites in _SITES if rel >= r), _SITES[-1][1])
+
+
+def loss_agg_modes(version: str) -> tuple[str, ...]:
+    """The modes verl ``version``'s ``core_algos.agg_loss`` knows: ``token-sum`` only from 0.9.0 on (0.8.0's
+    agg_loss, core_algos.py:1138-1197, raises for it; its ActorConfig rejects it, workers/config/actor.py:219)."""
+    return tuple(m for m in _ALL_CLAIMS if m != "token-sum" or _release(version) >= _release(TOKEN_SUM_SINCE))
+
+
+def forced_modes(version: str) -> dict[str, str]:
+    """{policy loss: the mode it hands ``agg_loss`` whatever ``loss_agg_mode`` is configured} in verl
+    ``version``: ``sapo`` seq-mean-token-mean in every supported release, ``gspo`` too up to 0.9.0 (0.9.0
+    core_algos.py:1604-1605, 0.8.0 :1597-1598; 0.9.1 passes the configured mode, :1605-1606).  ``geo_mean``
+    aggregates with no mode (a per-sample ``torch.mean``) and is not listed."""
+    out = {"sapo": "seq-mean-token-mean"}
+    if _release(version) < _release(GSPO_CONFIGURED_SINCE):
+        out["gspo"] = "seq-mean-token-mean"
+    return out
+
+
+#: the modes the installed verl's ``core_algos.agg_loss`` knows (:func:`loss_agg_modes`).
+LOSS_AGG_MODES: tuple[str, ...] = loss_agg_modes(verl.__version__)
+
+#: the lossguard objective each of :data:`LOSS_AGG_MODES` claims (``reduce`` of the captures).
+CLAIMS: dict[str, str] = {m: _ALL_CLAIMS[m] for m in LOSS_AGG_MODES}
+
+#: the installed verl's policy losses that aggregate with a fixed mode (:func:`forced_modes`).
+FORCED_MODES: dict[str, str] = forced_modes(verl.__version__)
 
 #: the declared terms besides the main (policy-gradient) one: the KL loss (``use_kl_loss``) and the entropy
 #: bonus (``entropy_coeff != 0``).
@@ -130,11 +204,17 @@ SAMPLE_INDEX_KEY = "lossguard_sample_index"
 
 
 def check_loss_agg_mode(mode: Any) -> str:
-    """``mode`` if ``core_algos.agg_loss`` knows it, else ValueError naming the modes."""
+    """``mode`` if the installed verl's ``core_algos.agg_loss`` knows it, else ValueError naming the modes
+    (and, for ``token-sum`` below 0.9.0, the release that added it)."""
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"lossguard_capture.verl: unknown loss_agg_mode {mode!r}: verl {verl.__version__}'s "
-                         f"agg_loss (verl/trainer/ppo/core_algos.py:1140) knows {', '.join(LOSS_AGG_MODES)}; "
-                         f"nothing was recorded")
+        sites = _sites(verl.__version__)
+        why = ""
+        if mode == "token-sum":
+            why = (f"token-sum exists from verl {TOKEN_SUM_SINCE} on; verl {verl.__version__}'s agg_loss raises "
+                   f"for it and its ActorConfig rejects it (0.8.0 core_algos.py:1197, workers/config/actor.py:219); ")
+        raise ValueError(f"lossguard_capture.verl: unknown loss_agg_mode {mode!r}: {why}verl {verl.__version__}'s "
+                         f"agg_loss (verl/trainer/ppo/core_algos.py:{sites['agg_loss']} in {sites['release']}) knows "
+                         f"{', '.join(LOSS_AGG_MODES)}; nothing was recorded")
     return mode
 
 
@@ -517,8 +597,11 @@ class VerlAdapter(Adapter):
                 problems.append(f"the policy loss {loss_mode!r} aggregated its per-token losses neither through "
                                 f"core_algos.agg_loss nor a per-sample torch.mean")
         elif call.pg_modes[0] != mode:
+            sites = _sites(verl.__version__)
+            where = (f" (verl {verl.__version__} forces it: core_algos.py:{sites[loss_mode]} in {sites['release']})"
+                     if FORCED_MODES.get(loss_mode) == call.pg_modes[0] and loss_mode in sites else "")
             self._warn_once(st, "mode", f"lossguard_capture.verl: the policy loss {loss_mode!r} aggregates with "
-                            f"{call.pg_modes[0]!r} although loss_agg_mode = {mode!r}: the captures claim "
+                            f"{call.pg_modes[0]!r} although loss_agg_mode = {mode!r}{where}: the captures claim "
                             f"{st.reduce!r} and measure what verl does")
         if "kl" in st.terms and "kl" not in call.hooked:
             problems.append("use_kl_loss is set but no KL matrix reached agg_loss")

@@ -1,4 +1,5 @@
-"""lossguard_capture.verl against verl 0.9.1's own actor update (CPU, Gloo, DP 2 x 2 micro-batches).
+"""lossguard_capture.verl against verl's own actor update (CPU, Gloo, DP 2 x 2 micro-batches), on every
+release the adapter supports: 0.8.0, 0.9.0 and 0.9.1 (the pin).
 
 tests/trainers/verl_driver.py runs verl's ``BaseEngine.train_batch`` / ``FSDPEngine.forward_backward_batch`` /
 ``FSDPEngine.optimizer_step`` with verl's ``losses.ppo_loss`` (policy loss, ``kl_penalty``, the entropy term,
@@ -21,10 +22,18 @@ registered policy losses aggregate with another mode than the configured one, an
 
     scripts/setup-trainers.sh
     ~/.cache/lossguard/venv-verl/bin/python -m pytest -q tests/trainers/test_verl.py
+
+What differs per release is chosen from the installed verl's version (verl_driver.VERL), never from the
+environment: ``token-sum`` is a configuration from 0.9.0 on (below it verl rejects the mode and the adapter
+refuses it: :func:`test_token_sum_exists_from_0_9_0`; the config is not parametrized there); ``gspo`` forces
+``seq-mean-token-mean`` up to 0.9.0 (:func:`test_which_policy_losses_force_a_mode`); ``dro`` exists from 0.9.0
+on.  On verl < 0.9.1 without flash-attn the driver puts tests/trainers/cpu_stand_ins on ``sys.path``
+(:func:`test_cpu_stand_in_bert_padding`, :func:`test_dense_layout_is_the_nested_one`).
 """
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -151,8 +160,8 @@ def verl_weight(config, samples, mbs, term="main"):
     N = sum(float(m.sum()) for m in masks)
     B, dp = drv.GLOBAL_BATCH, drv.DP
     mode = c["mode"]
-    if term == "main" and c["loss"] == "sapo":
-        mode = "seq-mean-token-mean"                                     # sapo forces it (core_algos.py:1688)
+    if term == "main" and c["loss"] in lverl.forced_modes(str(drv.VERL)):
+        mode = lverl.forced_modes(str(drv.VERL))[c["loss"]]              # sapo forces it (0.9.1 core_algos.py:1688)
     coef = COEF[term]
     out = {}
     for (r, k), idx in mbs.items():
@@ -542,8 +551,9 @@ def test_unknown_loss_agg_mode_is_an_error_and_nothing_is_recorded(tmp_path):
     real = (verl_losses.agg_loss, core_algos.agg_loss, verl_losses.get_policy_loss_fn, verl_losses.kl_penalty,
             verl_losses.no_padding_2_padding, torch.mean)
     cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
-    with pytest.raises(ValueError, match=r"unknown loss_agg_mode 'seq-mean'.*token-mean, token-sum, "
-                                         r"seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm.*nothing "
+    modes = ["token-mean"] + (["token-sum"] if drv.HAS_TOKEN_SUM else []) + [
+        "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    with pytest.raises(ValueError, match=rf"unknown loss_agg_mode 'seq-mean'.*{re.escape(', '.join(modes))}; nothing "
                                          r"was recorded"):
         _call(cap, loss_fn, model, mb)
     assert cap._open is None and not os.path.exists(tmp_path / "caps")
@@ -656,14 +666,21 @@ def test_an_entropy_in_some_microbatches_only_is_an_error(tmp_path):
 
 def test_which_policy_losses_force_a_mode(tmp_path):
     """Every registered policy loss, configured token-mean: the mode it hands agg_loss (the adapter warns
-    when it differs).  In verl 0.9.1 sapo forces seq-mean-token-mean and geo_mean aggregates none."""
+    when it differs, citing the release's line), and the measured weights are that mode's.  sapo forces
+    seq-mean-token-mean in every release, gspo too up to 0.9.0 (0.9.0 core_algos.py:1604-1605, 0.8.0
+    :1597-1598; 0.9.1 passes the configured mode), geo_mean aggregates none; dro exists from 0.9.0 on."""
     skip = {"bypass_mode"}             # needs a rollout-correction configuration; dispatches to vanilla/reinforce
+    want_forced = {"sapo": "seq-mean-token-mean", "geo_mean": "none"}
+    if drv.GSPO_FORCES_MODE:
+        want_forced["gspo"] = "seq-mean-token-mean"
+    assert lverl.FORCED_MODES == {k: v for k, v in want_forced.items() if v != "none"}
     forced = {}
     for name in sorted(core_algos.POLICY_LOSS_REGISTRY):
         if name in skip or name.startswith("lossguard_test"):
             continue
         cfg = drv.actor_config("token-mean")
-        object.__setattr__(cfg, "policy_loss", drv.PolicyLossConfig(loss_mode=name, dro_beta=0.1))
+        pl = {"loss_mode": name, **({"dro_beta": 0.1} if drv.HAS_DRO else {})}     # no dro_beta field in 0.8.0
+        object.__setattr__(cfg, "policy_loss", drv.PolicyLossConfig(**pl))
         cap = lverl.VerlAdapter(str(tmp_path / name), fail_fast=False)
         loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
         model, mb = _microbatch()
@@ -671,26 +688,156 @@ def test_which_policy_losses_force_a_mode(tmp_path):
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             _call(cap, loss_fn, model, mb)
-            cap.finish_step(grad_scale=1.0)
+            path = cap.finish_step(grad_scale=1.0)
         msgs = [str(x.message) for x in w if issubclass(x.category, lc.CaptureWarning)]
         forced[name] = ("none" if any("aggregates no per-token" in x for x in msgs) else
                         "seq-mean-token-mean" if any("aggregates with 'seq-mean-token-mean'" in x for x in msgs) else
                         "configured")
-    assert forced.pop("sapo") == "seq-mean-token-mean"
-    assert forced.pop("geo_mean") == "none"
+        if forced[name] == "seq-mean-token-mean":
+            assert any(f"verl {drv.VERL} forces it: core_algos.py:" in x for x in msgs), msgs
+        if name in ("vanilla", "sapo", "gspo"):     # the weights: the mode handed to agg_loss (dp 1, B 3)
+            t = load_file(path)
+            m, R = t["mb.0.loss_masks"].double(), t["mb.0.response_lengths"].tolist()
+            if forced[name] == "seq-mean-token-mean":
+                mi = torch.cat([x.sum().repeat(len(x)) for x in m.split(R)])
+                want = m / (3 * (mi + 1e-8))
+            else:
+                want = m / m.sum()
+            torch.testing.assert_close(t["mb.0.token_weight"].double(), want, rtol=2e-6, atol=0)
+    for name, mode in want_forced.items():
+        assert forced.pop(name) == mode, (name, mode)
     assert set(forced.values()) == {"configured"}, forced
-    assert {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "dro", "cispo", "dppo_tv", "dppo_kl"} <= set(forced)
+    assert {"vanilla", "gpg", "clip_cov", "kl_cov", "cispo", "dppo_tv", "dppo_kl"} <= set(forced)
+    assert ("dro" in forced) is drv.HAS_DRO and ("gspo" in forced) is not drv.GSPO_FORCES_MODE
 
 
 def test_unsupported_version_names_the_range():
-    with pytest.raises(RuntimeError, match=r"verl>=0\.9\.1,<0\.9\.2.*verl 0\.8\.0 is installed"):
-        lverl.check_version("0.8.0")
-    for v in ("0.9.2", "0.10.0", "0.9.2.dev0"):
+    with pytest.raises(RuntimeError, match=r"verl>=0\.8\.0,<0\.9\.2.*verl 0\.7\.1 is installed"):
+        lverl.check_version("0.7.1")
+    for v in ("0.9.2", "0.10.0", "0.9.2.dev0", "0.7.9"):
         with pytest.raises(RuntimeError):
             lverl.check_version(v)
+    for v in ("0.8.0", "0.9.0", "0.9.1"):
+        lverl.check_version(v)
+    assert lverl.SPEC.verified == ("0.8.0", "0.9.0", "0.9.1")
     with pytest.warns(UserWarning, match="supports"):
         lverl.check_version("0.9.2", allow_unsupported=True)
     lverl.check_version()
+
+
+def test_verl_0_7_is_refused_with_the_reason():
+    """0.7.x: ppo_loss hands the policy loss an unpadded micro-batch and no_padding_2_padding reads
+    attention_mask, another data contract; the refusal says so and names the nearest supported release."""
+    for v in ("0.7.0", "0.7.1"):
+        with pytest.raises(RuntimeError, match=rf"verl {re.escape(v)} is installed.*verl {re.escape(v)}: before 0\.8 "
+                                               r"ppo_loss does not pad the micro-batch.*another data contract.*"
+                                               r"nearest supported: 0\.8\.0"):
+            lverl.check_version(v)
+    with pytest.warns(UserWarning, match=r"another data contract.*Trying anyway"):
+        lverl.check_version("0.7.1", allow_unsupported=True)
+    assert lverl.SPEC.refusal("0.8.0") is None and lverl.SPEC.refusal("0.9.2") is None
+
+
+def test_modes_and_forced_modes_per_release():
+    """The adapter's per-release tables (fake version strings) and the installed release's."""
+    every = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    without = tuple(m for m in every if m != "token-sum")
+    for v, modes, gspo in (("0.8.0", without, True), ("0.8.5", without, True), ("0.9.0", every, True),
+                           ("0.9.1", every, False), ("0.9.1.post1", every, False)):
+        assert lverl.loss_agg_modes(v) == modes, v
+        assert lverl.forced_modes(v) == {"sapo": "seq-mean-token-mean",
+                                         **({"gspo": "seq-mean-token-mean"} if gspo else {})}, v
+    assert lverl.LOSS_AGG_MODES == (every if drv.HAS_TOKEN_SUM else without)
+    assert tuple(lverl.CLAIMS) == lverl.LOSS_AGG_MODES
+    assert ("gspo" in lverl.FORCED_MODES) is drv.GSPO_FORCES_MODE
+
+
+def test_token_sum_exists_from_0_9_0(tmp_path):
+    """token-sum: from 0.9.0 verl's ActorConfig and agg_loss take it and the adapter measures it (the
+    token-sum config of the driver); below, verl rejects it (ActorConfig, workers/config/actor.py:219 in
+    0.8.0; agg_loss, core_algos.py:1197) and the adapter refuses it with the reason, recording nothing."""
+    m = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    kw = {"dp_size": 1, "batch_num_tokens": 3, "global_batch_size": 2}
+    if drv.HAS_TOKEN_SUM:
+        assert "token-sum" in drv.CONFIGS and lverl.check_loss_agg_mode("token-sum") == "token-sum"
+        assert drv.actor_config("token-sum").loss_agg_mode == "token-sum"
+        assert core_algos.agg_loss(torch.ones_like(m), m, "token-sum", **kw).item() == 3.0
+        return
+    assert "token-sum" not in drv.CONFIGS and "token-sum" not in lverl.CLAIMS
+    with pytest.raises(ValueError, match="Invalid loss_agg_mode: token-sum"):
+        drv.FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_mini_batch_size=drv.GLOBAL_BATCH,
+                            ppo_micro_batch_size_per_gpu=drv.MICRO, loss_agg_mode="token-sum",
+                            policy_loss=drv.PolicyLossConfig(loss_mode="vanilla"), use_torch_compile=False)
+    with pytest.raises(ValueError, match="Invalid loss_agg_mode: token-sum"):
+        core_algos.agg_loss(torch.ones_like(m), m, "token-sum", **kw)
+    why = r"unknown loss_agg_mode 'token-sum': token-sum exists from verl 0\.9\.0 on.*nothing was recorded"
+    with pytest.raises(ValueError, match=why):
+        lverl.check_loss_agg_mode("token-sum")
+    cfg = drv.actor_config("token-mean")
+    object.__setattr__(cfg, "loss_agg_mode", "token-sum")        # past ActorConfig's own check
+    cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
+    loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
+    model, mb = _microbatch()
+    cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=why):
+        _call(cap, loss_fn, model, mb)
+    assert cap._open is None and not os.path.exists(tmp_path / "caps")
+
+
+def _stand_in():
+    """tests/trainers/cpu_stand_ins/flash_attn/bert_padding.py, loaded from its file (whatever sys.path holds)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "lossguard_stand_in_bert_padding", os.path.join(drv.STAND_INS, "flash_attn", "bert_padding.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_cpu_stand_in_bert_padding():
+    """The pure-torch stand-in's semantics on a hand-checked batch (verl's calls: unpad_input(x, mask) ->
+    kept rows, their flat indices, cu_seqlens, the longest row, the used count; pad_input its inverse;
+    index_first_axis rows by index), and that the driver uses it exactly when verl < 0.9.1 has no flash-attn."""
+    bp = _stand_in()
+    mask = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]])
+    x = torch.arange(4 * 4 * 2, dtype=torch.float64).reshape(4, 4, 2).requires_grad_()
+    kept, idx, cu, longest, used = bp.unpad_input(x, mask)
+    assert idx.tolist() == [1, 2, 4, 5, 6, 7, 12, 14]
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 6, 6, 8]
+    assert longest == 4 and used.tolist() == [2, 4, 0, 2]
+    assert torch.equal(kept, x.reshape(16, 2)[idx])
+    back = bp.pad_input(kept, idx, 4, 4)
+    assert torch.equal(back, x * mask[..., None])
+    back.sum().backward()                                    # the gradient reaches exactly the kept positions
+    assert torch.equal(x.grad, mask[..., None].double().expand(4, 4, 2))
+    assert torch.equal(bp.index_first_axis(torch.arange(10)[:, None], torch.tensor([3, 0])), torch.tensor([[3], [0]]))
+    _, idx2, cu2, longest2, used2 = bp.unpad_input(x, mask, unused_mask=torch.tensor([[1, 0, 0, 0]] + [[0] * 4] * 3))
+    assert idx2.tolist()[:3] == [0, 1, 2] and cu2.tolist() == [0, 3, 7, 7, 9] and used2.tolist() == [2, 4, 0, 2]
+    assert longest2 == 4
+    if drv.CPU_STAND_IN:              # verl < 0.9.1 and `import flash_attn` failed before the driver added it
+        import flash_attn.bert_padding as active
+        assert drv.VERL.release < (0, 9, 1)
+        assert os.path.dirname(os.path.dirname(active.__file__)) == drv.STAND_INS
+    else:                             # verl 0.9.1 (its own fallback) or a real flash-attn
+        assert drv.STAND_INS not in sys.path
+        assert drv.VERL.release >= (0, 9, 1) or drv._flash_attn_importable()
+
+
+def test_dense_layout_is_the_nested_one():
+    """verl's left_right_2_no_padding (through the stand-in's unpad_input on verl < 0.9.1 without flash-attn)
+    turns the -dense configs' padded rank batch into the nested layout the other configs hand the engine:
+    the same tokens, sequence offsets and response fields, sample for sample."""
+    samples = drv.global_batch(0, drv.make_model())
+    for rank in range(drv.DP):
+        dense = drv.rank_batch(samples, rank, "dense")
+        nested = drv.rank_batch(samples, rank, "nested")
+        assert torch.equal(dense["input_ids"].values(), nested["input_ids"].values())
+        assert torch.equal(dense["input_ids"].offsets(), nested["input_ids"].offsets())
+        n = len(samples) // drv.DP
+        for i, s in enumerate(samples[rank * n:(rank + 1) * n]):
+            R = s["response"].numel()
+            assert torch.equal(dense["responses"][i, :R], s["response"])
+            assert torch.equal(dense["loss_mask"][i, :R], s["mask"]) and not dense["loss_mask"][i, R:].any()
 
 
 def test_guards(tmp_path):

@@ -1,11 +1,24 @@
-#!/usr/bin/env python3
 """Runs verl's OWN actor update loop on CPU under several loss configurations, each twice from the same
 seed: with ``lossguard_capture.verl`` attached and without it, and writes what tests/trainers/test_verl.py
 compares.
 
     torchrun --standalone --nproc-per-node 2 tests/trainers/verl_driver.py --out DIR --configs token-mean,...
 
-What is verl's and what is not (verl 0.9.1):
+Runs on every release ``lossguard_capture.verl`` supports (0.8.0, 0.9.0, 0.9.1); what differs is chosen from
+the installed verl's version (:data:`VERL`), never from the environment:
+
+* ``token-sum`` exists from 0.9.0 on: below it the config is not in :data:`CONFIGS` (0.8.0's ActorConfig
+  rejects it; test_verl.py checks that and the adapter's refusal instead).
+* the CPU platform: verl 0.9.0 and later pick the device through ``verl.plugin.platform``; 0.8.0 has none and
+  reads ``verl.utils.device.is_cuda_available`` / ``is_npu_available`` (utils/device.py:46-47, :80-85), which
+  :func:`use_cpu` sets to False.
+* what ``forward_step`` keeps of the model output (:func:`kept_output`): ``detach_tree`` from 0.9.1, each
+  tensor with a grad_fn detached in 0.9.0 (transformer_impl.py:1549-1552), the output as is in 0.8.0 (:1288-1292).
+* verl <= 0.9.0 imports ``flash_attn.bert_padding`` when ``left_right_2_no_padding`` runs (the ``-dense``
+  configs); on a machine without flash-attn, tests/trainers/cpu_stand_ins (a pure-torch stand-in, see its
+  README) is put on ``sys.path`` (:data:`CPU_STAND_IN`).
+
+What is verl's and what is not (verl 0.9.1; the same functions in 0.9.0 and 0.8.0 at other lines):
 
 * verl's: ``BaseEngine.train_batch`` (engine/base.py:113: zero_grad, forward_backward_batch, optimizer_step),
   ``FSDPEngine.forward_backward_batch`` (engine/fsdp/transformer_impl.py:724: ``batch_num_tokens``
@@ -58,43 +71,91 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 os.environ.setdefault("VERL_USE_EXTERNAL_PLUGINS", "none")
-import torch  # noqa: E402
+from importlib.metadata import version as _dist_version
+
+from packaging.version import Version
+
+#: the installed verl release (its distribution's metadata; checked against verl.__version__ below)
+VERL = Version(_dist_version("verl"))
+#: configurations and expectations that depend on the release
+HAS_TOKEN_SUM = VERL.release >= (0, 9, 0)         # agg_loss's token-sum (0.9.0 core_algos.py:1176)
+HAS_DRO = VERL.release >= (0, 9, 0)               # the dro policy loss and PolicyLossConfig.dro_beta
+GSPO_FORCES_MODE = VERL.release < (0, 9, 1)       # gspo aggregates with seq-mean-token-mean (0.9.0 :1604-1605)
+STAND_INS = os.path.join(HERE, "cpu_stand_ins")
+
+
+def _flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+#: whether tests/trainers/cpu_stand_ins is on sys.path: verl < 0.9.1 without flash-attn
+CPU_STAND_IN = VERL.release < (0, 9, 1) and not _flash_attn_importable()
+if CPU_STAND_IN:
+    sys.path.insert(0, STAND_INS)
+
+import torch
 
 torch.set_num_threads(1)
 
-import verl  # noqa: E402
-from verl.plugin.platform.platform_cuda import PlatformCUDA  # noqa: E402
-from verl.plugin.platform.platform_manager import set_platform  # noqa: E402
+import verl
+
+assert Version(verl.__version__) == VERL, (verl.__version__, str(VERL))
 
 
-class PlatformCPU(PlatformCUDA):
-    """verl's device helpers (get_device_id, get_device_name) on a machine without an accelerator."""
+def use_cpu():
+    """Point verl's device helpers (get_device_id, get_device_name) at the CPU and Gloo."""
+    if VERL.release >= (0, 9, 0):
+        from verl.plugin.platform.platform_cuda import PlatformCUDA
+        from verl.plugin.platform.platform_manager import set_platform
 
-    @property
-    def device_name(self) -> str:
-        return "cpu"
+        class PlatformCPU(PlatformCUDA):
+            @property
+            def device_name(self) -> str:
+                return "cpu"
 
-    def is_available(self) -> bool:
-        return True
+            def is_available(self) -> bool:
+                return True
 
-    def current_device(self):
-        return "cpu"
+            def current_device(self):
+                return "cpu"
 
-    def communication_backend_name(self) -> str:
-        return "gloo"
+            def communication_backend_name(self) -> str:
+                return "gloo"
+
+        set_platform(PlatformCPU())
+    else:                 # 0.8.0: no platform plugin; get_device_name reads these (utils/device.py:80-85)
+        from verl.utils import device
+        device.is_cuda_available = False
+        device.is_npu_available = False
 
 
-set_platform(PlatformCPU())
+use_cpu()
 
-from verl.utils import tensordict_utils as tu  # noqa: E402
-from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
-from verl.workers.engine.fsdp.transformer_impl import FSDPEngine  # noqa: E402
-from verl.workers.engine.utils import detach_tree  # noqa: E402
-from verl.workers.utils.losses import ppo_loss  # noqa: E402
-from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+import lossguard_capture as lc
+import lossguard_capture.verl as lverl
+from verl.utils import tensordict_utils as tu
+from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+from verl.workers.utils.losses import ppo_loss
+from verl.workers.utils.padding import left_right_2_no_padding
 
-import lossguard_capture as lc  # noqa: E402
-import lossguard_capture.verl as lverl  # noqa: E402
+
+def kept_output(model_output):
+    """What the release's ``FSDPEngineWithLMHead.forward_step`` puts in its output record of the model output:
+    0.9.1 ``detach_tree`` (transformer_impl.py:1584-1586), 0.9.0 every tensor with a grad_fn detached
+    (:1549-1552), 0.8.0 the model output itself (:1288-1292)."""
+    if VERL.release >= (0, 9, 1):
+        from verl.workers.engine.utils import detach_tree
+        return detach_tree(model_output)
+    if VERL.release >= (0, 9, 0):
+        return {k: v.detach() if isinstance(v, torch.Tensor) and v.grad_fn is not None else v
+                for k, v in model_output.items()}
+    return model_output
+
 
 SEED = 4321
 VOCAB = 48
@@ -123,7 +184,7 @@ def _cfg(mode, loss="vanilla", kl=False, lsf=None, layout="nested", micro=MICRO,
 CONFIGS = {
     "token-mean": _cfg("token-mean"),
     "token-mean-dense": _cfg("token-mean", layout="dense"),
-    "token-sum": _cfg("token-sum"),
+    **({"token-sum": _cfg("token-sum")} if HAS_TOKEN_SUM else {}),     # 0.8.0 has no token-sum
     "seq-mean-token-sum": _cfg("seq-mean-token-sum"),
     "seq-mean-token-mean": _cfg("seq-mean-token-mean"),
     "seq-mean-token-sum-norm": _cfg("seq-mean-token-sum-norm"),
@@ -217,9 +278,9 @@ def rank_batch(samples, rank: int, layout: str, micro: int = MICRO, dynbsz: bool
     """This DP rank's chunk of the mini-batch (verl dispatches contiguous chunks) as the engine gets it."""
     n = len(samples) // DP
     mine = samples[rank * n:(rank + 1) * n]
-    non_tensor = dict(global_batch_size=GLOBAL_BATCH, use_dynamic_bsz=dynbsz, micro_batch_size_per_gpu=micro,
-                      max_token_len_per_gpu=MAX_TOKENS, use_remove_padding=True, use_fused_kernels=False,
-                      calculate_entropy=entropy)
+    non_tensor = {"global_batch_size": GLOBAL_BATCH, "use_dynamic_bsz": dynbsz, "micro_batch_size_per_gpu": micro,
+                  "max_token_len_per_gpu": MAX_TOKENS, "use_remove_padding": True, "use_fused_kernels": False,
+                  "calculate_entropy": entropy}
     if layout == "nested":        # the v1 trainer: per-sample fields, stacked jagged (agent_loop_tq.py:184-199)
         fields = {
             "input_ids": _nested(torch.cat([s["prompt"], s["response"]]) for s in mine),
@@ -304,7 +365,7 @@ class CPUEngine(FSDPEngine):
             model_output["entropy"] = self.module.entropy(micro_batch["input_ids"])
         loss, metrics = loss_function(model_output=model_output, data=micro_batch,
                                       dp_group=self.get_data_parallel_group())
-        return loss, {"model_output": detach_tree(model_output), "loss": loss.detach().item(), "metrics": metrics}
+        return loss, {"model_output": kept_output(model_output), "loss": loss.detach().item(), "metrics": metrics}
 
     def optimizer_step(self):
         # FSDP's gradient mean over the DP group (done during backward by FSDP), then verl's optimizer_step
