@@ -23,24 +23,13 @@
 #include "oracle/math/exp64.h"
 #include "oracle/math/row_math.h"
 #include "oracle/weights/weights.h"
+#include "small_cases.h"
 #include "synth/cases.h"
 #include "test_util.h"
 #include "trainer/candidate.h"
 
 namespace lossguard {
 namespace {
-
-Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10,
-           int64_t vocab = 7) {
-  synth::GenOptions o;
-  o.seed = seed;
-  o.num_samples = samples;
-  o.vocab_size = vocab;
-  o.max_prompt = 6;
-  o.max_response = 9;
-  o.dtype = dtype;
-  return synth::make_case(c, o);
-}
 
 // A random `gen` batch written to dir/name.safetensors; its path.
 std::string write_random(const std::filesystem::path& dir, const std::string& name, DType dtype,
@@ -59,7 +48,7 @@ std::string write_random(const std::filesystem::path& dir, const std::string& na
 }
 
 TEST(Oracle, ZeroTokenBatchGivesZeroLossAndGradientNotNaN) {
-  const Batch b = make("zero-token", DType::kFloat32, 3);
+  const Batch b = testing::small_case("zero-token", DType::kFloat32, 3);
   for (Reduction reduce : all_reductions()) {
     LossSpec spec;
     spec.reduce = reduce;
@@ -93,7 +82,7 @@ void expect_candidate_matches_oracle(const std::string& impl, const std::vector<
          {"random", "empty-responses", "fully-masked", "zero-token", "sft-preshifted", "t-zero"}) {
       const std::string path =
           (dir / (std::string(c) + "-" + std::string(dtype_name(dtype)) + ".safetensors")).string();
-      io::write_batch(make(c, dtype, 5, 12, 11), path);
+      io::write_batch(testing::small_case(c, dtype, 5, 12, 11), path);
       const CheckRun r = check(path, {"--cp", "1,2,4,8", "--loss", "nll,ppo-clip,given", "--reduce",
                                       "all", "--impl", impl});
       std::string failing;
@@ -138,7 +127,7 @@ TEST(Candidate, KernelsAndTorchAgreeOnDenominatorsExactly) {
   const auto dir = testing::temp_dir("check-both");
   for (uint64_t seed = 1; seed <= 4; ++seed) {
     const std::string path = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
-    io::write_batch(make("random", DType::kFloat32, seed, 16, 9), path);
+    io::write_batch(testing::small_case("random", DType::kFloat32, seed, 16, 9), path);
     for (const char* policy : {"fixed", "legacy", "slime"}) {
       const CheckRun r = check(path, {"--cp", "1,2,3", "--impl", "torch,kernels", "--policy",
                                       policy, "--reduce", "all"});
@@ -158,7 +147,7 @@ TEST(Candidate, KernelsAndTorchAgreeOnDenominatorsExactly) {
 TEST(Candidate, KernelsRefuseFloat64LogitsByName) {
   const auto dir = testing::temp_dir("check-f64");
   const std::string path = (dir / "b.json").string();  // JSON dumps load as float64
-  io::write_batch(make("random", DType::kFloat32, 3, 4, 5), path);
+  io::write_batch(testing::small_case("random", DType::kFloat32, 3, 4, 5), path);
   const CheckRun r = check(path, {"--impl", "kernels"});
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.err.find("float64"), std::string::npos) << r.err;
@@ -214,7 +203,7 @@ TEST(Candidate, ContractCheckAgreesWithWeightsOnWhichTokensAreWrong) {
   const auto dir = testing::temp_dir("check-contract");
   int failing = 0, passing = 0;
   for (uint64_t seed = 1; seed <= 6; ++seed) {
-    const Batch b = make("random", DType::kFloat32, seed, 8, 6);
+    const Batch b = testing::small_case("random", DType::kFloat32, seed, 8, 6);
     const std::string path = (dir / ("b" + std::to_string(seed) + ".safetensors")).string();
     io::write_batch(b, path);
     const std::vector<double> truth = oracle::true_weights(b, Reduction::kPerToken, {});
@@ -513,7 +502,7 @@ TEST(Tolerance, WideningsAreNeededAndBounded) {
             oracle::loss_tolerance(2.0, 2.0, 1000, DType::kFloat32, DType::kFloat32, t));
   // Rows skipped near ppo-clip kinks stay few: bf16 random batches skip under 10% of tokens.
   for (uint64_t seed = 1; seed <= 4; ++seed) {
-    const Batch b = make("random", DType::kBFloat16, seed, 24, 9);
+    const Batch b = testing::small_case("random", DType::kBFloat16, seed, 24, 9);
     LossSpec spec;
     spec.loss = LossKind::kPpoClip;
     spec.rho_rel_error = 1.6e-2;
@@ -594,7 +583,7 @@ TEST(TokenLoss, ADumpsTokenLossMustBeThePerTokenNllOrPpoClipOfItsInputs) {
   // sample's token_loss 10% too large matches neither: exit 1, naming that sample (before, `check
   // --loss given` took it as the truth and passed).
   const auto dir = testing::temp_dir("check-token-loss");
-  Batch b = make("random", DType::kFloat32, 4, 12, 40);
+  Batch b = testing::small_case("random", DType::kFloat32, 4, 12, 40);
   auto run = [&](const Batch& batch, const std::string& name) {
     const std::string path = (dir / (name + ".safetensors")).string();
     io::write_batch(batch, path);

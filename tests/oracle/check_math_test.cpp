@@ -16,23 +16,12 @@
 #include "oracle/math/exp32.h"
 #include "oracle/math/exp64.h"
 #include "oracle/math/row_math.h"
+#include "small_cases.h"
 #include "synth/cases.h"
 #include "test_util.h"
 
 namespace lossguard {
 namespace {
-Batch make(const std::string& c, DType dtype, uint64_t seed, int64_t samples = 10,
-           int64_t vocab = 7) {
-  synth::GenOptions o;
-  o.seed = seed;
-  o.num_samples = samples;
-  o.vocab_size = vocab;
-  o.max_prompt = 6;
-  o.max_response = 9;
-  o.dtype = dtype;
-  return synth::make_case(c, o);
-}
-
 // A copy of `field` (logits or a per-token field) with element k moved by delta.
 Batch perturbed(const Batch& b, const std::string& field, int64_t k, double delta) {
   Batch c = b;
@@ -49,7 +38,7 @@ Batch perturbed(const Batch& b, const std::string& field, int64_t k, double delt
 }
 
 TEST(Oracle, AnalyticGradientsMatchCentralFiniteDifferences) {
-  const Batch b = make("random", DType::kFloat64, 11, 6, 5);
+  const Batch b = testing::small_case("random", DType::kFloat64, 11, 6, 5);
   for (LossKind loss : {LossKind::kNll, LossKind::kPpoClip, LossKind::kGiven}) {
     for (Reduction reduce : all_reductions()) {
       LossSpec spec;
@@ -385,7 +374,7 @@ TEST(GradStream, AnyOrderAndBlockingGivesTheSameVerdictAndMissingRowsAreZeros) {
   // tolerance, streamed in order, reversed, and in odd blocks: the same counts and the same worst
   // element (found by hand: the pushed one) every time. A row left out counts as zeros: all its
   // nonzero elements mismatch.
-  const Batch b = make("random", DType::kFloat32, 11, 16, 33);
+  const Batch b = testing::small_case("random", DType::kFloat32, 11, 16, 33);
   LossSpec spec;
   const oracle::OracleLoss want = oracle::oracle_loss(b, spec, /*with_logits_grad=*/false);
   const oracle::OracleLoss full = oracle::oracle_loss(b, spec);
@@ -423,7 +412,7 @@ TEST(GradStream, AnyOrderAndBlockingGivesTheSameVerdictAndMissingRowsAreZeros) {
 }
 
 TEST(GradStream, RowsDeliveredTwiceAreAnInternalError) {
-  const Batch b = make("random", DType::kFloat32, 3, 4, 5);
+  const Batch b = testing::small_case("random", DType::kFloat32, 3, 4, 5);
   LossSpec spec;
   const oracle::OracleLoss want = oracle::oracle_loss(b, spec, false);
   oracle::GradStream stream(b, want, {});
