@@ -6,12 +6,14 @@
 
 A tiny GPTModel (one layer per stage, CPU, Gloo), 2 micro-batches of 4 rows, the per-token loss. --bug: a mean
 per micro-batch; audit FAILs step 0 and fail fast raises AuditFailed on both stages before the update.
-Needs megatron-core 0.16 (scripts/setup-trainers.sh megatron: ~/.cache/lossguard/venv-megatron)."""
+Needs megatron-core 0.15.3 to 0.16.1 (scripts/setup-trainers.sh megatron: ~/.cache/lossguard/venv-megatron)."""
 import argparse, os, sys  # noqa: E401
 from functools import partial
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from lossguard_capture.megatron_cpu import cuda_on_cpu, import_megatron_core  # noqa: E402
+import_megatron_core()  # on a CPU machine, megatron-core 0.15's import-time CUDA build fails as it expects
 from megatron.core import parallel_state as ps, tensor_parallel  # noqa: E402
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads  # noqa: E402,E501
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -22,7 +24,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: E
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 import lossguard_capture.megatron as lcm  # noqa: E402
 from lossguard_capture import AuditFailed  # noqa: E402
-from lossguard_capture.megatron_cpu import cuda_on_cpu  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--out", required=True), ap.add_argument("--lossguard-bin", default=None)

@@ -39,7 +39,7 @@ adapter is entered and read this way).
 
 Fail fast (``fail_fast=True``, the audited step ``audit_step``, default the first of ``steps``): with the
 optimizer given to ``attach``, the audited step's capture is written when Megatron's optimizer is about to
-apply it — its ``step_with_ready_grads`` (optimizer/optimizer.py:1242, called by ``step()`` once
+apply it — its ``step_with_ready_grads`` (optimizer/optimizer.py:1242 [1238], called by ``step()`` once
 ``prepare_grads`` found no inf/NaN, after the gradient norm) is wrapped — rank 0 audits it, every rank
 learns the verdict, and on FAIL every rank raises :class:`lossguard_capture.AuditFailed` from
 ``optimizer.step()``: the parameters are those of the step's start.  That capture records ``skipped =
@@ -47,44 +47,45 @@ False`` and the norm ``get_grad_norm`` / ``clip_grad_norm`` returned in that cal
 ``MegatronStep.set`` must come before ``optimizer.step()`` to count.  A step the optimizer skips, or a
 loop without ``optimizer=``, is audited when its ``with`` block ends (after the optimizer call).
 
-What is measured, and where (megatron-core 0.16.1; line numbers of that release, identical in 0.16.0):
+What is measured, and where (megatron-core 0.16.1's line numbers, identical in 0.16.0; 0.15.3's in brackets,
+the code the same):
 
 * The per-token losses are the tensor Megatron hands the user's ``loss_func``
-  (``forward_step_calc_loss``, pipeline_parallel/schedules.py:256: ``outputs = loss_func(output_tensor)``;
+  (``forward_step_calc_loss``, pipeline_parallel/schedules.py:256 [235]: ``outputs = loss_func(output_tensor)``;
   a ``GPTModel`` called with labels returns them as ``[b, s/cp]``,
-  models/common/language_module/language_module.py:128-171).  The wrapper registers a backward hook on
+  models/common/language_module/language_module.py:128-171 [120-163]).  The wrapper registers a backward hook on
   that very tensor and calls the user's ``loss_func`` unchanged: the value is the real one bit for bit,
   and ``dL/dl_t`` is measured after everything that follows — the user's own sums and divisions, and the
   schedule's in-place scaling of the loss it returns: a 3-tuple ``(loss, num_tokens, report)`` without
   ``calculate_per_token_loss`` is divided by ``clamp(num_tokens, min=1)`` and by the number of
-  micro-batches (schedules.py:257-263), a 2-tuple ``(loss, report)`` is multiplied by the CP size and
-  divided by the number of micro-batches (schedules.py:264-269), a 3-tuple with
+  micro-batches (schedules.py:257-263 [236-242]), a 2-tuple ``(loss, report)`` is multiplied by the CP size and
+  divided by the number of micro-batches (schedules.py:264-269 [243-248]), a 3-tuple with
   ``calculate_per_token_loss`` is backpropagated as returned; ``backward_step`` multiplies it by
-  ``config.grad_scale_func`` (the loss scale, schedules.py:477-478).
+  ``config.grad_scale_func`` (the loss scale, schedules.py:477-478 [456-457]).
 * ``mb.{k}.loss`` is that backpropagated scalar: the tensor the ``loss_func`` returned, read after the
   schedule's in-place scaling (at ``finalize_model_grads``, when every backward is done), times the loss
-  scale (``config.grad_scale_func(1)``, as schedules.py:283-287 reads it).  ``mb.{k}.num_tokens`` is the
+  scale (``config.grad_scale_func(1)``, as schedules.py:283-287 [262-266] reads it).  ``mb.{k}.num_tokens`` is the
   3-tuple's count as returned, under ``calculate_per_token_loss`` (the count the schedule sums into N);
   otherwise it is only the micro-batch mean's divisor (slime returns a constant 1 there), whose effect the
   weights show, and a 2-tuple returns none: not written.
 * ``grad_scale`` is read from the model, not assumed: ``DistributedDataParallel`` multiplies every
   bucket's gradients by its ``gradient_scaling_factor`` (1 with ``calculate_per_token_loss``, else
-  ``1/|DP x CP|``; distributed/distributed_data_parallel.py:254-288) before a SUM all-reduce over the
-  DP x CP group (distributed/param_and_grad_buffer.py:388-396; AVG with ``average_in_collective``: a
+  ``1/|DP x CP|``; distributed/distributed_data_parallel.py:254-288 [275-309]) before a SUM all-reduce over the
+  DP x CP group (distributed/param_and_grad_buffer.py:388-396 [341-349]; AVG with ``average_in_collective``: a
   further ``1/|group|``), and ``finalize_model_grads`` all-reduces the schedule's ``total_num_tokens``
-  over DP x CP and calls ``scale_gradients(1/N)`` when ``N > 0`` (distributed/finalize_model_grads.py:484-497;
-  schedules.py:677-685 passes the count only under ``calculate_per_token_loss``).  The wrapper of
+  over DP x CP and calls ``scale_gradients(1/N)`` when ``N > 0`` (distributed/finalize_model_grads.py:484-497
+  [475-488]; schedules.py:677-685 [636-643] passes the count only under ``calculate_per_token_loss``).  The wrapper of
   ``config.finalize_model_grads_func`` records each ``scale_gradients`` call of the model chunks, and
   ``grad_scale = gradient_scaling_factor x (1/|group| if AVG) x (the scalings) / loss scale``; the
   all-reduced count is ``num_tokens_reduced``.
 * ``optimizer.step()`` returns ``(update_successful, grad_norm, num_zeros_in_grad)``
-  (optimizer/optimizer.py:1308-1338 for the ChainedOptimizer ``get_megatron_optimizer`` builds):
+  (optimizer/optimizer.py:1308-1338 [1304-1334] for the ChainedOptimizer ``get_megatron_optimizer`` builds):
   ``skipped = not update_successful``, ``grad_norm`` as returned (omitted when None).  A step whose
   ``with`` block ends without ``optimizer.step()`` (a loop that skips a zero-token step itself) is
   recorded as skipped.  Megatron-core itself skips only on an fp16 overflow.
 * TP, CP and DP sizes and this rank's coordinates come from ``megatron.core.parallel_state``; the
   zig-zag positions each CP rank holds are Megatron's own: the wrapper applies
-  ``megatron.core.utils.get_batch_on_this_cp_rank`` (utils.py:1994-2038: chunk ``r`` then chunk
+  ``megatron.core.utils.get_batch_on_this_cp_rank`` (utils.py:1994-2038 [1816-1846]: chunk ``r`` then chunk
   ``2cp-1-r`` of each row) to a tensor of positions, and checks that they are lossguard's zig-zag
   (docs/semantics.md §2).
 
@@ -110,35 +111,48 @@ in it).
 
 Multi-token prediction (``config.mtp_num_layers = D``; docs/semantics.md §11): each depth ``j`` is the loss
 term ``mtp`` (D = 1) or ``mtp{j}``, declared ``reduce=per-token``, ``coef = mtp_loss_scaling_factor / D``
-(gpt_model.py:653), ``mask=roll:{j}`` (Megatron's MTP mask: the loss_mask rolled left by ``j``, the last
-``j`` positions zeroed, multi_token_prediction.py:158-161 — ``m_{t+j}``, not ``m_t m_{t+j}``).  Where:
+(gpt_model.py:653 [574]), ``mask=roll:{j}`` (Megatron's MTP mask: the loss_mask rolled left by ``j``, the last
+``j`` positions zeroed, multi_token_prediction.py:158-161 [131-134] — ``m_{t+j}``, not ``m_t m_{t+j}``).  Where:
 
 * ``attach`` wraps the GPTModel's ``compute_language_model_loss`` (an instance attribute): in a captured
   step the forward's per-token losses it returns are kept — the D MTP depths' raw cross entropies
-  (gpt_model.py:640, ``[b, s/cp]`` like the main one) and then the main one (:714).  The wrapped loss_func
+  (gpt_model.py:640 [561], ``[b, s/cp]`` like the main one) and then the main one (:714 [636]).  The wrapped loss_func
   hooks depth ``j``'s as its term, over the main term's owned positions: ``dL/dl_t`` is measured after
-  the rolled-mask multiply (:641), the coefficient, the division by the CP-local rolled count without
-  ``calculate_per_token_loss`` (:658-661, unclamped: 0/0 = NaN for a shard with no MTP token), and
-  ``MTPLossAutoScaler``'s backward scale (loss scale, / M without per-token loss; schedules.py:295-306).
+  the rolled-mask multiply (:641 [562]), the coefficient, the division by the CP-local rolled count without
+  ``calculate_per_token_loss`` (:658-661 [579-582], unclamped: 0/0 = NaN for a shard with no MTP token), and
+  ``MTPLossAutoScaler``'s backward scale (loss scale, / M without per-token loss; schedules.py:295-306 [274-285]).
   With ``calculate_per_token_loss`` finalize_model_grads divides the MTP gradient by the MAIN count
-  (finalize_model_grads.py:484-497): audit reports that as a uniform ``N_mtp/N`` relative to the MTP
+  (finalize_model_grads.py:484-497 [475-488]): audit reports that as a uniform ``N_mtp/N`` relative to the MTP
   objective (lossguard contract ``megatron-mtp-per-token``; without per-token loss ``megatron-mtp``).
 * During a captured step ``megatron.core.models.gpt.gpt_model.MTPLossAutoScaler`` is a proxy whose
   ``apply`` keeps the tensor GPTModel hands it (``scale * mask * l [/ count]``) and calls the real one; the
   real class is put back when the step ends.  ``mb.{k}.loss`` is the main scalar plus each depth's share of
   the objective, ``MTPLossAutoScaler.main_loss_backward_scale x sum(that tensor)`` (its backward is
-  ``ones * scale``, multi_token_prediction.py:573-576): audit's loss check holds every term.
+  ``ones * scale``, multi_token_prediction.py:573-576 [386-389]): audit's loss check holds every term.
 * The model must be called with the ``loss_mask`` (as pretrain_gpt does): without it Megatron's MTP mask is
-  all ones (gpt_model.py:615-617) and audit's ``mtp.coverage`` names the masked positions it trains on.
+  all ones (gpt_model.py:615-617 [546-548]) and audit's ``mtp.coverage`` names the masked positions it trains on.
   Each term's own count (roll_tensor's ``num_tokens``) is not recorded (``mtp.counts``: not run).
+
+Releases (:data:`SUPPORTED`, ``megatron-core>=0.15.0,<0.17.0``; verified by tests/trainers on 0.15.3, 0.16.0
+and 0.16.1).  0.16.0 and 0.16.1 are the same in every function hooked or cited here.  0.15.3's loss path is
+the same code at the bracketed lines; what differs does not reach the adapter: ``get_batch_on_this_cp_rank``
+takes no ``cp_group`` (the adapter passes none), ``finalize_model_grads`` has no ``force_all_reduce`` (the
+wrapper passes the schedule's arguments through), the MoE auxiliary loss is scaled by ``loss scale / M``
+without 0.16's ``x cp`` (schedules.py:271; 0.16.1 :292; not captured, below), and the MTP label roll takes no
+``packed_seq_params`` (MTP is captured on ``[b, s]`` rows only).  On a machine without a GPU, 0.15.x must be
+imported through :func:`lossguard_capture.megatron_cpu.import_megatron_core` (its import builds a CUDA
+allocator).  Refused:
+0.14.x and older — no clamp of the token count (0.14.0 schedules.py:239: ``output_tensor /= num_tokens``),
+so a CP shard or micro-batch without a loss token divides 0/0 = NaN (the nearest supported release is
+0.15.3); 0.17 and later are not verified (they require Python >= 3.12; the adapter's tests run on 3.11).
 
 The MoE auxiliary losses are not captured: Megatron never forms a per-token aux loss.  The load-balancing
 loss is ``sum(probs.sum(dim=0) * tokens_per_expert) * E c / (topk T^2)`` (transformer/moe/moe_utils.py:
-129-132): the router probabilities ``[T, E]`` are summed over tokens before anything else, so the only
+129-132 [108-111]): the router probabilities ``[T, E]`` are summed over tokens before anything else, so the only
 tensor with a token axis carries per-(token, expert) gradients; a per-token ``l_t = E sum_e f_e p_{t,e}``
 would have to be built by the adapter, not measured.  (On the CPU without Transformer Engine a MoE router
-does not run either: moe_utils.py:1192 reads ``te_general_gemm``, left undefined by its failed TE import at
-:22-39, a NameError.)
+does not run either: moe_utils.py:1192 [958] reads ``te_general_gemm``, left undefined by its failed TE import at
+:22-39 [11-28], a NameError.)
 """
 
 from collections.abc import Callable, Sequence
@@ -159,12 +173,20 @@ def megatron_version() -> str:
     return str(_mc_info.__version__)
 
 
-#: megatron-core versions whose loss path this adapter was checked against: [low, high).
-SPEC = Spec("lossguard_capture.megatron", "megatron-core", ("0.16.0", "0.17.0"), megatron_version,
+#: megatron-core versions whose loss path this adapter was checked against: [low, high); ``SPEC.verified`` the
+#: releases its tests ran on (tests/trainers/test_megatron*.py, test_slime.py, test_relax.py); the module
+#: docstring's "Releases" says what differs between them and why 0.14 is refused.  0.17 and later are outside
+#: because they were never run (they require Python >= 3.12), not for a known difference.
+SPEC = Spec("lossguard_capture.megatron", "megatron-core", ("0.15.0", "0.17.0"), megatron_version,
             "it relies on forward_step_calc_loss, DistributedDataParallel's gradient scaling and finalize_model_grads "
-            "as these versions have them: 0.15 added the clamp of num_tokens, 0.13 moved the count's all-reduce from "
-            "DP to DP x CP and dropped the x CP of the 3-tuple")
+            "as these releases have them", verified=("0.15.3", "0.16.0", "0.16.1"),
+            refused=(("0", "0.15.0", "before 0.15 forward_step_calc_loss does not clamp the token count (0.14.0 "
+                                     "schedules.py:239: output_tensor /= num_tokens), so a CP shard or micro-batch "
+                                     "without a loss token divides 0/0 = NaN; nearest supported: 0.15.3"),
+                     ("0.17.0", "999", "not verified: 0.17 and later require Python >= 3.12 and the adapter's "
+                                       "tests never ran on them; nearest supported: 0.16.1")))
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
+# 0.15.x on a machine without a GPU: lossguard_capture.megatron_cpu.import_megatron_core() before this import
 SPEC.require("megatron.core", "pip install megatron-core==0.16.1; scripts/setup-trainers.sh")
 from megatron.core import package_info as _mc_info  # noqa: E402
 from megatron.core import parallel_state as _ps  # noqa: E402
@@ -274,8 +296,8 @@ class _Packed:
 
 class _MTPScalerProxy:
     """``megatron.core.models.gpt.gpt_model.MTPLossAutoScaler`` during a captured step: ``apply`` remembers
-    the ``mtp_loss`` GPTModel hands it (``scale * loss_mask * l [/ num_tokens]``, gpt_model.py:655-661) and
-    calls the real one with the same arguments; everything else is the real class's."""
+    the ``mtp_loss`` GPTModel hands it (``scale * loss_mask * l [/ num_tokens]``, gpt_model.py:655-661 [0.15.3:
+    576-582]) and calls the real one with the same arguments; everything else is the real class's."""
 
     def __init__(self, audit: "MegatronAdapter", real: Any):
         self.audit = audit
@@ -388,7 +410,7 @@ class MegatronAdapter(Adapter):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.pp, self.pp_rank = pp, _ps.get_pipeline_model_parallel_rank()
         #: the stage that computes the loss (forward_step_calc_loss calls loss_func there only,
-        #: pipeline_parallel/schedules.py:251-255); the others record their step records only
+        #: pipeline_parallel/schedules.py:251-255 [0.15.3: 232-235]); the others record their step records only
         self.last_stage = bool(_ps.is_pipeline_last_stage(ignore_virtual=True))
         self.tp = _ps.get_tensor_model_parallel_world_size()
         self.cp = _ps.get_context_parallel_world_size()
@@ -427,7 +449,7 @@ class MegatronAdapter(Adapter):
         self.config = config
         if mtp:
             self.mtp_layers = int(mtp)
-            coef = config.mtp_loss_scaling_factor / config.mtp_num_layers           # gpt_model.py:653
+            coef = config.mtp_loss_scaling_factor / config.mtp_num_layers     # gpt_model.py:653 [0.15.3: 574]
             names = ["mtp"] if self.mtp_layers == 1 else [f"mtp{j}" for j in range(1, self.mtp_layers + 1)]
             self.mtp_terms = {name: dict(reduce="per-token", coef=coef, mask=f"roll:{j}")
                               for j, name in enumerate(names, start=1)}
@@ -575,8 +597,8 @@ class MegatronAdapter(Adapter):
 
     def _wrap_forward(self, lm: Any) -> None:
         """Wrap the GPTModel's ``forward`` (an instance attribute; the class is untouched): in a captured step it
-        notes whether the model was called with THD ``packed_seq_params`` (gpt_model.py:290), so that a packed
-        micro-batch handed to the row-wise :meth:`loss_func` is refused instead of read as rows."""
+        notes whether the model was called with THD ``packed_seq_params`` (gpt_model.py:478 [0.15.3: 421]), so
+        that a packed micro-batch handed to the row-wise :meth:`loss_func` is refused instead of read as rows."""
         orig = lm.forward
         audit = self
 
@@ -591,7 +613,8 @@ class MegatronAdapter(Adapter):
     def _wrap_language_model_loss(self, lm: Any) -> None:
         """Wrap the GPTModel's ``compute_language_model_loss`` (an instance attribute; the class is untouched):
         during a captured step each per-token loss it returns with a gradient is remembered for the wrapped
-        loss_func — with MTP, the MTP depths' (gpt_model.py:640) and then the main one (:714)."""
+        loss_func — with MTP, the MTP depths' (gpt_model.py:640 [0.15.3: 561]) and then the main one (:714
+        [0.15.3: 636])."""
         orig = lm.compute_language_model_loss
         audit = self
 
@@ -734,7 +757,7 @@ class MegatronAdapter(Adapter):
         entry.arity = len(outputs)
         entry.loss = outputs[0]
         if len(outputs) == 3 and getattr(self.config, "calculate_per_token_loss", False):
-            # the count the schedule sums into N (schedules.py:2175, finalize_model_grads); without
+            # the count the schedule sums into N (schedules.py:2175 [0.15.3: 2151], finalize_model_grads); without
             # calculate_per_token_loss it is only the micro-batch mean's divisor (slime returns a constant
             # 1 there), whose effect the weights show: not recorded as a count
             entry.handle.set(num_tokens=outputs[1])
@@ -852,15 +875,16 @@ class MegatronAdapter(Adapter):
         self._lm_losses, self._mtp_scaled = [], []
         if len(lm) != D + 1 or len(scaled) != D:
             self._fail(st, f"with mtp_num_layers = {D} a GPTModel forward computes {D} MTP per-token loss(es) and "
-                           f"then the main one (gpt_model.py:640, 714) and hands MTPLossAutoScaler {D} tensor(s) "
-                           f"(:655-661); this forward step made {len(lm)} compute_language_model_loss and "
-                           f"{len(scaled)} MTPLossAutoScaler call(s) (one model call with labels per forward step)")
+                           f"then the main one (gpt_model.py:640, 714; 0.15.3: 561, 636) and hands "
+                           f"MTPLossAutoScaler {D} tensor(s) (:655-661; 0.15.3: 576-582); this forward step made "
+                           f"{len(lm)} compute_language_model_loss and {len(scaled)} MTPLossAutoScaler call(s) (one "
+                           f"model call with labels per forward step)")
         for j, (name, l) in enumerate(zip(self.mtp_terms, lm[:D], strict=True), start=1):
             if tuple(l.shape) != (b, s_local) or not l.is_floating_point():
                 self._fail(st, f"the MTP depth-{j} per-token loss is {tuple(l.shape)} {l.dtype}, not [b, s/cp] = "
                                f"{(b, s_local)}")
-            # the raw cross entropy, before gpt_model.py:641 multiplies it by the rolled loss_mask: dL/dl_t
-            # holds the mask, the coefficient and every division
+            # the raw cross entropy, before gpt_model.py:641 [0.15.3: 562] multiplies it by the rolled loss_mask:
+            # dL/dl_t holds the mask, the coefficient and every division
             mb.hook(l, index=index, term=name)
         return scaled
 
@@ -965,8 +989,9 @@ class MegatronAdapter(Adapter):
         st.num_tokens_reduced = None if num_tokens is None else num_tokens.detach().clone()
         mtp_scale: Any = None
         if self.mtp_layers:
-            # what MTPLossAutoScaler.backward multiplies its ones by (multi_token_prediction.py:573-576): the
-            # loss scale, / M without calculate_per_token_loss (schedules.py:295-306, the same every micro-batch)
+            # what MTPLossAutoScaler.backward multiplies its ones by (multi_token_prediction.py:573-576 [0.15.3:
+            # 386-389]): the loss scale, / M without calculate_per_token_loss (schedules.py:295-306 [0.15.3:
+            # 274-285], the same every micro-batch)
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
             mtp_scale = torch.as_tensor(MTPLossAutoScaler.main_loss_backward_scale).detach().reshape(-1)[0]
         for e in st.mbs:
@@ -979,7 +1004,8 @@ class MegatronAdapter(Adapter):
         return out
 
     def _loss_scale(self, st: _StepState) -> torch.Tensor:
-        """``config.grad_scale_func(1)``, as forward_step_calc_loss reads the loss scale (schedules.py:283-287)."""
+        """``config.grad_scale_func(1)``, as forward_step_calc_loss reads the loss scale (schedules.py:283-287; 0.15.3:
+        262-266)."""
         f = getattr(self.config, "grad_scale_func", None)
         if f is None:
             return torch.tensor(1.0, dtype=torch.float64)

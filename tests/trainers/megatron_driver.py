@@ -79,7 +79,9 @@ import torch.distributed as dist  # noqa: E402
 
 torch.set_num_threads(1)
 
-from lossguard_capture.megatron_cpu import HITS, cuda_on_cpu  # noqa: E402
+from lossguard_capture.megatron_cpu import HITS, cuda_on_cpu, import_megatron_core  # noqa: E402
+
+import_megatron_core()      # before any megatron import (megatron-core 0.15.x: lossguard_capture.megatron_cpu)
 
 SEED = 1234
 VOCAB = 32

@@ -74,7 +74,7 @@ import torch.distributed as dist  # noqa: E402
 
 torch.set_num_threads(1)
 
-import megatron_driver as base  # noqa: E402
+import megatron_driver as base  # noqa: E402  (imports megatron.core through megatron_cpu.import_megatron_core)
 from lossguard_capture.megatron_cpu import HITS, cuda_on_cpu  # noqa: E402
 
 SEED, VOCAB, S, ROWS, M, STEPS = base.SEED, base.VOCAB, base.S, base.ROWS, 2, 2

@@ -5,9 +5,10 @@ Megatron's ``initialize_model_parallel``, ``get_batch_on_this_cp_rank`` (the zig
 ``forward_backward_no_pipelining`` with M = 2 micro-batches, its ``DistributedDataParallel``,
 ``finalize_model_grads`` and ``get_megatron_optimizer``, for five loss paths, each twice from the same
 seed, with the adapter and without (lossguard_capture.megatron_cpu: the few tensors Megatron allocates on the GPU by name
-are put on the CPU; nothing else changes).  The paths (megatron-core 0.16.1, weights ``w_t`` of token
-``t`` in the gradient the optimizer applies; ``m_t`` its mask; ``n_c`` the CP-local count of its
-micro-batch on its CP rank, ``n`` the micro-batch's count over all CP ranks; ``N`` the step's count):
+are put on the CPU; nothing else changes).  The paths (megatron-core 0.15.3, 0.16.0 or 0.16.1, whichever is
+installed; line numbers are 0.16.1's; weights ``w_t`` of token ``t`` in the gradient the optimizer applies;
+``m_t`` its mask; ``n_c`` the CP-local count of its micro-batch on its CP rank, ``n`` the micro-batch's count
+over all CP ranks; ``N`` the step's count):
 
   a     calculate_per_token_loss, 3-tuple (sum, CP-local count, report)   w_t = m_t / N
   b     no per-token loss, the same 3-tuple                                w_t = m_t / (max(n_c, 1) M dp cp)
@@ -50,10 +51,13 @@ import os
 import re
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pytest
+from lossguard_capture.megatron_cpu import no_cuda_build
 
-pytest.importorskip("megatron.core")
+with no_cuda_build():                     # megatron-core 0.15.x builds a CUDA allocator at import (megatron_cpu)
+    pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
@@ -107,14 +111,22 @@ KIND0["mtp-b"] = {(1, 1, 1): "per-microbatch", (2, 1, 1): "per-microbatch", (1, 
 #: step 0's diagnosis of the MTP term (relative to main): mtp-a a uniform N_mtp/N (the main count divides it)
 MTP_KIND0 = {"mtp-a": {t: "uniform-scale" for t in KIND0["b"]}, "mtp-b": KIND0["mtp-b"]}
 
-#: the sites lossguard_capture.megatron_cpu.cuda_on_cpu rewrote (its docstring lists them); the MTP paths add the MTP loss
-#: tracker (every layout), at CP > 1 roll_tensor's receive buffers, at TP > 1 the all-gather of the MTP
+#: the installed megatron-core (one of lossguard_capture.megatron.SPEC.verified)
+MEGATRON_CORE = version("megatron-core")
+#: the sites lossguard_capture.megatron_cpu.cuda_on_cpu rewrote (its docstring lists them), per verified release
+#: (the same files and code at other lines in 0.15.3): (always, at CP > 1, at TP > 1).  The MTP paths add the MTP
+#: loss tracker (every layout), at CP > 1 roll_tensor's receive buffers, at TP > 1 the all-gather of the MTP
 #: layer's tensor-parallel hidden states
-CPU_SITES = ["megatron/core/distributed/param_and_grad_buffer.py:803", "megatron/core/optimizer/clip_grads.py:103",
-             "megatron/core/optimizer/optimizer.py:907", "megatron/core/pipeline_parallel/schedules.py:596",
-             "megatron/core/transformer/multi_token_prediction.py:337", "megatron/core/utils.py:1207"]
-CPU_SITE_CP = "megatron/core/transformer/multi_token_prediction.py:176"
-CPU_SITE_TP = "megatron/core/tensor_parallel/mappings.py:91"
+_SITES_016 = (["distributed/param_and_grad_buffer.py:803", "optimizer/clip_grads.py:103", "optimizer/optimizer.py:907",
+               "pipeline_parallel/schedules.py:596", "transformer/multi_token_prediction.py:337", "utils.py:1207"],
+              "transformer/multi_token_prediction.py:176", "tensor_parallel/mappings.py:91")
+CPU_SITES_BY_RELEASE = {
+    "0.16.1": _SITES_016,
+    "0.16.0": _SITES_016,
+    "0.15.3": (["distributed/param_and_grad_buffer.py:722", "optimizer/clip_grads.py:103", "optimizer/optimizer.py:903",
+                "pipeline_parallel/schedules.py:573", "transformer/multi_token_prediction.py:225", "utils.py:1029"],
+               "transformer/multi_token_prediction.py:149", "tensor_parallel/mappings.py:91"),
+}
 
 
 def _env():
@@ -435,13 +447,16 @@ def test_gradient_is_sum_of_measured_weights(runs, dp, cp, tp, path):
 
 
 def test_cpu_shim_sites(runs):
-    """lossguard_capture.megatron_cpu.cuda_on_cpu rewrote exactly the documented places, at every layout."""
+    """lossguard_capture.megatron_cpu.cuda_on_cpu rewrote exactly the documented places of the installed release,
+    at every layout."""
+    assert MEGATRON_CORE in CPU_SITES_BY_RELEASE, f"megatron-core {MEGATRON_CORE}: no recorded CPU-shim sites"
+    always, at_cp, at_tp = CPU_SITES_BY_RELEASE[MEGATRON_CORE]
     for (dp, cp, tp), d in runs.items():
         with open(os.path.join(d, "meta.json")) as f:
             meta = json.load(f)
-        assert meta["megatron_core"] == "0.16.1"
-        want = CPU_SITES + ([CPU_SITE_CP] if cp > 1 else []) + ([CPU_SITE_TP] if tp > 1 else [])
-        assert meta["cuda_on_cpu_sites"] == sorted(want), (dp, cp, tp)
+        assert meta["megatron_core"] == MEGATRON_CORE
+        want = always + ([at_cp] if cp > 1 else []) + ([at_tp] if tp > 1 else [])
+        assert meta["cuda_on_cpu_sites"] == sorted("megatron/core/" + w for w in want), (dp, cp, tp)
 
 
 # ---- (c) contracts and audit -----------------------------------------------------------------------
@@ -542,7 +557,7 @@ def test_audit_verdict(runs, dp, cp, tp, path):
             if n == 0:
                 assert term["diagnosis"]["kind"] == MTP_KIND0[path][(dp, cp, tp)], where
             if path == "mtp-a":
-                # Megatron 0.16.1 divides the MTP loss by the MAIN count (finalize_model_grads.py:484-497):
+                # Megatron divides the MTP loss by the MAIN count (0.16.1 finalize_model_grads.py:484-497):
                 # relative to its own objective (its N_mtp tokens) a uniform N_mtp/N
                 assert c["weights"] is True and "megatron-per-token" in s["matches"], where
                 assert term["diagnosis"]["kind"] == "uniform-scale", where
@@ -639,13 +654,21 @@ def test_fail_fast_before_the_update(runs):
 
 def test_unsupported_version_names_the_range():
     import lossguard_capture.megatron as lcm
-    with pytest.raises(RuntimeError, match=r"megatron-core>=0\.16\.0,<0\.17\.0.*megatron-core 0\.15\.3 is installed"):
-        lcm.check_version("0.15.3")
-    for v in ("0.12.3", "0.17.0", "0.17.0rc1", "1.0.0"):
+    assert lcm.SUPPORTED == ("0.15.0", "0.17.0") and lcm.SPEC.verified == ("0.15.3", "0.16.0", "0.16.1")
+    for v in lcm.SPEC.verified:
+        lcm.check_version(v)
+    # 0.14.x and older: no clamp of the token count, the nearest supported release named
+    with pytest.raises(RuntimeError, match=r"megatron-core>=0\.15\.0,<0\.17\.0.*megatron-core 0\.14\.0 is installed.*"
+                                           r"does not clamp the token count.*0/0 = NaN; nearest supported: 0\.15\.3"):
+        lcm.check_version("0.14.0")
+    # 0.17 and later: not verified (Python >= 3.12)
+    with pytest.raises(RuntimeError, match=r"megatron-core 0\.17\.1: not verified: 0\.17 and later require Python "
+                                           r">= 3\.12.*nearest supported: 0\.16\.1"):
+        lcm.check_version("0.17.1")
+    for v in ("0.12.3", "0.14.1", "0.17.0", "0.17.0rc1", "0.19.2", "1.0.0"):
         with pytest.raises(RuntimeError):
             lcm.check_version(v)
-    lcm.check_version("0.16.0")
-    with pytest.warns(UserWarning, match="supports"):
+    with pytest.warns(UserWarning, match="supports.*clamp"):
         lcm.check_version("0.14.0", allow_unsupported=True)
-    lcm.check_version()                                      # the installed pin is inside the range
-    assert lcm.megatron_version() == "0.16.1"
+    lcm.check_version()                                      # the installed release is inside the range
+    assert lcm.megatron_version() == MEGATRON_CORE and MEGATRON_CORE in lcm.SPEC.verified

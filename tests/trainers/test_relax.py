@@ -1,8 +1,8 @@
 """lossguard_capture.relax, switched on by Relax's own plug-in flags (issue #39 item 2), driven exactly as Relax
 drives it (tests/trainers/relax_shape: Relax's module paths, hook signatures, call order, batch keys, dynamic CP
 per micro-batch, dummy micro-batches, ``__loss_scale__``, the zero-token skip of PR #285 and
-normalize_reduced_loss_metrics, written from a reading of Relax's source) over the real megatron-core 0.16.1
-under torchrun on CPU (tests/trainers/slime_relax_driver.py --trainer relax), at CP 2 (THD) and PP 2 x DP 2.
+normalize_reduced_loss_metrics, written from a reading of Relax's source) over the real megatron-core (0.15.3, 0.16.0 or
+0.16.1) under torchrun on CPU (tests/trainers/slime_relax_driver.py --trainer relax), at CP 2 (THD) and PP 2 x DP 2.
 
 (a) the audit changes nothing, bit for bit (reported metrics, gradient norms, main_grad, learning rate,
     parameters), and Relax skips the zero-token step on every stage (optimizer and scheduler);
@@ -22,8 +22,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from lossguard_capture.megatron_cpu import no_cuda_build
 
-pytest.importorskip("megatron.core")
+with no_cuda_build():                     # megatron-core 0.15.x builds a CUDA allocator at import (megatron_cpu)
+    pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))

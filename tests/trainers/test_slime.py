@@ -1,6 +1,6 @@
 """lossguard_capture.slime, switched on by slime's own plug-in flags (issue #39), driven exactly as slime drives
 it (tests/trainers/slime_shape: slime's module paths, hook signatures, call order, batch keys, THD/CP split and
-return shapes, written from a reading of slime's source) over the real megatron-core 0.16.1 under torchrun on
+return shapes, written from a reading of slime's source) over the real megatron-core (0.15.3, 0.16.0 or 0.16.1) under torchrun on
 CPU (tests/trainers/slime_relax_driver.py), at CP 2 (THD, slime's per-sample zig-zag split) and PP 2 x DP 2.
 
 (a) the audit changes nothing: slime's reported losses, gradient norms, main_grad after finalize, the learning
@@ -24,8 +24,10 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from lossguard_capture.megatron_cpu import no_cuda_build
 
-pytest.importorskip("megatron.core")
+with no_cuda_build():                     # megatron-core 0.15.x builds a CUDA allocator at import (megatron_cpu)
+    pytest.importorskip("megatron.core")
 import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
