@@ -14,7 +14,8 @@ export LOSSGUARD_VENV := $(VENV)
 
 all: build
 
-# The base venv (torch), then one venv per real trainer the adapters are tested against.
+# The base venv (torch), then the venvs of the real trainers the adapters are tested against: each pinned
+# release and the oldest and newest supported one (scripts/setup-trainers.sh `ci`).
 setup:
 	@scripts/setup.sh && scripts/setup-trainers.sh
 
@@ -59,14 +60,17 @@ test-fuzz: build
 test-cpu: build
 	@cd $(BUILD) && ctest --output-on-failure -j2 -L cpu
 
-# docs/gallery.md from the real trainers' tests (scripts/gallery.py, ~7 min on 2 cores): each trainer's
-# test file in its venv, one after another, every `lossguard audit` they run recorded as a row
-# (tests/trainers/gallery.py), the page rendered from docs/gallery.template.md and the rows.
-# GALLERY_DEPS= uses the binary already built instead of building it first.
+# docs/gallery.md from the real trainers' tests (scripts/gallery.py): each trainer's test file in the venv
+# of every release it supports (scripts/setup-trainers.sh all), one after another, every `lossguard audit`
+# they run recorded as a row (tests/trainers/gallery.py), the page rendered from docs/gallery.template.md and
+# the rows: the pinned release's tables and, per trainer, a table of releases x configurations.
+# GALLERY_DEPS= uses the binary already built instead of building it first; GALLERY_FLAGS=--pinned-only
+# runs the pinned venvs alone.
 GALLERY_DEPS ?= build-tool
+GALLERY_FLAGS ?=
 gallery: $(GALLERY_DEPS)
-	@scripts/setup-trainers.sh
-	@$(PYTHON) scripts/gallery.py --binary $(BUILD)/cli/lossguard
+	@scripts/setup-trainers.sh all
+	@$(PYTHON) scripts/gallery.py --binary $(BUILD)/cli/lossguard $(GALLERY_FLAGS)
 
 regen-fixtures: build
 	@scripts/regen-fixtures.sh $(BUILD)/cli/lossguard $(PYTHON)

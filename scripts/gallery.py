@@ -43,6 +43,27 @@ SUITES = {
 }
 
 
+#: trainer -> the venvs of its supported releases, oldest first (scripts/setup-trainers.sh `all`); the pinned
+#: venv of SUITES among them renders the page's main tables, every one a column of {{releases:T}}.
+RELEASES = {
+    "hf": ("hf-5.19.0", "hf-5.20.2", "hf-5.21.1", "hf-5.22.2", "hf-5.23.0", "hf", "hf-5.25.0"),
+    "trl": ("trl-1.13.0", "trl-1.14.2", "hf"),
+    "megatron": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
+    "megatron_shapes": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
+    "slime": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
+    "relax": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
+    "verl": ("verl-0.8.0", "verl-0.9.0", "verl"),
+}
+#: the package whose release a trainer's release columns name
+PACKAGE = {"hf": "transformers", "trl": "trl", "verl": "verl", "megatron": "megatron-core",
+           "megatron_shapes": "megatron-core", "slime": "megatron-core", "relax": "megatron-core"}
+
+
+def release_dir(rows_dir, venv):
+    """Where the rows of a release venv other than the pinned one go: DIR/releases/<venv>/."""
+    return os.path.join(rows_dir, "releases", venv)
+
+
 def venv_dir(name):
     """As scripts/setup-trainers.sh: $LOSSGUARD_<NAME>_VENV, else ~/.cache/lossguard/venv-<name>."""
     return os.environ.get(f"LOSSGUARD_{name.upper()}_VENV") or os.path.expanduser(f"~/.cache/lossguard/venv-{name}")
@@ -53,41 +74,51 @@ def tilde(path):
     return "~" + path[len(home):] if path.startswith(home + os.sep) else path
 
 
-def test_command(trainer):
-    venv, test = SUITES[trainer]
-    return f"{tilde(venv_dir(venv))}/bin/python -m pytest -q {test}"
+def test_command(trainer, venv=None):
+    pinned, test = SUITES[trainer]
+    return f"{tilde(venv_dir(venv or pinned))}/bin/python -m pytest -q {test}"
 
 
 # ---- running the tests ------------------------------------------------------------------------------
-def run_tests(trainers, rows_dir, binary):
-    """Each trainer's test file, in order; returns the trainers whose file failed."""
+def run_tests(trainers, rows_dir, binary, all_releases=True):
+    """Each trainer's test file in each release venv (only the pinned one without ``all_releases``), in order;
+    returns the (trainer, venv) runs that failed."""
     failed = []
     for t in trainers:
-        venv, test = SUITES[t]
-        python = os.path.join(venv_dir(venv), "bin", "python")
-        if not os.access(python, os.X_OK):
-            sys.exit(f"gallery: {python} not found: run scripts/setup-trainers.sh")
-        for f in (f"{t}.jsonl", f"{t}.log"):
-            if os.path.exists(os.path.join(rows_dir, f)):
-                os.remove(os.path.join(rows_dir, f))
-        env = dict(os.environ, LOSSGUARD_GALLERY_DIR=rows_dir, LOSSGUARD_BIN=binary, OMP_NUM_THREADS="1",
-                   PYTHONUNBUFFERED="1")
-        log = os.path.join(rows_dir, f"{t}.log")
-        print(f"gallery: {t}: {test_command(t)} (output: {log})", flush=True)
-        start = time.time()
-        with open(log, "w") as out:
-            r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT, env=env,
-                               stdout=out, stderr=subprocess.STDOUT)
-        with open(log) as f:
-            lines = [x for x in f.read().splitlines() if x.strip()]
-        n = sum(1 for _ in open(os.path.join(rows_dir, f"{t}.jsonl"))) if os.path.exists(
-            os.path.join(rows_dir, f"{t}.jsonl")) else 0
-        print(f"gallery: {t}: {lines[-1] if lines else '(no output)'}; {n} rows; {time.time() - start:.0f} s",
-              flush=True)
-        if r.returncode != 0:
-            failed.append(t)
-            print("\n".join(lines[-40:]), file=sys.stderr)
+        pinned = SUITES[t][0]
+        for venv in (RELEASES[t] if all_releases else (pinned,)):
+            if not run_one(t, venv, rows_dir if venv == pinned else release_dir(rows_dir, venv), binary):
+                failed.append(f"{t} on venv-{venv}")
     return failed
+
+
+def run_one(t, venv, out_dir, binary):
+    """The test file of trainer ``t`` in ``venv``, its rows and log in ``out_dir``; whether it passed."""
+    test = SUITES[t][1]
+    python = os.path.join(venv_dir(venv), "bin", "python")
+    if not os.access(python, os.X_OK):
+        sys.exit(f"gallery: {python} not found: run scripts/setup-trainers.sh all")
+    os.makedirs(out_dir, exist_ok=True)
+    for f in (f"{t}.jsonl", f"{t}.log"):
+        if os.path.exists(os.path.join(out_dir, f)):
+            os.remove(os.path.join(out_dir, f))
+    env = dict(os.environ, LOSSGUARD_GALLERY_DIR=out_dir, LOSSGUARD_BIN=binary, OMP_NUM_THREADS="1",
+               PYTHONUNBUFFERED="1")
+    log = os.path.join(out_dir, f"{t}.log")
+    print(f"gallery: {t}: {test_command(t, venv)} (output: {log})", flush=True)
+    start = time.time()
+    with open(log, "w") as out:
+        r = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT, env=env,
+                           stdout=out, stderr=subprocess.STDOUT)
+    with open(log) as f:
+        lines = [x for x in f.read().splitlines() if x.strip()]
+    rows = os.path.join(out_dir, f"{t}.jsonl")
+    n = sum(1 for _ in open(rows)) if os.path.exists(rows) else 0
+    print(f"gallery: {t} on venv-{venv}: {lines[-1] if lines else '(no output)'}; {n} rows; "
+          f"{time.time() - start:.0f} s", flush=True)
+    if r.returncode != 0:
+        print("\n".join(lines[-40:]), file=sys.stderr)
+    return r.returncode == 0
 
 
 def load_rows(rows_dir):
@@ -101,6 +132,20 @@ def load_rows(rows_dir):
                     r = json.loads(line)
                     rows.setdefault(t, {})[(r["kind"], r["key"])] = r
     return rows
+
+
+def load_release_rows(rows_dir):
+    """{trainer: [(venv, {(kind, key): row}), ...]} in RELEASES order: the pinned venv's rows are the main
+    rows (DIR/<trainer>.jsonl), the others' DIR/releases/<venv>/<trainer>.jsonl; a venv without rows is left
+    out."""
+    main = load_rows(rows_dir)
+    out = {}
+    for t in SUITES:
+        for venv in RELEASES[t]:
+            got = main.get(t) if venv == SUITES[t][0] else load_rows(release_dir(rows_dir, venv)).get(t)
+            if got:
+                out.setdefault(t, []).append((venv, got))
+    return out
 
 
 # ---- one cell from audit's answer --------------------------------------------------------------------
@@ -554,8 +599,51 @@ def version(rows, trainer, package):
     return " / ".join(vs)
 
 
-def render(rows, template):
+def release_cell(row):
+    """What a configuration does on one release, short: the verdict, step 0's weights (and the later steps'
+    where they differ) and the presets that reproduce them."""
+    if row is None:
+        return "–"
+    verdict = "pass" if row["exit_code"] == 0 else f"**{'FAIL' if row['verdict'] == 'fail' else row['verdict']}**"
+    sums = list(dict.fromkeys(weights_summary(s) for s in row["steps"])) or ["no step audited"]
+    preset = matches(row["steps"][0] if row["steps"] else None)
+    return f"{verdict}: {'; '.join(sums)} ({preset})"
+
+
+def releases_table(trainer, per_release):
+    """Configurations (audit rows) x releases: each cell what audit said on that release; under the table a line
+    per configuration whose cells differ between releases, and a line per release that ran fewer of them."""
+    names = [release_name(trainer, got) for _, got in per_release]
+    keys = list(dict.fromkeys(k for _, got in per_release for (kind, k) in got if kind == "audit"))
+    body, changed = [], []
+    for k in keys:
+        cells = [release_cell(got.get(("audit", k))) for _, got in per_release]
+        body.append([f"`{k}`"] + cells)
+        ran = [(n, c) for n, c in zip(names, cells) if c != "–"]
+        if len({c for _, c in ran}) > 1:
+            changed.append(f"- `{k}`: " + "; ".join(f"{n}: {c}" for n, c in ran))
+    text = table(["configuration"] + names, body)
+    missing = []
+    for i, n in enumerate(names):
+        absent = sum(1 for r in body if r[i + 1] == "–")
+        if absent:
+            missing.append(f"- {n} does not run {absent} of them")
+    notes = (["", "Where a release changes what a configuration does:", ""] + changed) if changed else \
+        ["", f"No release changes what a configuration does: every {PACKAGE[trainer]} release above gives each the "
+             "same verdict, weights and presets."]
+    if missing:
+        notes += ["", "Configurations a release does not have (–):", ""] + missing
+    return text + "\n" + "\n".join(notes)
+
+
+def release_name(trainer, got):
+    """The release a venv's rows ran on: PACKAGE's version as they recorded it."""
+    return f"{PACKAGE[trainer]} {version(got, trainer, PACKAGE[trainer])}"
+
+
+def render(rows, template, release_rows=None):
     used, missing = {t: set() for t in SUITES}, []
+    release_rows = release_rows or {}
 
     def sub(m):
         what, trainer, arg = m["what"], m["trainer"], m["arg"]
@@ -571,6 +659,8 @@ def render(rows, template):
                 return commands(trainer, rows[trainer], used[trainer])
             if what == "version" and arg:
                 return version(rows[trainer], trainer, arg)
+            if what == "releases":
+                return releases_table(trainer, release_rows.get(trainer) or [(SUITES[trainer][0], rows[trainer])])
         except KeyError as e:
             missing.append(f"{m[0]}: {e}")
             return m[0]
@@ -592,6 +682,8 @@ def main(argv=None):
     ap.add_argument("--rows", default=None, help="the rows' folder (default: a new temporary one)")
     ap.add_argument("--only", default=",".join(SUITES), help="the trainers whose tests run (comma-separated)")
     ap.add_argument("--render-only", action="store_true", help="render the rows in --rows; run nothing")
+    ap.add_argument("--pinned-only", action="store_true",
+                    help="run each trainer's pinned venv only, not every supported release (faster)")
     ap.add_argument("--template", default=TEMPLATE)
     ap.add_argument("--out", default=PAGE)
     a = ap.parse_args(argv)
@@ -609,10 +701,10 @@ def main(argv=None):
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             sys.exit(f"gallery: {a.binary} is not an executable lossguard binary (make build-tool)")
         print(f"gallery: rows in {rows_dir}; lossguard {binary}", flush=True)
-        failed = run_tests(trainers, rows_dir, binary)
+        failed = run_tests(trainers, rows_dir, binary, all_releases=not a.pinned_only)
     with open(a.template) as f:
         template = f.read()
-    page, missing, unused = render(load_rows(rows_dir), template)
+    page, missing, unused = render(load_rows(rows_dir), template, load_release_rows(rows_dir))
     for u in unused:
         print(f"gallery: warning: a row no table shows: {u}", file=sys.stderr)
     if missing:
@@ -624,7 +716,7 @@ def main(argv=None):
         f.write(page)
     print(f"gallery: wrote {os.path.relpath(a.out, ROOT)} from {rows_dir} in {time.time() - start:.0f} s", flush=True)
     if failed:
-        print(f"gallery: the tests of {', '.join(failed)} FAILED (see {rows_dir}/<trainer>.log): the page shows "
+        print(f"gallery: the tests of {', '.join(failed)} FAILED (see the logs in {rows_dir}): the page shows "
               "what audit said, but the prose may no longer hold", file=sys.stderr)
         return 1
     return 0

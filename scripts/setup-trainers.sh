@@ -7,9 +7,14 @@
 # and trl.py cite the functions), so a new version is adopted deliberately, by changing the pin and
 # rerunning the tests.  Idempotent: a second run checks and returns in seconds.
 #
-#   scripts/setup.sh && scripts/setup-trainers.sh            # every trainer
-#   scripts/setup-trainers.sh hf                               # only the named ones (hf, megatron, verl):
-#                                                              # `make demo` needs hf alone
+# Beside each trainer's pinned venv, one venv per other supported release (issue #42: each adapter runs
+# on several releases, python/lossguard_capture/*.py SPEC.verified), named venv-<trainer>-<version>:
+#
+#   scripts/setup.sh && scripts/setup-trainers.sh            # `ci`: the pins and the oldest and newest
+#                                                              # supported release of each trainer (make test)
+#   scripts/setup-trainers.sh all                              # every supported release (make gallery)
+#   scripts/setup-trainers.sh hf megatron verl                 # only the named ones (`make demo`: the pins)
+#   scripts/setup-trainers.sh hf-5.19.0 verl-0.8.0             # one release venv each
 #   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_hf_trainer.py
 #   ~/.cache/lossguard/venv-hf/bin/python -m pytest -q tests/trainers/test_trl_trainer.py
 #   ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q tests/trainers/test_megatron.py
@@ -18,9 +23,9 @@ set -euo pipefail
 
 BASE="${LOSSGUARD_VENV:-$HOME/.cache/lossguard/venv}"
 HF_VENV="${LOSSGUARD_HF_VENV:-$BASE-hf}"  # beside the base venv (tests/CMakeLists.txt looks there)
-# The newest releases pip could install when this was written (pip index versions transformers /
-# accelerate): 5.25.0 is listed but requires kernels>=0.19.1,<0.20, which the index does not have, so
-# 5.24.0 is the newest that resolves.  Keep in step with SUPPORTED in python/lossguard_capture/hf.py.
+# The demo's and TRL's transformers pin (5.24.0, the newest that resolved when it was adopted; 5.25.0, which
+# needs kernels 0.19.1, resolves since and has a release venv of its own below, hf-5.25.0).  Keep the
+# release venvs in step with SPEC.verified in python/lossguard_capture/hf.py.
 # TRL (python/lossguard_capture/trl.py SUPPORTED) shares this venv: 1.16.0 is the newest release pip lists
 # (pip index versions trl) and requires transformers>=4.56.2, so it resolves over the 5.24.0 pin (it adds
 # datasets, pandas, pyarrow; nothing already installed changes).
@@ -42,11 +47,39 @@ VERL_PIN=verl==0.9.1
 VERL_DEPS=(ray==2.60.0 tensordict==0.10.0 transformers==5.10.4 accelerate==1.16.0 peft==0.21.2 datasets==5.2.0
            hydra-core==1.3.2 omegaconf==2.3.0 codetiming==1.4.0 pillow==13.0.0)
 
-WANT=("${@:-hf megatron verl}")
+# The other supported releases, each verified by the trainer's test file (the venv's pins after the name).
+# hf-X: transformers X beside the TRL pin; trl-Y: TRL Y over the transformers pin (trl 1.13 imports requests
+# without declaring it); verl-Z: verl Z --no-deps over VERL_DEPS; megatron-W: megatron-core W (0.15 pins
+# numpy<2, which pip installs into that venv only; torch stays the base venv's).
+RELEASES=(hf-5.19.0 hf-5.20.2 hf-5.21.1 hf-5.22.2 hf-5.23.0 hf-5.25.0 trl-1.13.0 trl-1.14.2
+          verl-0.8.0 verl-0.9.0 megatron-0.15.3 megatron-0.16.0)
+# make test: the pins plus the oldest and the newest supported release of each trainer where the pin is not it
+CI=(hf megatron verl hf-5.19.0 hf-5.25.0 trl-1.13.0 verl-0.8.0 megatron-0.15.3)
+release_pins() {   # release_pins NAME: the pip requirements of release venv NAME (one per line)
+  local trainer="${1%%-*}" version="${1#*-}"
+  case "$trainer" in
+    hf) printf '%s\n' "transformers==$version" accelerate==1.16.0 trl==1.16.0 ;;
+    trl) printf '%s\n' "trl==$version" transformers==5.24.0 accelerate==1.16.0
+         if [[ "$version" == 1.13.* ]]; then printf '%s\n' requests==2.34.2; fi ;;
+    megatron) printf '%s\n' "megatron-core==$version" ;;
+    verl) printf '%s\n' "${VERL_DEPS[@]}" ;;
+  esac
+}
+
+WANT=("${@:-ci}")
 WANT=(${WANT[*]})
+EXPANDED=()
 for w in "${WANT[@]}"; do
-  case "$w" in hf|megatron|verl) ;; *) echo "setup-trainers: unknown trainer '$w' (hf, megatron, verl)" >&2; exit 2;; esac
+  case "$w" in
+    ci) EXPANDED+=("${CI[@]}") ;;
+    all) EXPANDED+=(hf megatron verl "${RELEASES[@]}") ;;
+    hf|megatron|verl) EXPANDED+=("$w") ;;
+    *) if [[ " ${RELEASES[*]} " == *" $w "* ]]; then EXPANDED+=("$w"); else
+         echo "setup-trainers: unknown venv '$w' (ci, all, hf, megatron, verl, or one of: ${RELEASES[*]})" >&2; exit 2
+       fi ;;
+  esac
 done
+WANT=("${EXPANDED[@]}")
 wants() { [[ " ${WANT[*]} " == *" $1 "* ]]; }
 
 if ! "$BASE/bin/python" -c 'import torch, safetensors' 2>/dev/null; then
@@ -137,3 +170,29 @@ print(f"setup-trainers: venv-verl ready: verl {verl.__version__}, transformers {
       f"torch {torch.__version__} (shared)", file=sys.stderr)
 EOF
 fi
+
+# The release venvs: the same construction, the release's pins, then the installed version checked.
+for name in "${RELEASES[@]}"; do
+  wants "$name" || continue
+  dir="$BASE-$name"
+  trainer="${name%%-*}" version="${name#*-}"
+  mapfile -t pins < <(release_pins "$name")
+  package="$trainer"
+  case "$trainer" in hf) package=transformers ;; megatron) package=megatron-core ;; esac
+  make_venv "$dir"
+  if ! have_pins "$dir/bin/python" "${pins[@]}" "$package==$version"; then
+    echo "setup-trainers: installing ${pins[*]} into $dir (torch from $BASE)" >&2
+    "$dir/bin/python" -m pip install -q --disable-pip-version-check "${pins[@]}"
+    if [ "$trainer" = verl ]; then
+      "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-deps "verl==$version"
+    fi
+  fi
+  "$dir/bin/python" - "$base_site" "$package" "$version" "$name" <<'EOF'
+import sys, torch
+from importlib.metadata import version
+base, package, want, name = sys.argv[1:]
+assert torch.__file__.startswith(base), f"torch comes from {torch.__file__}, not {base}"
+assert version(package) == want, f"{package} {version(package)} installed, {want} wanted"
+print(f"setup-trainers: venv-{name} ready: {package} {want}, torch {torch.__version__} (shared)", file=sys.stderr)
+EOF
+done
