@@ -95,6 +95,12 @@ class FlatPickleParser {
     p.last = l;
     return true;
   }
+  // The lowest stack slot an opcode may pop or read without a mark of its own: the values above the
+  // last mark (Python's unpickler keeps them as a stack of their own, so SETITEM, APPEND, TUPLEn or
+  // BINPUT reaching below a pending mark is an error there too).
+  std::size_t floor() const { return marks_.empty() ? 0 : marks_.back(); }
+  // Whether the top `n` values lie above the last mark.
+  bool above_floor(std::size_t n) const { return stack_.size() >= floor() + n; }
   // The values above the last mark, popped (with the mark).
   bool pop_mark(std::size_t& from) {
     if (marks_.empty()) return false;
@@ -122,7 +128,8 @@ class FlatPickleParser {
   }
   // Appends stack[from:] to the container below them (a list's items, a dict's key-value pairs).
   bool extend(std::size_t from, Kind want) {
-    if (from == 0 || from > stack_.size()) return false;
+    if (from <= floor() || from > stack_.size())
+      return false;  // the target lies above the last mark
     const uint32_t target = stack_[from - 1];
     if (out_.nodes_[target].kind != want || shared_[target]) return false;
     const std::size_t n = stack_.size() - from;
@@ -135,7 +142,7 @@ class FlatPickleParser {
     return true;
   }
   bool memo_put(uint64_t key) {
-    if (stack_.empty() || key >= kMaxMemo) return false;
+    if (!above_floor(1) || key >= kMaxMemo) return false;
     if (memo_.size() <= key) memo_.resize(static_cast<std::size_t>(key) + 1, kEnd);
     if (memo_[static_cast<std::size_t>(key)] == kEnd) ++memo_size_;
     memo_[static_cast<std::size_t>(key)] = stack_.back();
@@ -182,14 +189,14 @@ class FlatPickleParser {
       case 0x86:
       case 0x87: {
         const std::size_t n = op - 0x84u;
-        return stack_.size() >= n && build(Kind::kTuple, stack_.size() - n);
+        return above_floor(n) && build(Kind::kTuple, stack_.size() - n);
       }
       case 's':
-        return stack_.size() >= 3 && extend(stack_.size() - 2, Kind::kDict);
+        return above_floor(3) && extend(stack_.size() - 2, Kind::kDict);
       case 'u':
         return pop_mark(from) && extend(from, Kind::kDict);
       case 'a':
-        return stack_.size() >= 2 && extend(stack_.size() - 1, Kind::kList);
+        return above_floor(2) && extend(stack_.size() - 1, Kind::kList);
       case 'e':
         return pop_mark(from) && extend(from, Kind::kList);
       case 'X':

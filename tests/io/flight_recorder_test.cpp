@@ -255,6 +255,37 @@ TEST(FlightRecorder, BadSetsAreRefusedNamingTheFile) {
 namespace lossguard::io {
 namespace {
 
+// An opcode without a mark of its own never reaches below a pending MARK: Python's unpickler
+// refuses each of these ("unexpected MARK found", checked with pickle.loads), so the fast reader
+// must not take them (the fuzzer found the SETITEM one: the fast path took what the restricted
+// unpickler refuses).
+TEST(FlatPickle, RefusesOpcodesThatReachBelowAPendingMark) {
+  using namespace std::string_literals;  // (a literal is split where a hex escape would eat a
+                                         // letter)
+  const std::string setitem =
+      "\x80\x02}(X\x01\x00\x00\x00"
+      "a}su."s;  // SETITEM into the dict below '('
+  const std::string append =
+      "\x80\x02](K\x01"
+      "ae."s;  // APPEND into the list below '('
+  const std::string binput =
+      "\x80\x02(q\x00"
+      "K\x01"
+      "t."s;  // BINPUT of the mark's empty frame
+  for (const std::string& bad : {setitem, append, binput}) {
+    EXPECT_FALSE(FlatPickle::parse(bad)) << ::testing::PrintToString(bad);
+    EXPECT_THROW(unpickle(bad, "t", [](const ValuePtr&) -> ValuePtr { return nullptr; }),
+                 InputError);
+  }
+  // The well-formed neighbour: SETITEMS closing its own mark.
+  const auto ok = FlatPickle::parse(
+      "\x80\x02}(X\x01\x00\x00\x00"
+      "aK\x01"
+      "u."s);
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->node(ok->root()).size, 1u);
+}
+
 // The fast reader takes plain data only and hands everything else to the restricted unpickler.
 TEST(FlatPickle, ReadsPlainDataAndDefersEverythingElse) {
   const std::string dump = pickled_dump({{}, {"5", "dp", "gloo:broadcast", 1, {1}}});
