@@ -81,10 +81,11 @@ const std::vector<ContractPreset>& contract_presets() {
        "verl 0.9 loss_agg_mode seq-mean-token-sum: token sums ÷ global_batch_size, × dp, FSDP mean",
        "verl 0.9.1 trainer/ppo/core_algos.py:1181-1188 agg_loss"},
       {"verl-seq-mean-token-mean",
-       "verl 0.9 seq-mean-token-mean (and the sapo policy loss, which forces it): each sample's "
+       "verl 0.8-0.9 seq-mean-token-mean (and the sapo policy loss, which forces it; gspo too up "
+       "to verl 0.9.0): each sample's "
        "token mean ÷ global_batch_size counting every sample, fully masked ones too (lossguard's "
        "sample-mean), × dp, FSDP mean",
-       "verl 0.9.1 trainer/ppo/core_algos.py:1194-1202, 1688-1689 (sapo)"},
+       "verl 0.9.1 trainer/ppo/core_algos.py:1194-1202, 1688-1689 (sapo); 0.9.0 :1604-1605 (gspo)"},
       {"verl-seq-mean-token-sum-norm",
        "verl 0.9 seq-mean-token-sum-norm with loss_scale_factor (--l-norm): token sums ÷ "
        "(global_batch_size · loss_scale_factor), × dp, FSDP mean",
