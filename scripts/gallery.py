@@ -606,19 +606,24 @@ def release_cell(row):
         return "–"
     verdict = "pass" if row["exit_code"] == 0 else f"**{'FAIL' if row['verdict'] == 'fail' else row['verdict']}**"
     sums = list(dict.fromkeys(weights_summary(s) for s in row["steps"])) or ["no step audited"]
-    preset = matches(row["steps"][0] if row["steps"] else None)
-    return f"{verdict}: {'; '.join(sums)} ({preset})"
+    presets = (row["steps"][0]["matches"] if row["steps"] else None) or []
+    named = f"{presets[0]}" + (f" +{len(presets) - 1}" if len(presets) > 1 else "") if presets else "no preset"
+    return f"{verdict}: {'; '.join(sums)} ({named})"
 
 
 def releases_table(trainer, per_release):
-    """Configurations (audit rows) x releases: each cell what audit said on that release; under the table a line
-    per configuration whose cells differ between releases, and a line per release that ran fewer of them."""
+    """Configurations (audit rows) x releases: each cell what audit said on that release (the verdict, the
+    weights, the first reproducing preset and how many more; "same" where it equals the release on its left);
+    under the table a line per configuration whose cells differ between releases, and a line per release that
+    ran fewer of them."""
     names = [release_name(trainer, got) for _, got in per_release]
     keys = list(dict.fromkeys(k for _, got in per_release for (kind, k) in got if kind == "audit"))
     body, changed = [], []
     for k in keys:
         cells = [release_cell(got.get(("audit", k))) for _, got in per_release]
-        body.append([f"`{k}`"] + cells)
+        # a cell equal to the one on its left is "same": a change between releases stands out
+        shown = [c if i == 0 or c != cells[i - 1] or c == "–" else "same" for i, c in enumerate(cells)]
+        body.append([f"`{k}`"] + shown)
         ran = [(n, c) for n, c in zip(names, cells) if c != "–"]
         if len({c for _, c in ran}) > 1:
             changed.append(f"- `{k}`: " + "; ".join(f"{n}: {c}" for n, c in ran))
