@@ -124,6 +124,16 @@ if [ -x "$HF_PY" ]; then
     OMP_NUM_THREADS=1 "$HF_PY" examples/trl_audit.py --out "$HFCAP/trl-$lt" --loss-type "$lt" --lossguard-bin "$LG" 2>&1 \
       | grep -E "^training|PASS|FAIL" | sed 's/^ *//' || true
   done
+  step "The releases each adapter was verified on (make gallery runs the tests on every one), and a release it refuses, with the reason"
+  PYTHONPATH=python "$HF_PY" - <<'EOF' 2>&1 || true
+import lossguard_capture.hf as hf, lossguard_capture.trl as trl
+for name, spec in (("hf", hf.SPEC), ("trl", trl.SPEC)):
+    print(f"{name}: {spec.requirement}, verified on {', '.join(spec.verified)}")
+try:
+    hf.check_version("5.18.0")
+except RuntimeError as e:
+    print(str(e).split(".  Install")[0])
+EOF
 else
   echo "(skipped: $HF_PY is missing; scripts/setup-trainers.sh creates it)"
 fi
