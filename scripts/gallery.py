@@ -635,7 +635,8 @@ def releases_table(trainer, per_release):
             missing.append(f"- {n} does not run {absent} of them")
     notes = (["", "Where a release changes what a configuration does:", ""] + changed) if changed else \
         ["", f"No release changes what a configuration does: each of these {len(keys)} configurations gets the same "
-             f"verdict, weights and presets on {', '.join(n.split(' ')[-1] for n in names)}."]
+             f"verdict, weights and presets on every release of {', '.join(n.split(' ')[-1] for n in names)} "
+             "that runs it."]
     if missing:
         notes += ["", "Configurations a release does not have (–):", ""] + missing
     return text + "\n" + "\n".join(notes)

@@ -22,8 +22,7 @@ CountSizes count_sizes(std::vector<int64_t> requested) {
 }
 
 Judgement CountResult::judgement() const {
-  return verified() ? Judgement::verified(!ok())
-                    : Judgement::nothing_verified("the dumps hold no samples");
+  return verified() ? Judgement::verified(!ok()) : Judgement::nothing_verified(kNoSamplesReason);
 }
 
 bool CountResult::ok() const {

@@ -184,7 +184,7 @@ BatchSummary summarize_batch(const Batch& b) {
 }
 
 Judgement samples_judgement(const Batch& batch) {
-  return batch.num_samples() == 0 ? Judgement::nothing_verified("the dumps hold no samples")
+  return batch.num_samples() == 0 ? Judgement::nothing_verified(kNoSamplesReason)
                                   : Judgement::verified();
 }
 

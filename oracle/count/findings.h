@@ -37,6 +37,7 @@ BatchSummary summarize_batch(const Batch& batch);
 
 // SPEC §8: a batch without samples verifies nothing (exit 4). samples_judgement says so;
 // require_samples throws it as UnverifiedError before a command starts its work.
+inline constexpr const char* kNoSamplesReason = "the dumps hold no samples";
 Judgement samples_judgement(const Batch& batch);
 void require_samples(const Batch& batch);
 
