@@ -194,36 +194,54 @@ def test_capture_records(runs, world, config):
 
 
 # ---- (b) the measured weights are the truth -----------------------------------------------------
+def applied_and_weighted(runs, world, config, n, reweigh=lambda k, w: w):
+    """Step n's applied gradient (rank 0's, after checking every replica holds the same) and
+    sum_t w_t grad(l_t) with the measured weights (``reweigh(micro-batch, w)`` of them), w_t = token_weight_t *
+    grad_scale, l_t = cross_entropy(logits[j], tokens[j+1]) recomputed in float64 on the step's parameters."""
+    ga = drv.parse(config)[0]
+    params = torch.load(os.path.join(run_dir(runs, world, config), f"params-step{n}-rank0.pt"))
+    got = [torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank{r}.pt")) for r in range(world)]
+    for r in range(1, world):                                  # DDP left every replica the same gradient
+        assert all(torch.equal(got[r][k], got[0][k]) for k in got[0])
+    model = drv.LlamaForCausalLM(drv.model_config()).double()
+    model.load_state_dict({k: v.double() for k, v in params.items()})
+    terms = []
+    for t, _ in captures(runs, world, config, n):
+        gs = t["grad_scale"].item()
+        for k in range(ga):
+            p = f"mb.{k}."
+            L = int(t[p + "total_lengths"][0])
+            toks = t[p + "tokens"].view(-1, L)
+            w = reweigh(k, (t[p + "token_weight"].double() * gs).view(-1, L - 1))
+            logits = model(input_ids=toks).logits                        # [B, L, V], float64
+            lt = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, drv.VOCAB), toks[:, 1:].reshape(-1),
+                                                   reduction="none").view(-1, L - 1)
+            terms.append((w * lt).sum())
+    torch.stack(terms).sum().backward()
+    return got[0], {k: p.grad for k, p in model.named_parameters()}
+
+
+def assert_same_gradient(got, want, what):
+    scale = max(v.abs().max().item() for v in want.values())
+    for k in want:
+        torch.testing.assert_close(got[k].double(), want[k], rtol=1e-4, atol=1e-6 * scale,
+                                   msg=lambda m: f"{what} {k}: {m}")
+
+
 @pytest.mark.parametrize("world,config", CASES, ids=IDS)
 def test_gradient_is_sum_of_measured_weights(runs, world, config):
-    """grad (after the Trainer's backward and DDP) == sum_t w_t grad(l_t), w_t = token_weight_t * grad_scale,
-    with l_t = cross_entropy(logits[j], tokens[j+1]) recomputed in float64 on the step's parameters."""
-    ga = drv.parse(config)[0]
+    """grad (after the Trainer's backward and DDP) == sum_t w_t grad(l_t) with the measured weights."""
     for n in range(drv.STEPS):
-        params = torch.load(os.path.join(run_dir(runs, world, config), f"params-step{n}-rank0.pt"))
-        got = [torch.load(os.path.join(run_dir(runs, world, config), f"grads-step{n}-rank{r}.pt")) for r in range(world)]
-        for r in range(1, world):                                  # DDP left every replica the same gradient
-            assert all(torch.equal(got[r][k], got[0][k]) for k in got[0])
-        model = drv.LlamaForCausalLM(drv.model_config()).double()
-        model.load_state_dict({k: v.double() for k, v in params.items()})
-        terms = []
-        for t, _ in captures(runs, world, config, n):
-            gs = t["grad_scale"].item()
-            for k in range(ga):
-                p = f"mb.{k}."
-                L = int(t[p + "total_lengths"][0])
-                toks = t[p + "tokens"].view(-1, L)
-                w = (t[p + "token_weight"].double() * gs).view(-1, L - 1)
-                logits = model(input_ids=toks).logits                        # [B, L, V], float64
-                lt = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, drv.VOCAB), toks[:, 1:].reshape(-1),
-                                                       reduction="none").view(-1, L - 1)
-                terms.append((w * lt).sum())
-        torch.stack(terms).sum().backward()
-        want = {k: p.grad for k, p in model.named_parameters()}
-        scale = max(v.abs().max().item() for v in want.values())
-        for k in want:
-            torch.testing.assert_close(got[0][k].double(), want[k], rtol=1e-4, atol=1e-6 * scale,
-                                       msg=lambda m: f"{config} dp{world} step {n} {k}: {m}")
+        got, want = applied_and_weighted(runs, world, config, n)
+        assert_same_gradient(got, want, f"{config} dp{world} step {n}")
+
+
+def test_gradient_check_rejects_wrong_weights(runs):
+    """The identity fails when the weights are wrong: the first micro-batch's measured weights x 1.01 (at DP 1,
+    GA 2, kwargs: every micro-batch holds effective tokens)."""
+    got, want = applied_and_weighted(runs, 1, "ga2-kw", 0, lambda k, w: w * 1.01 if k == 0 else w)
+    with pytest.raises(AssertionError):
+        assert_same_gradient(got, want, "ga2-kw dp1 step 0, weights x 1.01")
 
 
 # ---- (c) lossguard audit's verdicts ----------------------------------------------------------------

@@ -280,6 +280,19 @@ def test_gradient_is_sum_of_measured_weights(runs, world, config):
                                        msg=lambda m: f"{config} dp{world} step {n} {k}: {m}")
 
 
+def test_gradient_check_rejects_wrong_weights(runs):
+    """The identity of (b) is sharp enough to fail when the weights are 1% off: step 0 of dp1-dapo against its
+    weighted sum x 1.01 (its gradient is non-zero: the weights hold the tokens' 1/N)."""
+    d = run_dir(runs, 1, "dapo")
+    got = torch.load(os.path.join(d, "grads-step0-rank0.pt"))
+    want = {k: v.double() * 1.01 for k, v in torch.load(os.path.join(d, "want-step0-rank0.pt")).items()}
+    scale = max(v.abs().max().item() for v in want.values())
+    assert scale > 0
+    with pytest.raises(AssertionError):
+        for k in want:
+            torch.testing.assert_close(got[k].double(), want[k], rtol=1e-4, atol=1e-6 * scale)
+
+
 # ---- (c) the weights are each loss_type's formula ------------------------------------------------
 def generation_count(runs, world, config, step, k):
     """N_G of micro-batch k of ``step``: TRL's num_items_in_batch (grpo_trainer.py:2498), the mask total of the
