@@ -142,7 +142,7 @@ SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range;
 SFT_SINCE, SFT_NEAREST = "1.15.0", "1.16.0"
 #: The first TRL whose GRPO compute_loss goes through _compute_loss under use_liger_kernel.
 _LIGER_SINCE = "1.14.0"
-trl: Any = SPEC.require("trl", "pip install 'trl>=1.13.0,<1.17.0' 'transformers>=5.24.0,<5.25.0'; "
+trl: Any = SPEC.require("trl", "pip install 'trl>=1.13.0,<1.17.0,!=1.15.*' 'transformers>=5.19.0,<5.26.0'; "
                           "scripts/setup-trainers.sh pins them")
 try:
     from trl import GRPOTrainer, SFTTrainer
