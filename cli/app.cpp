@@ -11,6 +11,7 @@
 
 #include "cli/command.h"
 #include "core/errors.h"
+#include "core/printable.h"
 
 namespace lossguard::cli {
 
@@ -88,7 +89,7 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       app.exit(e, out, err);
       return kExitPass;
     }
-    err << "lossguard: error: " << e.what() << "\n";
+    err << "lossguard: error: " << printable(e.what()) << "\n";
     err << "Run with --help for usage.\n";
     return kExitError;
   }
@@ -108,22 +109,23 @@ int run(int argc, const char* const* argv, std::ostream& out, std::ostream& err)
       cmd->run(report, ctx);
     } catch (const JobFaultError& e) {
       report.fault_error(e.what());
-      err << "lossguard: the job failed: " << e.what() << "\n";
+      err << "lossguard: the job failed: " << printable(e.what()) << "\n";
     } catch (const InputError& e) {
       report.error(e.what());
-      err << "lossguard: error: " << e.what() << "\n";
+      err << "lossguard: error: " << printable(e.what()) << "\n";
     } catch (const UnverifiedError& e) {
       report.unverified(e.what());
-      err << "lossguard: nothing verified: " << e.what() << "\n";
+      err << "lossguard: nothing verified: " << printable(e.what()) << "\n";
     } catch (const InternalError& e) {
       report.error(std::string("internal error (a lossguard bug; please report it): ") + e.what());
-      err << "lossguard: internal error (a lossguard bug; please report it): " << e.what() << "\n";
+      err << "lossguard: internal error (a lossguard bug; please report it): "
+          << printable(e.what()) << "\n";
     } catch (const std::bad_alloc&) {
       report.error("out of memory");
       err << "lossguard: error: out of memory\n";
     } catch (const std::exception& e) {
       report.error(e.what());
-      err << "lossguard: error: " << e.what() << "\n";
+      err << "lossguard: error: " << printable(e.what()) << "\n";
     }
     report.write_outputs(cmd->output, out, err);
     return report.exit_code();

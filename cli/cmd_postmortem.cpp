@@ -2,7 +2,9 @@
 // (SPEC §12).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
+#include <tuple>
 
 #include "cli/command.h"
 #include "cli/postmortem_render.h"
@@ -16,7 +18,19 @@ namespace {
 struct PostmortemOptions {
   std::vector<std::string> paths;
   PostmortemRenderOptions render;
-  int64_t naming_max_world = 4096;
+  int64_t naming_max_world = oracle::PostmortemOptions{}.naming_max_world;
+  int64_t world = 0;                       // 0: not given
+  int64_t tp = 0, pp = 0, cp = 0, dp = 0;  // 0: not given; any one given sets the layout (1s)
+
+  oracle::JobShape shape() const {
+    oracle::JobShape s;
+    if (world > 0) s.world = world;
+    if (tp > 0 || pp > 0 || cp > 0 || dp > 0) {
+      s.layout = oracle::Topology(std::max<int64_t>(tp, 1), std::max<int64_t>(pp, 1),
+                                  std::max<int64_t>(cp, 1), std::max<int64_t>(dp, 1));
+    }
+    return s;
+  }
 };
 
 void run_postmortem(const PostmortemOptions& o, Report& report, Context& ctx) {
@@ -29,7 +43,7 @@ void run_postmortem(const PostmortemOptions& o, Report& report, Context& ctx) {
     shown = true;
   });
   if (shown) ctx.err << "\r\x1b[K" << std::flush;
-  oracle::resolve_megatron_groups(job);
+  oracle::resolve_groups(job, o.shape());
   for (const auto& d : job.ranks) report.add_input(d.path, "flight-recorder-" + d.format);
   oracle::PostmortemOptions po;
   po.naming_max_world = o.naming_max_world;
@@ -41,7 +55,7 @@ void run_postmortem(const PostmortemOptions& o, Report& report, Context& ctx) {
   const Judgement judgement = r.judgement();
   if (judgement.unverified.empty()) {
     report.add_case({"lossguard.postmortem", "ranks_aligned", !r.diverged(),
-                     r.diverged() ? "the ranks diverged (see the report)" : "", false});
+                     r.diverged() && r.root ? r.root->summary : "", false});
   }
   report.record(judgement);
 }
@@ -69,6 +83,20 @@ void register_postmortem(CLI::App& root, Commands& commands) {
                   "Divergences listed in the text after the first (--json has them all)")
       ->check(CLI::Range(int64_t{0}, kMaxCount))
       ->capture_default_str();
+  app->add_option("--world", opts->world,
+                  "The job's number of ranks, where the dumps do not state it (Gloo's never do): "
+                  "a rank without a dump is then seen missing")
+      ->check(CLI::Range(int64_t{1}, kMaxFrWorld));
+  for (auto [name, size, what] : {std::tuple{"--tp", &opts->tp, "Tensor-parallel size"},
+                                  std::tuple{"--pp", &opts->pp, "Pipeline-parallel size"},
+                                  std::tuple{"--cp", &opts->cp, "Context-parallel size"},
+                                  std::tuple{"--dp", &opts->dp, "Data-parallel size"}}) {
+    app->add_option(name, *size,
+                    fmt::format("{} of the job's layout (Megatron order tp-cp-dp-pp; the sizes "
+                                "not given are 1): the world, and the members of its groups",
+                                what))
+        ->check(CLI::Range(int64_t{1}, kMaxFrWorld));
+  }
   app->add_option("--naming-max-world", opts->naming_max_world,
                   "Largest world in which the divergence is matched against the skip-decision "
                   "protocols (a simulation per layout and protocol)")
@@ -85,15 +113,23 @@ void register_postmortem(CLI::App& root, Commands& commands) {
       "      torch._C._distributed_c10d._dump_fr_trace_file(dist.get_rank(), True, True, False)\n"
       "      raise\n"
       "Reads the pickle torch writes (never running it: a pickle that would run code is refused)\n"
-      "and the JSON of _dump_fr_trace_json. Groups no pg_config lists (Gloo lists none): the\n"
-      "default group '0' is the world; groups Megatron names (group_desc MODEL_PARALLEL_GROUP,\n"
-      "...) get their members from the layouts that fit; others the ranks whose calls name them,\n"
-      "marked *. Give subgroups a timeout (new_group(..., timeout=)) so a waiting rank dumps.\n"
-      "Exit codes: 3 the ranks diverged, 0 every group's calls matched, 2 unreadable or\n"
-      "inconsistent dumps (two files for one rank, mixed versions), 4 no collective recorded.\n"
+      "and the JSON of _dump_fr_trace_json. The world and the groups' members are never guessed:\n"
+      "NCCL's dumps list them (pg_config); Gloo's list none, so give --world N or the layout\n"
+      "(--tp/--pp/--cp/--dp): groups Megatron names (group_desc MODEL_PARALLEL_GROUP, ...) and\n"
+      "groups whose callers are one group of the layout get their members from it; others only\n"
+      "the ranks seen calling on them, marked *. A rank without a dump is a suspect.\n"
+      "The culprit is found by causality: the rank short on a group where the others wait, a\n"
+      "missing dump that explains the waits, or a cycle of waits (both sides shown); the time a\n"
+      "call was created only breaks a tie, and the report says so.\n"
+      "Give subgroups a timeout (new_group(..., timeout=)) so a waiting rank dumps.\n"
+      "Exit codes: 3 the ranks diverged; 0 every member of every group present and matched\n"
+      "through the last call, the world known; 4 nothing verified (no collective recorded, or no\n"
+      "divergence while the world is unknown, ranks left no dump or some group's members are\n"
+      "unknown: a hung job is never green); 2 unreadable or inconsistent dumps.\n"
       "Examples:\n"
       "  lossguard postmortem /tmp/fr/\n"
-      "  lossguard postmortem /tmp/fr/trace_ --json report.json\n"
+      "  lossguard postmortem /tmp/fr/trace_ --tp 2 --pp 2 --dp 2 --json report.json\n"
+      "  lossguard postmortem /tmp/fr/ --world 16\n"
       "More: docs/postmortem.md");
   add_output_options(*app, cmd->output);
   cmd->run = [opts](Report& r, Context& c) { run_postmortem(*opts, r, c); };

@@ -206,7 +206,8 @@ void Report::write_outputs(const OutputOptions& o, std::ostream& out, std::ostre
       auto values = std::move(raw_values_);
       raw_results_.clear();
       raw_values_.clear();
-      head = to_json().dump(2);
+      // Input text that is not UTF-8 (a dump's frame name) is replaced, never a throw.
+      head = to_json().dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
       raw_results_ = std::move(raw);
       raw_values_ = std::move(values);
     }

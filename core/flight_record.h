@@ -12,6 +12,9 @@
 
 namespace lossguard {
 
+// The most ranks a job's dumps, --world or layout may claim (per-rank tables are sized by it).
+inline constexpr int64_t kMaxFrWorld = int64_t{1} << 20;
+
 // What the recorder had seen of a call when it dumped. Gloo records `scheduled` only.
 enum class FrState : uint8_t { kScheduled, kStarted, kCompleted, kOther };
 
@@ -40,6 +43,10 @@ struct FrCall {
   int32_t p2p_dst = -1;
   FrState state = FrState::kScheduled;
   bool is_p2p = false;
+  // The recorder retired the call: it completed, or failed (Gloo retires a call that timed out on
+  // some ranks): it is no longer pending, which says nothing about its partners.
+  bool retired = false;
+  int32_t pg_id = -1;      // the rank's own number for the group (the key of its pg_status)
   int64_t timeout_ms = 0;  // the call's timeout, as the job set it
 };
 
@@ -49,9 +56,19 @@ struct FrGroup {
   // Global ranks, sorted. From some dump's pg_config, else the ranks whose calls name the group.
   std::vector<int64_t> members;
   bool members_inferred = false;
-  // Completed from the Megatron layouts its group_desc and the other groups admit
-  // (oracle::resolve_megatron_groups): members_inferred is then false.
+  // Completed from the layout (oracle::resolve_groups): the one given (--tp/--pp/--cp/--dp), or
+  // every Megatron layout of the world its group_desc and the other groups admit;
+  // members_inferred is then false.
   bool members_from_layout = false;
+  // Where the members come from, for the report: "pg_config", "world" (the default group),
+  // "layout", or "calls" (members_inferred: only the ranks seen calling on it; incomplete).
+  const char* members_source() const {
+    return members_from_layout ? "layout"
+           : members_inferred  ? "calls"
+           : from_world        ? "world"
+                               : "pg_config";
+  }
+  bool from_world = false;
 };
 
 struct FrRankDump {
@@ -63,6 +80,24 @@ struct FrRankDump {
   std::vector<FrCall> calls;  // in record order
   // The recorder's ring buffer had overwritten older calls (the first kept record_id > 0).
   bool wrapped = false;
+  // pg_status: per group (its pg_id on this rank) the last call enqueued and completed on it,
+  // as the recorder kept them (Gloo's entries all read "scheduled"; this says which completed).
+  struct GroupStatus {
+    int32_t pg_id = -1;
+    int64_t last_enqueued = -1, last_completed = -1;
+  };
+  std::vector<GroupStatus> pg_status;
+  // The last call number completed on the group with this pg_id, or -1.
+  int64_t last_completed(int32_t pg_id) const {
+    for (const auto& s : pg_status)
+      if (s.pg_id == pg_id) return s.last_completed;
+    return -1;
+  }
+  // Whether a call of this dump is no longer pending: its state, its retirement, or pg_status.
+  bool finished(const FrCall& c) const {
+    return c.state == FrState::kCompleted || c.retired ||
+           (!c.is_p2p && c.pg_id >= 0 && c.seq <= last_completed(c.pg_id));
+  }
 };
 
 struct FrJob {
@@ -70,10 +105,13 @@ struct FrJob {
   std::vector<FrGroup> groups;
   std::vector<FrSignature> signatures;
   std::vector<std::vector<FrFrame>> stacks;
-  // The job's size: the default group's membership where some dump has it, else the highest rank
-  // seen plus one. Ranks in [0, world) without a dump are missing.
+  // The job's size where it is known (world_known): from the default group's pg_config, from
+  // --world or from the layout given (world_source says which); never from the highest rank seen.
+  // Unknown, `world` is the highest rank seen plus one, sizing per-rank tables only. Ranks in
+  // [0, world) without a dump are missing.
   int64_t world = 0;
-  bool world_from_config = false;
+  bool world_known = false;
+  std::string world_source;        // "pg_config", "--world", "layout", or "" when unknown
   std::vector<std::string> notes;  // what the loader inferred or ignored, for the report
 };
 

@@ -3,6 +3,7 @@
 // only way to a cycle) and every malformed byte end the parse with nullopt.
 #include "io/flat_pickle.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace lossguard::io {
@@ -11,10 +12,12 @@ class FlatPickleParser {
  public:
   explicit FlatPickleParser(std::string_view in) : in_(in) {
     // About one value per 4 to 8 bytes of pickle: grown once or twice, not 20 times.
-    out_.nodes_.reserve(in.size() / 8);
-    out_.links_.reserve(in.size() / 8);
-    shared_.reserve(in.size() / 8);
-    depth_.reserve(in.size() / 8);
+    // A first guess, capped: a large file of anything must not reserve gigabytes up front.
+    const std::size_t guess = std::min<std::size_t>(in.size() / 8, std::size_t{1} << 20);
+    out_.nodes_.reserve(guess);
+    out_.links_.reserve(guess);
+    shared_.reserve(guess);
+    depth_.reserve(guess);
   }
 
   std::optional<FlatPickle> run() {

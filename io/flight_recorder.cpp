@@ -47,13 +47,58 @@ std::optional<int64_t> rank_of_name(const std::string& basename) {
   return std::stoll(stem.substr(k));
 }
 
+// A file's bytes, read once, after its first bytes show it can be a dump (a pickle starts with
+// byte 0x80, the JSON form with '{' after white space): a large file of anything else is refused
+// before it is read whole.
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw_input_error("{}: cannot open: {}", path, std::strerror(errno));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
+  char head[4096];
+  f.read(head, sizeof head);
+  const auto got = static_cast<std::size_t>(f.gcount());
+  std::size_t first = 0;
+  while (first < got && std::isspace(static_cast<unsigned char>(head[first]))) ++first;
+  const bool pickle = got > 0 && static_cast<unsigned char>(head[0]) == 0x80;
+  if (!pickle && !(first < got && head[first] == '{')) {
+    throw_input_error(
+        "{}: not a Flight Recorder dump (neither a pickle, which starts with byte 0x80, nor a "
+        "JSON object){}",
+        path,
+        got == 0
+            ? ": the file is empty"
+            : fmt::format(": it starts with byte 0x{:02x}", static_cast<unsigned char>(head[0])));
+  }
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);
+  std::string bytes;
+  if (!ec) bytes.reserve(static_cast<std::size_t>(size));
+  bytes.append(head, got);
+  char buf[1 << 16];
+  while (f.read(buf, sizeof buf) || f.gcount() > 0)
+    bytes.append(buf, static_cast<std::size_t>(f.gcount()));
+  return bytes;
 }
+
+// How many values a dump's reading may visit: a pickle's memo lets a few bytes reference one
+// container many times over (9 levels of 10 references are 10^9 values in under 1 KB), so every
+// visit is counted against a budget proportional to the bytes given.
+class VisitBudget {
+ public:
+  VisitBudget(const std::string& path, std::size_t bytes)
+      : path_(path), left_(static_cast<int64_t>(bytes) * 32 + (int64_t{1} << 22)), total_(left_) {}
+  void take() {
+    if (--left_ < 0) {
+      throw_input_error(
+          "{}: its shared references expand to more than {} values (32 per byte of the file): "
+          "not a dump torch writes",
+          path_, total_);
+    }
+  }
+
+ private:
+  const std::string& path_;
+  int64_t left_, total_;
+};
 
 // Field access that names the file, the entry and the field on every error.
 // The two trees a dump is read into, behind one interface: FlatPickle's nodes (plain-data pickles,
@@ -61,6 +106,7 @@ std::string read_bytes(const std::string& path) {
 enum class K { kNone, kBool, kInt, kFloat, kString, kList, kDict, kOther };
 
 struct ValueTree {
+  VisitBudget* budget = nullptr;
   using Node = const Value*;
   static constexpr Node kMissing = nullptr;
   K kind(Node n) const {
@@ -90,11 +136,17 @@ struct ValueTree {
   Node get(Node dict, std::string_view key) const { return dict->get(key); }
   template <class F>
   void items(Node seq, F&& f) const {
-    for (const auto& x : seq->items) f(x.get());
+    for (const auto& x : seq->items) {
+      budget->take();
+      f(x.get());
+    }
   }
   template <class F>
   void entries(Node dict, F&& f) const {
-    for (const auto& [k, v] : dict->entries) f(k.get(), v.get());
+    for (const auto& [k, v] : dict->entries) {
+      budget->take();
+      f(k.get(), v.get());
+    }
   }
 };
 
@@ -102,6 +154,7 @@ struct FlatTree {
   using Node = uint32_t;
   static constexpr Node kMissing = FlatPickle::kEnd;
   const FlatPickle& p;
+  VisitBudget* budget = nullptr;
   K kind(Node n) const {
     switch (p.node(n).kind) {
       case FlatPickle::Kind::kNone:
@@ -131,12 +184,16 @@ struct FlatTree {
   Node get(Node dict, std::string_view key) const { return p.get(dict, key); }
   template <class F>
   void items(Node seq, F&& f) const {
-    p.for_each_child(seq, f);
+    p.for_each_child(seq, [&](Node c) {
+      budget->take();
+      f(c);
+    });
   }
   template <class F>
   void entries(Node dict, F&& f) const {
     Node key = kMissing;
     p.for_each_child(dict, [&](Node c) {
+      budget->take();
       if (key == kMissing) {
         key = c;
       } else {
@@ -369,6 +426,39 @@ FrRankDump convert(const Tree& t, typename Tree::Node root, const std::string& p
       }
     });
   }
+  if (const Node st = top.find(root, "pg_status"); st != Tree::kMissing) {
+    top.require(st, K::kDict, "pg_status", "a dict");
+    t.entries(st, [&](Node k, Node v) {
+      const std::string key(t.kind(k) == K::kString ? t.str(k) : std::string_view());
+      const Reader<Tree> r = top.at(fmt::format("pg_status['{}']", key));
+      r.require(v, K::kDict, "", "a dict");
+      FrRankDump::GroupStatus s;
+      int64_t id = -1;
+      if (!key.empty() && key.size() < 10 &&
+          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; }))
+        id = std::stoll(key);
+      if (id < 0) return;  // not a pg_id: nothing to tie it to a call
+      s.pg_id = static_cast<int32_t>(id);
+      // The JSON form writes these numbers as strings ("3"), the pickle as integers.
+      auto number = [&](const char* field) -> int64_t {
+        const Node x = r.find(v, field);
+        if (x == Tree::kMissing) return -1;
+        if (t.kind(x) != K::kString) return r.integer(x, field);
+        const std::string_view text = t.str(x);
+        int64_t n = 0;
+        const bool negative = !text.empty() && text.front() == '-';
+        const std::string_view digits = negative ? text.substr(1) : text;
+        if (digits.empty() || digits.size() > 18 ||
+            !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+          r.fail(field, fmt::format("expected an integer, found '{}'", text.substr(0, 40)));
+        for (char c : digits) n = n * 10 + (c - '0');
+        return negative ? -n : n;
+      };
+      s.last_enqueued = number("last_enqueued_collective");
+      s.last_completed = number("last_completed_collective");
+      d.pg_status.push_back(s);
+    });
+  }
   const Node entries = top.need(root, "entries");
   std::size_t k = 0;
   std::string key;  // reused: an entry's signature or stack key
@@ -414,7 +504,9 @@ FrRankDump convert(const Tree& t, typename Tree::Node root, const std::string& p
     }
     c.time_created_ns = r.integer_or(e, "time_created_ns", 0);
     c.state = parse_state(r.string_or(e, "state", "scheduled"));
-    r.boolean_or(e, "retired", false);  // checked, not kept: the alignment decides completion
+    c.retired = r.boolean_or(e, "retired", false);
+    const int64_t pg_id = r.integer_or(e, "pg_id", -1);
+    c.pg_id = pg_id >= 0 && pg_id < (int64_t{1} << 30) ? static_cast<int32_t>(pg_id) : -1;
     c.timeout_ms = r.integer_or(e, "timeout_ms", 0);
     if (const Node frames = r.find(e, "frames"); frames != Tree::kMissing) {
       key.clear();
@@ -508,7 +600,8 @@ FrRankDump parse_one(std::string_view bytes, const std::string& path, int64_t ra
     // Plain data (every dump torch writes) takes the fast reader; anything else, hostile or
     // malformed, the restricted unpickler, which reads it or says why not.
     if (const auto flat = FlatPickle::parse(bytes)) {
-      const FlatTree t{*flat};
+      VisitBudget budget(path, bytes.size());
+      const FlatTree t{*flat, &budget};
       FrRankDump d = convert(t, flat->root(), path, rank, builder, config);
       d.format = "pickle";
       return d;
@@ -526,7 +619,8 @@ FrRankDump parse_one(std::string_view bytes, const std::string& path, int64_t ra
         "0x80, nor a JSON object){}",
         path, bytes.empty() ? ": the file is empty" : "");
   }
-  const ValueTree t;
+  VisitBudget budget(path, bytes.size());
+  const ValueTree t{&budget};
   FrRankDump d = convert(t, root.get(), path, rank, builder, config);
   d.format = format;
   return d;
@@ -608,8 +702,15 @@ std::vector<Share> read_shares(const std::vector<std::pair<std::string, int64_t>
   auto work = [&](std::size_t w) {
     for (std::size_t k = w; k < files.size() && !failed.load(); k += workers) {
       try {
-        shares[w].dumps.push_back(
-            read_one(files[k].first, files[k].second, shares[w].builder, shares[w].config));
+        try {
+          shares[w].dumps.push_back(
+              read_one(files[k].first, files[k].second, shares[w].builder, shares[w].config));
+        } catch (const std::bad_alloc&) {
+          throw_input_error(
+              "{}: out of memory reading it: not a dump torch writes, or too large "
+              "for this machine",
+              files[k].first);
+        }
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (k < error_index) {
@@ -634,8 +735,14 @@ std::vector<Share> read_shares(const std::vector<std::pair<std::string, int64_t>
   return shares;
 }
 
-// The world: the default group's membership where a pg_config gives it, else the highest rank
-// seen plus one (said in a note).
+std::string format_members(const std::vector<int64_t>& m) {
+  if (m.size() <= 8) return fmt::format("{}", fmt::join(m, ", "));
+  return fmt::format("{}, ... ({} ranks)", fmt::join(m.begin(), m.begin() + 8, ", "), m.size());
+}
+
+// The world: the default group's membership where a pg_config gives it (it must be 0..n-1),
+// else unknown (the highest rank seen plus one sizes the tables; a note says so). A claimed world
+// is bounded by the bytes that claim it: the default group's ranks are listed one by one.
 void set_world(FrJob& job, const Config& config) {
   int64_t highest = -1;
   for (const auto& d : job.ranks) highest = std::max(highest, d.rank);
@@ -643,8 +750,16 @@ void set_world(FrJob& job, const Config& config) {
     if (!g.members.empty()) highest = std::max(highest, g.members.back());
   }
   if (auto it = config.groups.find("0"); it != config.groups.end() && !it->second.members.empty()) {
-    job.world = it->second.members.back() + 1;
-    job.world_from_config = true;
+    const auto& m = it->second.members;
+    if (m.front() != 0 || m.back() != static_cast<int64_t>(m.size()) - 1) {
+      throw_input_error(
+          "{}: pg_config's default group '0' lists ranks [{}]: the default group is every rank "
+          "0..n-1",
+          it->second.path, format_members(m));
+    }
+    job.world = static_cast<int64_t>(m.size());
+    job.world_known = true;
+    job.world_source = "pg_config";
     if (highest >= job.world) {
       throw_input_error(
           "{}: rank {} is outside the default group [0, {}) that the dumps' "
@@ -653,26 +768,20 @@ void set_world(FrJob& job, const Config& config) {
     }
   } else {
     job.world = highest + 1;
-    job.notes.push_back(fmt::format(
-        "the world size ({}) is the highest rank seen plus one: no dump lists the default group",
-        job.world));
   }
   // Per-rank tables are sized by the world: a corrupt rank number must not size them.
-  constexpr int64_t kMaxWorld = int64_t{1} << 24;
-  if (job.world > kMaxWorld) {
+  if (job.world > kMaxFrWorld) {
     throw_input_error(
         "the dumps name rank {} ({}): beyond the {} ranks postmortem aligns; a file name or "
         "pg_config is not a rank number",
-        job.world - 1,
-        job.world_from_config ? "in pg_config's default group"
-                              : "a file name's number or a "
-                                "pg_config entry",
-        kMaxWorld);
+        job.world - 1, "a file name's number or a pg_config entry", kMaxFrWorld);
   }
 }
 
-// Members of the groups no pg_config lists: the default group "0" is the world
-// (torch.distributed's group.WORLD), any other the ranks whose calls name it.
+// Members of the groups no pg_config lists: the default group "0" is the world where it is known,
+// else at least every rank that dumped (the default group holds every rank; more may exist); any
+// other the ranks whose calls name it. Either way incomplete (members_inferred) until the world
+// or a layout says more (oracle::resolve_groups).
 void infer_members(FrJob& job, const Config& config) {
   std::vector<std::vector<int64_t>> named(job.groups.size());
   for (const auto& d : job.ranks) {
@@ -681,24 +790,20 @@ void infer_members(FrJob& job, const Config& config) {
       if (m.empty() || m.back() != d.rank) m.push_back(d.rank);
     }
   }
-  std::vector<std::string> inferred;
   for (std::size_t g = 0; g < job.groups.size(); ++g) {
     if (config.groups.count(job.groups[g].name)) continue;
-    if (job.groups[g].name == "0") {
+    if (job.groups[g].name == "0" && job.world_known) {
       job.groups[g].members.resize(static_cast<std::size_t>(job.world));
       std::iota(job.groups[g].members.begin(), job.groups[g].members.end(), int64_t{0});
+      job.groups[g].from_world = true;
       continue;
+    }
+    if (job.groups[g].name == "0") {
+      named[g].clear();
+      for (const auto& d : job.ranks) named[g].push_back(d.rank);
     }
     job.groups[g].members = std::move(named[g]);
     job.groups[g].members_inferred = true;
-    inferred.push_back(job.groups[g].name);
-  }
-  if (!inferred.empty()) {
-    job.notes.push_back(fmt::format(
-        "no dump's pg_config lists group(s) {}: their members are the ranks whose calls name "
-        "them (Gloo's recorder lists none); a member that never issued a call on such a group "
-        "cannot be seen",
-        fmt::join(inferred, ", ")));
   }
 }
 

@@ -35,6 +35,45 @@ struct Divergence {
   // another call that never completed: that rank died, hangs outside collectives or went on past
   // the call.
   bool blames_idle_rank = false;
+  // The group's members are only the ranks seen calling on it (no pg_config, no layout): a member
+  // outside the dumps may be the one short.
+  bool members_unknown = false;
+  // Every member with a dump issued the call and it never completed (a pending call): the
+  // suspects are the members without a dump, or outside those known.
+  bool pending = false;
+  std::vector<int64_t> blamed() const;  // not_issued, then no_dump
+};
+
+// The root of the waits, the headline (SPEC §12 "the culprit is found by causality"):
+enum class RootKind {
+  kIdleRank,     // blamed ranks recorded nothing after a call every member issued: they died,
+                 // skipped the call or hang outside collectives
+  kMissingDump,  // the waits point to members that left no dump
+  kCycle,        // every blamed rank waits elsewhere, in a cycle of waits
+  kOutOfOrder,   // a cycle of waits where one side left the order of calls its earlier steps
+                 // kept (it skipped a call, or issued two in another order): that side
+  kMismatch,     // one call with another operation, size or dtype on some members
+  kPending       // a call every rank seen issued, never completed: a member outside the dumps;
+                 // or blamed ranks whose last call is on a group of unknown members
+};
+const char* root_kind_name(RootKind k);  // "idle_rank", "missing_dump", "cycle", ...
+
+// One rank's wait in a cycle: it issued `seq` on `group` and waits there for `waits_for`.
+struct WaitStep {
+  int64_t rank = 0;
+  std::size_t divergence = 0;  // index into PostmortemResult::divergences
+  std::vector<int64_t> waits_for;
+};
+
+struct Root {
+  RootKind kind = RootKind::kIdleRank;
+  std::vector<int64_t> culprits;  // with or without a dump (missing ranks are culprits too)
+  std::vector<WaitStep> cycle;    // kCycle: each side's wait, in the order they wait on each other
+  // What the dumps support, the likelier first; two where they cannot tell which side is wrong.
+  std::vector<std::string> readings;
+  int64_t explains = 0;  // ranks waiting in a divergence whose chain of waits leads here
+  bool by_time = false;  // several roots explained as many waits: the earliest created won
+  std::string summary;   // one line
 };
 
 enum class RankRole { kComplete, kWaiting, kCulprit, kMissing };
@@ -60,8 +99,8 @@ struct ProtocolMatch {
 };
 
 struct PostmortemOptions {
-  int64_t max_divergences = 1000;   // kept in the result (the first ones in time)
-  int64_t naming_max_world = 4096;  // the protocol search runs up to this many ranks
+  int64_t max_divergences = 1000;      // kept in the result (the root's first, then in time)
+  int64_t naming_max_world = 1 << 17;  // the protocol search runs up to this many ranks
 };
 
 struct PostmortemResult {
@@ -69,22 +108,43 @@ struct PostmortemResult {
   std::vector<RankState> ranks;         // [0, world)
   std::vector<int64_t> missing, complete, waiting, culprits;
   int64_t total_calls = 0;
+  std::optional<Root> root;            // where the divergences' waits lead (diverged() only)
   std::vector<ProtocolMatch> matches;  // for divergences[0]
   std::string naming_note;             // why no protocol was tried, when none was
   std::vector<std::string> notes;
+  // What keeps a job without divergence from passing: the world unknown, ranks without a dump,
+  // groups whose members are unknown (empty: it passes).
+  std::vector<std::string> unverified;
+  std::vector<uint32_t> unknown_groups;  // groups whose members are only the ranks seen calling
   bool no_collectives() const { return total_calls == 0; }
   bool diverged() const { return !divergences.empty(); }
-  // Nothing verified without a collective call; a divergence is the job's fault (exit 3).
+  // One protocol (and flag group) diverges as the dumps do: it is named; several are only
+  // "consistent with".
+  bool named() const { return matches.size() == 1; }
+  // Nothing verified without a collective call, or without a divergence while the world or some
+  // group's members are unknown or ranks left no dump; a divergence is the job's fault (exit 3).
   Judgement judgement() const;
 };
 
-// Groups that Megatron names by their group_desc (MODEL_PARALLEL_GROUP,
-// DATA_PARALLEL_GROUP_WITH_CP, PIPELINE_MODEL_PARALLEL_GROUP, ...: megatron/core/parallel_state.py)
-// and whose members were only inferred from the calls get their whole membership from Megatron's
-// layout (SPEC §7) where every layout of `job.world` ranks consistent with all such groups gives
-// the same; a note says which.
+// What the user says of the job's shape (postmortem --world, --tp/--pp/--cp/--dp).
+struct JobShape {
+  std::optional<int64_t> world;
+  std::optional<Topology> layout;  // Megatron order tp-cp-dp-pp
+};
+
+// The world and the groups' members from what is known (SPEC §12 "never guessed"): the world
+// from the dumps' pg_config, else `given.world`, else the layout's size (InputError where they
+// disagree, or a dump's rank lies outside it); the default group is then the world. Groups
+// Megatron names by their group_desc (MODEL_PARALLEL_GROUP, DATA_PARALLEL_GROUP_WITH_CP, ...:
+// megatron/core/parallel_state.py) whose members were only seen calling get their whole
+// membership from the given layout, else from every Megatron layout of a known world consistent
+// with all such groups where those agree; a group without such a description whose callers are
+// exactly one group of the given layout gets that group. Notes say which.
 // Call it on a loaded job before analyse_flight_records (the CLI does).
-void resolve_megatron_groups(FrJob& job);
+void resolve_groups(FrJob& job, const JobShape& given = {});
+
+// The kind of group Megatron describes so (MODEL_PARALLEL_GROUP -> kMp, ..._GLOO alike), or none.
+std::optional<GroupKind> megatron_group_kind(std::string desc);
 
 // The headline divergence is the earliest one that blames an idle rank (one that is not itself
 // waiting elsewhere: the root of a chain of waits), else the earliest.

@@ -26,8 +26,9 @@ struct SimCall {
 // The name a Flight Recorder gives the operation: a MAX all-reduce is an all_reduce there.
 const char* fr_op(Op op) { return op == Op::kAllReduceMax ? "all_reduce" : op_name(op); }
 
-// A call as the comparison sees it: its operation and whether it carries integers (a count, a
-// flag) or floating point (gradients, a norm): "all_reduce/int".
+// A call as the comparison sees it: its operation, whether it carries integers (a count, a
+// flag) or floating point (gradients, a norm), and how many elements: "all_reduce/int/1". A
+// decision call carries one element; a gradient bucket any number ("*" in a simulated call).
 std::string call_class(const FrSignature& s) {
   std::string cls = "none";
   for (const auto& d : s.input_dtypes) {
@@ -35,7 +36,25 @@ std::string call_class(const FrSignature& s) {
                          d == "Bool" || d == "int64" || d == "int32";
     cls = integer ? "int" : "float";
   }
-  return s.op + "/" + cls;
+  int64_t n = 0;
+  bool any = false;  // a simulated bucket: size -1
+  for (const auto& shape : s.input_sizes) {
+    int64_t k = 1;
+    for (int64_t x : shape) {
+      any = any || x < 0;
+      k = x < 0 || k > (int64_t{1} << 40) ? k : k * x;
+    }
+    n += k;
+  }
+  return any ? fmt::format("{}/{}/*", s.op, cls) : fmt::format("{}/{}/{}", s.op, cls, n);
+}
+
+// Whether an observed call class fits a simulated one ("*" in the element count: any).
+bool class_fits(const std::string& simulated, const std::string& observed) {
+  if (simulated == observed) return true;
+  const std::size_t k = simulated.rfind('/');
+  return k != std::string::npos && simulated.compare(k, std::string::npos, "/*") == 0 &&
+         observed.compare(0, k + 1, simulated, 0, k + 1) == 0;
 }
 
 // What decides a match: the divergence's kind, its group's members, how it splits them and what
@@ -50,7 +69,7 @@ struct Shape {
     if (kind != observed.kind || members != observed.members || sides != observed.sides)
       return false;
     for (std::size_t k = 0; k < calls.size(); ++k) {
-      if (calls[k] != "*" && calls[k] != observed.calls[k]) return false;
+      if (calls[k] != "*" && !class_fits(calls[k], observed.calls[k])) return false;
     }
     return true;
   }
@@ -85,6 +104,10 @@ const char* payload_dtype(Payload p) {
     default:
       return "Float";
   }
+}
+
+bool bucket_payload(Payload p) {
+  return p == Payload::kGradients || p == Payload::kExpertGradients || p == Payload::kTokens;
 }
 
 struct Scenario {
@@ -152,7 +175,8 @@ FrJob simulated_dumps(const Topology& t, const std::vector<std::vector<SimCall>>
         s.op = fr_op(c.op);
         s.profiling_name = fmt::format("sim:{} {}", s.op, payload_name(c.payload));
         if (c.payload != Payload::kNone) {
-          s.input_sizes = {{1}};
+          // A decision call (a count, a flag, a norm) carries one element; buckets any number.
+          s.input_sizes = {{bucket_payload(c.payload) ? -1 : 1}};
           s.input_dtypes = {payload_dtype(c.payload)};
         }
         s.output_sizes = s.input_sizes;
@@ -166,8 +190,20 @@ FrJob simulated_dumps(const Topology& t, const std::vector<std::vector<SimCall>>
   return b.take();
 }
 
+// Where the job describes a group as Megatron does, the simulated call's group must be of that
+// kind (DP and DP+CP alike): one-rank groups of another kind hold the same members. A group
+// without such a description fits by its members alone.
+bool kind_fits(GroupKind simulated, const std::string& desc) {
+  const auto k = megatron_group_kind(desc);
+  if (!k || *k == simulated) return true;
+  const auto dp = [](GroupKind x) { return x == GroupKind::kDp || x == GroupKind::kDpCp; };
+  return dp(*k) && dp(simulated);
+}
+
 // Whether `sim`'s calls (without the trailing barrier that stands for the next step) appear in
-// order at the end of what `rank` recorded: same operation, same group members.
+// order at the end of what `rank` recorded: same operation, dtype class and element count, same
+// group members — or, for the token count, a group holding them (a job may all-reduce its count
+// over the world group instead of DP x CP).
 bool tail_matches(const FrJob& job, const FrRankDump& observed, const Topology& t,
                   const std::vector<SimCall>& sim) {
   std::size_t n = sim.size();
@@ -178,12 +214,19 @@ bool tail_matches(const FrJob& job, const FrRankDump& observed, const Topology& 
     const std::vector<int64_t> members = t.members(c.group);
     FrSignature want;
     want.op = fr_op(c.op);
-    if (c.payload != Payload::kNone) want.input_dtypes = {payload_dtype(c.payload)};
+    if (c.payload != Payload::kNone) {
+      want.input_sizes = {{bucket_payload(c.payload) ? -1 : 1}};
+      want.input_dtypes = {payload_dtype(c.payload)};
+    }
     const std::string cls = call_class(want);
+    const bool count = c.payload == Payload::kCount;
     while (j >= 0) {
       const FrCall& o = observed.calls[static_cast<std::size_t>(j)];
-      if (!o.is_p2p && call_class(job.signatures[o.signature]) == cls &&
-          job.groups[o.group].members == members)
+      const auto& om = job.groups[o.group].members;
+      if (!o.is_p2p && class_fits(cls, call_class(job.signatures[o.signature])) &&
+          kind_fits(c.group.kind, job.groups[o.group].desc) &&
+          (om == members || (count && om.size() > members.size() &&
+                             std::includes(om.begin(), om.end(), members.begin(), members.end()))))
         break;
       --j;
     }
@@ -255,6 +298,8 @@ std::string topology_name(const Topology& t) {
 
 }  // namespace
 
+// Long: the search in its order (what cannot be named, the layouts consistent with the known
+// groups, protocols x flag groups x scenarios, the note when none fits).
 std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d,
                                            const PostmortemOptions& options, std::string* note) {
   std::vector<ProtocolMatch> out;
@@ -286,12 +331,28 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
 
   std::map<std::pair<Protocol, int>, std::size_t> found;  // (protocol, flag group) -> out index
   int64_t tried = 0;
-  for (const Topology& t : dense_layouts(world)) {
-    bool holds_group = members == std::vector<int64_t>{t.members({GroupKind::kWorld, 0})};
+  // Groups whose members are known: a layout that lacks one of them is not this job's.
+  std::vector<const FrGroup*> known;
+  for (const auto& g : job.groups)
+    if (!g.members_inferred && !g.members.empty() && g.members.back() < world) known.push_back(&g);
+  auto holds = [](const Topology& t, const std::vector<int64_t>& m) {
+    if (static_cast<int64_t>(m.size()) == t.world()) return true;
     for (GroupKind k : kAllGroupKinds) {
-      holds_group = holds_group || t.members(t.group_of(k, members.front())) == members;
+      if (t.group_size(k) == static_cast<int64_t>(m.size()) &&
+          t.members(t.group_of(k, m.front())) == m)
+        return true;
     }
-    if (!holds_group) continue;
+    return false;
+  };
+  int64_t layouts_skipped = 0;
+  for (const Topology& t : dense_layouts(world)) {
+    if (!holds(t, members)) continue;
+    bool consistent = true;
+    for (const FrGroup* g : known) consistent = consistent && holds(t, g->members);
+    if (!consistent) {
+      ++layouts_skipped;
+      continue;
+    }
     const std::vector<Scenario> scenarios = scenarios_for(t, representatives);
     for (const auto& [p, name] : ModeNames<Protocol>::kTable) {
       (void)name;
@@ -317,10 +378,11 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
     }
   }
   if (out.empty()) {
-    say(
-        fmt::format("no protocol of the skip-decision model diverges this way ({} simulations "
-                    "over the layouts of {} ranks that hold the group)",
-                    tried, world));
+    say(fmt::format(
+        "no protocol of the skip-decision model diverges this way ({} simulations "
+        "over the layouts of {} ranks that hold the job's groups{})",
+        tried, world,
+        layouts_skipped > 0 ? fmt::format("; {} layouts lack one of them", layouts_skipped) : ""));
   }
   std::stable_sort(out.begin(), out.end(), [](const ProtocolMatch& a, const ProtocolMatch& b) {
     return static_cast<int>(a.protocol) < static_cast<int>(b.protocol);

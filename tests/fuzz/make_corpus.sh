@@ -19,11 +19,14 @@ for p in sorted(src.glob("*.pt")):
                 (dst / (p.stem + ".pkl")).write_bytes(z.read(n))
 PY
     ;;
-  flight_recorder)  # real torch 2.15 Gloo dumps, pickle and JSON
+  flight_recorder)  # real torch 2.15 Gloo dumps, pickle and JSON,
     for f in "$fixtures"/flight_recorder/*/fr_trace_rank_* "$fixtures"/flight_recorder/*/json/*.json; do
       rel="${f#"$fixtures"/flight_recorder/}"
       cp "$f" "$out/${rel//\//-}"
-    done ;;
+    done
+    # and hostile ones (memo bombs and cycles, sequence gaps, claimed worlds, escapes, one memo'd
+    # entry 20,000 times), written by tests/postmortem/hostile_dumps.py: hostile-<shape>-<file>
+    python3 "$(dirname "$0")/../postmortem/hostile_dumps.py" --seeds "$out" ;;
   batch|capture|contract) ;;
 esac
 # Inputs that once found a bug (tests/fuzz/regressions/TARGET-*): every run starts from them.

@@ -137,7 +137,8 @@ TEST(FlightRecorder, ReadsTorchsPickleLayout) {
   const FrJob job = read_flight_records({dir.string()});
   ASSERT_EQ(job.ranks.size(), 2u);
   EXPECT_EQ(job.world, 2);
-  EXPECT_TRUE(job.world_from_config);
+  EXPECT_TRUE(job.world_known);
+  EXPECT_EQ(job.world_source, "pg_config");
   EXPECT_EQ(job.ranks[0].rank, 0);
   EXPECT_EQ(job.ranks[0].format, "pickle");
   ASSERT_EQ(job.ranks[0].calls.size(), 2u);
@@ -175,9 +176,12 @@ TEST(FlightRecorder, ReadsTheJsonDumpAndAPrefix) {
   EXPECT_EQ(c.p2p_src, 0);
   EXPECT_EQ(c.p2p_dst, 1);
   EXPECT_EQ(c.state, FrState::kCompleted);
-  EXPECT_EQ(job.world, 4);  // the highest rank seen, said so
-  EXPECT_FALSE(job.notes.empty());
-  EXPECT_EQ(job.groups[c.group].members, (std::vector<int64_t>{0, 1, 2, 3}));  // "0" is the world
+  // No pg_config: the world is unknown (the tables are sized by the highest rank seen), and the
+  // default group's members are the ranks that dumped, marked incomplete: never 0-3 guessed.
+  EXPECT_EQ(job.world, 4);
+  EXPECT_FALSE(job.world_known);
+  EXPECT_EQ(job.groups[c.group].members, (std::vector<int64_t>{3}));
+  EXPECT_TRUE(job.groups[c.group].members_inferred);
 }
 
 TEST(FlightRecorder, APickleThatWouldRunCodeIsRefusedWithoutRunningIt) {
@@ -243,10 +247,111 @@ TEST(FlightRecorder, BadSetsAreRefusedNamingTheFile) {
   write(huge / "t_123456789", good);
   e = error_of({huge.string()});
   EXPECT_NE(e.find("rank 123456789"), std::string::npos) << e;
+  // a default group that is not 0..n-1 (a world claimed by one number: not a world)
+  auto claim = testing::temp_dir("fr_claim");
+  write(claim / "t_0", pickled_dump({{}}, "2.10", "[16777215]"));
+  write(claim / "t_1", pickled_dump({{}}, "2.10", "[16777215]"));
+  e = error_of({claim.string()});
+  EXPECT_NE(e.find("default group '0' lists ranks [16777215]"), std::string::npos) << e;
   // a name without a rank
   write(dir / "trace.pkl", good);
   e = error_of({(dir / "trace.pkl").string()});
   EXPECT_NE(e.find("must end in its rank number"), std::string::npos) << e;
+}
+
+TEST(FlightRecorder, PgStatusAndRetirementSayWhichCallsCompleted) {
+  // Gloo's entries all read "scheduled": pg_status (keyed by the rank's pg_id) and `retired` say
+  // which completed. Call 1 is retired; call 2 is not, and pg_status says 1 completed.
+  auto dir = testing::temp_dir("fr_status");
+  const std::string json =
+      R"({"version": "2.10", "pg_status": {"0": {"last_enqueued_collective": 2,
+      "last_started_collective": -1, "last_completed_collective": 1}}, "entries": [
+      {"record_id": 0, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 1,
+       "profiling_name": "gloo:all_reduce", "state": "scheduled", "retired": true},
+      {"record_id": 1, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": 2,
+       "profiling_name": "gloo:all_reduce", "state": "scheduled", "retired": false}]})";
+  write(dir / "t_0", json);
+  const FrJob job = read_flight_records({dir.string()});
+  const FrRankDump& d = job.ranks[0];
+  ASSERT_EQ(d.pg_status.size(), 1u);
+  EXPECT_EQ(d.pg_status[0].last_completed, 1);
+  EXPECT_EQ(d.last_completed(0), 1);
+  EXPECT_TRUE(d.calls[0].retired);
+  EXPECT_TRUE(d.finished(d.calls[0]));
+  EXPECT_FALSE(d.finished(d.calls[1]));  // enqueued, never completed: where the rank waits
+}
+
+TEST(FlightRecorder, AFileThatIsNoDumpIsRefusedFromItsFirstByte) {
+  // A 1 GiB sparse file of zeros: refused on its first byte, never read whole (the test would
+  // take seconds and a GiB of memory otherwise).
+  auto dir = testing::temp_dir("fr_zeros");
+  const auto path = dir / "t_0";
+  { std::ofstream(path, std::ios::binary); }
+  std::filesystem::resize_file(path, std::uintmax_t{1} << 30);
+  const std::string e = error_of({path.string()});
+  EXPECT_NE(e.find("starts with byte 0x00"), std::string::npos) << e;
+}
+
+TEST(FlightRecorder, SharedReferencesThatExpandBeyondTheBytesAreRefused) {
+  // 9 levels of 10 memo references in under 1 KB: 10^9 values if followed. Both readers refuse
+  // it against a visit budget proportional to the file's bytes (the fast one takes plain data;
+  // the same bytes with a tuple opcode the fast reader does not take go to the restricted one).
+  for (const bool restricted : {false, true}) {
+    PickleWriter p;
+    p.proto();
+    p.empty_dict();
+    p.mark();
+    p.string("version");
+    p.string("2.10");
+    p.string("entries");
+    p.empty_list();
+    p.mark();
+    p.empty_dict();
+    p.mark();
+    for (const char* k : {"process_group"}) p.string(k);
+    p.mark();
+    p.string("0");
+    p.string("default_pg");
+    p.tuple();
+    p.string("profiling_name");
+    p.string("gloo:all_reduce");
+    p.string("collective_seq_id");
+    p.integer(1);
+    // "junk": [L0, L1, ..., L8], each L(k) a list of 10 references to L(k-1), memo key k;
+    // "frames": L9, 10 references to L8.
+    p.string("junk");
+    p.empty_list();
+    p.mark();
+    p.empty_list();
+    p.out += 'q';  // BINPUT 0: the innermost list
+    p.out += '\0';
+    for (int level = 1; level <= 9; ++level) {
+      if (level == 9) {
+        p.appends();
+        p.string("frames");
+      }
+      p.empty_list();
+      p.mark();
+      for (int k = 0; k < 10; ++k) {
+        p.out += 'h';  // BINGET level - 1
+        p.out += static_cast<char>(level - 1);
+      }
+      p.appends();
+      p.out += 'q';  // BINPUT level
+      p.out += static_cast<char>(level);
+    }
+    if (restricted) p.out += "N\x85\x30";  // (None,) popped again: the fast reader declines it
+    p.setitems();
+    p.appends();
+    p.setitems();
+    p.stop();
+    ASSERT_LT(p.out.size(), 1024u);
+    auto dir = testing::temp_dir(restricted ? "fr_bomb_r" : "fr_bomb");
+    write(dir / "t_0", p.out);
+    const std::string e = error_of({dir.string()});
+    EXPECT_NE(e.find("t_0"), std::string::npos) << e;
+    EXPECT_NE(e.find("expand to more than"), std::string::npos) << e;
+  }
 }
 
 }  // namespace

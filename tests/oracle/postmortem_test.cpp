@@ -7,7 +7,10 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
+
+#include "core/errors.h"
 
 namespace lossguard::oracle {
 namespace {
@@ -18,6 +21,8 @@ class JobBuilder {
  public:
   explicit JobBuilder(int64_t world) {
     b_.job().world = world;
+    b_.job().world_known = true;
+    b_.job().world_source = "--world";
     for (int64_t r = 0; r < world; ++r) {
       FrRankDump d;
       d.rank = r;
@@ -192,7 +197,14 @@ TEST(Postmortem, HeadlineIsTheDivergenceBlamingARankThatWaitsNowhere) {
   EXPECT_TRUE(res.divergences[0].blames_idle_rank);
   EXPECT_EQ(res.divergences[1].group, b);
   EXPECT_FALSE(res.divergences[1].blames_idle_rank);  // it blames rank 1, waiting in A
-  EXPECT_EQ(res.culprits, (std::vector<int64_t>{1, 2}));
+  // Rank 1 is a symptom: it waits in A for rank 2, the root, whose chain explains both waits.
+  ASSERT_TRUE(res.root);
+  EXPECT_EQ(res.root->kind, RootKind::kIdleRank);
+  EXPECT_EQ(res.root->culprits, (std::vector<int64_t>{2}));
+  EXPECT_EQ(res.root->explains, 2);
+  EXPECT_FALSE(res.root->by_time);
+  EXPECT_EQ(res.culprits, (std::vector<int64_t>{2}));
+  EXPECT_EQ(res.waiting, (std::vector<int64_t>{0, 1}));
   EXPECT_TRUE(res.ranks[1].last_call_unmatched);
 }
 
@@ -227,8 +239,13 @@ TEST(Postmortem, MegatronGroupsAreCompletedFromTheLayoutsTheyAdmit) {
   j.call(3, pp, "broadcast", {1}, "Long");
   j.call(1, mp, "all_reduce");
   j.call(3, mp, "all_reduce");
-  EXPECT_FALSE(analyse_flight_records(j.job()).diverged());  // invisible with inferred members
-  resolve_megatron_groups(j.job());
+  {
+    // With the callers alone the hang is invisible, so the job cannot pass either.
+    const PostmortemResult before = analyse_flight_records(j.job());
+    EXPECT_FALSE(before.diverged());
+    EXPECT_FALSE(before.judgement().unverified.empty());
+  }
+  resolve_groups(j.job());
   EXPECT_EQ(j.job().groups[mp].members, (std::vector<int64_t>{0, 1, 2, 3}));
   EXPECT_TRUE(j.job().groups[mp].members_from_layout);
   EXPECT_EQ(j.job().groups[pp].members, (std::vector<int64_t>{1, 3}));  // TP2 PP2 and PP4 differ
@@ -284,6 +301,51 @@ TEST(PostmortemNaming, WithoutTheOneRankBroadcastNoProtocolIsClaimed) {
   }
 }
 
+TEST(PostmortemNaming, TheSeedIsNamedUniquely) {
+  JobBuilder j = seed_job(true);
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_EQ(res.matches.size(), 1u) << res.naming_note;
+  EXPECT_TRUE(res.named());
+}
+
+TEST(PostmortemNaming, ABucketIsNotACount) {
+  // The same trace, but what the ranks all-reduce over DP+CP is a 256-element int32 bucket, not
+  // a 1-element token count: no protocol's decision call carries that, so none is named.
+  JobBuilder j(4);
+  const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
+  const uint32_t dpcp = j.group("5", {0, 1, 2, 3}, "DATA_PARALLEL_GROUP_WITH_CP", true);
+  const uint32_t pp0 = j.group("1", {0}, "PIPELINE_MODEL_PARALLEL_GROUP", true);
+  const uint32_t mp0 = j.group("6", {0}, "MODEL_PARALLEL_GROUP", true);
+  for (int64_t r = 0; r < 4; ++r) j.call(r, dpcp, "all_reduce", {256}, "Int");
+  j.call(0, pp0, "broadcast", {1}, "Long");
+  j.call(0, mp0, "all_reduce", {1}, "Float");
+  j.call(0, w, "barrier", {0}, "Float");
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());
+  for (const auto& m : res.matches) EXPECT_NE(m.protocol, Protocol::kPr285AlwaysBroadcast);
+  EXPECT_FALSE(res.named());
+}
+
+TEST(PostmortemNaming, TheCountOverTheWorldGroupIsNamedToo) {
+  // TP2 DP2 PP1, the seed's broadcast (src = PP-1 = 0 used as a global rank, on one-rank
+  // pipeline groups): ranks 1-3 raise, rank 0 steps and waits in the grad norm's all-reduce on
+  // its model-parallel group {0, 1}. The token count went over the world group, not DP+CP: the
+  // count is then too large, but the hang is the seed's and is named so.
+  JobBuilder j(4);
+  const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
+  const uint32_t pp0 = j.group("1", {0}, "PIPELINE_MODEL_PARALLEL_GROUP", true);
+  const uint32_t mp0 = j.group("6", {0, 1}, "MODEL_PARALLEL_GROUP", true);
+  for (int64_t r = 0; r < 4; ++r) j.call(r, w, "all_reduce", {1}, "Long");
+  j.call(0, pp0, "broadcast", {1}, "Long");
+  j.call(0, mp0, "all_reduce", {1}, "Float");
+  resolve_groups(j.job(), JobShape{std::nullopt, Topology(2, 1, 1, 2)});
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());
+  bool named = false;
+  for (const auto& m : res.matches) named = named || m.protocol == Protocol::kPr285AlwaysBroadcast;
+  EXPECT_TRUE(named) << res.naming_note;
+}
+
 TEST(PostmortemNaming, APointToPointDivergenceIsNotNamed) {
   JobBuilder j(2);
   const uint32_t g = j.group("0", {0, 1}, "default_pg");
@@ -292,6 +354,183 @@ TEST(PostmortemNaming, APointToPointDivergenceIsNotNamed) {
   ASSERT_TRUE(res.diverged());
   EXPECT_TRUE(res.matches.empty());
   EXPECT_NE(res.naming_note.find("p2p"), std::string::npos);
+}
+
+TEST(PostmortemRoot, AWaitCycleIsShownWithBothSides) {
+  // Ranks 0 and 1 issue two calls in opposite orders: 0 waits in X for 1, 1 waits in Y for 0.
+  // Neither blamed rank is idle: the root is the cycle, both sides named.
+  JobBuilder j(2);
+  const uint32_t x = j.group("3", {0, 1}, "X");
+  const uint32_t y = j.group("4", {0, 1}, "Y");
+  j.call(0, x, "all_reduce");
+  j.call(1, y, "all_reduce");
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.root);
+  EXPECT_EQ(res.root->kind, RootKind::kCycle);
+  EXPECT_EQ(res.root->culprits, (std::vector<int64_t>{0, 1}));
+  ASSERT_EQ(res.root->cycle.size(), 2u);
+  std::map<int64_t, uint32_t> waits;
+  for (const auto& st : res.root->cycle) {
+    waits[st.rank] = res.divergences[st.divergence].group;
+    EXPECT_EQ(st.waits_for.size(), 1u);
+    EXPECT_NE(st.waits_for[0], st.rank);
+  }
+  EXPECT_EQ(waits[0], x);
+  EXPECT_EQ(waits[1], y);
+  EXPECT_NE(res.root->summary.find("cycle"), std::string::npos);
+}
+
+TEST(PostmortemRoot, TheSideThatLeftItsOrderOfCallsIsTheCulprit) {
+  // Two steps of D (gradients), C (the count), W (barrier) on ranks 0 and 1; in the third rank 1
+  // skips D. Rank 0 waits in D #3 for 1, rank 1 in C #3 for 0: a cycle, but rank 1's call after
+  // the barrier was D in its earlier steps and is C now, while rank 0 kept its order.
+  JobBuilder j(2);
+  const uint32_t w = j.group("0", {0, 1}, "default_pg");
+  const uint32_t dg = j.group("3", {0, 1}, "D");
+  const uint32_t cg = j.group("4", {0, 1}, "C");
+  for (int step = 0; step < 3; ++step) {
+    for (int64_t r : {0, 1}) {
+      if (step < 2 || r == 0) j.call(r, dg, "all_reduce", {256});
+      if (step == 2 && r == 0) continue;  // it waits in D
+      j.call(r, cg, "all_reduce", {1}, "Long");
+      if (step < 2) j.call(r, w, "barrier", {0});
+    }
+  }
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.root);
+  EXPECT_EQ(res.root->kind, RootKind::kOutOfOrder);
+  EXPECT_EQ(res.root->culprits, (std::vector<int64_t>{1}));
+  EXPECT_EQ(res.divergences[0].group, dg);
+  EXPECT_EQ(res.divergences[0].not_issued, (std::vector<int64_t>{1}));
+  EXPECT_EQ(res.root->cycle.size(), 2u);  // both sides still shown
+  // Without an earlier step to compare with, it stays a cycle.
+  JobBuilder k(2);
+  const uint32_t dk = k.group("3", {0, 1}, "D");
+  const uint32_t ck = k.group("4", {0, 1}, "C");
+  k.call(0, dk, "all_reduce", {256});
+  k.call(1, ck, "all_reduce", {1}, "Long");
+  EXPECT_EQ(analyse_flight_records(k.job()).root->kind, RootKind::kCycle);
+}
+
+TEST(PostmortemRoot, TheRootExplainingMoreWaitsWinsOverTheEarlierOne) {
+  // Two independent stops: rank 1 is short on A (rank 0 waits, created first); rank 5 is short
+  // on B where ranks 2, 3, 4 wait (created later). By clock A comes first; by causality B
+  // explains three waits to A's one.
+  JobBuilder j(6);
+  const uint32_t a = j.group("1", {0, 1}, "A");
+  const uint32_t b = j.group("2", {2, 3, 4, 5}, "B");
+  for (int64_t r : {0, 1}) j.call(r, a, "all_reduce");
+  for (int64_t r : {2, 3, 4, 5}) j.call(r, b, "all_reduce");
+  j.call(0, a, "all_reduce");
+  for (int64_t r : {2, 3, 4}) j.call(r, b, "all_reduce");
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.root);
+  EXPECT_EQ(res.divergences[0].group, b);
+  EXPECT_EQ(res.root->culprits, (std::vector<int64_t>{5}));
+  EXPECT_EQ(res.root->explains, 3);
+  EXPECT_FALSE(res.root->by_time);
+  EXPECT_EQ(res.culprits, (std::vector<int64_t>{1, 5}));  // both stopped; B is the headline
+}
+
+TEST(PostmortemRoot, EqualRootsAreBrokenByTimeAndSaySo) {
+  JobBuilder j(4);
+  const uint32_t a = j.group("1", {0, 1}, "A");
+  const uint32_t b = j.group("2", {2, 3}, "B");
+  j.call(2, b, "all_reduce");  // created first
+  j.call(0, a, "all_reduce");
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.root);
+  EXPECT_EQ(res.divergences[0].group, b);
+  EXPECT_TRUE(res.root->by_time);
+}
+
+TEST(PostmortemRoot, AMissingDumpThatExplainsThePendingWaitsIsTheRoot) {
+  // World 4, rank 3 left no dump (its node died); ranks 0-2 issued all-reduce #2 on the world
+  // group, which started and never completed (not retired, pg_status says 1): every wait points
+  // to rank 3.
+  JobBuilder j(4);
+  const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
+  for (int64_t r = 0; r < 3; ++r) {
+    j.call(r, w, "all_reduce");
+    j.call(r, w, "all_reduce");
+    auto& d = j.job().ranks[static_cast<std::size_t>(r)];
+    d.calls[0].retired = true;
+    d.calls[1].state = FrState::kStarted;
+    d.calls[0].pg_id = d.calls[1].pg_id = 0;
+    d.pg_status = {{0, 2, 1}};
+  }
+  j.job().ranks.pop_back();  // rank 3's dump
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.root);
+  EXPECT_EQ(res.root->kind, RootKind::kMissingDump);
+  EXPECT_EQ(res.root->culprits, (std::vector<int64_t>{3}));
+  EXPECT_EQ(res.divergences[0].seq, 2);
+  EXPECT_EQ(res.missing, (std::vector<int64_t>{3}));
+  EXPECT_TRUE(res.judgement().faulted);
+  // A Gloo dump: the call never reads "started", and an unretired one proves nothing (the recorder
+  // retires it after the call returns; a dump taken at once still shows it): no divergence, and
+  // not a pass either.
+  for (auto& d : j.job().ranks) d.calls[1].state = FrState::kScheduled;
+  const PostmortemResult gloo = analyse_flight_records(j.job());
+  EXPECT_FALSE(gloo.diverged());
+  EXPECT_FALSE(gloo.judgement().unverified.empty());
+  // The same dumps with the call completed (the job finished; rank 3's file was lost): likewise.
+  for (auto& d : j.job().ranks) d.pg_status = {{0, 2, 2}};
+  const PostmortemResult done = analyse_flight_records(j.job());
+  EXPECT_FALSE(done.diverged());
+  const Judgement jd = done.judgement();
+  EXPECT_FALSE(jd.faulted);
+  EXPECT_NE(jd.unverified.find("rank 3"), std::string::npos) << jd.unverified;
+}
+
+TEST(PostmortemRoot, NoDivergenceWithTheWorldUnknownIsNotAPass) {
+  JobBuilder j(2);
+  const uint32_t w = j.group("0", {0, 1}, "default_pg");
+  j.call(0, w, "all_reduce");
+  j.call(1, w, "all_reduce");
+  EXPECT_TRUE(analyse_flight_records(j.job()).judgement().unverified.empty());
+  j.job().world_known = false;
+  const Judgement jd = analyse_flight_records(j.job()).judgement();
+  EXPECT_NE(jd.unverified.find("--world"), std::string::npos) << jd.unverified;
+}
+
+TEST(PostmortemRoot, CallNumbersFarApartCostTheirCallsNotTheirGap) {
+  // Numbers 1, 2^40 and near INT64_MAX: the alignment walks the calls recorded (a loop over the
+  // numbers in between would never end).
+  JobBuilder j(2);
+  const uint32_t g = j.group("0", {0, 1}, "default_pg");
+  for (int64_t r : {0, 1}) {
+    j.call(r, g, "all_reduce");
+    j.call(r, g, "all_reduce");
+    j.call(r, g, "all_reduce");
+    auto& calls = j.job().ranks[static_cast<std::size_t>(r)].calls;
+    calls[1].seq = int64_t{1} << 40;
+    calls[2].seq = std::numeric_limits<int64_t>::max() - r;
+  }
+  const PostmortemResult res = analyse_flight_records(j.job());
+  ASSERT_TRUE(res.diverged());  // rank 1's last number is one short of rank 0's
+  EXPECT_EQ(res.divergences[0].not_issued, (std::vector<int64_t>{1}));
+}
+
+TEST(PostmortemGroups, TheLayoutGivenSetsTheWorldAndTheMembers) {
+  JobBuilder j(4);
+  j.job().world_known = false;
+  const uint32_t w = j.group("0", {0, 1, 2}, "default_pg", true);
+  const uint32_t dp = j.group("3", {0, 2}, "", true);   // no description: exactly a DP group
+  const uint32_t odd = j.group("4", {0, 3}, "", true);  // no group of TP2 DP2 is {0, 3}
+  j.call(0, w, "barrier", {0});
+  resolve_groups(j.job(), JobShape{std::nullopt, Topology(2, 1, 1, 2)});
+  EXPECT_TRUE(j.job().world_known);
+  EXPECT_EQ(j.job().world_source, "layout");
+  EXPECT_EQ(j.job().groups[w].members, (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_FALSE(j.job().groups[w].members_inferred);
+  EXPECT_TRUE(j.job().groups[dp].members_from_layout);
+  EXPECT_TRUE(j.job().groups[odd].members_inferred);
+  // --world and the layout must agree; a dump beyond the world is refused.
+  JobBuilder k(4);
+  k.job().world_known = false;
+  EXPECT_THROW(resolve_groups(k.job(), JobShape{6, Topology(2, 1, 1, 2)}), InputError);
+  EXPECT_THROW(resolve_groups(k.job(), JobShape{3, std::nullopt}), InputError);
 }
 
 TEST(FlightRecord, ProfilingNamesNormaliseAcrossBackends) {

@@ -90,19 +90,28 @@ def test_the_json_dumps_give_the_same_report(jobs):
 def test_group_local_src_at_pp2(jobs):
     # TP2 PP2: pipeline groups [0, 2], [1, 3]; src = PP-1 = 1 is not in [0, 2], so ranks 0 and 2
     # raise; ranks 1 and 3 broadcast on [1, 3] and wait in the optimizer's all-reduce over the
-    # model-parallel group 0-3. Gloo's dumps do not list that group's members (only 1 and 3 call
-    # it): they are completed from Megatron's layout.
-    rc, doc, err = postmortem(jobs("src-local-pp2"))
+    # model-parallel group 0-3. Gloo's dumps list neither that group's members (only 1 and 3 call
+    # it) nor the world: given the world, they are completed from Megatron's layout. At PP 2 the
+    # seed's always-broadcast form issues the same calls, so both fit and neither is named.
+    rc, doc, err = postmortem(jobs("src-local-pp2"), "--world", 4)
     assert rc == 3, err
     res = doc
     d = res["divergences"][0]
     assert d["group_desc"] == "MODEL_PARALLEL_GROUP"
     assert (d["issued"], d["not_issued"]) == ([1, 3], [0, 2])
+    assert res["root"]["kind"] == "idle_rank" and res["root"]["culprits"] == [0, 2]
     mp = next(g for g in res["groups"] if g["name"] == d["group"])
-    assert mp["members"] == "0-3" and not mp["members_inferred"] and mp["members_from_layout"]
-    m = res["protocol_matches"][0]
-    assert m["protocol"] == "pr285-src-local"
+    assert mp["members"] == "0-3" and mp["members_source"] == "layout"
+    assert {m["protocol"] for m in res["protocol_matches"]} == {"pr285-src-local",
+                                                                 "pr285-always-broadcast"}
+    assert not res["named"]
+    m = next(m for m in res["protocol_matches"] if m["protocol"] == "pr285-src-local")
     assert (m["topology"]["tp"], m["topology"]["pp"]) == (2, 2)
+    # Without the world, the group's members are unknown, and Gloo retired the call that timed
+    # out on rank 3: nothing shows who is short, so nothing is verified — never a pass.
+    rc, doc, err = postmortem(jobs("src-local-pp2"))
+    assert rc == 4, err
+    assert doc["world_known"] is False and "--world" in doc["unverified_reason"]
 
 
 def test_decision_from_a_rank_local_count(jobs):
@@ -132,11 +141,17 @@ def test_a_rank_that_skips_the_optimizer(jobs):
 
 
 def test_a_clean_job_has_no_divergence(jobs):
-    rc, doc, err = postmortem(jobs("clean"))
+    # Gloo's dumps state neither the world nor the subgroups' members: given the layout, every
+    # group is known and every member present, so it passes; without it, nothing is verified.
+    rc, doc, err = postmortem(jobs("clean"), "--tp", 2, "--pp", 2)
     assert rc == 0, err
     res = doc
     assert res["divergences"] == [] and res["ranks"]["complete"] == [0, 1, 2, 3]
-    assert res["total_calls"] > 0
+    assert res["total_calls"] > 0 and res["world_source"] == "layout"
+    assert all(g["members_source"] != "calls" for g in res["groups"])
+    rc, doc, err = postmortem(jobs("clean"))
+    assert rc == 4, err
+    assert "--world" in doc["unverified_reason"]
 
 
 def test_bad_dump_sets_exit_2_naming_the_file(jobs, tmp_path):
@@ -181,10 +196,16 @@ def test_bad_dump_sets_exit_2_naming_the_file(jobs, tmp_path):
     shutil.copy(real[1], d / "copy_of_rank_1")
     rc, _, err = postmortem(d)
     assert rc == 2 and "copy_of_rank_1" in err and "fr_trace_rank_1" in err, err
-    # a missing rank is reported, not guessed
+    # a missing rank is reported, not guessed, and the job is not passed
     d = fresh("missing")
     os.remove(d / "fr_trace_rank_1")
-    rc, doc, err = postmortem(d)
-    assert rc == 0, err
+    rc, doc, err = postmortem(d, "--world", 4)
+    assert rc == 4, err
     assert doc["ranks"]["missing"] == [1]
     assert doc["ranks"]["complete"] == [0, 2, 3]
+    assert "rank 1" in doc["unverified_reason"]
+    # the top rank's dump deleted, the world not given: never green either
+    d = fresh("top_missing")
+    os.remove(d / "fr_trace_rank_3")
+    rc, doc, err = postmortem(d)
+    assert rc == 4, err
