@@ -46,7 +46,7 @@ TORCH_FR_BUFFER_SIZE=2000 TORCH_FR_DUMP_TEMP_FILE="$FR/fr_trace_rank_" OMP_NUM_T
   --standalone --nproc-per-node 4 tests/postmortem/fr_job.py --scenario seed-pp1-broadcast --out "$FR" --timeout 4 2>&1 \
   | grep -E "^rank" | sort || true
 [ -e "$FR/fr_trace_rank_0" ] || echo "(the job did not run: $FR_PY needs torch)"
-run postmortem "$FR" --frames 1
+run postmortem "$FR" --world 4 --frames 1
 
 step "The same hang family beyond the end of the step: a backward skipped on a rank's own empty micro-batch (DP rank 1's last one) leaves the DDP gradient all-reduce half issued"
 run replay "$EX/replay_participation.json" --dp 2 --microbatches 2 --protocol microbatch-skip-local
