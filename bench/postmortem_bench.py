@@ -245,20 +245,30 @@ T0_NS = 1_796_452_214_395_836_014
 class Job:
     """The layout (Megatron's rank order: TP innermost) and what every rank records."""
 
-    def __init__(self, ranks: int, entries: int, tp: int, culprit: int):
+    def __init__(self, ranks: int, entries: int, tp: int, culprit: int,
+                 grad_sync: str = "reduce_scatter"):
         self.ranks, self.entries, self.tp, self.culprit = ranks, entries, tp, culprit
+        # The DP gradient sync: the distributed optimizer's reduce-scatter, or DDP's all-reduce of
+        # the bucket (the call a skip-decision protocol issues: postmortem's naming then
+        # simulates every layout that holds the job's groups instead of ruling them out at once).
+        self.grad_sync = grad_sync
+        self.step = list(STEP)
+        if grad_sync == "all_reduce":
+            _, _, dtype, _, _, thread, frames = STEP[LAST_STEP_POS]
+            self.step[LAST_STEP_POS] = ("dp", "nccl:all_reduce", dtype, None, None, thread, frames)
         self.dp = ranks // tp
         self.default_ranks = str(list(range(ranks)))  # c10d writes "[0, 1, ...]"
         bucket = -(-40_000_000 // self.dp) * self.dp  # gradient bucket, a multiple of DP
         self.rs = ([[bucket]], [[bucket // self.dp]])
+        self.ar = ([[bucket]], [[bucket]])
         self.ag = ([[bucket // self.dp]], [[bucket]])
         # Call i of every rank holds step position (i - (entries - 1) + LAST) % len(STEP).
-        self.kinds = [(i - (entries - 1) + LAST_STEP_POS) % len(STEP) for i in range(entries)]
+        self.kinds = [(i - (entries - 1) + LAST_STEP_POS) % len(self.step) for i in range(entries)]
         # collective_seq_id per group kind, the same on every rank (one counter per group).
         self.seqs, counters = [], {"world": 0, "dp": 0, "tp": 0}
         for k in self.kinds:
-            counters[STEP[k][0]] += 1
-            self.seqs.append(counters[STEP[k][0]])
+            counters[self.step[k][0]] += 1
+            self.seqs.append(counters[self.step[k][0]])
         self.last_seq = dict(counters)
 
     def group(self, kind: str, rank: int) -> tuple[str, list[int]]:
@@ -289,9 +299,10 @@ class Job:
         dtypes = {d: [d] for d in ("BFloat16", "Float")}
         entries = []
         for i in range(n):
-            kind, prof, dtype, ins, outs, thread, frames = STEP[self.kinds[i]]
+            kind, prof, dtype, ins, outs, thread, frames = self.step[self.kinds[i]]
             if ins is None:
-                ins, outs = self.rs if "reduce_scatter" in prof else self.ag
+                ins, outs = (self.rs if "reduce_scatter" in prof else
+                             self.ar if "all_reduce" in prof else self.ag)
             hung = hung_group and i == self.entries - 1
             created = T0_NS + i * STEP_NS + jitter
             # Lists shared between entries are written in full each time all the same (c10
@@ -334,7 +345,7 @@ class Job:
         """The planted divergence: the culprit's DP group, its last call, the culprit missing."""
         name, members = self.group("dp", self.culprit)
         return {"group": name, "group_desc": DESC["dp"], "seq": self.last_seq["dp"],
-                "op": "reduce_scatter", "not_issued": [self.culprit],
+                "op": self.grad_sync, "not_issued": [self.culprit],
                 "issued": [r for r in members if r != self.culprit]}
 
 
@@ -491,6 +502,7 @@ def mem_available_kib() -> int:
 def prepare_dumps(args: argparse.Namespace, job: Job, directory: Path) -> dict:
     """Generates the dumps into `directory`, or reuses those a previous run left there."""
     params = {"ranks": job.ranks, "entries": job.entries, "tp": job.tp, "culprit": job.culprit,
+              "grad_sync": job.grad_sync,
               "generator": 2}
     manifest = directory / MANIFEST
     if manifest.exists():
@@ -541,6 +553,11 @@ def main() -> int:
     ap.add_argument("--lossguard", type=Path, default=DEFAULT_LOSSGUARD)
     ap.add_argument("--python", type=Path, default=DEFAULT_PYTHON,
                     help="a Python with torch, for fr_trace")
+    ap.add_argument("--grad-sync", choices=("reduce_scatter", "all_reduce"),
+                    default="reduce_scatter",
+                    help="the DP gradient call the culprit skips: the distributed optimizer's "
+                         "reduce-scatter (no skip-decision protocol issues one: naming stops at "
+                         "once), or DDP's all-reduce (naming simulates the layouts)")
     ap.add_argument("--skip-fr-trace", action="store_true")
     ap.add_argument("--fr-trace-timeout", type=float, default=600.0, metavar="S")
     ap.add_argument("--timeout", type=float, default=3600.0, metavar="S",
@@ -560,7 +577,7 @@ def main() -> int:
         ap.error(f"--culprit must be a rank in [0, {args.ranks})")
     if not args.lossguard.exists():
         ap.error(f"{args.lossguard} not found (build it, or pass --lossguard)")
-    job = Job(args.ranks, args.entries, args.tp, culprit)
+    job = Job(args.ranks, args.entries, args.tp, culprit, args.grad_sync)
     expected = job.expected()
     directory = args.dir or (Path(tempfile.gettempdir())
                              / f"lossguard_pm_bench_{args.ranks}x{args.entries}")
@@ -568,7 +585,7 @@ def main() -> int:
         int(mem_available_kib() * 0.8)
 
     print(f"job: TP{job.tp} x DP{job.dp} ({job.ranks} ranks), {job.entries} calls per rank; "
-          f"planted: rank {culprit} never issued reduce_scatter #{expected['seq']} on its DP "
+          f"planted: rank {culprit} never issued {job.grad_sync} #{expected['seq']} on its DP "
           f"group '{expected['group']}' ({len(expected['issued'])} peers wait in it)")
     dumps = prepare_dumps(args, job, directory)
     results: dict = {"ranks": job.ranks, "entries": job.entries, "tp": job.tp, "dp": job.dp,

@@ -7,8 +7,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "oracle/postmortem/postmortem.h"
 #include "oracle/replay/replay.h"
@@ -321,6 +323,23 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
     return out;
   }
   Observed observed{job, shape_of(job, d, false), d.issued};
+  // The skip-decision programs issue all-reduces (counts, flags, norms, gradient buckets),
+  // broadcasts of a flag, the MoE all-to-all and barriers: a divergence in any other call
+  // (a reduce-scatter, an all-gather) is none of theirs, whatever the layout.
+  static const char* kIssued[] = {"all_reduce/int/1", "all_reduce/float/1", "all_reduce/float/*",
+                                  "broadcast/int/1",  "all_to_all/float/*", "all_to_all/int/*"};
+  for (const std::string& cls : observed.shape.calls) {
+    if (cls.empty() || cls.rfind("barrier/", 0) == 0) continue;
+    bool issued = false;
+    for (const char* k : kIssued) issued = issued || class_fits(k, cls);
+    if (!issued) {
+      say(
+          fmt::format("no skip-decision protocol issues a call like {} (what the divergence's "
+                      "side issued)",
+                      cls));
+      return out;
+    }
+  }
   const std::vector<int64_t>& members = observed.shape.members;
   if (members.empty()) return out;
   std::vector<int64_t> representatives;
@@ -329,8 +348,6 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
   observed.judged.insert(observed.judged.end(), d.not_issued.begin(), d.not_issued.end());
   if (observed.judged.size() > 64) observed.judged.resize(64);
 
-  std::map<std::pair<Protocol, int>, std::size_t> found;  // (protocol, flag group) -> out index
-  int64_t tried = 0;
   // Groups whose members are known: a layout that lacks one of them is not this job's.
   std::vector<const FrGroup*> known;
   for (const auto& g : job.groups)
@@ -344,15 +361,37 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
     }
     return false;
   };
+  // A group Megatron describes is a group of that kind in the layout (DATA_PARALLEL_GROUP is DP
+  // without CP: at CP 1 it is DP+CP's group too, which the layout then gives the same members).
+  auto holds_as_described = [&](const Topology& t, const FrGroup& g) {
+    const auto kind = megatron_group_kind(g.desc);
+    if (!kind) return holds(t, g.members);
+    return t.group_size(*kind) == static_cast<int64_t>(g.members.size()) &&
+           t.members(t.group_of(*kind, g.members.front())) == g.members;
+  };
   int64_t layouts_skipped = 0;
+  std::vector<Topology> layouts;
   for (const Topology& t : dense_layouts(world)) {
     if (!holds(t, members)) continue;
     bool consistent = true;
-    for (const FrGroup* g : known) consistent = consistent && holds(t, g->members);
-    if (!consistent) {
+    for (const FrGroup* g : known) consistent = consistent && holds_as_described(t, *g);
+    if (consistent) {
+      layouts.push_back(t);
+    } else {
       ++layouts_skipped;
-      continue;
     }
+  }
+  // Each layout's matches, (protocol, flag group, scenario) in table order; the layouts run on
+  // every core (each simulation is independent and reads only `observed`).
+  struct Hit {
+    Protocol protocol;
+    std::optional<GroupKind> flag_group;
+    std::string scenario;
+  };
+  std::vector<std::vector<Hit>> hits(layouts.size());
+  std::vector<int64_t> tries(layouts.size(), 0);
+  auto search = [&](std::size_t k) {
+    const Topology& t = layouts[k];
     const std::vector<Scenario> scenarios = scenarios_for(t, representatives);
     for (const auto& [p, name] : ModeNames<Protocol>::kTable) {
       (void)name;
@@ -361,20 +400,41 @@ std::vector<ProtocolMatch> match_protocols(const FrJob& job, const Divergence& d
         flag_groups = {GroupKind::kTp, GroupKind::kCp, GroupKind::kDp};
       for (const auto& fg : flag_groups) {
         for (const Scenario& sc : scenarios) {
-          ++tried;
+          ++tries[k];
           if (!diverges_as_observed(observed, scenario_inputs(t, p, fg, sc))) continue;
-          auto [fit, fresh] =
-              found.try_emplace(std::make_pair(p, fg ? static_cast<int>(*fg) : -1), out.size());
-          auto& also = fresh
-                           ? out.emplace_back(ProtocolMatch{p, t, sc.label, fg, {}}).also_topologies
-                           : out[fit->second].also_topologies;
-          const std::string n = topology_name(t);
-          if (!fresh && also.size() < 4 && !same_layout(out[fit->second].topo, t) &&
-              std::find(also.begin(), also.end(), n) == also.end())
-            also.push_back(n);
+          hits[k].push_back({p, fg, sc.label});
           break;  // one scenario per protocol and layout is enough
         }
       }
+    }
+  };
+  const std::size_t workers = std::max<std::size_t>(
+      1, std::min<std::size_t>(layouts.size(), std::thread::hardware_concurrency()));
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t k = next++; k < layouts.size(); k = next++) search(k);
+  };
+  std::vector<std::thread> threads;
+  for (std::size_t w = 1; w < workers; ++w) threads.emplace_back(work);
+  work();
+  for (auto& th : threads) th.join();
+  std::map<std::pair<Protocol, int>, std::size_t> found;  // (protocol, flag group) -> out index
+  int64_t tried = 0;
+  for (std::size_t k = 0; k < layouts.size(); ++k) {
+    tried += tries[k];
+    const Topology& t = layouts[k];
+    for (const Hit& h : hits[k]) {
+      const auto key =
+          std::make_pair(h.protocol, h.flag_group ? static_cast<int>(*h.flag_group) : -1);
+      auto [fit, fresh] = found.try_emplace(key, out.size());
+      auto& also =
+          fresh ? out.emplace_back(ProtocolMatch{h.protocol, t, h.scenario, h.flag_group, {}})
+                      .also_topologies
+                : out[fit->second].also_topologies;
+      const std::string n = topology_name(t);
+      if (!fresh && also.size() < 4 && !same_layout(out[fit->second].topo, t) &&
+          std::find(also.begin(), also.end(), n) == also.end())
+        also.push_back(n);
     }
   }
   if (out.empty()) {
