@@ -263,13 +263,15 @@ TEST(Postmortem, MegatronGroupsAreCompletedFromTheLayoutsTheyAdmit) {
 // DP+CP; rank 0 alone broadcasts the flag on its one-rank pipeline group (src = PP-1 = 0 is not in
 // the others' groups: they raise), steps (the grad norm on its one-rank model-parallel group) and
 // waits in the next step's barrier.
-JobBuilder seed_job(bool with_broadcast) {
+// `count_size` and `count_dtype`: what the ranks all-reduce over DP+CP (the 1-element count).
+JobBuilder seed_job(bool with_broadcast, std::vector<int64_t> count_size = {1},
+                    const std::string& count_dtype = "Long") {
   JobBuilder j(4);
   const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
   const uint32_t dpcp = j.group("5", {0, 1, 2, 3}, "DATA_PARALLEL_GROUP_WITH_CP", true);
   const uint32_t pp0 = j.group("1", {0}, "PIPELINE_MODEL_PARALLEL_GROUP", true);
   const uint32_t mp0 = j.group("6", {0}, "MODEL_PARALLEL_GROUP", true);
-  for (int64_t r = 0; r < 4; ++r) j.call(r, dpcp, "all_reduce", {1}, "Long");
+  for (int64_t r = 0; r < 4; ++r) j.call(r, dpcp, "all_reduce", count_size, count_dtype);
   if (with_broadcast) j.call(0, pp0, "broadcast", {1}, "Long");
   j.call(0, mp0, "all_reduce", {1}, "Float");
   j.call(0, w, "barrier", {0}, "Float");
@@ -311,15 +313,7 @@ TEST(PostmortemNaming, TheSeedIsNamedUniquely) {
 TEST(PostmortemNaming, ABucketIsNotACount) {
   // The same trace, but what the ranks all-reduce over DP+CP is a 256-element int32 bucket, not
   // a 1-element token count: no protocol's decision call carries that, so none is named.
-  JobBuilder j(4);
-  const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
-  const uint32_t dpcp = j.group("5", {0, 1, 2, 3}, "DATA_PARALLEL_GROUP_WITH_CP", true);
-  const uint32_t pp0 = j.group("1", {0}, "PIPELINE_MODEL_PARALLEL_GROUP", true);
-  const uint32_t mp0 = j.group("6", {0}, "MODEL_PARALLEL_GROUP", true);
-  for (int64_t r = 0; r < 4; ++r) j.call(r, dpcp, "all_reduce", {256}, "Int");
-  j.call(0, pp0, "broadcast", {1}, "Long");
-  j.call(0, mp0, "all_reduce", {1}, "Float");
-  j.call(0, w, "barrier", {0}, "Float");
+  JobBuilder j = seed_job(true, {256}, "Int");
   const PostmortemResult res = analyse_flight_records(j.job());
   ASSERT_TRUE(res.diverged());
   for (const auto& m : res.matches) EXPECT_NE(m.protocol, Protocol::kPr285AlwaysBroadcast);
