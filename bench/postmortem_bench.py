@@ -507,6 +507,8 @@ def prepare_dumps(args: argparse.Namespace, job: Job, directory: Path) -> dict:
     manifest = directory / MANIFEST
     if manifest.exists():
         old = json.loads(manifest.read_text())
+        # A manifest written before --grad-sync existed holds the reduce-scatter job.
+        old.setdefault("grad_sync", "reduce_scatter")
         if {k: old.get(k) for k in params} == params:
             size = sum(e.stat().st_size for e in os.scandir(directory) if e.name.startswith(PREFIX))
             print(f"reusing the dumps in {directory} ({size / GIB:.2f} GiB)")

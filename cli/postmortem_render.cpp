@@ -245,7 +245,7 @@ std::string flag_group_text(const oracle::ProtocolMatch& m) {
 // The protocols that diverge so, the first named, or why none was tried.
 void render_matches(std::ostream& out, const oracle::PostmortemResult& r) {
   if (r.matches.empty()) {
-    if (!r.naming_note.empty()) out << "\nnot named: " << r.naming_note << "\n";
+    if (!r.naming_note.empty()) out << "\nnot named: " << printable(r.naming_note) << "\n";
     return;
   }
   const auto& m = r.matches.front();

@@ -647,7 +647,7 @@ void read_root(const Alignment& a, const Divergence& d, Root& root) {
                       ranks_phrase(d.not_issued), d.detail));
       if (tie) {
         root.readings.push_back(
-            fmt::format("or {} did: the sides are as many, the dumps cannot say which is wrong",
+            fmt::format("{} did: the sides are as many, the dumps cannot say which is wrong",
                         ranks_phrase(d.issued)));
       }
       return;
