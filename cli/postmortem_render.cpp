@@ -15,11 +15,7 @@ namespace {
 using oracle::Divergence;
 using oracle::DivergenceKind;
 using oracle::format_rank_set;
-
-std::string ranks_text(const std::vector<int64_t>& ranks) {
-  if (ranks.empty()) return "none";
-  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", format_rank_set(ranks));
-}
+using oracle::ranks_phrase;
 
 std::string group_text(const FrJob& job, uint32_t g) {
   const FrGroup& group = job.groups[g];
@@ -76,17 +72,18 @@ std::string headline(const FrJob& job, const Divergence& d) {
     case DivergenceKind::kMissingCall:
       if (d.pending) {
         return fmt::format(
-            "{} issued {} #{} on {}; it never completed{}", ranks_text(d.issued), printable(s.op),
+            "{} issued {} #{} on {}; it never completed{}", ranks_phrase(d.issued), printable(s.op),
             d.seq, group_text(job, d.group),
-            d.no_dump.empty() ? "" : fmt::format(" ({} left no dump)", ranks_text(d.no_dump)));
+            d.no_dump.empty() ? "" : fmt::format(" ({} left no dump)", ranks_phrase(d.no_dump)));
       }
-      return fmt::format("{} issued {} #{} on {}; {} never did", ranks_text(d.issued),
+      return fmt::format("{} issued {} #{} on {}; {} never did", ranks_phrase(d.issued),
                          printable(s.op), d.seq, group_text(job, d.group),
-                         ranks_text(d.not_issued));
+                         ranks_phrase(d.not_issued));
     case DivergenceKind::kMismatch: {
       std::vector<std::string> parts;
       for (const auto& [sig, ranks] : d.variants)
-        parts.push_back(fmt::format("{} {}{}", ranks_text(ranks), printable(job.signatures[sig].op),
+        parts.push_back(fmt::format("{} {}{}", ranks_phrase(ranks),
+                                    printable(job.signatures[sig].op),
                                     payload_text(job.signatures[sig])));
       return fmt::format("call #{} on {} differs between members ({}): {}", d.seq,
                          group_text(job, d.group), printable(d.detail), fmt::join(parts, " / "));
@@ -124,7 +121,9 @@ void render_frames(std::ostream& out, const FrJob& job, uint32_t stack, int64_t 
 std::string state_text(const FrRankDump& d, const FrCall& c) {
   if (c.state == FrState::kCompleted) return "completed";
   if (d.finished(c)) return c.retired ? "retired: completed or failed" : "completed (pg_status)";
-  return "pending, " + state_name(c.state);
+  // Gloo leaves a call "scheduled" until the recorder retires it, which can come after a dump
+  // taken right after the call returned: not retired is not pending.
+  return c.state == FrState::kScheduled ? "scheduled, not retired" : state_name(c.state);
 }
 
 // What a blamed rank last did: its last call and whether it completed on every member.
@@ -176,7 +175,7 @@ void render_cycle(std::ostream& out, const FrJob& job, const oracle::PostmortemR
     const Divergence& d = r.divergences[st.divergence];
     out << fmt::format("  rank {} waits in {} #{} on {} for {}\n", st.rank,
                        printable(job.signatures[d.signature].op), d.seq, group_text(job, d.group),
-                       ranks_text(st.waits_for));
+                       ranks_phrase(st.waits_for));
     const FrRankDump* dump = dump_of(job, st.rank);
     if (dump == nullptr) continue;
     for (const auto& c : dump->calls) {
@@ -204,7 +203,7 @@ void render_divergence(std::ostream& out, const FrJob& job, const oracle::Postmo
   }
   out << "\nDIVERGENCE: " << headline(job, d) << "\n";
   if (!d.no_dump.empty())
-    out << fmt::format("  {} of the group left no dump\n", ranks_text(d.no_dump));
+    out << fmt::format("  {} of the group left no dump\n", ranks_phrase(d.no_dump));
   std::map<std::string, std::vector<int64_t>> by_last;
   std::map<std::string, int64_t> example;
   for (int64_t rank : d.not_issued) {
@@ -221,14 +220,14 @@ void render_divergence(std::ostream& out, const FrJob& job, const oracle::Postmo
   }
   for (const auto& [key, ranks] : by_last) {
     render_last_call(out, job, r.ranks[static_cast<std::size_t>(example[key])], o,
-                     ranks_text(ranks));
+                     ranks_phrase(ranks));
   }
   if (d.kind != DivergenceKind::kMissingCall || d.issued.empty()) return;
   const FrRankDump* dump = dump_of(job, d.issued.front());
   if (dump == nullptr) return;
   for (const auto& c : dump->calls) {
     if (c.group == d.group && c.seq == d.seq && !c.is_p2p) {
-      out << fmt::format("  {} {} in it{}\n", ranks_text(d.issued),
+      out << fmt::format("  {} {} in it{}\n", ranks_phrase(d.issued),
                          d.issued.size() == 1 ? "waits" : "wait", c.stack ? ", called from:" : "");
       render_frames(out, job, c.stack, o.frames);
       return;
@@ -284,7 +283,7 @@ void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::P
       r.total_calls, job.groups.size());
   if (!r.missing.empty())
     out << fmt::format("  no dump from {}: suspects in every group they belong to\n",
-                       ranks_text(r.missing));
+                       ranks_phrase(r.missing));
   // What the loader and the alignment inferred, after the verdict: read when the verdict is
   // doubted.
   auto notes = [&] {

@@ -80,11 +80,11 @@ struct FrRankDump {
   std::vector<FrCall> calls;  // in record order
   // The recorder's ring buffer had overwritten older calls (the first kept record_id > 0).
   bool wrapped = false;
-  // pg_status: per group (its pg_id on this rank) the last call enqueued and completed on it,
+  // pg_status: per group (its pg_id on this rank) the last call completed on it,
   // as the recorder kept them (Gloo's entries all read "scheduled"; this says which completed).
   struct GroupStatus {
     int32_t pg_id = -1;
-    int64_t last_enqueued = -1, last_completed = -1;
+    int64_t last_completed = -1;
   };
   std::vector<GroupStatus> pg_status;
   // The last call number completed on the group with this pg_id, or -1.

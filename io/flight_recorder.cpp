@@ -15,7 +15,6 @@
 #include <mutex>
 #include <numeric>
 #include <set>
-#include <sstream>
 #include <thread>
 
 #include "core/errors.h"
@@ -47,27 +46,33 @@ std::optional<int64_t> rank_of_name(const std::string& basename) {
   return std::stoll(stem.substr(k));
 }
 
-// A file's bytes, read once, after its first bytes show it can be a dump (a pickle starts with
-// byte 0x80, the JSON form with '{' after white space): a large file of anything else is refused
-// before it is read whole.
+enum class DumpFormat { kPickle, kJson };
+
+// What a dump's first bytes say it is: a pickle starts with byte 0x80, the JSON form with '{'
+// after white space; anything else is refused, naming the file.
+DumpFormat dump_format(std::string_view head, const std::string& path) {
+  if (!head.empty() && static_cast<unsigned char>(head[0]) == 0x80) return DumpFormat::kPickle;
+  std::size_t first = 0;
+  while (first < head.size() && std::isspace(static_cast<unsigned char>(head[first]))) ++first;
+  if (first < head.size() && head[first] == '{') return DumpFormat::kJson;
+  throw_input_error(
+      "{}: not a Flight Recorder dump (neither a pickle, which starts with byte 0x80, nor a "
+      "JSON object){}",
+      path,
+      head.empty()
+          ? ": the file is empty"
+          : fmt::format(": it starts with byte 0x{:02x}", static_cast<unsigned char>(head[0])));
+}
+
+// A file's bytes, read once, after its first bytes show it can be a dump: a large file of
+// anything else is refused before it is read whole.
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   if (!f) throw_input_error("{}: cannot open: {}", path, std::strerror(errno));
   char head[4096];
   f.read(head, sizeof head);
   const auto got = static_cast<std::size_t>(f.gcount());
-  std::size_t first = 0;
-  while (first < got && std::isspace(static_cast<unsigned char>(head[first]))) ++first;
-  const bool pickle = got > 0 && static_cast<unsigned char>(head[0]) == 0x80;
-  if (!pickle && !(first < got && head[first] == '{')) {
-    throw_input_error(
-        "{}: not a Flight Recorder dump (neither a pickle, which starts with byte 0x80, nor a "
-        "JSON object){}",
-        path,
-        got == 0
-            ? ": the file is empty"
-            : fmt::format(": it starts with byte 0x{:02x}", static_cast<unsigned char>(head[0])));
-  }
+  dump_format(std::string_view(head, got), path);
   std::error_code ec;
   const auto size = fs::file_size(path, ec);
   std::string bytes;
@@ -77,6 +82,17 @@ std::string read_bytes(const std::string& path) {
   while (f.read(buf, sizeof buf) || f.gcount() > 0)
     bytes.append(buf, static_cast<std::size_t>(f.gcount()));
   return bytes;
+}
+
+// A non-negative decimal number of at most 18 digits, as pg_status writes its keys (and, in the
+// JSON form, its values); nullopt for anything else.
+std::optional<int64_t> decimal(std::string_view text) {
+  if (text.empty() || text.size() > 18 ||
+      !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return std::nullopt;
+  int64_t n = 0;
+  for (char c : text) n = n * 10 + (c - '0');
+  return n;
 }
 
 // How many values a dump's reading may visit: a pickle's memo lets a few bytes reference one
@@ -432,30 +448,23 @@ FrRankDump convert(const Tree& t, typename Tree::Node root, const std::string& p
       const std::string key(t.kind(k) == K::kString ? t.str(k) : std::string_view());
       const Reader<Tree> r = top.at(fmt::format("pg_status['{}']", key));
       r.require(v, K::kDict, "", "a dict");
-      FrRankDump::GroupStatus s;
-      int64_t id = -1;
-      if (!key.empty() && key.size() < 10 &&
-          std::all_of(key.begin(), key.end(), [](char c) { return c >= '0' && c <= '9'; }))
-        id = std::stoll(key);
-      if (id < 0) return;  // not a pg_id: nothing to tie it to a call
-      s.pg_id = static_cast<int32_t>(id);
-      // The JSON form writes these numbers as strings ("3"), the pickle as integers.
-      auto number = [&](const char* field) -> int64_t {
-        const Node x = r.find(v, field);
-        if (x == Tree::kMissing) return -1;
-        if (t.kind(x) != K::kString) return r.integer(x, field);
+      const auto id = decimal(key);
+      if (!id || *id >= (int64_t{1} << 30)) return;  // not a pg_id: nothing to tie it to a call
+      // The JSON form writes the number as a string ("3", "-1"), the pickle as an integer.
+      const Node x = r.find(v, "last_completed_collective");
+      int64_t completed = -1;
+      if (x != Tree::kMissing && t.kind(x) != K::kString) {
+        completed = r.integer(x, "last_completed_collective");
+      } else if (x != Tree::kMissing) {
         const std::string_view text = t.str(x);
-        int64_t n = 0;
-        const bool negative = !text.empty() && text.front() == '-';
-        const std::string_view digits = negative ? text.substr(1) : text;
-        if (digits.empty() || digits.size() > 18 ||
-            !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
-          r.fail(field, fmt::format("expected an integer, found '{}'", text.substr(0, 40)));
-        for (char c : digits) n = n * 10 + (c - '0');
-        return negative ? -n : n;
-      };
-      s.last_enqueued = number("last_enqueued_collective");
-      s.last_completed = number("last_completed_collective");
+        const auto n = decimal(!text.empty() && text.front() == '-' ? text.substr(1) : text);
+        if (!n) {
+          r.fail("last_completed_collective",
+                 fmt::format("expected an integer, found '{}'", text.substr(0, 40)));
+        }
+        completed = !text.empty() && text.front() == '-' ? -*n : *n;
+      }
+      FrRankDump::GroupStatus s{static_cast<int32_t>(*id), completed};
       d.pg_status.push_back(s);
     });
   }
@@ -594,9 +603,7 @@ FrRankDump parse_one(std::string_view bytes, const std::string& path, int64_t ra
                      FrJobBuilder& builder, Config& config) {
   ValuePtr root;
   std::string format;
-  std::size_t first = 0;
-  while (first < bytes.size() && std::isspace(static_cast<unsigned char>(bytes[first]))) ++first;
-  if (!bytes.empty() && static_cast<unsigned char>(bytes[0]) == 0x80) {
+  if (dump_format(bytes, path) == DumpFormat::kPickle) {
     // Plain data (every dump torch writes) takes the fast reader; anything else, hostile or
     // malformed, the restricted unpickler, which reads it or says why not.
     if (const auto flat = FlatPickle::parse(bytes)) {
@@ -610,14 +617,9 @@ FrRankDump parse_one(std::string_view bytes, const std::string& path, int64_t ra
     root = unpickle(bytes, path, [&](const ValuePtr&) -> ValuePtr {
       throw_input_error("{}: a Flight Recorder dump holds no persistent ids (tensors)", path);
     });
-  } else if (first < bytes.size() && bytes[first] == '{') {
+  } else {
     format = "json";
     root = json_to_value(std::string(bytes), path);
-  } else {
-    throw_input_error(
-        "{}: not a Flight Recorder dump (neither a pickle, which starts with byte "
-        "0x80, nor a JSON object){}",
-        path, bytes.empty() ? ": the file is empty" : "");
   }
   VisitBudget budget(path, bytes.size());
   const ValueTree t{&budget};

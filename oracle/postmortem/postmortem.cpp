@@ -495,11 +495,6 @@ const char* root_kind_name(RootKind k) {
 
 namespace {
 
-std::string ranks_phrase(const std::vector<int64_t>& ranks) {
-  if (ranks.empty()) return "no rank";
-  return fmt::format("{} {}", ranks.size() == 1 ? "rank" : "ranks", format_rank_set(ranks, 4));
-}
-
 std::string group_phrase(const FrJob& job, uint32_t g) {
   const FrGroup& group = job.groups[g];
   const bool desc = !group.desc.empty() && group.desc != "undefined";
@@ -637,36 +632,37 @@ void read_root(const Alignment& a, const Divergence& d, Root& root) {
     case RootKind::kMismatch: {
       std::vector<std::string> sides;
       for (const auto& [sig, ranks] : d.variants)
-        sides.push_back(fmt::format("{} issued {}", ranks_phrase(ranks), job.signatures[sig].op));
+        sides.push_back(
+            fmt::format("{} issued {}", ranks_phrase(ranks, 4), job.signatures[sig].op));
       const bool tie =
           d.variants.size() == 2 && d.variants[0].second.size() == d.variants[1].second.size();
       root.summary = fmt::format("call #{} on {} differs between members ({}): {}", d.seq,
                                  group_phrase(job, d.group), d.detail, fmt::join(sides, "; "));
       root.readings.push_back(
           fmt::format("{} issued a call the others did not ({}): the odd one out",
-                      ranks_phrase(d.not_issued), d.detail));
+                      ranks_phrase(d.not_issued, 4), d.detail));
       if (tie) {
         root.readings.push_back(
             fmt::format("{} did: the sides are as many, the dumps cannot say which is wrong",
-                        ranks_phrase(d.issued)));
+                        ranks_phrase(d.issued, 4)));
       }
       return;
     }
     case RootKind::kMissingDump:
       root.summary = fmt::format(
           "{} left no dump; {} wait{} for {} in {}, which every member with a dump issued",
-          ranks_phrase(d.no_dump), ranks_phrase(d.issued), d.issued.size() == 1 ? "s" : "",
+          ranks_phrase(d.no_dump, 4), ranks_phrase(d.issued, 4), d.issued.size() == 1 ? "s" : "",
           d.no_dump.size() == 1 ? "it" : "them", call);
       root.readings.push_back(fmt::format(
           "{} died before the call (a Gloo abort, a dead node: no dump) or never reached it",
-          ranks_phrase(d.no_dump)));
+          ranks_phrase(d.no_dump, 4)));
       return;
     case RootKind::kPending:
       if (!root.culprits.empty()) {
         root.summary = fmt::format(
             "{} never issued {}; {} wait{} in it; {} last called a group whose other members no "
             "dump shows, and may wait there",
-            ranks_phrase(root.culprits), call, ranks_phrase(d.issued),
+            ranks_phrase(root.culprits, 4), call, ranks_phrase(d.issued, 4),
             d.issued.size() == 1 ? "s" : "", root.culprits.size() == 1 ? "it" : "each");
         root.readings.push_back(
             "give --world N or the layout (--tp/--pp/--cp/--dp): the members of those groups then "
@@ -676,7 +672,7 @@ void read_root(const Alignment& a, const Divergence& d, Root& root) {
       root.summary = fmt::format(
           "{} wait{} in {}, which every rank given issued and which never completed: a member "
           "outside the dumps given",
-          ranks_phrase(d.issued), d.issued.size() == 1 ? "s" : "", call);
+          ranks_phrase(d.issued, 4), d.issued.size() == 1 ? "s" : "", call);
       root.readings.push_back(
           "a member of the group left no dump, or the world is larger than the dumps given: "
           "give --world N or the layout to name it");
@@ -687,12 +683,12 @@ void read_root(const Alignment& a, const Divergence& d, Root& root) {
       break;
   }
   if (root.kind == RootKind::kCycle) return;  // summarised from its steps
-  root.summary = fmt::format("{} never issued {}; {} wait{} in it", ranks_phrase(root.culprits),
-                             call, ranks_phrase(d.issued), d.issued.size() == 1 ? "s" : "");
+  root.summary = fmt::format("{} never issued {}; {} wait{} in it", ranks_phrase(root.culprits, 4),
+                             call, ranks_phrase(d.issued, 4), d.issued.size() == 1 ? "s" : "");
   const std::string skipped = fmt::format(
       "{} never issued it: {} died, skipped it, or hang{} outside collectives (the last call "
       "{} recorded completed on every member)",
-      ranks_phrase(root.culprits), root.culprits.size() == 1 ? "it" : "they",
+      ranks_phrase(root.culprits, 4), root.culprits.size() == 1 ? "it" : "they",
       root.culprits.size() == 1 ? "s" : "", root.culprits.size() == 1 ? "it" : "each");
   // The issuers' call from a line the blamed ranks never reached in anything they recorded:
   // the call may belong on a subgroup of the issuers instead.
@@ -711,14 +707,16 @@ void read_root(const Alignment& a, const Divergence& d, Root& root) {
     root.readings.push_back(fmt::format(
         "{}'s call belongs on a subgroup of {}: {} never issued a call from {} ({}:{}) in the "
         "{} calls {} recorded",
-        ranks_phrase(d.issued), d.issued.size() == 1 ? "it" : "them", ranks_phrase(root.culprits),
-        site->name, site->filename, site->line, seen, root.culprits.size() == 1 ? "it" : "they"));
+        ranks_phrase(d.issued, 4), d.issued.size() == 1 ? "it" : "them",
+        ranks_phrase(root.culprits, 4), site->name, site->filename, site->line, seen,
+        root.culprits.size() == 1 ? "it" : "they"));
   } else if (never) {
     root.readings.push_back(fmt::format(
         "{}'s call belongs on a subgroup of {}: {} never issued a call from {} ({}:{}) in the {} "
         "calls {} recorded",
-        ranks_phrase(d.issued), d.issued.size() == 1 ? "it" : "them", ranks_phrase(root.culprits),
-        site->name, site->filename, site->line, seen, root.culprits.size() == 1 ? "it" : "they"));
+        ranks_phrase(d.issued, 4), d.issued.size() == 1 ? "it" : "them",
+        ranks_phrase(root.culprits, 4), site->name, site->filename, site->line, seen,
+        root.culprits.size() == 1 ? "it" : "they"));
     root.readings.push_back(skipped);
     root.summary +=
         fmt::format(", from a line {} never reached: ", root.culprits.size() == 1 ? "it" : "they") +
@@ -794,14 +792,14 @@ void missing_partners_as_root(const Alignment& a, const Divergence& d, Root& roo
   root.culprits = missing;
   root.summary = fmt::format(
       "{} left no dump; {} stopped in a call with {} ({}) and never issued {}, where {} wait{}",
-      ranks_phrase(missing), ranks_phrase(symptoms), missing.size() == 1 ? "it" : "them",
-      fmt::join(where, "; "), call_phrase(job, d), ranks_phrase(d.issued),
+      ranks_phrase(missing, 4), ranks_phrase(symptoms, 4), missing.size() == 1 ? "it" : "them",
+      fmt::join(where, "; "), call_phrase(job, d), ranks_phrase(d.issued, 4),
       d.issued.size() == 1 ? "s" : "");
   root.readings.clear();
   root.readings.push_back(fmt::format(
       "{} died in that call (Gloo aborts a rank that receives a buffer of another size or dtype; a "
       "dead node): {} failed or wait{} there, and the others wait on {}",
-      ranks_phrase(missing), ranks_phrase(symptoms), symptoms.size() == 1 ? "s" : "",
+      ranks_phrase(missing, 4), ranks_phrase(symptoms, 4), symptoms.size() == 1 ? "s" : "",
       symptoms.size() == 1 ? "it" : "them"));
 }
 
@@ -860,7 +858,7 @@ Root root_of(const Alignment& a, std::vector<Divergence>& divs, const WaitGraph&
       root.culprits.push_back(st.rank);
       parts.push_back(fmt::format("rank {} waits in {} for {}", st.rank,
                                   call_phrase(a.job(), divs[st.divergence]),
-                                  ranks_phrase(st.waits_for)));
+                                  ranks_phrase(st.waits_for, 4)));
     }
     std::sort(root.culprits.begin(), root.culprits.end());
     root.culprits.erase(std::unique(root.culprits.begin(), root.culprits.end()),
@@ -893,13 +891,13 @@ Root root_of(const Alignment& a, std::vector<Divergence>& divs, const WaitGraph&
       root.summary = fmt::format(
           "{} left the order of calls {} earlier steps kept and never issued {}; {} wait{} in it "
           "(a cycle of waits: {})",
-          ranks_phrase(left), left.size() == 1 ? "its" : "their", call_phrase(a.job(), divs[0]),
-          ranks_phrase(divs[0].issued), divs[0].issued.size() == 1 ? "s" : "",
+          ranks_phrase(left, 4), left.size() == 1 ? "its" : "their", call_phrase(a.job(), divs[0]),
+          ranks_phrase(divs[0].issued, 4), divs[0].issued.size() == 1 ? "s" : "",
           fmt::join(parts, "; "));
       root.readings.push_back(fmt::format(
           "{} skipped the call, or issued the step's calls in another order than in {} earlier "
           "steps, while {} kept the order",
-          ranks_phrase(left), left.size() == 1 ? "its" : "their", ranks_phrase(kept)));
+          ranks_phrase(left, 4), left.size() == 1 ? "its" : "their", ranks_phrase(kept, 4)));
       root.culprits = left;
       root.explains = explained_waits(0, divs, w);
       return root;
@@ -1050,7 +1048,7 @@ PostmortemResult analyse_flight_records(const FrJob& job, const PostmortemOption
   }
   if (!res.missing.empty()) {
     res.unverified.push_back(fmt::format("{} of {} left no dump: what {} did cannot be checked",
-                                         ranks_phrase(res.missing), job.world,
+                                         ranks_phrase(res.missing, 4), job.world,
                                          res.missing.size() == 1 ? "it" : "they"));
   }
   if (!res.unknown_groups.empty()) {

@@ -63,4 +63,10 @@ std::string format_rank_set(const std::vector<int64_t>& r, std::size_t max_runs)
   return s;
 }
 
+std::string ranks_phrase(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs) {
+  if (sorted_ranks.empty()) return "none";
+  return fmt::format("{} {}", sorted_ranks.size() == 1 ? "rank" : "ranks",
+                     format_rank_set(sorted_ranks, max_runs));
+}
+
 }  // namespace lossguard::oracle

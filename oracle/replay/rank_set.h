@@ -13,4 +13,7 @@ std::vector<int64_t> parse_rank_list(const std::string& text, int64_t world);
 // "0-3, 8-11" / "0-4094 step 2": rank lists compressed into arithmetic runs.
 std::string format_rank_set(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs = 8);
 
+// "rank 3", "ranks 0-3, 8": a rank set in a sentence ("none" when empty).
+std::string ranks_phrase(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs = 8);
+
 }  // namespace lossguard::oracle

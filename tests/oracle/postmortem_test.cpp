@@ -451,7 +451,7 @@ TEST(PostmortemRoot, AMissingDumpThatExplainsThePendingWaitsIsTheRoot) {
     d.calls[0].retired = true;
     d.calls[1].state = FrState::kStarted;
     d.calls[0].pg_id = d.calls[1].pg_id = 0;
-    d.pg_status = {{0, 2, 1}};
+    d.pg_status = {{0, 1}};
   }
   j.job().ranks.pop_back();  // rank 3's dump
   const PostmortemResult res = analyse_flight_records(j.job());
@@ -469,7 +469,7 @@ TEST(PostmortemRoot, AMissingDumpThatExplainsThePendingWaitsIsTheRoot) {
   EXPECT_FALSE(gloo.diverged());
   EXPECT_FALSE(gloo.judgement().unverified.empty());
   // The same dumps with the call completed (the job finished; rank 3's file was lost): likewise.
-  for (auto& d : j.job().ranks) d.pg_status = {{0, 2, 2}};
+  for (auto& d : j.job().ranks) d.pg_status = {{0, 2}};
   const PostmortemResult done = analyse_flight_records(j.job());
   EXPECT_FALSE(done.diverged());
   const Judgement jd = done.judgement();
