@@ -32,6 +32,7 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
   if (!o.reduce.empty()) opt.reduce = mode_from_option<Reduction>("--reduce", o.reduce);
   opt.weight_rel_tol = o.rtol;
   opt.strict_scale = o.strict_scale;
+  opt.every_trainer_preset = o.explain;
   opt.strict_records = o.strict;
   const std::vector<RankCapture> captures = io::read_captures(o.paths);
   for (const auto& c : captures) report.add_input(c.file, "audit capture");
@@ -64,11 +65,13 @@ void register_audit(CLI::App& root, Commands& commands) {
       "      mb = s.microbatch(sample_indices=..., tokens=..., total_lengths=..., "
       "response_lengths=..., loss_masks=..., cp_size=...)\n"
       "      mb.hook(per_token_loss); ...; s.finish(grad_scale=..., num_tokens_reduced=N)\n"
-      "Exit 1 when a check fails (a uniform weight scale only with --strict-scale, or when no "
-      "optimizer hides it:\n"
-      "a negative scale is gradient ascent, below 2^-10 Adam's eps/s takes over, above 2^64 the "
-      "trainer's floats\n"
-      "overflow; a non-finite record always),\n"
+      "Exit 1 when a check fails (a uniform weight scale the layout sets, 1/cp, dp, 1/M, always: "
+      "another layout\n"
+      "applies another update; a constant one only with --strict-scale, or when no optimizer "
+      "hides it: a negative\n"
+      "scale is gradient ascent, below 2^-10 Adam's eps/s takes over, above 2^64 the trainer's "
+      "floats overflow;\n"
+      "a non-finite record always),\n"
       "2 when the captures do not fit together (a missing rank, ranks that disagree on the "
       "objective, a sample that\n"
       "differs between ranks, token_weight lengths that do not match the layout), 4 when they hold "
@@ -84,12 +87,15 @@ void register_audit(CLI::App& root, Commands& commands) {
                   "Relative tolerance of measured weights (default: from the trainer's dtype: "
                   "float32 1e-5, float64 1e-9, bf16 7.8e-3, fp16 2e-3)")
       ->check(CLI::PositiveNumber);
-  app->add_flag("--strict-scale", opts->strict_scale, "A uniform weight scale fails too");
+  app->add_flag("--strict-scale", opts->strict_scale,
+                "A constant uniform weight scale fails too (one the layout sets always fails)");
   app->add_flag("--strict", opts->strict,
                 "A record the capture format does not name (a misspelled 'skiped') is an error "
                 "(exit 2), not a warning");
   app->add_flag("--explain", opts->explain,
-                "On an exact step also list every preset its weights match (JSON always has them)");
+                "On an exact step also list every preset its weights match (JSON always has "
+                "them), and offer every trainer's presets: a Megatron, slime or Relax run is "
+                "otherwise explained by its own family's presets only");
   app->add_option("--svg", opts->svg_path,
                   "Draw the measured ratio per micro-batch and CP rank (first step)");
   add_output_options(*app, cmd->output);

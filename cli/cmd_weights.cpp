@@ -94,11 +94,11 @@ constexpr const char* kFooter =
   count-of [term] | main                         a --term counted under its own mask or main's
   w_t = m_t * scale / max(D, 1) * (1/max(m_i, 1) if sample=mean) / (|G| if grad=mean:G)
 Presets (--reduce picks the per-token or sample-mean form where the trainer has both):
-{}Diagnosis of r = w / w*: exact, uniform-scale (named as a product of cp, dp, tp, M), masked-weight,
-per-rank, per-microbatch, per-cp-shard, per-sample or mixed, with the worst token.
-Exit 1 when the weights differ from the objective's on the layout or on a variation of it (a
-uniform scale s only with --strict-scale or where Adam does not hide it: s < 2^-10 turns eps into
-eps/s, s > 2^64 overflows the trainer's floats; docs/semantics.md §9). I5 varies only layouts the
+{}Diagnosis of r = w / w*: exact, uniform-scale (a product of cp, dp, tp, pp, M, B), masked-weight, per-rank,
+per-microbatch ("1/n: divided by its own 24 tokens, then by N"), per-cp-shard, per-sample or mixed.
+Exit 1 when the weights differ from the objective's on the layout or a variation: a uniform scale the
+layout sets (1/cp, dp, 1/M) always, unless the contract's own number equals it (scale=0.5); a constant
+one with --strict-scale or where Adam cannot hide it (s < 2^-10, s > 2^64; docs/semantics.md §9). I5 varies only layouts the
 trainer can build: none that leaves a micro-batch empty, none uneven for TRL (listed as skipped).
 Terms (docs/semantics.md §11): each --term is weighed over its own mask as its own objective, under
 its own contract, and judged relative to the main term's scale: a term off by any factor relative
@@ -157,7 +157,7 @@ void register_weights(CLI::App& root, Commands& commands) {
   app->add_flag("--per-token", opts->per_token,
                 "Show (and put in --json) every token's weight beside the truth");
   app->add_flag("--strict-scale", opts->strict_scale,
-                "A uniform scale fails too (clipping and weight decay see it)");
+                "A constant uniform scale fails too (one the layout sets always fails)");
   app->add_option("--svg", opts->svg_path, "Draw the ratio per micro-batch and CP rank");
   add_list_option(*app, "--vary", opts->vary,
                   "Which layout sizes I5 varies (1, 2, 4, 8 each): dp, microbatches, cp, or none "

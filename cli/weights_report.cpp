@@ -64,6 +64,12 @@ nlohmann::ordered_json coord_json(const oracle::TokenCoord& c) {
           {"unit_tokens", c.unit_tokens}};
 }
 
+namespace {
+nlohmann::ordered_json text_or_null(const std::string& s) {
+  return s.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(s);
+}
+}  // namespace
+
 nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& d) {
   return {{"kind", d.kind},
           {"scale", d.kind == "uniform-scale" || d.kind == "negative-scale"
@@ -73,6 +79,11 @@ nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& d) {
                                                     : nlohmann::ordered_json(d.scale_problem)},
           {"named",
            d.named.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(d.named)},
+          {"layout_dependent", d.layout_dependent},
+          {"same_step", text_or_null(d.same_step)},
+          {"declared", text_or_null(d.declared)},
+          {"factor", text_or_null(d.factor)},
+          {"advice", text_or_null(d.advice)},
           {"min_ratio", d.min_ratio},
           {"max_ratio", d.max_ratio},
           {"tokens", d.tokens},

@@ -7,6 +7,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/array.h"
@@ -58,6 +59,10 @@ struct RankCapture {
   // and Relax's compact rollouts of several samples), or "" (unsaid).
   std::string global_batch_unit;
   std::optional<double> l_norm;  // seq-mean-token-sum-norm's L_norm as the trainer used it
+  // Constant scales the trainer declares on its main loss (metadata `declared_scales`,
+  // "loss_scale=0.5,..."): where one equals a layout product, it decides (SPEC §9).
+  std::vector<std::pair<std::string, double>> declared_scales;
+  std::string loss_site;  // metadata `loss_site`: where the trainer computes the loss it hooks
   std::optional<bool> skipped;
   std::optional<bool> scheduler_stepped;  // whether the LR scheduler advanced (SPEC §10)
   std::optional<double> grad_norm;

@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <map>
 #include <thread>
 
 #include "core/errors.h"
+#include "core/printable.h"
 #include "io/input_files.h"
 #include "io/safetensors.h"
 
@@ -359,6 +361,33 @@ void read_step_records(const Reader& r, RankCapture& c) {
   if (r.find("metrics.values")) c.metrics_values = r.floats("metrics.values");
 }
 
+// Metadata `declared_scales`: "name=value,..." (finite, non-zero values; names without '=' or ',').
+std::vector<std::pair<std::string, double>> parse_declared_scales(const std::string& path,
+                                                                  const std::string& text) {
+  std::vector<std::pair<std::string, double>> out;
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    std::size_t comma = text.find(',', pos);
+    if (comma == std::string::npos) comma = text.size();
+    const std::string item = text.substr(pos, comma - pos);
+    const std::size_t eq = item.find('=');
+    double v = 0.0;
+    const char* first = eq == std::string::npos ? nullptr : item.c_str() + eq + 1;
+    char* end = nullptr;
+    if (first != nullptr) v = std::strtod(first, &end);
+    if (eq == std::string::npos || eq == 0 || end == first || *end != '\0' || !std::isfinite(v) ||
+        v == 0.0) {
+      throw_input_error(
+          "{}: metadata declared_scales = '{}': item '{}' is not NAME=VALUE with a finite, "
+          "non-zero number",
+          path, printable(text), printable(item));
+    }
+    out.emplace_back(item.substr(0, eq), v);
+    pos = comma + 1;
+  }
+  return out;
+}
+
 }  // namespace
 
 // The capture format's fields (SPEC §10) read and checked in order, each error naming the file
@@ -388,6 +417,11 @@ RankCapture read_capture(const std::string& path) {
                         it->second);
     }
     c.global_batch_unit = it->second;
+  }
+  if (auto it = file.metadata.find("loss_site"); it != file.metadata.end())
+    c.loss_site = it->second;
+  if (auto it = file.metadata.find("declared_scales"); it != file.metadata.end()) {
+    c.declared_scales = parse_declared_scales(path, it->second);
   }
   c.terms = declared_terms(path, file.metadata, c.reduce);
   if (auto it = file.metadata.find("metrics.keys");

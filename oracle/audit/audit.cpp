@@ -1023,11 +1023,28 @@ void judge_term(AuditStep& out, AuditTerm& at, const TermMeasurement& m) {
         {"named", at.diagnosis.named}}});
 }
 
+// What the diagnosis names a ratio by: PP and B of the step, the objective, the trainer's
+// declared scales on main and the function its loss comes from (capture metadata).
+ScaleContext scale_context(const RankCapture& first, const ObjectiveSizes& sizes, Reduction reduce,
+                           bool main) {
+  ScaleContext ctx;
+  ctx.pp = first.pp;
+  ctx.global_batch = sizes.global_batch_size;
+  ctx.reduce = reduce;
+  ctx.reduce_known = true;
+  if (main) ctx.declared = first.declared_scales;
+  ctx.loss_site = first.loss_site;
+  return ctx;
+}
+
 // The presets that reproduce a step's weights, those of the trainer that wrote the captures first
 // (metadata `trainer`): an HF bug is named by an HF preset before an identical Megatron one. The
-// order within each group is kept.
-void order_for_trainer(std::vector<std::string>& matches, const std::string& trainer) {
-  if (trainer.empty() || matches.size() < 2) return;
+// order within each group is kept. A Megatron, slime or Relax run is not explained by another
+// trainer's preset (hf-ga, trl-bnpo) unless `every_trainer` (audit --explain): its own presets,
+// truth and the single component changes stay.
+void order_for_trainer(std::vector<std::string>& matches, const std::string& trainer,
+                       bool every_trainer) {
+  if (trainer.empty() || matches.empty()) return;
   const std::vector<std::string> families =
       trainer == "trl"        ? std::vector<std::string>{"trl-", "hf-"}
       : trainer == "megatron" ? std::vector<std::string>{"megatron-", "slime", "relax"}
@@ -1043,6 +1060,16 @@ void order_for_trainer(std::vector<std::string>& matches, const std::string& tra
   };
   std::stable_sort(matches.begin(), matches.end(),
                    [&](const std::string& a, const std::string& b) { return rank(a) < rank(b); });
+  const bool megatron_family = trainer == "megatron" || trainer == "slime" || trainer == "relax";
+  if (!megatron_family || every_trainer) return;
+  const std::vector<ContractPreset>& presets = contract_presets();
+  auto foreign = [&](const std::string& match) {  // "hf-ga" or "hf-ga with scale=cp"
+    const std::string name = match.substr(0, match.find(" with "));
+    const bool preset = std::any_of(presets.begin(), presets.end(),
+                                    [&](const ContractPreset& p) { return name == p.name; });
+    return preset && rank(name) > families.size();
+  };
+  matches.erase(std::remove_if(matches.begin(), matches.end(), foreign), matches.end());
 }
 
 void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>& declared,
@@ -1080,8 +1107,9 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
     for (double& w : at.truth) w *= decl.coef * relative_to;
     TermMeasurement m = measure_term(out, ranks, decl, tb, position);
     at.measured = std::move(m.measured);
-    at.diagnosis = diagnose_weights(tb, at.measured, at.truth, out.place, out.layout, at.tokens, 0,
-                                    out.term_weight_rel_tol);
+    at.diagnosis = diagnose_weights(
+        tb, at.measured, at.truth, out.place, out.layout, at.tokens, 0, out.term_weight_rel_tol,
+        scale_context(*ranks.by_coord.begin()->second, sizes, decl.reduce, false));
     judge_term(out, at, m);
     if (opt.match_presets && at.tokens > 0 && !at.diagnosis.exact() &&
         at.diagnosis.kind != "non-finite" && decl.coef != 0.0) {
@@ -1089,7 +1117,8 @@ void audit_terms(AuditStep& out, const LossRanks& ranks, const std::vector<Term>
       for (double& w : plain) w /= decl.coef * relative_to;
       at.matches = matching_presets(tb, out.layout, plain, decl.reduce, sizes,
                                     out.term_weight_rel_tol, &placed);
-      order_for_trainer(at.matches, ranks.by_coord.begin()->second->trainer);
+      order_for_trainer(at.matches, ranks.by_coord.begin()->second->trainer,
+                        opt.every_trainer_preset);
     }
     out.terms.push_back(std::move(at));
   }
@@ -1148,7 +1177,8 @@ void weigh_step(AuditStep& out, const Measurement& m, const std::vector<const Ra
     if (c->num_tokens_reduced && per_token_objective) contract_count = *c->num_tokens_reduced;
   }
   out.diagnosis = diagnose_weights(b, out.measured, out.truth, out.place, out.layout,
-                                   out.global_tokens, contract_count, out.weight_rel_tol);
+                                   out.global_tokens, contract_count, out.weight_rel_tol,
+                                   scale_context(first, sizes, out.reduce, true));
   out.checks.push_back(counts_check(out, m, recorded_reduced, per_token_objective));
   if (!m.nonfinite_weights.empty()) {
     out.checks.push_back({"weights", false, "not finite: " + m.nonfinite_weights.text()});
@@ -1165,7 +1195,7 @@ void weigh_step(AuditStep& out, const Measurement& m, const std::vector<const Ra
       out.diagnosis.kind != "non-finite") {
     out.matches = matching_presets(b, out.layout, out.measured, out.reduce, sizes,
                                    out.weight_rel_tol, &placed);
-    order_for_trainer(out.matches, all.front()->trainer);
+    order_for_trainer(out.matches, all.front()->trainer, opt.every_trainer_preset);
   }
   out.checks.push_back(loss_check(m));
   audit_terms(out, ranks, first.terms, position, sizes, opt,

@@ -83,6 +83,9 @@ struct AuditOptions {
   // Name the presets (or single component changes) that reproduce the measured weights: a pass
   // over the tokens per candidate contract, the bulk of a small audit's time.
   bool match_presets = true;
+  // Offer every trainer's presets as explanations: by default a Megatron, slime or Relax run is
+  // matched against its own family's presets, truth and single component changes only.
+  bool every_trainer_preset = false;
 };
 
 // One result per step, in step order.

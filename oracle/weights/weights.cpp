@@ -586,57 +586,6 @@ bool same_weights(const std::vector<double>& a, const std::vector<double>& b, do
   return true;
 }
 
-// A simple product of the layout's sizes equal to r: "1/cp", "dp*cp", "1/M" (ties: all names).
-std::string name_factor(double r, const StepLayout& l, double tol) {
-  const std::vector<int64_t> per_rank = l.microbatches_per_rank();
-  const int64_t m = per_rank.empty() ? 0 : *std::max_element(per_rank.begin(), per_rank.end());
-  struct Base {
-    const char* name;
-    double value;
-  };
-  const Base bases[] = {{"cp", static_cast<double>(l.cp)},
-                        {"dp", static_cast<double>(l.dp)},
-                        {"tp", static_cast<double>(l.tp)},
-                        {"M", static_cast<double>(m)}};
-  std::vector<std::string> best;
-  int best_cost = 99;
-  for (int a = -2; a <= 2; ++a) {
-    for (int bb = -2; bb <= 2; ++bb) {
-      for (int c = -1; c <= 1; ++c) {
-        for (int d = -2; d <= 2; ++d) {
-          const int e[4] = {a, bb, c, d};
-          double v = 1.0;
-          int cost = 0;
-          for (int k = 0; k < 4; ++k) {
-            if (e[k] != 0 && bases[k].value == 1.0) cost += 99;  // a size of 1 names nothing
-            v *= std::pow(bases[k].value, e[k]);
-            cost += std::abs(e[k]);
-          }
-          if (cost == 0 || cost > best_cost || !same(v, r, tol)) continue;
-          std::string num, den;
-          for (int k = 0; k < 4; ++k) {
-            for (int x = 0; x < std::abs(e[k]); ++x) {
-              std::string& part = e[k] > 0 ? num : den;
-              part += (part.empty() ? "" : "*") + std::string(bases[k].name);
-            }
-          }
-          const std::string name =
-              (num.empty() ? "1" : num) +
-              (den.empty()
-                   ? ""
-                   : "/" + (std::count(den.begin(), den.end(), '*') ? "(" + den + ")" : den));
-          if (cost < best_cost) best.clear();
-          best_cost = cost;
-          best.push_back(name);
-        }
-      }
-    }
-  }
-  std::string out;
-  for (const auto& n : best) out += (out.empty() ? "" : " or ") + n;
-  return out;
-}
-
 }  // namespace
 
 namespace {
@@ -735,8 +684,18 @@ std::string scale_problem(double scale) {
 template <class Spans>
 WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
                                const std::vector<int32_t>& sample_microbatch, const StepLayout& l,
-                               int64_t true_count, int64_t contract_count, double tol) {
+                               int64_t true_count, int64_t contract_count, double tol,
+                               ScaleContext ctx) {
   WeightDiagnosis dg;
+  if (ctx.global_tokens == 0) ctx.global_tokens = true_count;
+  if (ctx.clamped_tokens == 0) {
+    for (int64_t i = 0; i < b.num_samples(); ++i) {
+      int64_t d = 0;
+      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+        d += b.loss_mask[t];
+      ctx.clamped_tokens += std::max<int64_t>(d, 1);
+    }
+  }
   const int64_t s = b.num_samples();
   // Non-finite weights first: every later test is a comparison, and comparisons with inf or NaN
   // answer whatever their form happens to give.
@@ -801,8 +760,12 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
     dg.kind = "uniform-scale";
     dg.scale = r0;
     dg.scale_problem = scale_problem(r0);
-    dg.named = name_factor(r0, l, tol);
-    if (dg.named.empty() && contract_count > 0 &&
+    const ScaleName name = name_scale(r0, l, ctx, tol);
+    dg.named = name.text();
+    dg.layout_dependent = name.layout_dependent;
+    dg.same_step = name.same_step;
+    dg.declared = name.declared;
+    if (!dg.layout_dependent && dg.declared.empty() && contract_count > 0 &&
         same(r0, static_cast<double>(true_count) / static_cast<double>(contract_count), tol)) {
       dg.named =
           fmt::format("N/N' = {}/{}: the contract counts {} token(s) where the objective has {}",
@@ -816,6 +779,17 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
     return sample_microbatch.empty() ? -1 : sample_microbatch[i];
   };
   const int64_t num_mb = static_cast<int64_t>(l.microbatches.size());
+  // Each CP rank's effective tokens of each micro-batch (the per-CP-shard formula's own count).
+  auto shard_tokens = [&] {
+    std::vector<double> out(static_cast<std::size_t>(num_mb * cp), 0.0);
+    spans.each([&](const WeightSpan& sp) {
+      const int64_t k = mb_of(sp.sample);
+      if (k >= 0 && sp.owner >= 0 && sp.owner < cp && sp.want != 0.0)
+        out[k * cp + sp.owner] += sp.tokens;
+      return true;
+    });
+    return out;
+  };
   // Whether r is constant within every unit key(sample, owner); on success the worst token's
   // unit size.
   auto constant_within = [&](const char* kind, int64_t count, auto key) {
@@ -838,6 +812,10 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
     dg.kind = kind;
     const int64_t k = key(dg.worst.sample, static_cast<int16_t>(dg.worst.cp_rank));
     dg.worst.unit_tokens = k >= 0 ? tokens[k] : 0;
+    const UnitFactor f =
+        name_unit_factor(b, sample_microbatch, shard_tokens(), l, kind, ratio, k, ctx, tol);
+    dg.factor = f.formula;
+    dg.advice = f.advice;
     return true;
   };
   if (constant_within("per-rank", l.dp, [&](int64_t i, int16_t) {
@@ -887,9 +865,9 @@ std::vector<ShardRatio> shard_ratios_of_spans(const Spans& spans,
 WeightDiagnosis diagnose_weights(const Batch& b, const std::vector<double>& got,
                                  const std::vector<double>& want, const TokenPlace& place,
                                  const StepLayout& l, int64_t true_count, int64_t contract_count,
-                                 double tol) {
+                                 double tol, const ScaleContext& scale) {
   return diagnose_spans(b, TokenSpans{b, got, want, place}, place.sample_microbatch, l, true_count,
-                        contract_count, tol);
+                        contract_count, tol, scale);
 }
 
 std::string WeightDiagnosis::summary() const {
@@ -937,6 +915,19 @@ std::string WeightDiagnosis::summary() const {
                         " ({}tensor-parallel replicas counted as data-parallel ranks, a count "
                         "or mean over the whole world)",
                         named == "1/tp" ? "" : "if 1/tp, ");
+    if (layout_dependent) {
+      return fmt::format(
+          "uniform scale ×{:.6g} = {}{}: {}; a scale the layout sets is not hidden by Adam "
+          "(clipping, weight decay and the logged loss see it: docs/semantics.md §9){}",
+          scale, named, replicas, same_step, scale_problem.empty() ? "" : "; " + scale_problem);
+    }
+    if (!declared.empty()) {
+      return fmt::format(
+          "uniform scale ×{:.6g} = the trainer's declared {}{}: every token's weight is off by "
+          "that constant{}",
+          scale, declared, named.empty() ? "" : fmt::format(" (also {})", named),
+          scale_problem.empty() ? "" : "; " + scale_problem);
+    }
     return fmt::format(
         "uniform scale ×{:.6g}{}{}: every token's weight is off by the same factor{}", scale,
         named.empty() ? "" : fmt::format(" = {}", named), replicas,
@@ -949,8 +940,10 @@ std::string WeightDiagnosis::summary() const {
                                                 : "mixed";
   return fmt::format(
       "{} normalisation: weights range {:.3g}× to {:.3g}× of the truth on {} of {} tokens; worst: "
-      "{}, {:.6g}× ({} token(s) in that unit)",
-      unit, min_ratio, max_ratio, mismatched, tokens, where(), worst.ratio, worst.unit_tokens);
+      "{}, {:.6g}× ({} token(s) in that unit){}{}",
+      unit, min_ratio, max_ratio, mismatched, tokens, where(), worst.ratio, worst.unit_tokens,
+      factor.empty() ? "" : fmt::format("; w/w* = {} in every unit", factor),
+      advice.empty() ? "" : ": " + advice);
 }
 
 std::vector<ShardRatio> shard_ratios(const Batch& b, const std::vector<double>& got,
@@ -1150,21 +1143,22 @@ WeightDiagnosis diagnose_layout_weights(const Batch& b, const LayoutWeights& w,
                                         int64_t true_count) {
   return diagnose_spans(b, StoredSpans{spans_of_layout(b, w, truth_per_sample)},
                         sample_microbatches(w.placed()), *w.layout, true_count,
-                        w.factors.global_count, kWeightRelTol);
+                        w.factors.global_count, kWeightRelTol, ScaleContext{});
 }
 
 }  // namespace
 
 WeightsSummary summarize_weights(const Batch& b, const StepLayout& l, const Contract& contract,
                                  const ObjectiveSizes& sizes,
-                                 const std::vector<double>& truth_per_sample, int64_t true_count) {
+                                 const std::vector<double>& truth_per_sample, int64_t true_count,
+                                 const ScaleContext& scale) {
   const TermMasks masks = term_masks(b, contract, sizes);
   const LayoutWeights w = layout_weights(b, l, contract, sizes, masks, nullptr);
   const std::vector<WeightSpan> spans = spans_of_layout(b, w, truth_per_sample);
   const std::vector<int32_t> mbs = sample_microbatches(w.placed());
   WeightsSummary out;
   out.diagnosis = diagnose_spans(b, StoredSpans{spans}, mbs, l, true_count, w.factors.global_count,
-                                 kWeightRelTol);
+                                 kWeightRelTol, scale);
   out.shards = shard_ratios_of_spans(StoredSpans{spans}, mbs, l);
   out.global_count = w.factors.global_count;
   out.problems = w.placed().problems;

@@ -17,6 +17,7 @@
 #include "core/batch.h"
 #include "core/contract.h"
 #include "core/layout.h"
+#include "oracle/weights/scale_names.h"
 
 namespace lossguard::oracle {
 
@@ -99,6 +100,15 @@ struct WeightDiagnosis {
   double scale = 1.0;  // uniform-scale, negative-scale: the common ratio
   std::string scale_problem;  // uniform-scale: why no optimizer hides it ("" when one does)
   std::string named;          // uniform-scale: "1/cp", "dp*cp", ... when a simple product fits
+  // uniform-scale: `named` holds a layout size (cp, dp, tp, pp, M) and no declared scale equals
+  // it: the same step under another layout applies another update (SPEC §9): fails by default.
+  bool layout_dependent = false;
+  std::string same_step;  // "the same step at CP = 1 applies ×2 this update"
+  std::string declared;   // uniform-scale: the trainer's declared scale equal to it
+  // per-rank, per-microbatch, per-cp-shard, per-sample: the ratio as one formula over the unit's
+  // own counts ("1/n") and what to change, for the worst unit, in the trainer's terms.
+  std::string factor;
+  std::string advice;
   double min_ratio = 1.0, max_ratio = 1.0;
   int64_t tokens = 0;           // tokens with w* > 0
   int64_t mismatched = 0;       // of those, ratio != 1
@@ -109,7 +119,9 @@ struct WeightDiagnosis {
   // hides it (scale_problem). A non-finite weight, a step whose every weight is 0 (a trainer that
   // applies no gradient) and a negative scale (gradient ascent) always fail.
   bool exact() const { return kind == "exact"; }
-  bool hidden_scale() const { return kind == "uniform-scale" && scale_problem.empty(); }
+  bool hidden_scale() const {
+    return kind == "uniform-scale" && scale_problem.empty() && !layout_dependent;
+  }
   bool fails(bool strict_scale) const {
     return !(kind == "exact" || (hidden_scale() && !strict_scale));
   }
@@ -118,11 +130,14 @@ struct WeightDiagnosis {
 
 // `got` [sum R] against `want` [sum R]; `place` and `layout` give the coordinates and units.
 // `true_count` N and `contract_count` N' (the contract's global count), when given, name a uniform
-// scale N/N' that no product of sizes explains (a count that includes what it should not).
+// scale N/N' that no product of sizes explains (a count that includes what it should not). `scale`
+// names the ratio in the trainer's terms (B, PP, the objective, declared scales; N defaults to
+// true_count).
 WeightDiagnosis diagnose_weights(const Batch& batch, const std::vector<double>& got,
                                  const std::vector<double>& want, const TokenPlace& place,
                                  const StepLayout& layout, int64_t true_count = 0,
-                                 int64_t contract_count = 0, double rel_tol = kWeightRelTol);
+                                 int64_t contract_count = 0, double rel_tol = kWeightRelTol,
+                                 const ScaleContext& scale = {});
 
 // The ratio w/w* over one CP rank's share of one micro-batch (tokens with w* > 0), for tables and
 // the SVG: shard[mb * cp + c].
@@ -192,7 +207,8 @@ struct WeightsSummary {
 };
 WeightsSummary summarize_weights(const Batch& batch, const StepLayout& layout,
                                  const Contract& contract, const ObjectiveSizes& sizes,
-                                 const std::vector<double>& truth_per_sample, int64_t true_count);
+                                 const std::vector<double>& truth_per_sample, int64_t true_count,
+                                 const ScaleContext& scale = {});
 
 // The verdict of `weights`: the contract on the given layout, and on every variation of it. A
 // contract whose weights change with the layout fails even where it happens to be right or only

@@ -12,6 +12,17 @@ namespace lossguard::oracle {
 
 namespace {
 
+// What the diagnosis names a ratio by: B, the objective, and the contract's own number as the
+// trainer's declared constant (`scale=0.5` is a coefficient, `scale=1/cp` a layout factor).
+ScaleContext scale_context(const TermContract& tc, const ObjectiveSizes& sizes) {
+  ScaleContext ctx;
+  ctx.global_batch = sizes.global_batch_size;
+  ctx.reduce = tc.term.reduce;
+  ctx.reduce_known = true;
+  if (tc.contract.scale.number != 1.0) ctx.declared.push_back({"scale", tc.contract.scale.number});
+  return ctx;
+}
+
 TermWeights weigh_term(const TermContract& tc, const Batch& step_batch, const StepLayout& layout,
                        const ObjectiveSizes& sizes, double relative_to, bool strict_scale,
                        bool per_token, const PlacedTokens* placed = nullptr) {
@@ -30,8 +41,8 @@ TermWeights weigh_term(const TermContract& tc, const Batch& step_batch, const St
   run.sizes = sizes;
   run.strict_scale = strict_scale;
   if (!per_token) {  // the summary from each sample's owner runs: no per-token vector
-    WeightsSummary sum =
-        summarize_weights(b, layout, tc.contract, sizes, run.truth_per_sample, run.effective);
+    WeightsSummary sum = summarize_weights(b, layout, tc.contract, sizes, run.truth_per_sample,
+                                           run.effective, scale_context(tc, sizes));
     run.dg = std::move(sum.diagnosis);
     run.shards = std::move(sum.shards);
     run.got.global_count = sum.global_count;
@@ -41,7 +52,7 @@ TermWeights weigh_term(const TermContract& tc, const Batch& step_batch, const St
   run.truth = per_token_weights(b, run.truth_per_sample);
   run.got = contract_weights(b, layout, tc.contract, sizes, placed);
   run.dg = diagnose_weights(b, run.got.weight, run.truth, run.got.place, layout, run.effective,
-                            run.got.global_count);
+                            run.got.global_count, kWeightRelTol, scale_context(tc, sizes));
   run.shards = shard_ratios(b, run.got.weight, run.truth, run.got.place, layout);
   return run;
 }

@@ -62,12 +62,15 @@ class Spec:
 
     ``verified``: the releases inside the range whose loss path the adapter's tests ran on (the trainer tests,
     ``make gallery``); ``refused``: ``(low, high, reason)`` for known releases outside the range, the reason
-    saying what differs on the loss path and the nearest supported release (said in the error)."""
+    saying what differs on the loss path and the nearest supported release (said in the error); ``loss_site``:
+    the trainer's function whose loss the adapter measures, named when audit says what to change."""
 
     def __init__(self, module: str, package: str, supported: tuple[str, str], installed: Callable[[], str],
                  relies_on: str, *, verified: Sequence[str] = (),
-                 refused: Sequence[tuple[str, str, str]] = ()):
+                 refused: Sequence[tuple[str, str, str]] = (), loss_site: str = ""):
         self.module, self.package, self.supported = module, package, (str(supported[0]), str(supported[1]))
+        #: where the trainer computes the loss the adapter measures (captures' ``loss_site``: audit's advice)
+        self.loss_site = str(loss_site)
         self.installed, self.relies_on = installed, relies_on
         self.verified = tuple(str(v) for v in verified)
         self.refused = tuple((str(lo), str(hi), str(why)) for lo, hi, why in refused)
@@ -247,7 +250,8 @@ class Adapter:
         :class:`lossguard_capture.Capture` with this rank's ``coordinates`` (``rank``, ``world_size``, ``tp``,
         ``cp``, ``dp``, ``tp_rank``...; what is not given is found) and the step's declared ``terms``."""
         cap = Capture(self.step_dir(step), reduce=check_reduce(reduce or self.reduce), strict=self.strict,
-                      terms=terms, trainer=self.spec.module.rsplit(".", 1)[-1], **coordinates)
+                      terms=terms, trainer=self.spec.module.rsplit(".", 1)[-1],
+                      loss_site=self.spec.loss_site or None, **coordinates)
         rec = cap.step(step)
         assert isinstance(rec, StepRecorder)          # Capture(steps=None) records every step it is asked
         return rec

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal
 
-from .recorder import CP_LAYOUTS, StepRecorder, check_reduce, check_terms
+from .recorder import CP_LAYOUTS, StepRecorder, check_declared_scales, check_reduce, check_terms
 
 __all__ = ["Capture", "coordinates"]
 
@@ -75,8 +75,13 @@ class Capture:
                  steps: Iterable[int] | None = None, rank: int | None = None,
                  world_size: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
                  cp_rank: int | None = None, dp_rank: int | None = None,
-                 terms: Mapping[str, Any] | None = None, trainer: str | None = None):
+                 terms: Mapping[str, Any] | None = None, trainer: str | None = None,
+                 declared_scales: Mapping[str, float] | None = None, loss_site: str | None = None):
         check_reduce(reduce)
+        #: metadata ``declared_scales`` (``{"loss_scale": 0.5}``: constants the trainer applies to its main
+        #: loss) and ``loss_site`` (where the trainer computes it): audit's diagnosis names them
+        self.declared_scales = check_declared_scales(declared_scales)
+        self.loss_site = loss_site
         #: written as metadata ``trainer``: audit lists the presets of that trainer first (hf, trl, megatron...)
         self.trainer = trainer
         self.terms = check_terms(terms, reduce)
@@ -122,7 +127,8 @@ class Capture:
                             cp_rank=self.cp_rank, dp_rank=self.dp_rank, cp_layout=self.cp_layout,
                             reduce=self.reduce, strict=self.strict,
                             terms={name: dict(reduce=d["reduce"], coef=float(d["coef"]), mask=d["mask"])
-                                   for name, d in self.terms.items()}, trainer=self.trainer)
+                                   for name, d in self.terms.items()}, trainer=self.trainer,
+                            declared_scales=self.declared_scales, loss_site=self.loss_site)
 
     def __repr__(self) -> str:
         return (f"Capture({self.out_dir!r}, reduce={self.reduce!r}, rank={self.rank}/{self.world_size}, "

@@ -100,7 +100,8 @@ SPEC = Spec("lossguard_capture.hf", "transformers", ("5.19.0", "5.26.0"), lambda
             refused=(("0", "5.19.0", "before 5.19 Trainer.training_step divides by gradient accumulation under "
                                      "another condition (trainer.py:2066 in 5.18.0) and has no "
                                      "loss_is_scaled_for_ga, a path the adapter's tests never ran; nearest "
-                                     "supported: 5.19.0"),))
+                                     "supported: 5.19.0"),),
+            loss_site="transformers Trainer.compute_loss")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 transformers: Any = SPEC.require("transformers", "pip install 'lossguard-capture[hf]'")
 from transformers import TrainerCallback  # noqa: E402

@@ -184,7 +184,8 @@ SPEC = Spec("lossguard_capture.megatron", "megatron-core", ("0.15.0", "0.17.0"),
                                      "schedules.py:239: output_tensor /= num_tokens), so a CP shard or micro-batch "
                                      "without a loss token divides 0/0 = NaN; nearest supported: 0.15.3"),
                      ("0.17.0", "999", "not verified: 0.17 and later require Python >= 3.12 and the adapter's "
-                                       "tests never ran on them; nearest supported: 0.16.1")))
+                                       "tests never ran on them; nearest supported: 0.16.1")),
+            loss_site="the loss_func your forward_step returns (schedules.forward_step_calc_loss)")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 # 0.15.x on a machine without a GPU: lossguard_capture.megatron_cpu.import_megatron_core() before this import
 SPEC.require("megatron.core", "pip install megatron-core==0.16.1; scripts/setup-trainers.sh")

@@ -88,6 +88,20 @@ _SHIFT_MASK = re.compile(r"(?:shift|roll):([1-9][0-9]*)")
 _TERM_KEYS = ("reduce", "coef", "mask")
 
 
+def check_declared_scales(scales: Mapping[str, float] | None) -> dict[str, float]:
+    """Validate ``{NAME: factor}``: names without ``=`` or ``,``, finite non-zero factors."""
+    out: dict[str, float] = {}
+    for name, value in (scales or {}).items():
+        name = str(name)
+        if not name or "=" in name or "," in name:
+            raise ValueError(f"declared scale name {name!r}: non-empty, without '=' or ','")
+        v = float(value)
+        if not math.isfinite(v) or v == 0.0:
+            raise ValueError(f"declared scale {name!r}: a finite, non-zero factor; got {value!r}")
+        out[name] = v
+    return out
+
+
 def check_term_name(name: Any) -> str:
     """``name`` if it names a loss term (``[a-z][a-z0-9_-]*``, not ``main``), else ValueError."""
     if not isinstance(name, str) or not _TERM_NAME.fullmatch(name):
@@ -505,7 +519,8 @@ class _Step:
     def __init__(self, out_dir: str, step: int, rank: int, world_size: int, *, tp: int = 1, pp: int = 1,
                  cp: int = 1, dp: int = 1, tp_rank: int = 0, pp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 0,
                  cp_layout: str = "zigzag", reduce: str = "per-token", strict: bool = True,
-                 terms: Mapping[str, Any] | None = None, trainer: str | None = None):
+                 terms: Mapping[str, Any] | None = None, trainer: str | None = None,
+                 declared_scales: Mapping[str, float] | None = None, loss_site: str | None = None):
         if tp * pp * cp * dp != world_size:
             raise ValueError(f"tp*pp*cp*dp = {tp * pp * cp * dp} != world_size {world_size}")
         for name, c, size in (("tp", tp_rank, tp), ("pp", pp_rank, pp), ("cp", cp_rank, cp), ("dp", dp_rank, dp)):
@@ -526,6 +541,11 @@ class _Step:
         self.strict = strict
         #: metadata ``trainer`` (hf, trl, megatron, verl...): audit lists that trainer's presets first
         self.trainer = None if trainer is None else str(trainer)
+        #: metadata ``declared_scales``: constant factors the trainer applies to its main loss (a loss
+        #: coefficient); where one equals a layout product (0.5 at CP 2), audit takes it as the constant
+        self.declared_scales: dict[str, float] = check_declared_scales(declared_scales)
+        #: metadata ``loss_site``: where the trainer computes the loss (named in audit's advice)
+        self.loss_site = None if loss_site is None else str(loss_site)
         self.microbatches: list[MicroBatch] = []
         self.path: str | None = None        # set by a successful finish()
         self.aborted = False                   # set by abort(): nothing was, or will be, written
@@ -623,6 +643,10 @@ class _Step:
             meta["dtype"] = dtype
         if self.trainer:
             meta["trainer"] = self.trainer
+        if self.declared_scales:
+            meta["declared_scales"] = ",".join(f"{k}={v!r}" for k, v in self.declared_scales.items())
+        if self.loss_site:
+            meta["loss_site"] = self.loss_site
         if global_batch_unit is not None:
             if global_batch_unit not in ("samples", "rollouts"):
                 raise ValueError(f"global_batch_unit {global_batch_unit!r}: 'samples' or 'rollouts'")

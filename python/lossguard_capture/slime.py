@@ -80,7 +80,8 @@ SLIME = Trainer("slime", "slime.backends.megatron_utils.model", "slime.backends.
 
 def _spec(trainer: Trainer) -> Spec:
     s = _lcm.SPEC
-    return Spec(f"lossguard_capture.{trainer.name}", s.package, s.supported, s.installed, s.relies_on)
+    return Spec(f"lossguard_capture.{trainer.name}", s.package, s.supported, s.installed, s.relies_on,
+                loss_site=f"{trainer.loss_module}.loss_function")
 
 
 class SlimeAdapter(_lcm.MegatronAdapter):

@@ -135,7 +135,8 @@ SPEC = Spec("lossguard_capture.trl", "trl", ("1.13.0", "1.17.0"), lambda: trl.__
                                      "source, not verified); nearest supported: 1.13.0"),
                      ("1.15.0", "1.16.0", "not verified: 1.15's fused LM head runs on Triton only, so the tests "
                                           "cannot run it on CPU (its loss path is 1.16.0's by source); nearest "
-                                          "supported: 1.16.0")))
+                                          "supported: 1.16.0")),
+            loss_site="trl GRPOTrainer._compute_loss / SFTTrainer.compute_loss")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 #: The first TRL whose SFTTrainer builds the per-token loss tensor read here (its fused LM head's log_probs);
 #: below it an SFTTrainer is refused at attach, naming :data:`SFT_NEAREST`, the nearest release verified.

@@ -130,7 +130,8 @@ SPEC = Spec("lossguard_capture.verl", "verl", ("0.8.0", "0.9.2"), lambda: verl._
             refused=(("0", "0.8.0", "before 0.8 ppo_loss does not pad the micro-batch (0.7.1 "
                                     "workers/utils/losses.py:97) and no_padding_2_padding always reads attention_mask "
                                     "(0.7.1 workers/utils/padding.py:86-125): another data contract than the one the "
-                                    "adapter measures; nearest supported: 0.8.0"),))
+                                    "adapter measures; nearest supported: 0.8.0"),),
+            loss_site="verl workers/utils/losses.py ppo_loss (core_algos.agg_loss)")
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 verl: Any = SPEC.require("verl", "scripts/setup-trainers.sh pins verl==0.9.1 in ~/.cache/lossguard/venv-verl")
 from verl.trainer.ppo import core_algos  # noqa: E402

@@ -454,11 +454,13 @@ def test_gradient_ascent_fails_on_every_rank_alike(good, tmp_path):
     assert "gradient ascent" in failed_checks(doc)["weights"]
 
 
-@pytest.mark.parametrize("factor,passes", [(2.0, True), (2.0 ** -9, True), (1e-30, False),
+@pytest.mark.parametrize("factor,passes", [(3.0, True), (2.0 ** -9, True), (1e-30, False),
                                            (2.0 ** -11, False), (2.0 ** 63, True), (1e20, False)])
 def test_a_uniform_scale_passes_only_where_adam_hides_it(good, tmp_path, factor, passes):
     """Adam fed gradients x s steps as Adam with eps/s (docs/semantics.md §9): hidden for
-    2^-10 <= s <= 2^64; x1e-30 means no update at all and must fail, with the reason."""
+    2^-10 <= s <= 2^64; x1e-30 means no update at all and must fail, with the reason. The scales here are
+    constants no product of the layout (DP 2, CP 2, M 2, B 5) makes: a layout product fails by default
+    (the next test)."""
     code, doc, err = audit(every_rank(good, tmp_path, scale_grad(factor)))
     diag = doc["steps"][0]["diagnosis"]
     assert diag["kind"] == "uniform-scale" and diag["scale"] == pytest.approx(factor), diag
@@ -469,6 +471,30 @@ def test_a_uniform_scale_passes_only_where_adam_hides_it(good, tmp_path, factor,
         assert code == 1, (diag, err)
         assert ("Adam" in diag["scale_problem"]) == (factor < 1), diag["scale_problem"]
         assert "scale" in failed_checks(doc)["weights"]
+
+
+def test_a_scale_the_layout_sets_fails_by_default_and_a_declared_coefficient_decides(good, tmp_path):
+    """SPEC §9: x1/2 on a DP 2 x CP 2 step with M = 2 is 1/cp (or 1/dp, 1/M): at CP 1 the same step applies
+    x2 this update (planted: grad_scale halved on every rank). It fails without --strict-scale, saying so;
+    the same weights from a trainer that declares a loss coefficient 0.5 pass as that constant."""
+    code, doc, err = audit(every_rank(good, tmp_path, scale_grad(0.5)))
+    diag = doc["steps"][0]["diagnosis"]
+    assert code == 1, (diag, err)
+    assert diag["kind"] == "uniform-scale" and diag["layout_dependent"] is True, diag
+    assert diag["named"].split(" or ") == ["1/cp", "1/dp", "1/M"], diag["named"]
+    assert diag["same_step"] == "the same step at CP = 1 applies ×2 this update", diag
+    assert "= 1/cp or 1/dp or 1/M: the same step at CP = 1 applies ×2 this update" in failed_checks(doc)["weights"]
+
+    def declare(meta):
+        meta["declared_scales"] = "policy_coef=0.5"
+    code, doc, err = audit(every_rank(good, tmp_path / "declared", scale_grad(0.5), declare))
+    diag = doc["steps"][0]["diagnosis"]
+    assert code == 0 and diag["declared"] == "policy_coef = 0.5" and not diag["layout_dependent"], (diag, err)
+    # A declaration that is not NAME=VALUE is an input error naming the file.
+    def broken(meta):
+        meta["declared_scales"] = "policy_coef"
+    code, _, err = audit(every_rank(good, tmp_path / "broken", scale_grad(0.5), broken))
+    assert code == 2 and "declared_scales" in err and "step000000-rank" in err, err
 
 
 def test_a_claimed_world_of_2_to_the_40_is_refused_in_seconds(good, tmp_path):

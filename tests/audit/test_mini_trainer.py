@@ -372,6 +372,9 @@ def test_audit_names_every_bug(run):
                 assert s0["diagnosis"]["kind"] == "uniform-scale", where
                 assert math.isclose(s0["diagnosis"]["scale"], 1 / cp, rel_tol=1e-6), where
                 assert check_of(s0, "counts")["ok"] is False, where
+                # x1/cp is set by the layout: the weights fail on their own, not only the counts (SPEC §9)
+                assert s0["diagnosis"]["layout_dependent"] is True, (where, s0["diagnosis"])
+                assert check_of(s0, "weights")["ok"] is False, where
         elif bug == "clamp-cp1":
             if cp > 1:
                 assert code == 0, where
@@ -384,6 +387,9 @@ def test_audit_names_every_bug(run):
             if cp > 1:
                 assert s0["diagnosis"]["kind"] == "uniform-scale", where
                 assert any(m.startswith("slime with") for m in s0["matches"]), (where, s0["matches"])
+                # slime's missing x cp: x1/cp fails the weights by itself, whatever the counts say
+                assert s0["diagnosis"]["layout_dependent"] is True, (where, s0["diagnosis"])
+                assert check_of(s0, "weights")["ok"] is False, where
         elif bug == "local-skip":
             assert code == 1, where
             assert check_of(sparse, "decision")["ok"] is False, where

@@ -586,5 +586,118 @@ TEST(Weights, RealTrainerPresetsByHandOneSamplePerMicrobatch) {
   EXPECT_THROW(parse_contract("norm=generation", Reduction::kPerToken), InputError);
 }
 
+// SPEC §9: a uniform scale that the layout sets fails by default and says what another layout
+// does; a declared constant equal to it decides; a constant the layout cannot explain (here 1/B,
+// the same under every layout) keeps the Adam rule. Expectations by hand: hand_batch has N = 8
+// effective tokens in B = 3 samples.
+TEST(Weights, AScaleTheLayoutSetsFailsByDefaultAndADeclaredConstantDecides) {
+  const Batch b = hand_batch();
+  const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+  const StepLayout cp2 = layout(b, 1, 1, 2);
+  // Every CP rank counts the full samples and the count is summed over CP: N' = 2N, w = w*/2.
+  const ContractWeights w = contract_weights(
+      b, cp2, parse_contract("count=full-sample,norm=global:dp-cp", Reduction::kPerToken), {});
+  ScaleContext ctx;
+  ctx.global_batch = 3;
+  const WeightDiagnosis half =
+      diagnose_weights(b, w.weight, truth, w.place, cp2, 8, w.global_count, kWeightRelTol, ctx);
+  EXPECT_EQ(half.kind, "uniform-scale");
+  EXPECT_EQ(half.named, "1/cp");
+  EXPECT_TRUE(half.layout_dependent);
+  EXPECT_FALSE(half.hidden_scale());
+  EXPECT_TRUE(half.fails(/*strict_scale=*/false));
+  EXPECT_EQ(half.same_step, "the same step at CP = 1 applies ×2 this update");
+  EXPECT_NE(half.summary().find("uniform scale ×0.5 = 1/cp: the same step at CP = 1 applies ×2 "
+                                "this update"),
+            std::string::npos)
+      << half.summary();
+  // The same weights from a trainer that declares a loss coefficient 0.5: the declaration decides.
+  ctx.declared = {{"coef", 0.5}};
+  const WeightDiagnosis declared =
+      diagnose_weights(b, w.weight, truth, w.place, cp2, 8, w.global_count, kWeightRelTol, ctx);
+  EXPECT_FALSE(declared.layout_dependent);
+  EXPECT_EQ(declared.declared, "coef = 0.5");
+  EXPECT_FALSE(declared.fails(false));
+  EXPECT_TRUE(declared.fails(true));
+  EXPECT_NE(declared.summary().find("declared coef = 0.5 (also 1/cp)"), std::string::npos)
+      << declared.summary();
+  // Two symbols: a ×dp·cp compensation applied where none is needed (DP 3, CP 2).
+  const StepLayout dp2cp2 = layout(b, 3, 1, 2);
+  const ContractWeights w4 = contract_weights(
+      b, dp2cp2, parse_contract("megatron-per-token,scale=dp*cp", Reduction::kPerToken), {});
+  const WeightDiagnosis four = diagnose_weights(b, w4.weight, truth, w4.place, dp2cp2, 8);
+  EXPECT_TRUE(four.layout_dependent) << four.summary();
+  EXPECT_EQ(four.named, "cp*dp") << four.summary();
+  EXPECT_EQ(four.same_step, "the same step at CP = 1 and DP = 1 applies ×0.166667 this update");
+  // 1/B: the same under every layout of the step, so Adam's rule (reported, fails with strict).
+  const StepLayout one = layout(b, 1, 1, 1);
+  const ContractWeights wb = contract_weights(
+      b, one, parse_contract("megatron-per-token,scale=1/B", Reduction::kPerToken), {});
+  const WeightDiagnosis per_b =
+      diagnose_weights(b, wb.weight, truth, wb.place, one, 8, wb.global_count, kWeightRelTol, ctx);
+  EXPECT_EQ(per_b.named, "1/B");
+  EXPECT_FALSE(per_b.layout_dependent);
+  EXPECT_FALSE(per_b.fails(false));
+  // A constant nothing names: reported, passes without --strict-scale.
+  const ContractWeights w7 = contract_weights(
+      b, cp2, parse_contract("megatron-per-token,scale=7", Reduction::kPerToken), {});
+  const WeightDiagnosis seven = diagnose_weights(b, w7.weight, truth, w7.place, cp2, 8);
+  EXPECT_EQ(seven.named, "");
+  EXPECT_FALSE(seven.fails(false));
+}
+
+// SPEC §9: a failure names its factor per unit in the trainer's terms. hand_batch's micro-batches
+// (one sample each) hold 3, 1 and 4 effective tokens; N = 8, M = 3.
+TEST(Weights, APerMicroBatchFactorIsNamedByTheUnitsOwnCounts) {
+  const Batch b = hand_batch();
+  const std::vector<double> truth = true_weights(b, Reduction::kPerToken, {});
+  const StepLayout l = layout(b, 1, 3, 1);
+  ScaleContext ctx;
+  ctx.reduce = Reduction::kPerToken;
+  ctx.reduce_known = true;
+  ctx.loss_site = "train.py: compute_loss";
+  // Each micro-batch divided by its own count, then by N: w = m / (n_k N), w / w* = 1 / n_k. The
+  // worst unit is micro-batch 2 (4 tokens, ×1/4).
+  const ContractWeights exact =
+      contract_weights(b, l, parse_contract("truth", Reduction::kPerToken), {});
+  std::vector<double> twice = exact.weight;
+  const int64_t n_of_sample[3] = {3, 1, 4};
+  for (int64_t i = 0; i < 3; ++i) {
+    for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+      twice[t] /= static_cast<double>(n_of_sample[i]);
+  }
+  const WeightDiagnosis dbl =
+      diagnose_weights(b, twice, truth, exact.place, l, 8, 0, kWeightRelTol, ctx);
+  EXPECT_EQ(dbl.kind, "per-microbatch");
+  EXPECT_EQ(dbl.factor, "1/n");
+  EXPECT_EQ(dbl.advice,
+            "micro-batch 2 of DP rank 0 is divided by its own 4 tokens, then by N = 8: divide by "
+            "N only (in train.py: compute_loss)");
+  EXPECT_NE(dbl.summary().find("w/w* = 1/n in every unit: micro-batch 2"), std::string::npos)
+      << dbl.summary();
+  // The gradient-accumulation bug (hf-ga): a mean per micro-batch, ÷ M: w / w* = N / (n_k M).
+  const ContractWeights ga =
+      contract_weights(b, l, parse_contract("hf-ga", Reduction::kPerToken), {});
+  ctx.loss_site.clear();
+  const WeightDiagnosis g =
+      diagnose_weights(b, ga.weight, truth, ga.place, l, 8, ga.global_count, kWeightRelTol, ctx);
+  EXPECT_EQ(g.factor, "N/(n*M)");
+  EXPECT_EQ(g.advice,
+            "micro-batch 1 of DP rank 0 is divided by its own 1 token and M = 3 instead of N = 8: "
+            "divide by N = 8");
+  // Without the objective the sentence still says what to remove.
+  const WeightDiagnosis bare = diagnose_weights(b, twice, truth, exact.place, l, 8);
+  EXPECT_EQ(bare.advice,
+            "micro-batch 2 of DP rank 0 is divided by its own 4 tokens on top of the objective's "
+            "normalisation: remove that division");
+  // A per-rank count (hf-num-items at DP 3, one sample per rank): w / w* = N / (n_rank dp).
+  const StepLayout dp3 = layout(b, 3, 1, 1);
+  const ContractWeights items =
+      contract_weights(b, dp3, parse_contract("hf-num-items", Reduction::kPerToken), {});
+  const WeightDiagnosis r = diagnose_weights(b, items.weight, truth, items.place, dp3, 8,
+                                             items.global_count, kWeightRelTol, ctx);
+  EXPECT_EQ(r.kind, "per-rank");
+  EXPECT_EQ(r.factor, "N/(n*dp)");
+}
 }  // namespace
 }  // namespace lossguard::oracle

@@ -12,7 +12,7 @@ off, a model that accepts loss kwargs and one that does not) tests/trainers/hf_d
 (c) ``lossguard audit`` (when built) passes the correct configurations and fails the buggy ones naming
     their shape: ``hf-num-items`` (per-rank counts without average_tokens_across_devices), ``hf-ga``
     (per-micro-batch means of a model without loss kwargs; with a micro-batch that has no token, a
-    uniform x1/M that only --strict-scale fails), and ``norm=microbatch`` without the 1/M (a compute_loss
+    uniform x1/M, which fails as a scale the layout sets), and ``norm=microbatch`` without the 1/M (a compute_loss
     override that drops num_items_in_batch);
 
 and that fail-fast stops a buggy run at step 0, on every rank, before the optimizer step.
@@ -146,7 +146,8 @@ def test_capture_records(runs, world, config):
             assert meta == {"lossguard.schema": "audit/1", "trainer": "hf", "step": str(n), "rank": str(r), "world_size": str(world),
                             "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
                             "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": "per-token",
-                            "num_microbatches": str(ga), "dtype": "float32"}
+                            "num_microbatches": str(ga), "dtype": "float32",
+                            "loss_site": "transformers Trainer.compute_loss"}
             assert t["grad_scale"].item() == 1.0 / world          # DDP's mean
             assert t["global_batch_size"].item() == drv.BS * ga * world
             assert t["skipped"].item() == 0
@@ -273,20 +274,28 @@ def test_audit_verdict(runs, world, config):
     if want_preset is None:
         assert all(c["ok"] is not False for s in doc["steps"] for c in s["checks"]), where
         assert "truth" in s0["matches"], where
-    elif want_kind == "uniform-scale":      # reported, but a uniform scale fails only with --strict-scale
-        assert checks["weights"] is True and s0["diagnosis"]["named"] == "1/M", where
-        assert math.isclose(s0["diagnosis"]["scale"], 1 / drv.parse(config)[0], rel_tol=1e-6), where
+    elif want_kind == "uniform-scale":      # x1/M: set by the layout, so it fails by default (SPEC §9)
+        g = drv.parse(config)[0]
+        assert checks["weights"] is False and s0["diagnosis"]["named"] == "1/M", where
+        assert s0["diagnosis"]["layout_dependent"] is True, where
+        assert s0["diagnosis"]["same_step"] == (f"the same step at M = 1 (one micro-batch per DP rank) applies "
+                                                f"×{g:g} this update"), where
+        assert math.isclose(s0["diagnosis"]["scale"], 1 / g, rel_tol=1e-6), where
         assert want_preset in s0["matches"], where
         assert any(f["kind"] == "mean_over_zero_tokens" and f["step"] == 0 for f in doc["findings"]), where
         assert doc["steps"][1]["diagnosis"]["kind"] == "per-microbatch", where
-        strict = [os.path.join(caps, "step000000"), "--strict-scale"]
-        code1, doc1, err1, text1 = audit(*strict)
-        gallery.record("hf", f"dp{world}-{config}-strict-scale", dict(fields, strict_scale=True),
-                       [LOSSGUARD, "audit", *strict], code1, doc1, text1, err1)
-        assert code1 == 1, text1
     else:
         assert checks["weights"] is False, where
         assert want_preset in s0["matches"], where
+        # the factor per unit in the Trainer's terms (hf.py docstring): each micro-batch's (or rank's) own
+        # count n where the objective has N, then / M without loss kwargs (ga > 1), then DDP's / dp
+        ga = drv.parse(config)[0]
+        den = ["n"] + (["M"] if want_preset == "hf-ga" and ga > 1 else []) + (["dp"] if world > 1 else [])
+        want_factor = "N/" + (den[0] if len(den) == 1 else "(" + "*".join(den) + ")")
+        # where M = dp (ga = world) the two are one number: the diagnosis may name either
+        same = {want_factor, want_factor.replace("dp", "M")} if ga == world else {want_factor}
+        assert s0["diagnosis"]["factor"] in same, (where, s0["diagnosis"])
+        assert s0["diagnosis"]["advice"].endswith("(in transformers Trainer.compute_loss)"), where
     if HAVE_BIN and want_code == 0:                      # the in-run fail-fast audit passed the same step
         meta = json.load(open(os.path.join(run_dir(runs, world, config), "meta-rank0.json")))
         assert meta["audit"]["0"]["exit_code"] == 0, meta["audit"]

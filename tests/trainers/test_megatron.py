@@ -320,6 +320,7 @@ def test_capture_records(runs, dp, cp, tp, path):
                             "pp_rank": "0",
                             "cp_rank": str(cp_rank), "dp_rank": str(dp_rank), "cp_layout": "zigzag",
                             "reduce": "per-token", "num_microbatches": str(drv.M), "dtype": "float32",
+                            "loss_site": "the loss_func your forward_step returns (schedules.forward_step_calc_loss)",
                             **terms_meta}
             kept = torch.load(os.path.join(run_dir(runs, dp, cp, tp, path), f"losses-rank{r}.pt"))[n]
             with open(os.path.join(run_dir(runs, dp, cp, tp, path), f"opt-rank{r}.json")) as f:

@@ -377,8 +377,8 @@ def test_audit_names_tp_replicas_counted_as_dp(runs):
     assert s["diagnosis"]["kind"] == "uniform-scale" and s["diagnosis"]["scale"] == pytest.approx(0.5)
     assert "1/tp" in s["diagnosis"]["named"].split(" or ")
     assert "tensor-parallel replicas counted as data-parallel ranks" in checks_of(doc)[0]["weights"]["detail"]
-    assert code == 0                                  # a uniform scale an optimizer hides passes ...
-    assert audit(d, "--strict-scale")[0] == 1         # ... and fails when the scale is part of the contract
+    assert code == 1                                  # x1/tp is set by the layout: it fails (SPEC §9)
+    assert s["diagnosis"]["layout_dependent"] is True
     # the right run has no such finding
     _, good, _ = audit(os.path.join(runs[(1, 2, 1, 2)], "global", "adapter", "captures", "step000000"))
     assert good["steps"][0]["diagnosis"]["kind"] == "exact"

@@ -217,7 +217,8 @@ def test_capture_records(runs, world, config):
             want_meta = {"lossguard.schema": "audit/1", "trainer": "trl", "step": str(n), "rank": str(r), "world_size": str(world),
                          "tp": "1", "pp": "1", "cp": "1", "dp": str(world), "tp_rank": "0", "pp_rank": "0",
                          "cp_rank": "0", "dp_rank": str(r), "cp_layout": "zigzag", "reduce": want_reduce,
-                         "num_microbatches": str(GA), "dtype": "float32"}
+                         "num_microbatches": str(GA), "dtype": "float32",
+                         "loss_site": "trl GRPOTrainer._compute_loss / SFTTrainer.compute_loss"}
             if ent:          # the entropy bonus: per-token, the coefficient as it enters the loss, the loss mask
                 want_meta.update({"terms": "entropy", "term.entropy.reduce": "per-token",
                                   "term.entropy.coef": repr(-ent), "term.entropy.mask": "loss"})
