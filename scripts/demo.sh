@@ -74,7 +74,10 @@ run weights "$EX/gen_random.safetensors" --contract hf-ga --dp 2 --microbatches 
 step "Its fix (num_items_in_batch counted across devices; the Trainer has no CP, so I5 varies DP and micro-batches), and Megatron's per-token contract under CP 2"
 run weights "$EX/gen_random.safetensors" --contract hf-num-items-across-devices --dp 2 --microbatches 3 --vary dp,microbatches
 run weights "$EX/gen_random.safetensors" --contract megatron-per-token --dp 2 --microbatches 3 --cp 2
-step "A uniform scale passes only where Adam hides it: gradients x s are Adam with eps/s, so x1e-30 stops the update (and a negative scale, gradient ascent, always fails)"
+step "A scale the layout sets is the founding bug: every CP rank counts whole samples (x1/cp) fails by default and names the layout where it vanishes; a declared 0.5 is a constant"
+run weights "$EX/gen_random.safetensors" --contract count=full-sample,norm=global:dp-cp --cp 2 --vary none | grep -E "^weights:|^verdict"
+run weights "$EX/gen_random.safetensors" --contract megatron-per-token,scale=0.5 --cp 2 --vary none | grep -E "^weights:|^verdict"
+step "A constant uniform scale passes only where Adam hides it: gradients x s are Adam with eps/s, so x1e-30 stops the update (and a negative scale, gradient ascent, always fails)"
 run weights "$EX/gen_random.safetensors" --contract megatron-per-token,scale=1e-30 --vary dp,microbatches | grep -E "^weights:|^verdict"
 step "A scale no trainer can apply, reached through symbols on a layout I5 tries (1e38 x M at M = 4), is refused by name"
 run weights "$EX/gen_random.safetensors" --contract megatron-per-token,scale=1e38*M

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -85,6 +86,13 @@ std::string joined(const std::vector<std::string>& parts, const char* sep) {
   return out;
 }
 
+// "a", "a and b", "a, b and c".
+std::string listed(const std::vector<std::string>& parts) {
+  if (parts.size() < 2) return joined(parts, "");
+  std::vector<std::string> head(parts.begin(), parts.end() - 1);
+  return joined(head, ", ") + " and " + parts.back();
+}
+
 // "the same step at CP = 1 applies ×2 this update": every layout factor of the product set to 1.
 std::string same_step_text(const std::vector<Symbol>& syms, const std::vector<int>& e, double r) {
   std::vector<std::string> at;
@@ -98,8 +106,7 @@ std::string same_step_text(const std::vector<Symbol>& syms, const std::vector<in
       rest *= std::pow(syms[k].value, e[k]);
     }
   }
-  return fmt::format("the same step at {} applies ×{:.6g} this update", joined(at, " and "),
-                     rest / r);
+  return fmt::format("the same step at {} applies ×{:.6g} this update", listed(at), rest / r);
 }
 
 // The objective's divisor as the sentence names it, with its value ("N = 240") and without ("N").
@@ -259,18 +266,30 @@ ScaleName name_scale(double r, const StepLayout& l, const ScaleContext& ctx, dou
       {"tp", static_cast<double>(l.tp), -1, 1, true, "TP"},
       {"M", static_cast<double>(m), -2, 2, true, "M"},
       {"pp", static_cast<double>(ctx.pp), -1, 1, true, "PP"},
-      {"B", static_cast<double>(ctx.global_batch > 0 ? ctx.global_batch : 1), -1, 1, false, "B"},
+      {"B", static_cast<double>(ctx.global_batch > 0 ? ctx.global_batch : 1), -1, 0, false, "B"},
       {"(N/Nc)",
        ctx.global_tokens > 0 && ctx.clamped_tokens > 0
            ? static_cast<double>(ctx.global_tokens) / static_cast<double>(ctx.clamped_tokens)
            : 1.0,
        0, 1, false, "N/Nc"},
+      {"N", static_cast<double>(ctx.global_tokens > 0 ? ctx.global_tokens : 1), -1, 1, false, "N"},
+  };
+  const std::size_t kB = 5, kNc = 6, kN = 7;
+  // The step's constants name a scale in the shapes trainers have, not in any product that happens
+  // to hit r (a token sum ×46 is N, not M·M·B·N/Nc): N alone (a sum, or a count twice); 1/B only
+  // with layout sizes (M·dp·cp/B: the micro-batch size) or alone; N/Nc with at most two sizes.
+  auto plausible = [&](const std::vector<int>& e) {
+    int layout_cost = 0;
+    for (std::size_t k = 0; k < kB; ++k) layout_cost += std::abs(e[k]);
+    if (e[kN] != 0) return layout_cost == 0 && e[kB] == 0 && e[kNc] == 0;
+    if (e[kNc] != 0) return layout_cost <= 2 && e[kB] == 0;
+    return true;
   };
   ScaleName out;
   int found_cost = 0;
   each_product(syms, 4, [&](const std::vector<int>& e, int cost) {
     if (found_cost != 0 && cost > found_cost) return true;
-    if (!close(value_of(syms, e), r, tol)) return false;
+    if (!plausible(e) || !close(value_of(syms, e), r, tol)) return false;
     found_cost = cost;
     out.products.push_back(product_text(syms, e));
     bool layout = false;
@@ -328,34 +347,46 @@ UnitFactor name_unit_factor(const Batch& b, const std::vector<int32_t>& sample_m
       if (uk.own[k].second[u] != first) constant_own[k] = false;
     }
   }
+  // Small batches make coincidences (N = 8 tokens on one DP rank is also the rank's count; B = 6
+  // samples is also M·dp = 6), so every formula that fits is ranked: fewest own
+  // counts that are constants in disguise (2 samples per micro-batch where M = 2); then, under a
+  // per-token objective (w* = m/N), those with N once in the numerator — the trainer's own weight
+  // named without N; then those without B where a layout product is the same number; then cost.
+  const std::size_t n_index = own;  // add_step_symbols puts N first, B last
+  const std::size_t b_index = syms.size() - 1;
+  const bool per_token = ctx.reduce_known && (ctx.reduce == Reduction::kPerToken ||
+                                              ctx.reduce == Reduction::kTokenMean);
   std::vector<int> best;
-  int best_cost = 0, best_disguised = 0;
-  each_product(syms, 4, [&](const std::vector<int>& e, int cost) {
-    if (!best.empty() && cost > best_cost) return true;
-    bool uses_own = false;
-    for (std::size_t k = 0; k < own; ++k) uses_own |= e[k] != 0;
-    if (!uses_own) return false;
-    double step_part = 1.0;
-    for (std::size_t k = own; k < syms.size(); ++k) step_part *= std::pow(syms[k].value, e[k]);
-    for (std::size_t u = 0; u < units; ++u) {
-      if (std::isnan(unit_ratio[u])) continue;
-      double v = step_part;
-      for (std::size_t k = 0; k < own; ++k) {
-        const double x = uk.own[k].second[u];
-        if (e[k] < 0 && x == 0.0) return false;
-        v *= std::pow(x, e[k]);
+  std::array<int, 4> best_key{};
+  for (const bool n_first : {true, false}) {
+    if (n_first && !per_token) continue;
+    each_product(syms, n_first ? 5 : 4, [&](const std::vector<int>& e, int cost) {
+      if (n_first && e[n_index] != 1) return false;
+      bool uses_own = false;
+      for (std::size_t k = 0; k < own; ++k) uses_own |= e[k] != 0;
+      if (!uses_own) return false;
+      double step_part = 1.0;
+      for (std::size_t k = own; k < syms.size(); ++k) step_part *= std::pow(syms[k].value, e[k]);
+      for (std::size_t u = 0; u < units; ++u) {
+        if (std::isnan(unit_ratio[u])) continue;
+        double v = step_part;
+        for (std::size_t k = 0; k < own; ++k) {
+          const double x = uk.own[k].second[u];
+          if (e[k] < 0 && x == 0.0) return false;
+          v *= std::pow(x, e[k]);
+        }
+        if (!close(v, unit_ratio[u], tol)) return false;
       }
-      if (!close(v, unit_ratio[u], tol)) return false;
-    }
-    int disguised = 0;
-    for (std::size_t k = 0; k < own; ++k) disguised += e[k] != 0 && constant_own[k];
-    if (best.empty() || disguised < best_disguised) {
-      best = e;
-      best_cost = cost;
-      best_disguised = disguised;
-    }
-    return false;
-  });
+      int disguised = 0;
+      for (std::size_t k = 0; k < own; ++k) disguised += e[k] != 0 && constant_own[k];
+      const std::array<int, 4> key{disguised, n_first ? 0 : 1, e[b_index] != 0 ? 1 : 0, cost};
+      if (best.empty() || key < best_key) {
+        best = e;
+        best_key = key;
+      }
+      return false;
+    });
+  }
   if (best.empty()) return out;
   out.formula = product_text(syms, best);
   if (worst < 0 || static_cast<std::size_t>(worst) >= units) return out;
@@ -374,15 +405,15 @@ UnitFactor name_unit_factor(const Batch& b, const std::vector<int32_t>& sample_m
                      ? fmt::format(
                            "{} is divided by {} on top of the objective's normalisation: "
                            "remove that division",
-                           unit, joined(den, " and "))
+                           unit, listed(den))
                      : fmt::format("{} is divided by {}, then by {}: divide by {} only", unit,
-                                   joined(den, " and "), obj.full, obj.brief);
+                                   listed(den), obj.full, obj.brief);
   } else if (den.empty()) {
-    out.advice = fmt::format("{} is not divided by {}: divide by {}", unit, joined(num, " and "),
-                             joined(num, " and "));
+    out.advice =
+        fmt::format("{} is not divided by {}: divide by {}", unit, listed(num), listed(num));
   } else {
-    out.advice = fmt::format("{} is divided by {} instead of {}: divide by {}", unit,
-                             joined(den, " and "), joined(num, " and "), joined(num, " and "));
+    out.advice = fmt::format("{} is divided by {} instead of {}: divide by {}", unit, listed(den),
+                             listed(num), listed(num));
   }
   if (!ctx.loss_site.empty()) out.advice += fmt::format(" (in {})", ctx.loss_site);
   return out;

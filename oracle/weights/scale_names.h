@@ -42,8 +42,8 @@ struct ScaleName {
   std::string text() const;  // products joined by " or "
 };
 
-// r named over cp, dp, tp, pp, M (the layout: the update moves with them) and B (the step's: the
-// same under every layout). A size of 1 names nothing. Cheapest products first (at most four
+// r named over cp, dp, tp, pp, M (the layout: the update moves with them) and B, N, N/Nc (the
+// step's: the same under every layout). A size of 1 names nothing. Cheapest products first (at most four
 // factors), every product of that cost listed.
 ScaleName name_scale(double r, const StepLayout& layout, const ScaleContext& ctx, double tol);
 
