@@ -120,6 +120,10 @@ class _CEState:
         self.mb, self.labels, self.real = mb, labels, real
         self.calls = 0
         self.problems: list[str] = []
+        #: inside the wrapper: a call now is torch's own cross_entropy re-dispatching through
+        #: handle_torch_function under an active TorchFunctionMode (``with torch.device(...)``, a FLOP counter)
+        #: by its module-global name, which is the wrapper — passed to the real function, not counted
+        self.inside = False
 
     def index_for(self, rows: int) -> torch.Tensor | None:
         """Where the owned positions (each row's first L-1) are among ``rows`` flattened targets: B x L rows
@@ -150,6 +154,16 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
     def cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                       size_average: bool | None = None, ignore_index: int = -100, reduce: bool | None = None,
                       reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
+        if state.inside:
+            return real(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        state.inside = True
+        try:
+            return measured(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        finally:
+            state.inside = False
+
+    def measured(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, size_average: bool | None,
+                 ignore_index: int, reduce: bool | None, reduction: str, label_smoothing: float) -> torch.Tensor:
         state.calls += 1
         why = None
         # [B, V, d] logits with [B, d] targets (the class dimension second): the same per-token losses

@@ -460,7 +460,7 @@ def _loss_forms():
 FORMS = list(_loss_forms())
 
 
-def _train_form(tmp_path, form, adapter):
+def _train_form(tmp_path, form, adapter, context=None):
     from transformers import TrainingArguments
     fn, _ = _loss_forms()[form]
     args = TrainingArguments(output_dir=str(tmp_path / f"o-{adapter}"), per_device_train_batch_size=2,
@@ -470,7 +470,11 @@ def _train_form(tmp_path, form, adapter):
     tr = drv.RecordingTrainer(model=drv.make_model(True), args=args, train_dataset=drv.dataset()[:8],
                               data_collator=drv.collate, compute_loss_func=fn, in_order=True)
     cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False) if adapter else None
-    tr.train()
+    if context is None:
+        tr.train()
+    else:
+        with context():
+            tr.train()
     return tr, cb
 
 
@@ -498,6 +502,35 @@ def test_custom_loss_forms_are_measured(tmp_path, form):
         assert code == (0 if right else 1), (form, checks["weights"]["detail"], err)
         if not right:
             assert checks["weights"]["ok"] is False and "normalisation" in checks["weights"]["detail"]
+
+
+class _CountingMode(torch.overrides.TorchFunctionMode):
+    """A TorchFunctionMode as FLOP counters and profilers install one: every torch function passes through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("context", [lambda: torch.device("cpu"), _CountingMode], ids=["torch.device", "mode"])
+def test_a_run_inside_a_torch_function_mode_is_audited(tmp_path, context):
+    """Under an active TorchFunctionMode (``with torch.device("cpu"): trainer.train()``, a FLOP counter) torch's
+    cross_entropy re-dispatches through handle_torch_function by its module-global name, which the adapter has
+    replaced for the micro-batch: the wrapper is entered twice for one call. The run is still measured: bit for
+    bit the run without the adapter, weights m_t / N, audit passes (it refused step 0 with 'cross_entropy called
+    2 times')."""
+    plain, _ = _train_form(tmp_path / "plain", "shift-sum", False, context)
+    tr, cb = _train_form(tmp_path / "adapter", "shift-sum", True, context)
+    for a, b in zip(tr.step_losses, plain.step_losses):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(p, q), n
+    t = load_file(cb.paths[0])
+    N = int(t["num_tokens_reduced"])
+    for k in (0, 1):
+        assert torch.equal(t[f"mb.{k}.token_weight"], t[f"mb.{k}.loss_masks"].to(torch.float32) / N), k
+    if HAVE_BIN:
+        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
+        assert code == 0, text + err
 
 
 def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
