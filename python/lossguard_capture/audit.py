@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -139,7 +138,8 @@ def agree(key: str, compute: Callable[[], dict[str, Any]], *, timeout: float = 3
     (or reports the missing ones after ``timeout``) and every rank returns its JSON-able result.
 
     No collective is issued: the ranks meet on the default process group's store (``add`` to count
-    arrivals, ``set``/``wait``/``get`` for the result), every wait bounded — rank 0 waits ``timeout`` for
+    arrivals, the last arrival ``set``s a key rank 0 blocks on, ``set``/``wait``/``get`` for the result), every
+    wait bounded — rank 0 waits ``timeout`` for
     the others, the others wait ``wait_timeout`` (default ``2*timeout + 30`` s) for rank 0 — so a crashed
     or stuck rank makes the others raise :class:`AuditError` instead of hanging.  Without an initialised
     process group (or with one rank) ``compute()`` runs here.  An exception in ``compute()`` on rank 0 becomes
@@ -165,18 +165,19 @@ def agree(key: str, compute: Callable[[], dict[str, Any]], *, timeout: float = 3
         dist.barrier()
         dist.broadcast_object_list(box, src=0)
         return box[0]
-    arrived, result_key = f"lossguard_capture/{key}/arrived", f"lossguard_capture/{key}/result"
-    store.add(arrived, 1)
+    arrived, all_key = f"lossguard_capture/{key}/arrived", f"lossguard_capture/{key}/all"
+    result_key = f"lossguard_capture/{key}/result"
+    # The last rank to arrive (the one whose add returns the world size) says so; rank 0 blocks on that
+    # key — no polling, no sleep: it runs the audit the moment the last rank arrives.
+    if store.add(arrived, 1) == world:
+        store.set(all_key, "1")
     if rank == 0:
-        deadline = time.monotonic() + timeout
-        n = store.add(arrived, 0)
-        while n < world and time.monotonic() < deadline:
-            time.sleep(0.02)
-            n = store.add(arrived, 0)
-        if n < world:
-            result = {"error": f"only {n} of {world} ranks reached the audit of {key} within {timeout:g} s"}
-        else:
+        try:
+            store.wait([all_key], timedelta(seconds=timeout))
             result = safe()
+        except Exception:                               # noqa: BLE001 - a timeout: who is missing is said
+            n = store.add(arrived, 0)
+            result = {"error": f"only {n} of {world} ranks reached the audit of {key} within {timeout:g} s"}
         store.set(result_key, json.dumps(result))
         return result
     wait_s = 2 * timeout + 30 if wait_timeout is None else wait_timeout

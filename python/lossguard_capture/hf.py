@@ -22,8 +22,13 @@ code at other lines in every release of :data:`SPEC` ``verified``, 5.19.0 to 5.2
   ``model.loss_function`` = ``ForCausalLMLoss`` -> ``fixed_cross_entropy`` (loss/loss_utils.py:51, :34),
   which calls ``nn.functional.cross_entropy(source, target, ignore_index=-100, reduction=R)`` (line 42)
   with ``R = "sum"`` when the Trainer passed ``num_items_in_batch`` (then ``loss / num_items_in_batch``,
-  line 47) and ``"mean"`` otherwise.  The wrapper computes the real call unchanged (its value ``v``),
-  and the per-token losses ``l = cross_entropy(..., reduction="none")``, which it hooks; it returns
+  line 47) and ``"mean"`` otherwise.  The wrapper computes the log-softmax over the vocabulary once and
+  reads from it both the real call's value ``v`` (``nll_loss(lp, reduction=R)``: torch's cross_entropy is
+  exactly that without label smoothing, so ``v`` is the real value bit for bit) and the per-token losses
+  ``l = nll_loss(lp, reduction="none")``, which it hooks (with label smoothing it calls the real function
+  twice); whether the targets are the labels is decided on the device and read once at the step's end, so
+  no micro-batch waits for the host.  Under a TorchFunctionMode torch's own cross_entropy re-enters the
+  wrapper through ``handle_torch_function``; that inner call goes to the real function.  It returns
   ``v + (R(l) - R(l).detach())`` with ``R`` the real call's reduction over the non-ignored tokens
   (``(l*m).sum()``, or that ``/ m.sum()``): the value is the real one bit for bit, and the gradient flows
   through the hooked tensor, so ``dL/dl_t`` is measured after everything the Trainer does to the
@@ -120,6 +125,9 @@ class _CEState:
         self.mb, self.labels, self.real = mb, labels, real
         self.calls = 0
         self.problems: list[str] = []
+        #: checks whose answer lives on the device, read once at the step's end (no host sync per micro-batch):
+        #: a 0-d bool tensor, True when the targets are not the batch's labels as the logits predict them
+        self.target_mismatch: torch.Tensor | None = None
         #: inside the wrapper: a call now is torch's own cross_entropy re-dispatching through
         #: handle_torch_function under an active TorchFunctionMode (``with torch.device(...)``, a FLOP counter)
         #: by its module-global name, which is the wrapper — passed to the real function, not counted
@@ -189,26 +197,38 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
         elif not torch.is_grad_enabled() or not input.requires_grad:
             why = "cross_entropy called without autograd"
         else:
+            # the targets are the batch's labels as the logits predict them: decided on the device, read at the
+            # step's end (TrainerAudit._step_records), so the micro-batch never waits for the host
             want = state.expected_targets(rows).to(target.device)
             got = target.reshape(-1)
             keep = got != ignore_index
-            if not torch.equal(keep, want != -100) or not torch.equal(got[keep], want[keep]):
-                why = (f"cross_entropy's targets are not the batch's labels as the logits predict them (logit j "
-                       f"against token j+1, ignore_index={ignore_index} where the labels are -100): a different "
-                       f"shift or masking cannot be placed")
+            state.target_mismatch = ((keep != (want != -100)) | (keep & (got != want))).any()
         if why is not None:
             state.problems.append(why)
             return real(input, target, weight, size_average, ignore_index, reduce, reduction, label_smoothing)
-        # per-token losses [rows] (or [B, d] for 3-D logits, row-major: the same order as the targets)
-        l = real(input, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+        # per-token losses [rows] (or [B, d] for 3-D logits, row-major: the same order as the targets). Without
+        # label smoothing torch's cross_entropy is nll_loss(log_softmax(input, class dim)) (LossNLL.cpp
+        # cross_entropy_loss): the log-softmax over the vocabulary, the one costly part, is computed once and
+        # both the per-token losses and the real reduced value are read from it — the value bit for bit the
+        # real call's (the same two kernels on the same numbers).
+        if label_smoothing == 0.0:
+            lp = torch.log_softmax(input, dim=1)
+            l = torch.nn.functional.nll_loss(lp, target, ignore_index=ignore_index, reduction="none")
+        else:
+            lp = None
+            l = real(input, target, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
         state.mb.hook(l, index=index)
         if reduction == "none":
             # the user's own arithmetic follows, measured by the hook; an ignored target's loss is 0 by the call
             # itself whatever follows (it weighs 0: x 0, exact), a kept one is returned x 1 (exact)
             return l * (target != ignore_index).to(l.dtype).reshape(l.shape)
-        # The real call, unchanged: its value is what the trainer gets (bit for bit).
+        # The real call's value: what the trainer gets (bit for bit).
         with torch.no_grad():
-            v = real(input, target, ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing)
+            if lp is not None:
+                v = torch.nn.functional.nll_loss(lp, target, ignore_index=ignore_index, reduction=reduction)
+            else:
+                v = real(input, target, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)
         # R(l): the real call's reduction over the non-ignored tokens, so d v / d input == d R(l) / d input and
         # the hook sees d L / d l_t.
         m = (target != ignore_index).to(l.dtype)
@@ -480,6 +500,7 @@ class AuditCallback(TrainerAudit):
     def __init__(self, out_dir: str, **options: Any):
         super().__init__(out_dir, **options)
         self._last_col: list[torch.Tensor] = []       # shifted labels of each row's last logit (must be ignored)
+        self._mismatch: list[torch.Tensor] = []       # per micro-batch: its targets are not its labels (device)
 
     def _refusals(self, trainer: Any) -> list[str]:
         if getattr(trainer, "label_smoother", None) is not None:
@@ -493,6 +514,7 @@ class AuditCallback(TrainerAudit):
 
     def _begin_step(self, step: int) -> dict[str, Any] | None:
         self._last_col = []
+        self._mismatch = []
         return None
 
     def _measure(self, orig: Callable[..., Any], model: Any, inputs: Any, args: tuple[Any, ...],
@@ -532,13 +554,24 @@ class AuditCallback(TrainerAudit):
                             "loss kernel, or a model without labels)")
         if problems:
             raise CannotMeasure("; ".join(problems) + f". {_WHAT_TO_DO}")
+        if ce.target_mismatch is not None:
+            self._mismatch.append(ce.target_mismatch)
         return out, mb, B
 
     def _step_records(self, step: int) -> dict[str, Any]:
-        for col in self._last_col:
-            if bool((col != -100).any()):
-                raise RuntimeError(f"{self.spec.module}: a row's last logit has a label (shift_labels without -100 "
-                                   f"at the end): the prompt-1 layout cannot hold it")
+        # The checks each micro-batch left on the device, read here with one host synchronisation per step.
+        k = len(self._mismatch)
+        flags = [m.reshape(1) for m in self._mismatch] + [(c != -100).any().reshape(1) for c in self._last_col]
+        bad = torch.cat([f.to(flags[0].device) for f in flags]).tolist() if flags else []
+        if any(bad[:k]):
+            first = bad.index(True)
+            raise RuntimeError(f"{self.spec.module}: step {step} micro-batch {first}: cannot measure the trainer's "
+                               f"loss: cross_entropy's targets are not the batch's labels as the logits predict "
+                               f"them (logit j against token j+1, -100 where the labels are ignored): a different "
+                               f"shift or masking cannot be placed. {_WHAT_TO_DO}")
+        if any(bad[k:]):
+            raise RuntimeError(f"{self.spec.module}: a row's last logit has a label (shift_labels without -100 "
+                               f"at the end): the prompt-1 layout cannot hold it")
         return {"num_tokens_reduced": self._num_items}
 
 
