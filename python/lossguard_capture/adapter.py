@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit
+from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit, share_captures
 from .capture import Capture, _rank_and_world
 from .recorder import StepRecorder, check_reduce
 
@@ -277,7 +277,10 @@ class Adapter:
                              json_path=json_path, step=step).to_json()
 
         self._audits += 1
-        got = agree(f"{self.spec.module}/{self._id}/{self._audits}/step{step}", compute, timeout=self.timeout)
+        key = f"{self.spec.module}/{self._id}/{self._audits}/step{step}"
+        # every rank's capture reaches rank 0's folder over the job's own process group: no shared folder needed
+        share_captures(key, self.paths.get(int(step)), where, timeout=self.timeout)
+        got = agree(key, compute, timeout=self.timeout)
         if "error" in got:
             raise AuditError(f"{self.spec.module}: step {step}: no audit verdict: {got['error']}")
         result = AuditResult.from_json(got)

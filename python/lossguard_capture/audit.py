@@ -187,3 +187,72 @@ def agree(key: str, compute: Callable[[], dict[str, Any]], *, timeout: float = 3
     except Exception as e:                              # noqa: BLE001 - a timeout or a lost store
         raise AuditError(f"rank {rank}: no audit verdict from rank 0 for {key} within {wait_s:g} s "
                          f"({type(e).__name__}: {e})") from e
+
+
+def share_captures(key: str, path: str | None, folder: str, *, timeout: float = 300.0) -> list[str]:
+    """Bring every rank's capture of one step into rank 0's ``folder`` over the job's own process group, so
+    that ``lossguard audit`` on rank 0 sees them all without a shared file system (a node-local output folder,
+    a private one per rank).  Every rank calls it with the same ``key`` and its own capture ``path`` (None: it
+    wrote none).  Rank 0 asks only for the files its folder lacks, so on a shared folder nothing is sent but
+    the names.  Returns, on rank 0, the files it received (written into ``folder`` atomically); ``[]``
+    elsewhere.
+
+    Over the default store, as :func:`agree`: each rank publishes its file's name; rank 0 (once every rank has
+    arrived, or after ``timeout``) says which it lacks; those ranks put their file's bytes in the store and rank
+    0 writes them.  Every wait is bounded by ``timeout``: a rank that never answers leaves its file missing, and
+    audit reports the missing rank.  Without a process group (or one rank, or no store) it does nothing."""
+    try:
+        import torch.distributed as dist
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    except ImportError:                 # pragma: no cover
+        distributed = False
+    store = _default_store() if distributed else None
+    if store is None:
+        return []
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = f"lossguard_capture/{key}/share"
+    name = "" if path is None else os.path.basename(path)
+    store.set(f"{base}/name/{rank}", name)
+    if store.add(f"{base}/arrived", 1) == world:
+        store.set(f"{base}/all", "1")
+    wait = timedelta(seconds=timeout)
+    if rank != 0:
+        try:
+            store.wait([f"{base}/need/{rank}"], wait)
+            if store.get(f"{base}/need/{rank}") == b"1" and path is not None:
+                with open(path, "rb") as f:
+                    store.set(f"{base}/data/{rank}", f.read())
+        except Exception:                               # noqa: BLE001 - rank 0 gone: audit says what is missing
+            pass
+        return []
+    try:
+        store.wait([f"{base}/all"], wait)
+    except Exception:                                   # noqa: BLE001 - those who arrived are asked
+        pass
+    needed: list[tuple[int, str]] = []
+    for r in range(1, world):
+        try:
+            store.wait([f"{base}/name/{r}"], timedelta(seconds=0.001))
+            theirs = store.get(f"{base}/name/{r}").decode()
+        except Exception:                               # noqa: BLE001 - that rank never arrived
+            continue
+        need = bool(theirs) and os.path.sep not in theirs and not os.path.exists(os.path.join(folder, theirs))
+        store.set(f"{base}/need/{r}", "1" if need else "0")
+        if need:
+            needed.append((r, theirs))
+    received = []
+    for r, theirs in needed:
+        try:
+            store.wait([f"{base}/data/{r}"], wait)
+            data = store.get(f"{base}/data/{r}")
+        except Exception:                               # noqa: BLE001 - bounded: audit names the missing rank
+            continue
+        os.makedirs(folder, exist_ok=True)
+        dest = os.path.join(folder, theirs)
+        tmp = f"{dest}.part{os.getpid()}"
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, dest)
+        store.delete_key(f"{base}/data/{r}")
+        received.append(dest)
+    return received
