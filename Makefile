@@ -10,7 +10,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 export LOSSGUARD_VENV := $(VENV)
 
-.PHONY: all setup configure configure-demo build build-tool demo test test-fuzz test-cpu clean regen-fixtures gallery
+.PHONY: all setup configure configure-demo build build-tool tool demo test test-fuzz test-cpu clean regen-fixtures gallery
 
 all: build
 
@@ -36,6 +36,13 @@ build: configure
 # What the demo runs: the binary and the LibTorch plugins it loads (no test binary, no benchmark).
 DEMO_TARGETS := lossguard lossguard_torchzip lossguard_trainer lossguard_distributed
 build-tool: configure-demo
+	@cmake --build $(BUILD) --target $(DEMO_TARGETS)
+
+# A light build for CI gates: the binary and its LibTorch plugins over the base venv (torch) only, no trainer
+# venv installed.
+tool:
+	@scripts/setup.sh
+	@$(CONFIGURE)
 	@cmake --build $(BUILD) --target $(DEMO_TARGETS)
 
 demo: build-tool
