@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Regenerates docs/gallery.md from the real trainers' tests (``make gallery``).
 
-Runs each trainer's test file (tests/trainers/test_{hf_trainer,trl_trainer,megatron,megatron_shapes,verl}.py) in its venv
+Runs each trainer's test file (tests/trainers/test_{hf_trainer,trl_trainer,megatron,megatron_shapes,slime,
+slime_history,relax,verl}.py) in its venv
 (scripts/setup-trainers.sh), one after the other, with LOSSGUARD_GALLERY_DIR set: every ``lossguard audit``
 those tests run is recorded as a row (tests/trainers/gallery.py).  Then renders docs/gallery.template.md
 with the rows into docs/gallery.md: every table, version, fail-fast output and command of the page comes
@@ -38,6 +39,7 @@ SUITES = {
     "megatron": ("megatron", "tests/trainers/test_megatron.py"),
     "megatron_shapes": ("megatron", "tests/trainers/test_megatron_shapes.py"),
     "slime": ("megatron", "tests/trainers/test_slime.py"),
+    "slime_history": ("megatron", "tests/trainers/test_slime_history.py"),
     "relax": ("megatron", "tests/trainers/test_relax.py"),
     "verl": ("verl", "tests/trainers/test_verl.py"),
 }
@@ -51,12 +53,18 @@ RELEASES = {
     "megatron": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
     "megatron_shapes": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
     "slime": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
+    "slime_history": ("megatron",),
     "relax": ("megatron-0.15.3", "megatron-0.16.0", "megatron"),
     "verl": ("verl-0.8.0", "verl-0.9.0", "verl"),
 }
 #: the package whose release a trainer's release columns name
 PACKAGE = {"hf": "transformers", "trl": "trl", "verl": "verl", "megatron": "megatron-core",
-           "megatron_shapes": "megatron-core", "slime": "megatron-core", "relax": "megatron-core"}
+           "megatron_shapes": "megatron-core", "slime": "megatron-core", "slime_history": "megatron-core",
+           "relax": "megatron-core"}
+#: trainers whose rows need what a machine may lack (slime's own source, LOSSGUARD_SLIME_SRC): without rows their
+#: placeholders say how to provide it instead of stopping the page
+OPTIONAL = {"slime_history": "not run here: slime's source was not provided (SLIME_GIT=... scripts/slime-src.sh DEST, "
+                             "then LOSSGUARD_SLIME_SRC=DEST make gallery)"}
 
 
 def release_dir(rows_dir, venv):
@@ -556,8 +564,24 @@ def rollout_table(scenarios):
     return render
 
 
+def history_table(rows, used):
+    """slime's own fixes: per pair, the parent's and the fix's step-0 audit."""
+    body = []
+    for r in sorted((r for (kind, _), r in rows.items() if kind == "audit"),
+                    key=lambda r: (r["config"]["pair"], r["config"]["role"] != "parent")):
+        used.add(("audit", r["key"]))
+        c = r["config"]
+        step = {s["step"]: s for s in r["steps"]}.get(c["step"])
+        layout = " × ".join(f"{n} {c[n.lower()]}" for n in ("PP", "CP", "DP") if c.get(n.lower(), 1) > 1) or "1 rank"
+        body.append([f"{c['pair']}: {c['shows'].split(':')[0]}" if c["role"] == "parent" else "",
+                     f"{c['role']} `{c['commit'][:7]}`", layout, audit_cell(r),
+                     step_summary(r, step) if step else "not audited"])
+    return table(["fix", "slime at", "layout", "audit (exit)", "step 0"], body)
+
+
 TABLES = {"hf": hf_table, "trl": trl_table, "verl": verl_table, "megatron": megatron_table,
-          "megatron_shapes": megatron_shapes_table, "slime": rollout_table(SLIME), "relax": rollout_table(RELAX)}
+          "megatron_shapes": megatron_shapes_table, "slime": rollout_table(SLIME), "relax": rollout_table(RELAX),
+          "slime_history": history_table}
 
 
 def failfast(rows, used):
@@ -653,6 +677,8 @@ def render(rows, template, release_rows=None):
 
     def sub(m):
         what, trainer, arg = m["what"], m["trainer"], m["arg"]
+        if trainer in OPTIONAL and trainer in SUITES and not rows.get(trainer):
+            return f"*({OPTIONAL[trainer]})*" if what == "table" else ""
         if trainer not in SUITES or not rows.get(trainer):
             missing.append(f"{m[0]}: no rows of {trainer}")
             return m[0]

@@ -208,8 +208,11 @@ class SlimeAudit:
 
         def get_log_probs_and_entropy(*args: Any, **kwargs: Any) -> Any:
             out = orig_lpe(*args, **kwargs)
-            if audit.mb is not None and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-                ent = out[1].get("entropy")
+            # ``(empty, {"log_probs", "entropy"})`` since slime 0bcde26 (#1506, 2026-01-28); the dict itself
+            # before it (e.g. 4d837ff .. f9f00b2, tests/trainers/test_slime_history.py)
+            res = out[1] if isinstance(out, tuple) and len(out) == 2 else out
+            if audit.mb is not None and isinstance(res, dict):
+                ent = res.get("entropy")
                 audit.mb.entropy = list(ent) if isinstance(ent, (list, tuple)) else None
             return out
 
@@ -352,7 +355,13 @@ class SlimeAudit:
         """Hand the per-token tensor ``x`` a reducer is about to reduce to lossguard when it is a term of the loss
         (module docstring), and return what the reducer reduces (the same values)."""
         mb, meg = self.mb, self.megatron
-        if mb is None or meg is None or not isinstance(x, torch.Tensor) or not x.requires_grad:
+        if mb is None or meg is None or not isinstance(x, torch.Tensor):
+            return x
+        # A detached tensor is a metric, except the first reduction when it is empty: before 0bcde26 slime builds
+        # the log-probs of a sample with no token on this CP rank as ``logits.new_zeros((0,))`` (no grad;
+        # slime/utils/ppo_utils.py:579 @f9f00b2), so a micro-batch whose samples all lie elsewhere reduces an
+        # empty, detached policy loss (and adds ``0 * logits.sum()``, loss.py:511-512): its loss all the same (0 tokens)
+        if not x.requires_grad and not (mb.first and x.numel() == 0):
             return x
         if mb.first:
             mb.first = False

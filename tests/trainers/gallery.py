@@ -35,6 +35,7 @@ PACKAGES = {
     "megatron": ("megatron-core", "torch"),
     "megatron_shapes": ("megatron-core", "torch"),
     "slime": ("megatron-core", "torch"),
+    "slime_history": ("megatron-core", "torch"),        # slime's own files: the commit is in the row's config
     "relax": ("megatron-core", "torch"),
     "verl": ("verl", "transformers", "tensordict", "torch"),
 }

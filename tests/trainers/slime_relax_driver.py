@@ -10,6 +10,15 @@ without them, from the same seed; writes what tests/trainers/test_slime.py and t
     torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --out DIR --pp 1 --cp 2 --scenarios pt,sm
     torchrun --nproc-per-node 4 tests/trainers/slime_relax_driver.py --trainer relax --out DIR --pp 2 --scenarios pt,bug-src
     python tests/trainers/slime_relax_driver.py --reference DIR --pp 1 --scenarios pt,sm
+    torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --out DIR --cp 2 --scenarios pt \
+        --slime-src $LOSSGUARD_SLIME_SRC/<commit>
+
+``--slime-src DIR`` (tests/trainers/test_slime_history.py): slime's REAL modules, read at run time from DIR
+(scripts/slime-src.sh: DIR/slime/backends/megatron_utils/loss.py ...; never copied into this repository),
+laid over a copy of the shape's package in a temporary folder first on sys.path (:func:`overlay_slime`): the
+real loss module runs in the shape's training step, data and initialisation (whose real modules need Ray,
+sglang and Megatron's training stack), which then also do what the real loss needs — the old log-probs of
+slime's actor (``forward_only``), the args fields it reads.
 
 One rollout of three train steps (``args.global_batch_size`` 4 rollouts a step, six samples: two rollouts of
 two samples each, slime's ``rollout_mask_sums`` their mask totals): step 0 every sample with an effective
@@ -84,6 +93,8 @@ RELAX_SCENARIOS = {
 }
 PLANTED = ("pt-ff", "bug-clamp", "bug-clamp-ff", "bug-noskip", "bug-src")
 TRAINER = "slime"
+SLIME_SRC = None        # --slime-src: the folder slime's real modules were read from (overlay_slime)
+SLIME_REAL = {}         # their paths in the package -> sha256 of the file as read
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 
 
@@ -120,7 +131,17 @@ def make_args(scenario, pp, cp, adapter):
         custom_loss_function_path=None, qkv_format="thd", data_pad_size_multiplier=4, seq_length=64,
         micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
         custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None, max_tokens_per_gpu=None,
-        loss_scales=False, dummy=False)
+        loss_scales=False, dummy=False,
+        # what slime's real loss.py and model.py read beside (--slime-src; cited at @9e5a857, the same at
+        # @4d837ff, @763f18d, @f9f00b2 a few lines off): the logits / rollout_temperature (loss.py:57), the old
+        # log-probs from the batch, not the rollout's (use_rollout_logprobs, loss.py:390), the PPO ratio per
+        # token (advantage_estimator not gspo, loss.py:406), no TIS (get_mismatch_metrics, use_tis,
+        # loss.py:437), forward_only's entropy and hook (use_rollout_entropy, model.py:234;
+        # custom_megatron_before_log_prob_hook_path, model.py:241) — slime's defaults (slime/utils/arguments.py:200,
+        # 709, 755, 764, 770, 780 @9e5a857)
+        rollout_temperature=1.0, use_rollout_logprobs=False, advantage_estimator="grpo", get_mismatch_metrics=False,
+        use_tis=False, custom_tis_function_path=None, use_rollout_entropy=False,
+        custom_megatron_before_log_prob_hook_path=None)
     for k, v in scenarios()[scenario].items():
         setattr(a, k, v)
     if adapter:                                   # what a user adds to the trainer's command line
@@ -262,6 +283,13 @@ def run(scenario, out, pp, cp, adapter):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rd, mbi = rollout_data(dp, dp_rank)
     M_steps = [M] * STEPS
+    result = {}
+    if SLIME_SRC:   # slime's real policy loss reads the old log-probs: its actor computes them before training
+        #            (actor.py:365-375 @9e5a857, forward_only(get_log_probs_and_entropy)): at step 0 the ratio is 1
+        rd.update(mods["model"].forward_only(mods["loss"].get_log_probs_and_entropy, args, chunks,
+                                             [mods["data"].DataIterator(rd, None, mbi)], M_steps))
+        result["slime_src"] = {"dir": SLIME_SRC, "real": SLIME_REAL,
+                               "loaded": {k: os.path.abspath(m.__file__) for k, m in sorted(mods.items())}}
     extra = {}
     if args.dummy:       # every DP rank runs a third micro-batch per step: its first partition again, a dummy
         mbi = [x for k in range(STEPS) for x in (mbi[2 * k], mbi[2 * k + 1], mbi[2 * k])]
@@ -285,7 +313,6 @@ def run(scenario, out, pp, cp, adapter):
             return out
         return run_fb
     mods["model"].get_forward_backward_func = get_forward_backward_func
-    result = {}
     try:
         out_steps = mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args)
         result["reported"] = [r for r, _ in out_steps]
@@ -327,6 +354,44 @@ def _reset_patches(mods):
 
 
 ORIGINALS = {}
+
+
+def overlay_slime(src):
+    """slime's real modules from ``src`` (``src/slime/...``, scripts/slime-src.sh) laid over a copy of the
+    shape's package (tests/trainers/slime_shape/slime) in a temporary folder, which goes first on sys.path;
+    the shape's ``__init__.py`` files are kept (slime's import its actor, Ray, Megatron's training stack).
+    Returns {path in the package: sha256 of the real file} (the test checks the modules loaded are these)."""
+    import atexit
+    import hashlib
+    import shutil
+    import tempfile
+    if not os.path.isdir(os.path.join(src, "slime")):
+        raise SystemExit(f"--slime-src {src}: no slime/ folder there (scripts/slime-src.sh DEST COMMIT writes "
+                         f"DEST/<commit>/slime/...)")
+    tmp = tempfile.mkdtemp(prefix="lossguard-slime-")
+    atexit.register(shutil.rmtree, tmp, True)
+    shutil.copytree(os.path.join(HERE, "slime_shape", "slime"), os.path.join(tmp, "slime"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    real = {}
+    for folder, _, files in os.walk(os.path.join(src, "slime")):
+        for name in sorted(files):
+            if not name.endswith(".py") or name == "__init__.py":
+                continue
+            rel = os.path.relpath(os.path.join(folder, name), src)
+            dst = os.path.join(tmp, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(os.path.join(folder, name), dst)
+            with open(dst, "rb") as f:
+                real[rel] = hashlib.sha256(f.read()).hexdigest()
+    if not real:
+        raise SystemExit(f"--slime-src {src}: no module of slime there")
+    sys.path.insert(0, tmp)
+    # slime decorates compute_approx_kl, compute_policy_loss and its entropy's mul_reduce with
+    # @torch.compile(dynamic=True) (slime/utils/ppo_utils.py:9,48,90 @f9f00b2), as megatron-core does its
+    # fused cross entropy (jit_fuser): on this CPU they run eagerly — the same operations, without Inductor
+    import torch._dynamo
+    torch._dynamo.config.disable = True
+    return real
 
 
 # ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
@@ -416,9 +481,15 @@ def main():
     ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--scenarios", default="pt,sm")
     ap.add_argument("--trainer", choices=("slime", "relax"), default="slime")
+    ap.add_argument("--slime-src", help="a folder holding slime's real modules (slime/...): they replace the "
+                                        "shape's (scripts/slime-src.sh)")
     a = ap.parse_args()
-    global TRAINER
+    global TRAINER, SLIME_SRC, SLIME_REAL
     TRAINER = a.trainer
+    if a.slime_src:
+        assert TRAINER == "slime", "--slime-src is slime's"
+        SLIME_SRC = os.path.abspath(a.slime_src)
+        SLIME_REAL = overlay_slime(SLIME_SRC)
     sys.modules.setdefault("slime_relax_driver", sys.modules[__name__])    # the hooks loaded by dotted path
     scenarios = [s for s in a.scenarios.split(",") if s]
     if a.reference:

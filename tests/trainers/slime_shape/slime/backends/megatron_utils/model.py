@@ -6,7 +6,14 @@ step; ``train_one_step`` zeroes the gradient buffers and the optimizer, calls th
 opt_param_scheduler), runs forward_backward_func over one DataIterator per model chunk with a forward step
 that returns ``partial(loss_function, args, batch, num_microbatches, step_global_batch_size)``, steps the
 optimizer (asserting success) and the scheduler by step_global_batch_size, zeroes the gradients again and, on
-the last stage, all-reduces the reported values over DP x CP.  No zero-token skip (slime has none)."""
+the last stage, all-reduces the reported values over DP x CP.  No zero-token skip (slime has none).
+
+For slime's real loss module at older commits (tests/trainers/test_slime_history.py, the driver's
+--slime-src): there ``loss_function(args, batch, num_microbatches, logits)`` takes no step_global_batch_size
+(the forward step passes ``partial(loss_function, args, batch, num_microbatches)``, model.py:437 @9e5a857 and
+@f9f00b2) and the policy loss reads the old log-probs from the batch, which slime's actor computes before
+training with ``forward_only(get_log_probs_and_entropy, ...)`` (actor.py:365-375 @9e5a857): both here."""
+import inspect
 from functools import partial
 
 import torch
@@ -37,7 +44,10 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         batch = get_batch(data_iterator, TRAIN_KEYS, args.data_pad_size_multiplier, args.qkv_format)
         output = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
                        packed_seq_params=batch["packed_seq_params"])
-        return output, partial(loss_function, args, batch, num_microbatches, step_global_batch_size)
+        # step_global_batch_size only to a loss_function that takes it (module docstring)
+        takes_gbs = "step_global_batch_size" in inspect.signature(loss_function).parameters
+        extra = (step_global_batch_size,) if takes_gbs else ()
+        return output, partial(loss_function, args, batch, num_microbatches, *extra)
 
     losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data_iterator, model=model,
                                          num_microbatches=num_microbatches, seq_length=args.seq_length,
@@ -69,4 +79,49 @@ def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_
     for step_id in range(len(num_microbatches)):
         out.append(train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
                                   num_microbatches[step_id], step_global_batch_sizes[step_id]))
+    return out
+
+
+@torch.no_grad()
+def forward_only(f, args, model, data_iterator, num_microbatches, store_prefix=""):
+    """slime's forward-only pass collecting ``f``'s outputs per sample (model.py:156-288 @9e5a857/@f9f00b2):
+    without autograd (L156), the iterators reset, eval mode, a forward step over get_batch's ``tokens``/
+    ``total_lengths``/``response_lengths`` returning ``partial(f, args=, unconcat_tokens=, total_lengths=,
+    response_lengths=, with_entropy=args.use_rollout_entropy)`` (L212-235), forward_backward_func(forward_only=True,
+    collect_non_loss_data=True) once per step (L252-263), train mode again, and on the last stage each key's
+    per-sample lists concatenated in micro-batch order, put back in rollout order by ``micro_batch_indices``
+    (L271-287; slime does that under --use-dynamic-batch-size, the only case its iterator has them)."""
+    for it in data_iterator:
+        it.reset()
+
+    def forward_step(data_iterator, model, return_schedule_plan=False):
+        batch = get_batch(data_iterator, ["tokens", "total_lengths", "response_lengths"],
+                          args.data_pad_size_multiplier, args.qkv_format)
+        output = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+                       packed_seq_params=batch["packed_seq_params"])
+        return output, partial(f, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                               total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+                               with_entropy=args.use_rollout_entropy)
+
+    for chunk in model:
+        chunk.eval()
+    store = []
+    for n in num_microbatches:
+        store += get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+                                             num_microbatches=n, seq_length=args.seq_length,
+                                             micro_batch_size=args.micro_batch_size, forward_only=True,
+                                             collect_non_loss_data=True)
+    for chunk in model:
+        chunk.train()
+    out = {}
+    if mpu.is_pipeline_last_stage():
+        for key in store[0]:
+            values = [v for x in store for v in x[key]]
+            order = data_iterator[0].micro_batch_indices
+            if order is not None:
+                placed = [None] * len(values)
+                for v, i in zip(values, [i for mb in order for i in mb]):
+                    placed[i] = v
+                values = placed
+            out[f"{store_prefix}{key}"] = values
     return out
