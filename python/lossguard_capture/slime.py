@@ -39,10 +39,14 @@ the attach point):
 The step number is slime's ``train/step``: ``rollout_id x steps per rollout + step_id`` (steps per rollout:
 ``args.num_steps_per_rollout``, else ``rollout_batch_size x n_samples_per_prompt // global_batch_size``).
 
-Environment: ``LOSSGUARD_OUT`` (default ``lossguard-captures``), ``LOSSGUARD_STEPS`` (``0``; a comma list,
-or ``all``), ``LOSSGUARD_FAIL_FAST`` (``1``; ``0`` only records), ``LOSSGUARD_BIN`` (the binary),
-``LOSSGUARD_CHAIN_INIT`` / ``LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP`` (your own hooks' dotted paths, called after
-lossguard's: slime has one flag each). From your own init hook call :func:`install` instead.
+Settings: ``LOSSGUARD_OUT`` (default ``lossguard-captures``), ``LOSSGUARD_STEPS`` (``0``; a comma list, or
+``all``), ``LOSSGUARD_FAIL_FAST`` (``1``; ``0`` only records), ``LOSSGUARD_BIN`` (the binary) — each from the
+process's environment, else from slime's own ``--train-env-vars`` JSON (the one way a variable reaches slime's
+Ray actors: ``--train-env-vars '{"LOSSGUARD_OUT": "/data/captures", "LOSSGUARD_BIN": "/opt/bin/lossguard"}'``),
+checked by the init hook before the first rollout (lossguard_capture.launch: the folder writable, the binary
+runnable on rank 0); ``LOSSGUARD_CHAIN_INIT`` / ``LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP`` (your own hooks' dotted
+paths, called after lossguard's: slime has one flag each). From your own init hook call :func:`install`
+instead.
 """
 
 import atexit
@@ -55,6 +59,7 @@ from typing import Any
 
 import torch
 
+from . import launch as _launch
 from . import megatron as _lcm
 from .adapter import Spec, say
 
@@ -105,17 +110,6 @@ def _params(f: Any) -> list[str]:
         return list(inspect.signature(f).parameters)
     except (TypeError, ValueError):
         return []
-
-
-def _env_steps(value: str) -> list[int] | None:
-    value = value.strip()
-    if value == "all":
-        return None
-    try:
-        return [int(x) for x in value.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"LOSSGUARD_STEPS={value!r}: a comma list of train steps (slime's train/step) or "
-                         f"'all'") from None
 
 
 class SlimeAudit:
@@ -473,13 +467,18 @@ def install(args: Any, out_dir: str | None = None, *, steps: Any = "env", fail_f
     global _AUDIT
     if _AUDIT is not None:
         return _AUDIT
-    out_dir = out_dir or os.environ.get("LOSSGUARD_OUT", "lossguard-captures")
+    # each setting from this process's environment, else slime's own --train-env-vars (what reaches its Ray
+    # actors), else the default; checked here, before the first rollout (lossguard_capture.launch)
+    found = _launch.settings(args)
+    out_dir = out_dir or found.out_dir
     if steps == "env":
-        steps = _env_steps(os.environ.get("LOSSGUARD_STEPS", "0"))
+        steps = found.steps
     if fail_fast is None:
-        fail_fast = os.environ.get("LOSSGUARD_FAIL_FAST", "1") != "0"
-    if "lossguard_bin" not in options and os.environ.get("LOSSGUARD_BIN"):
-        options["lossguard_bin"] = os.environ["LOSSGUARD_BIN"]
+        fail_fast = found.fail_fast
+    if "lossguard_bin" not in options and found.lossguard_bin:
+        options["lossguard_bin"] = found.lossguard_bin
+    _launch.check(_launch.Settings(out_dir, steps, fail_fast, options.get("lossguard_bin"), found.source),
+                  auditing_rank=_main(), who=f"lossguard_capture.{trainer.name}.init")
     _AUDIT = audit_class(trainer, args, out_dir, steps=steps, fail_fast=fail_fast, **options)
     if _main():
         say(f"lossguard_capture.{trainer.name}: auditing train steps {'all' if steps is None else list(steps)} into "
