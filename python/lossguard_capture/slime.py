@@ -9,9 +9,10 @@ initialised (slime/backends/megatron_utils/initialize.py, the end of ``init``), 
 step with ``(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)``, after the gradients are
 zeroed and before ``forward_backward_func`` (slime/backends/megatron_utils/model.py ``train_one_step``).
 
-What it hooks, by name, in slime's own modules (read at THUDM/slime 00c2d6d loss.py, 172db7d model.py,
-2bebc09 data.py; the names and signatures are checked at init and a slime without them is refused, naming
-the attach point):
+What it hooks, by name, in slime's own modules (read at THUDM/slime 624b824, main: loss.py, model.py, data.py,
+cp_utils.py; the DataIterator's contiguous ``micro_batch_size`` window at 1c81073, before 2f4bd0d (#1926) left it
+only ``micro_batch_indices``; the names and signatures are checked at init and a slime without them is refused,
+naming the attach point):
 
 * ``model.get_batch`` — the micro-batch's samples by their global index: the rollout's ``partition`` (the
   global positions of this DP rank's samples) at the iterator's ``micro_batch_indices`` (or its contiguous
@@ -79,7 +80,7 @@ class Trainer:
 
 
 SLIME = Trainer("slime", "slime.backends.megatron_utils.model", "slime.backends.megatron_utils.loss",
-                "THUDM/slime loss.py @00c2d6d, model.py @172db7d / @00b5ed0, data.py @2bebc09, cp_utils.py @04949ce",
+                "THUDM/slime main @624b824: loss.py, model.py, data.py, cp_utils.py",
                 index_keys=("partition",), denoms_key="rollout_mask_sums")
 
 
@@ -172,8 +173,12 @@ class SlimeAudit:
     def _check_config(self, args: Any) -> None:
         """What the adapter does not measure, refused at init naming the flag (nothing is patched)."""
         bad = []
+        # --qkv-format {thd,bshd}: slime v0.2.2 .. v0.3.0 (added by 2fe5d82, #1285; removed from main by 7703751,
+        # #2100 "Remove bshd support", so main's args have no qkv_format) and Relax, which shares this check. Their
+        # bshd micro-batch is padded [B, S] rows without PackedSeqParams, which the adapter does not place.
         if getattr(args, "qkv_format", "thd") != "thd":
-            bad.append(f"--qkv-format {args.qkv_format} (the adapter places packed thd micro-batches)")
+            bad.append(f"--qkv-format {args.qkv_format} (a flag of slime v0.2.2 to v0.3.0 and of Relax; the adapter "
+                       "places packed thd micro-batches)")
         if getattr(args, "allgather_cp", False) and int(getattr(args, "context_parallel_size", 1) or 1) > 1:
             bad.append("--allgather-cp (a contiguous CP split; the adapter places slime's zig-zag one)")
         if getattr(args, "enable_mtp_training", False):

@@ -294,6 +294,7 @@ def test_refuses_a_slime_without_its_attach_points(monkeypatch):
 def test_refuses_what_it_does_not_measure():
     sys.path.insert(0, os.path.join(HERE, "slime_shape"))
     import lossguard_capture.slime as lcs
+    # --qkv-format: slime v0.2.2 .. v0.3.0 and Relax; gone from slime main since 7703751 (#2100), still refused
     for flag, value, needle in (("qkv_format", "bshd", "--qkv-format bshd"), ("allgather_cp", True, "--allgather-cp"),
                                 ("enable_mtp_training", True, "--enable-mtp-training")):
         args = SimpleNamespace(loss_type="policy_loss", calculate_per_token_loss=True, context_parallel_size=2)

@@ -1,6 +1,6 @@
 """slime's per-sample zig-zag CP split and its reducer factory (THUDM/slime
-slime/backends/megatron_utils/cp_utils.py @04949ce: get_logits_and_tokens_offset_with_cp, slice_with_cp,
-slice_log_prob_with_cp; get_sum_of_sample_mean as loss.py @00c2d6d calls it, with the per-rollout mask
+slime/backends/megatron_utils/cp_utils.py @624b824, main: get_logits_and_tokens_offset_with_cp, slice_with_cp,
+slice_log_prob_with_cp; get_sum_of_sample_mean as loss.py @624b824 calls it, with the per-rollout mask
 totals ``rollout_mask_sums`` as each sample's denominator)."""
 import torch
 from megatron.core import mpu

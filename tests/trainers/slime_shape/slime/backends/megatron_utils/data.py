@@ -1,8 +1,9 @@
 """slime's micro-batch iterator and packed (THD) batch (THUDM/slime slime/backends/megatron_utils/data.py
-@2bebc09: DataIterator.get_next selects rows by ``micro_batch_indices[offset]`` or a contiguous window of
-``micro_batch_size``; get_batch keeps the samples whole as ``unconcat_tokens``, cuts each with slice_with_cp,
-concatenates them, pads the stream to a multiple of TP x pad_multiplier and passes
-``PackedSeqParams(qkv_format="thd")`` with the cumulative lengths times CP).  On the CPU here: no ``.cuda()``."""
+@1c81073, main; 2f4bd0d (#1926) later dropped the ``micro_batch_size`` window: DataIterator.get_next selects
+rows by ``micro_batch_indices[offset]`` or a contiguous window of ``micro_batch_size``; get_batch keeps the
+samples whole as ``unconcat_tokens``, cuts each with slice_with_cp, concatenates them, pads the stream to a
+multiple of TP x pad_multiplier and passes ``PackedSeqParams(qkv_format="thd")`` with the cumulative lengths
+times CP). On the CPU here: no ``.cuda()``."""
 import torch
 from megatron.core import mpu
 from megatron.core.packed_seq_params import PackedSeqParams

@@ -1,5 +1,5 @@
 """slime's loss module, the paths the tests drive (THUDM/slime slime/backends/megatron_utils/loss.py
-@00c2d6d): get_responses / get_log_probs_and_entropy (per sample, the owned response tokens in local order:
+@624b824, main): get_responses / get_log_probs_and_entropy (per sample, the owned response tokens in local order:
 at CP > 1 the two chunks' logits and tokens by get_logits_and_tokens_offset_with_cp), policy_loss_function
 (on-policy PPO-clip: the reducer of the policy loss first — a custom one loaded by
 --custom-pg-loss-reducer-function-path with (total_lengths, response_lengths, loss_masks,

@@ -1,12 +1,12 @@
-"""slime's training step (THUDM/slime slime/backends/megatron_utils/model.py @172db7d, with
-step_global_batch_size as @00b5ed0 passes it): ``train`` sets ``config.grad_scale_func`` and
-``config.finalize_model_grads_func`` anew at every call (once per rollout) and runs ``train_one_step`` per
-step; ``train_one_step`` zeroes the gradient buffers and the optimizer, calls the
---custom-megatron-before-train-step-hook-path hook with (args, rollout_id, step_id, model, optimizer,
-opt_param_scheduler), runs forward_backward_func over one DataIterator per model chunk with a forward step
-that returns ``partial(loss_function, args, batch, num_microbatches, step_global_batch_size)``, steps the
-optimizer (asserting success) and the scheduler by step_global_batch_size, zeroes the gradients again and, on
-the last stage, all-reduces the reported values over DP x CP.  No zero-token skip (slime has none).
+"""slime's training step (THUDM/slime slime/backends/megatron_utils/model.py @624b824, main, with its
+step_global_batch_size): ``train`` sets ``config.grad_scale_func`` and ``config.finalize_model_grads_func``
+anew at every call (once per rollout) and runs ``train_one_step`` per step; ``train_one_step`` zeroes the
+gradient buffers and the optimizer, calls the --custom-megatron-before-train-step-hook-path hook with (args,
+rollout_id, step_id, model, optimizer, opt_param_scheduler), runs forward_backward_func over one DataIterator
+per model chunk with a forward step that returns ``partial(loss_function, args, batch, num_microbatches,
+step_global_batch_size)``, steps the optimizer (asserting success) and the scheduler by
+step_global_batch_size, zeroes the gradients again and, on the last stage, all-reduces the reported values
+over DP x CP. No zero-token skip (slime has none).
 
 For slime's real loss module at older commits (tests/trainers/test_slime_history.py, the driver's
 --slime-src): there ``loss_function(args, batch, num_microbatches, logits)`` takes no step_global_batch_size
