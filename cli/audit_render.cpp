@@ -39,6 +39,8 @@ void print_step(const oracle::AuditStep& s, bool strict_scale, bool explain, std
     const char* mark = !c.ok ? "not run" : *c.ok ? "ok" : "FAIL";
     out << fmt::format("  {:<{}} {:<8} {}\n", c.name, name_width, mark, c.detail);
   }
+  if (!s.diagnosis.advice.empty())
+    out << fmt::format("  {:<{}} {}\n", "fix:", name_width + 9, s.diagnosis.advice);
   if (!s.diagnosis.exact()) {
     out << fmt::format("  reproduced by: {}\n", reproduced_by(s.matches));
   } else if (explain && !s.matches.empty()) {  // an exact step: the list only when asked

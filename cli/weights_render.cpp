@@ -52,6 +52,7 @@ void print_term(std::ostream& out, const oracle::TermWeights& run, const StepLay
   const Batch& b = run.batch();
   const auto& dg = run.dg;
   out << fmt::format("weights: {}\n", dg.summary());
+  if (!dg.advice.empty()) out << fmt::format("fix: {}\n", dg.advice);
   if (!dg.exact() && run.shards.size() <= 64 * 8) {
     out << fmt::format(
         "\n  ratio w/w* per micro-batch (rows) and CP rank (columns):\n  {:>8} {:>4} |", "DP rank",

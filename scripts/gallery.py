@@ -88,13 +88,21 @@ def test_command(trainer, venv=None):
 
 
 # ---- running the tests ------------------------------------------------------------------------------
-def run_tests(trainers, rows_dir, binary, all_releases=True):
-    """Each trainer's test file in each release venv (only the pinned one without ``all_releases``), in order;
-    returns the (trainer, venv) runs that failed."""
+def run_tests(trainers, rows_dir, binary, all_releases=True, installed_only=False):
+    """Each trainer's test file in each release venv (only the pinned one without ``all_releases``; with
+    ``installed_only``, the release venvs this machine has), in order; returns the (trainer, venv) runs that
+    failed."""
     failed = []
     for t in trainers:
         pinned = SUITES[t][0]
-        for venv in (RELEASES[t] if all_releases else (pinned,)):
+        venvs = RELEASES[t] if all_releases else (pinned,)
+        if installed_only:
+            skipped = [v for v in venvs if v != pinned and not os.access(os.path.join(venv_dir(v), "bin", "python"),
+                                                                         os.X_OK)]
+            if skipped:
+                print(f"gallery: {t}: release venvs not installed here, not run: {', '.join(skipped)}", flush=True)
+            venvs = tuple(v for v in venvs if v not in skipped)
+        for venv in venvs:
             if not run_one(t, venv, rows_dir if venv == pinned else release_dir(rows_dir, venv), binary):
                 failed.append(f"{t} on venv-{venv}")
     return failed
@@ -533,6 +541,8 @@ SLIME = {
     "sm": "per-rollout sample mean (rollout_mask_sums), entropy bonus",
     "sm-reducer": "as sm, with --custom-pg-loss-reducer-function-path (no rollout_mask_sums)",
     "sft": "sft_loss, per-token",
+    "pt-sample-indices": "as pt, the samples named by the rollout's sample_indices alone (no partition; DP ranks "
+                         "hold a strided split)",
 }
 
 
@@ -657,12 +667,17 @@ def releases_table(trainer, per_release):
         absent = sum(1 for r in body if r[i + 1] == "–")
         if absent:
             missing.append(f"- {n} does not run {absent} of them")
+    ran = {venv for venv, _ in per_release}
+    not_run = [v.split("-", 1)[-1] if "-" in v else v for v in RELEASES[trainer] if v not in ran]
     notes = (["", "Where a release changes what a configuration does:", ""] + changed) if changed else \
         ["", f"No release changes what a configuration does: each of these {len(keys)} configurations gets the same "
              f"verdict, weights and presets on every release of {', '.join(n.split(' ')[-1] for n in names)} "
              "that runs it."]
     if missing:
         notes += ["", "Configurations a release does not have (–):", ""] + missing
+    if not_run:
+        notes += ["", f"Not run for this page (no venv where it was made): {', '.join(not_run)}; `make gallery` "
+                      "on a machine with `scripts/setup-trainers.sh all` runs every supported release."]
     return text + "\n" + "\n".join(notes)
 
 
@@ -716,6 +731,8 @@ def main(argv=None):
     ap.add_argument("--render-only", action="store_true", help="render the rows in --rows; run nothing")
     ap.add_argument("--pinned-only", action="store_true",
                     help="run each trainer's pinned venv only, not every supported release (faster)")
+    ap.add_argument("--installed-releases", action="store_true",
+                    help="run the release venvs this machine has, saying which supported ones it lacks")
     ap.add_argument("--template", default=TEMPLATE)
     ap.add_argument("--out", default=PAGE)
     a = ap.parse_args(argv)
@@ -733,7 +750,8 @@ def main(argv=None):
         if not (os.path.isfile(binary) and os.access(binary, os.X_OK)):
             sys.exit(f"gallery: {a.binary} is not an executable lossguard binary (make build-tool)")
         print(f"gallery: rows in {rows_dir}; lossguard {binary}", flush=True)
-        failed = run_tests(trainers, rows_dir, binary, all_releases=not a.pinned_only)
+        failed = run_tests(trainers, rows_dir, binary, all_releases=not a.pinned_only,
+                           installed_only=a.installed_releases)
     with open(a.template) as f:
         template = f.read()
     page, missing, unused = render(load_rows(rows_dir), template, load_release_rows(rows_dir))

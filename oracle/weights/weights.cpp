@@ -940,10 +940,9 @@ std::string WeightDiagnosis::summary() const {
                                                 : "mixed";
   return fmt::format(
       "{} normalisation: weights range {:.3g}× to {:.3g}× of the truth on {} of {} tokens; worst: "
-      "{}, {:.6g}× ({} token(s) in that unit){}{}",
+      "{}, {:.6g}× ({} token(s) in that unit){}",
       unit, min_ratio, max_ratio, mismatched, tokens, where(), worst.ratio, worst.unit_tokens,
-      factor.empty() ? "" : fmt::format("; w/w* = {} in every unit", factor),
-      advice.empty() ? "" : ": " + advice);
+      factor.empty() ? "" : fmt::format("; w/w* = {} in every unit", factor));
 }
 
 std::vector<ShardRatio> shard_ratios(const Batch& b, const std::vector<double>& got,

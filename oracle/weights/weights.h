@@ -125,7 +125,7 @@ struct WeightDiagnosis {
   bool fails(bool strict_scale) const {
     return !(kind == "exact" || (hidden_scale() && !strict_scale));
   }
-  std::string summary() const;  // one line a person reads
+  std::string summary() const;  // one line a person reads (the advice is its own line: `advice`)
 };
 
 // `got` [sum R] against `want` [sum R]; `place` and `layout` give the coordinates and units.

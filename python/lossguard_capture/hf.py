@@ -98,7 +98,7 @@ __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "chec
 #: transformers versions whose internals this adapter was checked against: [low, high); ``SPEC.verified`` the
 #: releases its tests ran on.  From 5.19.0 to 5.25.0 the hooked functions (Trainer.training_step, compute_loss,
 #: _get_num_items_in_batch, _get_grad_norm, loss_utils.fixed_cross_entropy / ForCausalLMLoss) are the same
-#: code at other lines (5.19-5.21 divide the TP/CP/SP count with ``//``, a path refused here anyway).
+#: code at other lines (5.19-5.22 divide the TP/CP/SP count with ``//``, fixed in 5.23.0: a path refused here anyway).
 SPEC = Spec("lossguard_capture.hf", "transformers", ("5.19.0", "5.26.0"), lambda: transformers.__version__,
             "it hooks Trainer.compute_loss, fixed_cross_entropy and Accelerator.backward as these versions have them",
             verified=("5.19.0", "5.20.2", "5.21.1", "5.22.2", "5.23.0", "5.24.0", "5.25.0"),

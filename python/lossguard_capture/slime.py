@@ -16,7 +16,8 @@ naming the attach point):
 
 * ``model.get_batch`` — the micro-batch's samples by their global index: the rollout's ``partition`` (the
   global positions of this DP rank's samples) at the iterator's ``micro_batch_indices`` (or its contiguous
-  window); without ``partition``, ``dp_rank x local samples + local index``.
+  window); without ``partition``, the rollout's ``sample_indices`` (its samples' own indices: a strided DP split
+  named right); without either, ``dp_rank x local samples + local index`` (right for a contiguous split only).
 * ``model.loss_function(args, batch, num_microbatches, step_global_batch_size, logits)`` (or the older one
   without ``step_global_batch_size``: then ``args.global_batch_size``) — wrapped by the Megatron adapter's
   :meth:`~lossguard_capture.megatron.MegatronAdapter.packed_loss_func` with the micro-batch's packed samples
@@ -81,7 +82,7 @@ class Trainer:
 
 SLIME = Trainer("slime", "slime.backends.megatron_utils.model", "slime.backends.megatron_utils.loss",
                 "THUDM/slime main @624b824: loss.py, model.py, data.py, cp_utils.py",
-                index_keys=("partition",), denoms_key="rollout_mask_sums")
+                index_keys=("partition", "sample_indices"), denoms_key="rollout_mask_sums")
 
 
 def _spec(trainer: Trainer) -> Spec:

@@ -80,6 +80,10 @@ SCENARIOS = {   # scenario -> args overrides
                        custom_pg_loss_reducer_function_path="slime_relax_driver.per_sample_mean_reducer"),
     "sft": dict(calculate_per_token_loss=True, loss_type="sft_loss"),
     "pt-ff": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True, kl_loss_coef=KL),
+    # the samples named by the rollout's ``sample_indices`` alone (slime's rollout carries both keys, a
+    # rollout of its older releases or a custom one may lack ``partition``): DP ranks hold a strided split
+    "pt-sample-indices": dict(calculate_per_token_loss=True, entropy_coef=ENTROPY, use_kl_loss=True,
+                              kl_loss_coef=KL, index_key="sample_indices"),
 }
 #: Relax (--trainer relax): the same steps through Relax's shape; its fixes (PR #285) pass them, the seed's
 #: three bugs planted one at a time fail them
@@ -282,6 +286,8 @@ def run(scenario, out, pp, cp, adapter):
     config, chunks, opt, sched = build(pp, cp, args.calculate_per_token_loss)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rd, mbi = rollout_data(dp, dp_rank)
+    if getattr(args, "index_key", "partition") != "partition":     # a rollout without `partition`
+        rd[args.index_key] = rd.pop("partition")
     M_steps = [M] * STEPS
     result = {}
     if SLIME_SRC:   # slime's real policy loss reads the old log-probs: its actor computes them before training

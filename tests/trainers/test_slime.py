@@ -43,7 +43,9 @@ HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 needs_bin = pytest.mark.skipif(not HAVE_BIN, reason="the lossguard binary is not built")
 
 #: (pp, cp, dp) -> scenarios
-LAYOUTS = {(1, 2, 1): ["pt", "sm", "sm-reducer", "sft", "pt-ff"], (2, 1, 2): ["pt", "sm", "pt-ff"]}
+#: pt-sample-indices: the rollout names its samples by `sample_indices` alone, DP ranks holding a strided split
+LAYOUTS = {(1, 2, 1): ["pt", "sm", "sm-reducer", "sft", "pt-ff"],
+           (2, 1, 2): ["pt", "sm", "pt-ff", "pt-sample-indices"]}
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-cp{c}-dp{d}-{s}" for (p, c, d), s in RIGHT]
 N = [sum(sum(m) for _, _, m, _ in step) for step in drv.SAMPLES]           # 15, 10, 0
@@ -157,7 +159,8 @@ def test_records(runs, layout, scenario):
             if int(meta["pp_rank"]) == pp - 1:      # what loss_function receives: slime's rollouts per step
                 assert int(t["global_batch_size"]) == drv.GBS
             assert int(t["skipped"]) == 0 and int(t["scheduler_stepped"]) == 1               # slime steps all
-            want_terms = {"pt": {"entropy", "kl"}, "sm": {"entropy"}, "sm-reducer": {"entropy"}}.get(scenario, set())
+            want_terms = {"pt": {"entropy", "kl"}, "pt-sample-indices": {"entropy", "kl"}, "sm": {"entropy"},
+                          "sm-reducer": {"entropy"}}.get(scenario, set())
             assert set(filter(None, meta.get("terms", "").split(","))) == want_terms
             for term in want_terms:
                 assert float(meta[f"term.{term}.coef"]) == {"entropy": -drv.ENTROPY, "kl": drv.KL}[term]
