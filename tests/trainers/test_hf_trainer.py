@@ -533,6 +533,43 @@ def test_a_run_inside_a_torch_function_mode_is_audited(tmp_path, context):
         assert code == 0, text + err
 
 
+def _train_wrapped(tmp_path, adapter, **training):
+    """The Trainer's own loss path (the model computes it from labels), GA 2, with TrainingArguments ``training``
+    (gradient checkpointing, torch.compile)."""
+    from transformers import TrainingArguments
+    args = TrainingArguments(output_dir=str(tmp_path / f"o-{adapter}"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=1, optim="sgd", learning_rate=0.1, use_cpu=True,
+                             report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                             remove_unused_columns=False, max_grad_norm=0.0, seed=drv.SEED, **training)
+    tr = drv.RecordingTrainer(model=drv.make_model(True), args=args, train_dataset=drv.dataset()[:8],
+                              data_collator=drv.collate, in_order=True)
+    cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False) if adapter else None
+    tr.train()
+    return tr, cb
+
+
+@pytest.mark.parametrize("training", [dict(gradient_checkpointing=True),
+                                      dict(torch_compile=True, torch_compile_backend="aot_eager")],
+                         ids=["activation-checkpointing", "torch.compile"])
+def test_a_run_under_checkpointing_or_compile_is_measured(tmp_path, training):
+    """Activation checkpointing (the forward recomputed in backward) and torch.compile of the model (Dynamo
+    traces the forward, the loss inside it): bit for bit the run without the adapter, weights m_t / N, audit
+    passes."""
+    plain, _ = _train_wrapped(tmp_path / "plain", False, **training)
+    tr, cb = _train_wrapped(tmp_path / "adapter", True, **training)
+    for a, b in zip(tr.step_losses, plain.step_losses):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(p, q), n
+    t = load_file(cb.paths[0])
+    N = int(t["num_tokens_reduced"])
+    for k in (0, 1):
+        assert torch.equal(t[f"mb.{k}.token_weight"], t[f"mb.{k}.loss_masks"].to(torch.float32) / N), k
+    if HAVE_BIN:
+        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
+        assert code == 0, text + err
+
+
 def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
     """Two cross_entropy calls in one compute_loss, or targets that are not the labels shifted by one: refused
     at the first captured micro-batch with what lossguard can measure instead; nothing written."""
