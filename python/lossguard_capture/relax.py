@@ -18,7 +18,14 @@ and data.py @36882ca, cp_utils.py @55634da, initialize.py @78973a5, misc.py @b71
 * the samples' global indices from the rollout's ``sample_indices``; the sample-mean denominators
   ``sample_index_mask_sums``;
 * the zero-token skip of PR #285 (``_is_global_zero_token_step``: neither the optimizer nor the LR scheduler
-  steps), judged by audit's decision check on every pipeline stage.
+  steps), judged by audit's decision check on every pipeline stage;
+* every loss type of its ``loss_function`` (loss.py:1615-1640 @36882ca) measured or refused at init: ``policy_loss``
+  (the token-global estimators ``reinforce_plus_plus*`` too: their mask-safe reducer,
+  ``_get_reinforce_plus_plus_mask_safe_reducer`` L810-827, reduces ``torch.where(mask, x, 0)``, and the entropy and
+  KL terms are recognised by the tensor handed to it), ``sft`` (``-sum_of_sample_mean(log_probs)``, chunked through
+  ``lm_head_forward`` or not), ``custom_loss`` (:func:`per_token`); ``value_loss`` is the critic's, not audited;
+  ``dpo``, ``rm``, ``sft`` with ``--task-type seq_cls``, ``--mtp-only-training``, ``--recompute-loss-function``
+  and ``--opd-loss-coef`` are refused, each with its reason (:func:`refusals`).
 """
 from typing import Any
 
@@ -28,13 +35,35 @@ from . import megatron as _lcm
 from . import slime as _slime
 from .slime import Trainer
 
-__all__ = ["init", "before_train_step", "install", "per_token", "RelaxAdapter", "RELAX"]
+__all__ = ["init", "before_train_step", "install", "per_token", "refusals", "RelaxAdapter", "RELAX"]
+
+def refusals(args: Any) -> list[str]:
+    """Relax's loss paths the adapter does not measure (redai-studio/Relax relax/backends/megatron/loss.py
+    @36882ca), refused at init naming the flag — never a silent gap."""
+    bad = []
+    loss_type = str(getattr(args, "loss_type", "policy_loss"))
+    if loss_type in ("dpo", "rm"):    # dpo_loss_function L1292, reward_model_loss_function L1369: sum pair losses
+        bad.append(f"--loss-type {loss_type} (its loss is a sum of per-pair losses that never reaches the reducer: "
+                   f"no per-token loss to weigh)")
+    if loss_type == "sft" and getattr(args, "task_type", None) == "seq_cls":     # L1441-1479: one loss per sample
+        bad.append("--task-type seq_cls (a loss per sample, not per token)")
+    if getattr(args, "mtp_only_training", False):         # mtp_only_loss_function L1533: 0 x hidden states
+        bad.append("--mtp-only-training (the MTP loss is not handed to the reducers)")
+    if getattr(args, "recompute_loss_function", False):   # L1642-1650: the loss inside a reentrant checkpoint
+        bad.append("--recompute-loss-function (the loss runs inside a checkpoint: its per-token tensor is rebuilt "
+                   "in backward, where the adapter does not see it)")
+    if float(getattr(args, "opd_loss_coef", 0.0) or 0.0) != 0.0:   # L1093-1102: its own micro-batch token mean
+        bad.append("--opd-loss-coef != 0 (the on-policy distillation term is reduced per micro-batch outside the "
+                   "hooked reducers)")
+    return bad
+
 
 RELAX = Trainer("relax", "relax.backends.megatron.model", "relax.backends.megatron.loss",
                 "redai-studio/Relax model.py, loss.py, data.py @36882ca, cp_utils.py @55634da",
                 index_keys=("sample_indices", "partition"), denoms_key="sample_index_mask_sums",
                 micro_batch=lambda b: dict(cp_size=b.get("dynamic_cp_size"), cp_rank=b.get("dynamic_cp_rank"),
-                                           dummy=bool(b.get("__is_dummy__", False))))
+                                           dummy=bool(b.get("__is_dummy__", False))),
+                sft_loss_types=("sft",), refusals=refusals)
 
 
 class RelaxAdapter(_lcm.MegatronAdapter):

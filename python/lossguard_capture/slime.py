@@ -74,10 +74,16 @@ class Trainer:
 
     def __init__(self, name: str, model_module: str, loss_module: str, commits: str, *,
                  index_keys: Sequence[str], denoms_key: str,
-                 micro_batch: Callable[[dict[str, Any]], dict[str, Any]] | None = None):
+                 micro_batch: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+                 sft_loss_types: Sequence[str] = ("sft_loss",),
+                 refusals: Callable[[Any], list[str]] | None = None):
         self.name, self.model_module, self.loss_module, self.commits = name, model_module, loss_module, commits
         self.index_keys, self.denoms_key = tuple(index_keys), denoms_key   # rollout keys: global indices; d_i
         self.micro_batch = micro_batch or (lambda batch: {})
+        #: the --loss-type names whose loss is -sum_of_sample_mean(log_probs) (slime "sft_loss", Relax "sft")
+        self.sft_loss_types = tuple(sft_loss_types)
+        #: what this trainer runs that the adapter does not measure, refused at init naming the flag
+        self.refusals = refusals or (lambda args: [])
 
 
 SLIME = Trainer("slime", "slime.backends.megatron_utils.model", "slime.backends.megatron_utils.loss",
@@ -139,6 +145,7 @@ class SlimeAudit:
             if getattr(args, "use_kl_loss", False) and float(getattr(args, "kl_loss_coef", 0.0) or 0.0) != 0.0:
                 self.terms["kl"] = dict(reduce=self.reduce, coef=float(args.kl_loss_coef))
         self.megatron: _lcm.MegatronAdapter | None = None
+        self._source: torch.Tensor | None = None  # what a mask-safe reducer was handed (before its torch.where)
         self.step_ctx: Any = None
         self.indices: dict[int, list[int] | None] = {}
         self.mb: _Terms | None = None
@@ -184,6 +191,7 @@ class SlimeAudit:
             bad.append("--allgather-cp (a contiguous CP split; the adapter places slime's zig-zag one)")
         if getattr(args, "enable_mtp_training", False):
             bad.append("--enable-mtp-training (the MTP loss is not handed to the reducers)")
+        bad += self.trainer.refusals(args)
         if bad:
             raise RuntimeError(f"lossguard_capture.{self.trainer.name} does not measure: " + "; ".join(bad))
 
@@ -245,6 +253,22 @@ class SlimeAudit:
                         audit.close()
             normalize_reduced_loss_metrics.__wrapped__ = orig_norm      # type: ignore[attr-defined]
             m.normalize_reduced_loss_metrics = normalize_reduced_loss_metrics
+        orig_msr = getattr(l, "_get_reinforce_plus_plus_mask_safe_reducer", None)
+        if orig_msr is not None:
+            # Relax's token-global estimators (reinforce_plus_plus*) wrap each reducer in one that reduces
+            # torch.where(mask, x, 0) (Relax loss.py:810-827 @36882ca): remember x for _term's recognition
+            def mask_safe_reducer(reducer: Any, loss_masks: Any, *args: Any, **kwargs: Any) -> Any:
+                safe = orig_msr(reducer, loss_masks, *args, **kwargs)
+
+                def reduce(values: Any, *ra: Any, **rk: Any) -> Any:
+                    audit._source = values if isinstance(values, torch.Tensor) else None
+                    try:
+                        return safe(values, *ra, **rk)
+                    finally:
+                        audit._source = None
+                return reduce
+            mask_safe_reducer.__wrapped__ = orig_msr    # type: ignore[attr-defined]
+            l._get_reinforce_plus_plus_mask_safe_reducer = mask_safe_reducer
         wrappers: tuple[tuple[Any, str, Callable[..., Any], Any], ...] = (
             (m, "get_batch", get_batch, orig_get_batch),
             (m, "loss_function", loss_function, orig_loss),
@@ -367,12 +391,15 @@ class SlimeAudit:
             mb.first = False
             if mb.loss_type == "policy_loss":
                 return meg.per_token(x)
-            if mb.loss_type == "sft_loss":               # loss = -sum_of_sample_mean(log_probs): l_t = -log p_t
+            if mb.loss_type in self.trainer.sft_loss_types:    # loss = -sum_of_sample_mean(log_probs): -log p_t
                 return -meg.per_token(-x)
             return x
-        if "kl" in self.terms and mb.kl is not None and x is mb.kl:
+        # under a mask-safe reducer (Relax's token-global estimators) the reducer sees torch.where(mask, x, 0):
+        # the term is recognised by the tensor handed to the mask-safe reducer, the reduced copy is measured
+        src = x if self._source is None else self._source
+        if "kl" in self.terms and mb.kl is not None and src is mb.kl:
             return meg.per_token(x, term="kl")
-        if "entropy" in self.terms and mb.entropy is not None and self._is_entropy(x, mb.entropy):
+        if "entropy" in self.terms and mb.entropy is not None and self._is_entropy(src, mb.entropy):
             mb.entropy = None
             return meg.per_token(x, term="entropy")
         return x

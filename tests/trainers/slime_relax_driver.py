@@ -91,6 +91,10 @@ RELAX_SCENARIOS = {
     "pt": SCENARIOS["pt"],
     "sm": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY, loss_scales=True),
     "dyncp": dict(SCENARIOS["pt"], max_tokens_per_gpu=8),
+    # Relax's own loss type names and estimators: ``sft`` (slime's is sft_loss); a token-global estimator
+    # (reinforce_plus_plus: every reducer mask-safe, the entropy bonus and the KL term through it; CP 1 only)
+    "sft": dict(calculate_per_token_loss=True, loss_type="sft"),
+    "rpp": dict(SCENARIOS["pt"], advantage_estimator="reinforce_plus_plus"),
     "dummy": dict(SCENARIOS["pt"], dummy=True),
     "bug-clamp": SCENARIOS["pt"], "bug-clamp-ff": SCENARIOS["pt"],
     "bug-noskip": SCENARIOS["pt"], "bug-src": SCENARIOS["pt"],

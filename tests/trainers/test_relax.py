@@ -34,8 +34,9 @@ import gallery  # noqa: E402
 import slime_relax_driver as drv  # noqa: E402
 from test_slime import HAVE_BIN, LOSSGUARD, N, _env, audit, needs_bin, same, world  # noqa: E402
 
-LAYOUTS = {(1, 2, 1): ["pt", "sm", "dyncp", "dummy"],
-           (2, 1, 2): ["pt", "sm", "bug-clamp", "bug-noskip", "bug-src", "bug-clamp-ff"]}
+#: sft: Relax's own loss type name; rpp: a token-global estimator (its mask-safe reducers; CP 1 only)
+LAYOUTS = {(1, 2, 1): ["pt", "sm", "dyncp", "dummy", "sft"],
+           (2, 1, 2): ["pt", "sm", "rpp", "bug-clamp", "bug-noskip", "bug-src", "bug-clamp-ff"]}
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-cp{c}-dp{d}-{s}" for (p, c, d), s in RIGHT]
 
@@ -186,6 +187,22 @@ def test_refuses_a_relax_without_its_attach_points(monkeypatch):
     with pytest.raises(RuntimeError, match=r"lossguard_capture\.relax: this relax lacks .*get_log_probs_and_entropy "
                                            r"is missing"):
         lcr.RelaxAudit(lcr.RELAX, SimpleNamespace(loss_type="policy_loss"), "unused")
+
+
+def test_refuses_the_loss_paths_it_does_not_measure():
+    """Every Relax loss type is measured or refused at init with its reason (lossguard_capture.relax.refusals)."""
+    sys.path.insert(0, os.path.join(HERE, "relax_shape"))
+    import lossguard_capture.relax as lcr
+    for extra, needle in ((dict(loss_type="dpo"), "--loss-type dpo"), (dict(loss_type="rm"), "--loss-type rm"),
+                          (dict(loss_type="sft", task_type="seq_cls"), "--task-type seq_cls"),
+                          (dict(mtp_only_training=True), "--mtp-only-training"),
+                          (dict(recompute_loss_function=True), "--recompute-loss-function"),
+                          (dict(opd_loss_coef=0.5), "--opd-loss-coef")):
+        args = SimpleNamespace(**{"loss_type": "policy_loss", "calculate_per_token_loss": True, **extra})
+        with pytest.raises(RuntimeError, match=f"lossguard_capture.relax does not measure: {needle}"):
+            lcr.RelaxAudit(lcr.RELAX, args, "unused")
+    for ok in (dict(loss_type="sft"), dict(loss_type="policy_loss", advantage_estimator="reinforce_plus_plus")):
+        lcr.RelaxAudit(lcr.RELAX, SimpleNamespace(calculate_per_token_loss=True, **ok), "unused")   # measured
 
 
 def test_a_planted_bug_is_not_silently_passed(runs):

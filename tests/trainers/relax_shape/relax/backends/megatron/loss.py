@@ -65,7 +65,41 @@ def compute_policy_loss(ppo_kl, advantages, eps_clip, eps_clip_high):
     return torch.maximum(plain, clipped), (clipped > plain).float()
 
 
+#: the advantage estimators whose normalisation is token-global (Relax relax/algorithms/spec.py:267-297
+#: @53a6045: reinforce_plus_plus, reinforce_plus_plus_baseline): their reducers are made mask-safe
+TOKEN_GLOBAL = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
+
+
+def _get_reinforce_plus_plus_mask_safe_reducer(reducer, loss_masks):
+    """Relax loss.py:810-827 @36882ca, restated: a reducer that zeroes the masked positions (so a NaN there cannot
+    leak through x * mask) before reducing — it reduces a new tensor, not the one it is handed. The masks are the
+    whole samples' (CP 1: the token-global estimators do not support CP)."""
+    valid = torch.cat([torch.as_tensor(m).reshape(-1) != 0 for m in loss_masks])
+
+    def reduce_valid_tokens(values):
+        if values.shape[0] != valid.numel():
+            raise ValueError(f"{values.shape[0]} values for {valid.numel()} mask entries")
+        return reducer(torch.where(valid.to(values.device), values, torch.zeros_like(values)))
+    return reduce_valid_tokens
+
+
+def sft_loss_function(args, batch, logits, sum_of_sample_mean):
+    """Relax loss.py:1238-1278 @36882ca (``--loss-type sft``): the negative log-likelihood of the response tokens,
+    ``-sum_of_sample_mean(log_probs)``."""
+    _, lpe = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                       total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+                                       with_entropy=False, dynamic_cp_size=batch.get("dynamic_cp_size"),
+                                       dynamic_cp_rank=batch.get("dynamic_cp_rank"))
+    log_probs = torch.cat(lpe["log_probs"])
+    loss = -sum_of_sample_mean(log_probs)
+    if log_probs.numel() == 0:
+        loss = loss + 0 * logits.sum()
+    return loss, {"loss": loss.detach()}
+
+
 def policy_loss_function(args, batch, logits, sum_of_sample_mean):
+    if getattr(args, "advantage_estimator", "grpo") in TOKEN_GLOBAL:      # loss.py:871-874 @36882ca
+        sum_of_sample_mean = _get_reinforce_plus_plus_mask_safe_reducer(sum_of_sample_mean, batch["loss_masks"])
     advantages = torch.cat(batch["advantages"])
     _, lpe = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
                                        total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
@@ -103,7 +137,9 @@ def loss_function(args, batch, num_microbatches, logits, *, lm_head_forward=None
     sum_of_sample_mean = get_sum_of_sample_mean(batch["total_lengths"], batch["response_lengths"], batch["loss_masks"],
                                                 args.calculate_per_token_loss, args.qkv_format, None, None, dyn_size,
                                                 dyn_rank, sample_denoms=batch.get("sample_index_mask_sums"))
-    func = policy_loss_function if args.loss_type == "policy_loss" else load_function(args.custom_loss_function_path)
+    # loss.py:1615-1640 @36882ca: value_loss (the critic), dpo and rm (pair losses) are not restated here
+    func = {"policy_loss": policy_loss_function, "sft": sft_loss_function}.get(args.loss_type) or \
+        load_function(args.custom_loss_function_path)
     loss, log = func(args, batch, logits, sum_of_sample_mean)
     dummy = bool(batch.get("__is_dummy__", False))
     if dummy:
