@@ -160,7 +160,7 @@ from typing import Any, Literal
 
 import torch
 
-from .adapter import Adapter, Spec, deprecated_alias
+from .adapter import Adapter, Spec, deprecated_alias, say
 from .recorder import MicroBatch, StepRecorder
 from .zigzag import zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned_logit_positions, zigzag_slices
 
@@ -197,6 +197,11 @@ from megatron.core.utils import get_batch_on_this_cp_rank as _get_batch_on_this_
 
 def _is_float_01(t: torch.Tensor) -> bool:
     return bool(((t == 0) | (t == 1)).all())
+
+
+class _Unmeasured(RuntimeError):
+    """A step the adapter cannot measure where stopping the run is not asked for (fail fast off, or another step
+    than the audited one): the step is dropped with a warning and the trainer's own call goes on unwrapped."""
 
 
 class _MB:
@@ -382,7 +387,10 @@ class MegatronStep:
         if exc_type is not None:
             st.rec.abort()
             return False
-        self.path = self.audit._write(st)
+        try:
+            self.path = self.audit._write(st)
+        except _Unmeasured as e:
+            self.audit._dropped(e)
         return False
 
 
@@ -545,7 +553,16 @@ class MegatronAdapter(Adapter):
         audit = self
 
         def finalize_model_grads(model: Any, num_tokens: Any = None, *args: Any, **kwargs: Any) -> Any:
-            return audit._finalize(orig, model, num_tokens, *args, **kwargs)
+            ran: list[Any] = []
+
+            def orig_once(*a: Any, **k: Any) -> Any:
+                ran.append(orig(*a, **k))
+                return ran[-1]
+            try:
+                return audit._finalize(orig_once, model, num_tokens, *args, **kwargs)
+            except _Unmeasured as e:        # the gradients are finalized once, whatever the adapter made of them
+                audit._dropped(e)
+                return ran[0] if ran else orig(model, num_tokens, *args, **kwargs)
         finalize_model_grads.__wrapped__ = orig           # type: ignore[attr-defined]
         finalize_model_grads.__lossguard__ = self         # type: ignore[attr-defined]
         config.finalize_model_grads_func = finalize_model_grads
@@ -681,6 +698,17 @@ class MegatronAdapter(Adapter):
         (``loss_mask[j]``: whether the loss Megatron computes at position ``j`` — of ``labels[j] =
         tokens[j+1]`` — counts); ``sample_indices`` ``[b]`` the rows' global indices in the step's batch.
         Outside a captured step (or for a forward-only pass) ``loss_func`` itself is returned / called."""
+        try:
+            return self._guarded(self._loss_func(loss_func, tokens=tokens, loss_mask=loss_mask,
+                                                 sample_indices=sample_indices, packed_seq_params=packed_seq_params),
+                                 loss_func)
+        except _Unmeasured as e:
+            self._dropped(e)
+            return loss_func
+
+    def _loss_func(self, loss_func: Callable[..., Any], *, tokens: torch.Tensor, loss_mask: torch.Tensor,
+                   sample_indices: Any, packed_seq_params: Any = None) -> Callable[..., Any]:
+        """loss_func's measuring wrapper (raises _Unmeasured where the step cannot be measured)."""
         st = self._state
         if st is None:
             return loss_func
@@ -825,6 +853,20 @@ class MegatronAdapter(Adapter):
         ``stream_tokens``: the packed tokens the model was given (``[1, L]``); when given, every real position
         of every sample's local pieces is checked against the samples' tokens (a split that is off is refused
         here, naming the sample and position, instead of being weighed)."""
+        try:
+            return self._guarded(self._packed_loss_func(
+                loss_func, sample_indices=sample_indices, tokens=tokens, total_lengths=total_lengths,
+                response_lengths=response_lengths, loss_masks=loss_masks, cp_size=cp_size, cp_rank=cp_rank, dummy=dummy,
+                sample_denoms=sample_denoms, stream_tokens=stream_tokens), loss_func)
+        except _Unmeasured as e:
+            self._dropped(e)
+            return loss_func
+
+    def _packed_loss_func(self, loss_func: Callable[..., Any], *, sample_indices: Any, tokens: Any,
+                          total_lengths: Any, response_lengths: Any, loss_masks: Any, cp_size: int | None = None,
+                          cp_rank: int | None = None, dummy: bool = False, sample_denoms: Any = None,
+                          stream_tokens: Any = None) -> Callable[..., Any]:
+        """packed_loss_func's measuring wrapper (raises _Unmeasured where the step cannot be measured)."""
         st = self._state
         if st is None:
             return loss_func
@@ -919,12 +961,38 @@ class MegatronAdapter(Adapter):
         return index
 
     def _fail(self, st: _StepState, why: str) -> None:
-        """Abort the open step (nothing is recorded) and raise."""
+        """Abort the open step (nothing is recorded) and raise: RuntimeError, which stops the run, only where
+        fail fast audits this step; otherwise _Unmeasured, which the entry points (the wrapped loss functions,
+        finalize, the step's end) turn into a warning and the trainer's own call — an adapter never stops a run
+        it cannot measure unless asked to."""
         st.rec.abort()
         if self._state is st:
             self._state = None
             self._mtp_end()
-        raise RuntimeError(f"lossguard_capture.megatron: step {st.rec.step}: {why}")
+        msg = f"lossguard_capture.megatron: step {st.rec.step}: {why}"
+        if self.fail_fast and st.rec.step == self.audit_step:
+            raise RuntimeError(msg)
+        raise _Unmeasured(msg)
+
+    def _dropped(self, e: _Unmeasured) -> None:
+        say(f"{e} — this step is not measured and the run goes on "
+            f"({'fail fast audits step ' + str(self.audit_step) if self.fail_fast else 'fail fast is off'})")
+
+    def _guarded(self, wrapped: Callable[..., Any], loss_func: Callable[..., Any]) -> Callable[..., Any]:
+        """``wrapped`` (a loss function the adapter measures through), falling back on ``loss_func`` itself when
+        the step cannot be measured (_Unmeasured)."""
+        if wrapped is loss_func:
+            return loss_func
+        audit = self
+
+        def guarded(output_tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return wrapped(output_tensor, *args, **kwargs)
+            except _Unmeasured as e:
+                audit._dropped(e)
+                return loss_func(output_tensor, *args, **kwargs)
+        guarded.__wrapped__ = loss_func        # type: ignore[attr-defined]
+        return guarded
 
     # -- finalize ---------------------------------------------------------------------------------
     def _finalize(self, orig: Callable[..., Any], model: Any, num_tokens: Any, *args: Any, **kwargs: Any) -> Any:

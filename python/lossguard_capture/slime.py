@@ -332,6 +332,20 @@ class SlimeAudit:
         logits = rest[-1] if rest else kwargs.get("logits")
         if meg is None or st is None or not rest or not isinstance(logits, torch.Tensor) or not logits.requires_grad:
             return orig(args, batch, num_microbatches, *rest, **kwargs)
+        try:
+            wrapped = self._measured_loss(meg, st, orig, args, batch, num_microbatches, *rest, **kwargs)
+        except _lcm._Unmeasured as e:     # not the step fail fast audits: a warning, the trainer's own loss
+            meg._dropped(e)
+            return orig(args, batch, num_microbatches, *rest, **kwargs)
+        self.mb = _Terms(self.loss_type)
+        try:
+            return wrapped(rest[-1] if rest else kwargs.get("logits"))
+        finally:
+            self.mb = None
+
+    def _measured_loss(self, meg: Any, st: Any, orig: Any, args: Any, batch: Any, num_microbatches: Any, *rest: Any,
+                       **kwargs: Any) -> Any:
+        """The micro-batch's loss function measured through the Megatron adapter (meg._fail where it cannot be)."""
         gbs = (rest[0] if self.has_step_gbs and len(rest) == 2
                else batch.get("dynamic_global_batch_size") or getattr(args, "global_batch_size", None))
         if gbs is not None:
@@ -357,15 +371,10 @@ class SlimeAudit:
         masks = list(batch["loss_masks"])
         if extra.get("dummy"):      # a padding micro-batch (Relax repeats a real partition): it trains nothing
             masks = [torch.zeros_like(torch.as_tensor(m)) for m in masks]
-        wrapped = meg.packed_loss_func(fn, sample_indices=indices, tokens=list(batch["unconcat_tokens"]),
-                                       total_lengths=list(batch["total_lengths"]),
-                                       response_lengths=list(batch["response_lengths"]), loss_masks=masks,
-                                       sample_denoms=denoms, stream_tokens=batch.get("tokens"), **extra)
-        self.mb = _Terms(self.loss_type)
-        try:
-            return wrapped(logits)
-        finally:
-            self.mb = None
+        return meg.packed_loss_func(fn, sample_indices=indices, tokens=list(batch["unconcat_tokens"]),
+                                    total_lengths=list(batch["total_lengths"]),
+                                    response_lengths=list(batch["response_lengths"]), loss_masks=masks,
+                                    sample_denoms=denoms, stream_tokens=batch.get("tokens"), **extra)
 
     def _reducer(self, reducer: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
         audit = self

@@ -482,12 +482,12 @@ def guards(out, cp):
             m = m.clone()
             m[0, -1] = 1.0
             return m
-        return one_step(d, mask=mask)
+        return one_step(d, mask=mask, fail_fast=True)
 
     def scalar_loss(d):
         def loss(loss_mask, output_tensor):
             return torch.sum(output_tensor.float().view(-1) * loss_mask.reshape(-1))
-        return one_step(d, loss=loss)
+        return one_step(d, loss=loss, fail_fast=True)
 
     class Packed:
         qkv_format = "thd"
@@ -525,8 +525,11 @@ def guards(out, cp):
     record("not-ddp", not_ddp)
     record("last-position-carries-loss", last_position)
     record("loss-not-a-tuple", scalar_loss)
-    record("logits-not-per-token", lambda d: one_step(d, forward="logits"))
-    record("thd", lambda d: one_step(d, packed=Packed()))
+    # what the adapter cannot measure stops the run where fail fast audits the step (these, step 0) ...
+    record("logits-not-per-token", lambda d: one_step(d, forward="logits", fail_fast=True))
+    record("thd", lambda d: one_step(d, packed=Packed(), fail_fast=True))
+    # ... and otherwise is a warning: the step is not recorded, the trainer's own loss function runs, the run goes on
+    record("thd-record-only", lambda d: one_step(d, packed=Packed()))
     record("zero-tokens-skipped", zero_tokens_skipped)
     record("zero-tokens-stepped", zero_tokens_stepped)
     record("not-captured", not_captured)

@@ -594,6 +594,8 @@ def test_refusals_and_skip(runs):
         assert g[name]["error"].startswith("RuntimeError: lossguard_capture.megatron"), g[name]
         assert g[name]["files"] == [], (name, g[name])                 # nothing recorded
     assert g["not-captured"] == {"error": None, "files": [], "extra": {"identity": True}}
+    # fail fast off: the same THD step is a warning, not a stop — nothing recorded, the loss function unwrapped
+    assert g["thd-record-only"] == {"error": None, "files": [], "extra": {"identity": True}}, g["thd-record-only"]
     for name, skipped in (("zero-tokens-skipped", 1), ("zero-tokens-stepped", 0)):
         assert g[name]["error"] is None and g[name]["files"] == ["captures/step000000/step000000-rank00000.safetensors"]
         t = load_file(os.path.join(d, "guards", name, g[name]["files"][0]))
