@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from .adapter import Adapter, Spec
+from .adapter import Adapter, Spec, say
 from .recorder import MicroBatch, StepRecorder
 
 __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "check_version"]
@@ -113,8 +113,9 @@ from transformers import TrainerCallback  # noqa: E402
 
 
 class CannotMeasure(Exception):
-    """A captured micro-batch whose loss path is not the one the adapter reads (becomes a RuntimeError
-    naming the step and the micro-batch; the step is dropped)."""
+    """A captured micro-batch whose loss path is not the one the adapter reads: the step is dropped; a
+    RuntimeError naming the step and the micro-batch where fail fast audits that step, else a warning and the
+    run goes on (an adapter never stops a run it cannot measure unless asked to)."""
 
 
 class _CEState:
@@ -272,6 +273,7 @@ class TrainerAudit(Adapter, TrainerCallback):
     def __init__(self, out_dir: str, **options: Any):
         super().__init__(out_dir, **options)
         self._step: StepRecorder | None = None
+        self._unmeasured: set[int] = set()             # steps dropped as unmeasurable (the run went on)
         self._k = 0                                   # micro-batches of the open step
         self._rows = 0                                # rows (samples) of the open step on this rank
         self._num_items: Any = None                   # the Trainer's num_items_in_batch (compute_loss's argument)
@@ -379,14 +381,21 @@ class TrainerAudit(Adapter, TrainerCallback):
             return orig(model, inputs, *args, **kwargs)
         if self._step is not None and self._step.step != step:     # not finished (should not happen)
             self._abort()
+        if step in self._unmeasured:            # dropped earlier in this step: the trainer's own loss
+            return orig(model, inputs, *args, **kwargs)
         if self._step is None:
             self._open(step)
+        ran: list[Any] = []
+
+        def orig_once(*a: Any, **k: Any) -> Any:
+            ran.append(orig(*a, **k))
+            return ran[-1]
         try:
-            out, mb, rows = self._measure(orig, model, inputs, args, kwargs)
+            out, mb, rows = self._measure(orig_once, model, inputs, args, kwargs)
         except CannotMeasure as e:
             self._abort()
-            raise RuntimeError(f"{self.spec.module}: step {step} micro-batch {self._k}: cannot measure the "
-                               f"trainer's loss: {e}") from None
+            self._cannot_measure(step, f"micro-batch {self._k}: cannot measure the trainer's loss: {e}")
+            return ran[0] if ran else orig(model, inputs, *args, **kwargs)     # its value, computed once
         except BaseException:
             self._abort()
             raise
@@ -395,6 +404,15 @@ class TrainerAudit(Adapter, TrainerCallback):
         self._num_items = kwargs.get("num_items_in_batch", args[1] if len(args) > 1 else None)
         self._pending = mb
         return out
+
+    def _cannot_measure(self, step: int, why: str) -> None:
+        """The step cannot be measured (it is dropped already): stop the run only where fail fast audits it."""
+        msg = f"{self.spec.module}: step {step} {why}"
+        if self.fail_fast and step == self.audit_step:
+            raise RuntimeError(msg)
+        self._unmeasured.add(step)
+        say(f"{msg} — this step is not measured and the run goes on "
+            f"({'fail fast audits step ' + str(self.audit_step) if self.fail_fast else 'fail fast is off'})")
 
     def _open(self, step: int) -> None:
         self._k = 0
@@ -446,6 +464,10 @@ class TrainerAudit(Adapter, TrainerCallback):
             return
         try:
             path = self._finish(s)
+        except CannotMeasure as e:
+            self._abort()
+            self._cannot_measure(s.step, str(e))
+            return
         except BaseException:
             self._abort()
             raise
@@ -565,13 +587,13 @@ class AuditCallback(TrainerAudit):
         bad = torch.cat([f.to(flags[0].device) for f in flags]).tolist() if flags else []
         if any(bad[:k]):
             first = bad.index(True)
-            raise RuntimeError(f"{self.spec.module}: step {step} micro-batch {first}: cannot measure the trainer's "
-                               f"loss: cross_entropy's targets are not the batch's labels as the logits predict "
-                               f"them (logit j against token j+1, -100 where the labels are ignored): a different "
-                               f"shift or masking cannot be placed. {_WHAT_TO_DO}")
+            raise CannotMeasure(f"micro-batch {first}: cannot measure the trainer's loss: cross_entropy's targets "
+                                f"are not the batch's labels as the logits predict them (logit j against token "
+                                f"j+1, -100 where the labels are ignored): a different shift or masking cannot be "
+                                f"placed. {_WHAT_TO_DO}")
         if any(bad[k:]):
-            raise RuntimeError(f"{self.spec.module}: a row's last logit has a label (shift_labels without -100 "
-                               f"at the end): the prompt-1 layout cannot hold it")
+            raise CannotMeasure("a row's last logit has a label (shift_labels without -100 at the end): the "
+                                "prompt-1 layout cannot hold it")
         return {"num_tokens_reduced": self._num_items}
 
 

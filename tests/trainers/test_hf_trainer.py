@@ -375,9 +375,11 @@ def test_add_callback_finds_its_trainer(tmp_path):
         torch.nn.functional.cross_entropy.__module__ == "torch.nn.functional"     # restored
 
 
-def test_a_loss_that_bypasses_cross_entropy_is_an_error(tmp_path):
-    """A compute_loss_func that does not call F.cross_entropy cannot be measured: a clear error, and the
-    step is dropped (no capture file)."""
+@pytest.mark.parametrize("fail_fast", [True, False], ids=["fail-fast", "record-only"])
+def test_a_loss_that_bypasses_cross_entropy_is_an_error(tmp_path, fail_fast, capsys):
+    """A compute_loss_func that does not call F.cross_entropy cannot be measured: the step is dropped (no capture
+    file); with fail fast auditing that step, a clear error stops the run; without, the same words as a warning
+    and the run goes on, bit for bit the run without the adapter."""
     def custom(outputs, labels, num_items_in_batch=None):
         lp = torch.log_softmax(outputs.logits[:, :-1].float(), -1)
         tgt = labels[:, 1:]
@@ -387,11 +389,23 @@ def test_a_loss_that_bypasses_cross_entropy_is_an_error(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2, max_steps=1, optim="sgd",
                              use_cpu=True, report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
                              remove_unused_columns=False)
-    tr = drv.Trainer(model=drv.make_model(True), args=args, train_dataset=drv.dataset()[:4], data_collator=drv.collate,
-                     compute_loss_func=custom)
-    cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False)
-    with pytest.raises(RuntimeError, match="did not call torch.nn.functional.cross_entropy"):
+    def trainer():
+        return drv.Trainer(model=drv.make_model(True), args=args, train_dataset=drv.dataset()[:4],
+                           data_collator=drv.collate, compute_loss_func=custom)
+    tr = trainer()
+    cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=fail_fast, lossguard_bin=LOSSGUARD)
+    if fail_fast:
+        with pytest.raises(RuntimeError, match="did not call torch.nn.functional.cross_entropy"):
+            tr.train()
+    else:
         tr.train()
+        err = capsys.readouterr().err
+        assert "did not call torch.nn.functional.cross_entropy" in err, err
+        assert "this step is not measured and the run goes on (fail fast is off)" in err, err
+        plain = trainer()
+        plain.train()
+        for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
+            assert torch.equal(p, q), n
     assert not cb.paths and not os.path.exists(tmp_path / "caps" / "step000000" / "step000000-rank00000.safetensors")
 
 
@@ -572,7 +586,7 @@ def test_a_run_under_checkpointing_or_compile_is_measured(tmp_path, training):
 
 def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
     """Two cross_entropy calls in one compute_loss, or targets that are not the labels shifted by one: refused
-    at the first captured micro-batch with what lossguard can measure instead; nothing written."""
+    (fail fast auditing the step: the run stops) with what lossguard can measure instead; nothing written."""
     def twice(outputs, labels, num_items_in_batch=None):
         x, y = _shifted(outputs, labels)
         a = _ce(x.reshape(-1, x.shape[-1]), y.reshape(-1), reduction="sum")
@@ -584,7 +598,7 @@ def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
     for fn, needle in ((twice, "called 2 times"), (unshifted, "not the batch's labels as the logits predict them")):
         tr = _tiny_trainer(tmp_path)
         tr.compute_loss_func = fn
-        cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=False)
+        cb = lhf.attach(tr, str(tmp_path / "caps"), fail_fast=True, lossguard_bin=LOSSGUARD)
         with pytest.raises(RuntimeError, match=needle) as e:
             tr.train()
         assert "compute the per-token losses in one call and reduce them yourself" in str(e.value)
