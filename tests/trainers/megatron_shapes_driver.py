@@ -325,9 +325,13 @@ def run(scenario, out, pp, tp, cp, adapter, vpp=1):
     if adapter:
         import lossguard_capture.megatron as lcm
         ff = scenario.endswith("-ff")
+        # a refused scenario's step 0 is audited with fail fast: what the adapter cannot measure stops it (without
+        # fail fast it would be a warning and the run would go on: lossguard_capture.megatron._fail)
+        refused = scenario in REFUSED
         terms = {"entropy": dict(reduce="per-token", coef=-ENTROPY_COEF)} if kind == "sum-entropy" else None
-        audit = lcm.attach(config, os.path.join(out, "captures"), steps=(1,) if ff else range(STEPS),
-                           fail_fast=ff, model=chunks, optimizer=opt, scheduler=sched, lossguard_bin=LOSSGUARD,
+        audit = lcm.attach(config, os.path.join(out, "captures"),
+                           steps=(1,) if ff else (0,) if refused else range(STEPS),
+                           fail_fast=ff or refused, model=chunks, optimizer=opt, scheduler=sched, lossguard_bin=LOSSGUARD,
                            timeout=120, terms=terms)
     kept = []
 
