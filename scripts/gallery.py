@@ -551,6 +551,8 @@ RELAX = {
     "sm": "sample mean (sample_index_mask_sums), `__loss_scale__`",
     "dyncp": "a CP size per micro-batch (max_tokens_per_gpu 8: 1 or 2)",
     "dummy": "a dummy micro-batch per step (`__is_dummy__`)",
+    "sft": "`--loss-type sft` (Relax's name; slime's is sft_loss), per-token",
+    "rpp": "as pt under `reinforce_plus_plus` (its mask-safe reducers: torch.where(mask, x, 0) then reduce)",
     "bug-clamp": "planted bug 1: at CP 1 an empty response counted as 1",
     "bug-noskip": "planted bug 2: the zero-token step steps",
     "bug-src": "planted bug 3: the decision broadcast from the pipeline's first stage",
