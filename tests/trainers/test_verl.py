@@ -363,6 +363,8 @@ AUDIT = {
     "token-mean-kl-entropy": (0, "exact", "verl-token-mean"),
     "seq-mean-token-mean-kl-entropy": (0, "uniform-scale", "relax"),
     "token-mean-kl-bug": (1, "exact", "verl-token-mean"),       # the main term is right; kl.weights fails
+    # verl's fix in 0.9.1: gspo configured with token-mean was a per-sample mean before it, exact after
+    "gspo-token-mean": (1, "per-sample", None) if drv.GSPO_FORCES_MODE else (0, "exact", "verl-token-mean"),
 }
 #: config -> the diagnosis of each named term relative to the main term (every term not listed: exact).
 #: kl-microbatch-mean: coef m_t/(n_k dp) against coef m_t/N: N/(dp n_k), per micro-batch.
@@ -487,6 +489,7 @@ CONTRACTS = {
     "seq-mean-token-sum": "scale=dp*1/B,grad=mean:dp",
     "seq-mean-token-mean": _SEQ_MEAN, "seq-mean-token-mean-kl": _SEQ_MEAN, "seq-mean-token-mean-kl-entropy": _SEQ_MEAN,
     "sapo-token-mean": _SEQ_MEAN, "sapo-seq-mean-token-mean": _SEQ_MEAN,
+    "gspo-token-mean": _SEQ_MEAN if drv.GSPO_FORCES_MODE else "verl-token-mean",
     "seq-mean-token-sum-norm": None,           # 1 / (B x the micro-batch's longest response): no component
     "seq-mean-token-sum-norm-lsf": f"scale=dp*1/B*1/{drv.LSF},grad=mean:dp",
     "seq-mean-token-sum-norm-dense": f"scale=dp*1/B*1/{drv.R_PAD},grad=mean:dp",

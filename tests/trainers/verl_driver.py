@@ -192,6 +192,9 @@ CONFIGS = {
     "seq-mean-token-sum-norm-dense": _cfg("seq-mean-token-sum-norm", layout="dense"),
     "sapo-token-mean": _cfg("token-mean", loss="sapo"),
     "sapo-seq-mean-token-mean": _cfg("seq-mean-token-mean", loss="sapo"),
+    # verl's own history: up to 0.9.0 gspo aggregates with seq-mean-token-mean whatever is configured (0.9.0
+    # core_algos.py:1604-1605); 0.9.1 passes the configured mode (:1605-1606) — FAIL before, exact after
+    "gspo-token-mean": _cfg("token-mean", loss="gspo"),
     "geo_mean": _cfg("token-mean", loss="geo_mean"),
     "geo_mean-m3": _cfg("token-mean", loss="geo_mean", micro=2),      # 3 micro-batches per rank: M != dp
     "geo_mean-dynbsz": _cfg("token-mean", loss="geo_mean", dynbsz=True),  # micro-batches of unequal sizes
