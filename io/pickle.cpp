@@ -183,8 +183,11 @@ class Unpickler {
   }
   void push(ValuePtr v) {
     if (++created_ > limits_.max_items) fail(fmt::format("more than {} values", limits_.max_items));
-    if ((v->is_sequence() || v->is_dict()) && v.use_count() == 1)
-      containers_.push_back(v);  // a new container
+    // Every container, the first time it is pushed (not "use_count() == 1": the LIST, DICT and
+    // FROZENSET opcodes push a container their own local still holds, and a LIST that DUP and
+    // APPEND then put inside itself leaked).
+    if ((v->is_sequence() || v->is_dict()) && registered_.insert(v.get()).second)
+      containers_.push_back(v);
     stack_.push_back(std::move(v));
   }
   void note_child(Value& parent, const ValuePtr& child) {
@@ -262,6 +265,7 @@ class Unpickler {
   std::vector<std::size_t> marks_;
   std::unordered_map<uint64_t, ValuePtr> memo_;
   std::vector<ValuePtr> containers_;
+  std::unordered_set<const Value*> registered_;  // the containers in containers_
   std::unordered_set<const Value*> reachable_;
 };
 
