@@ -518,6 +518,22 @@ def test_custom_loss_forms_are_measured(tmp_path, form):
             assert checks["weights"]["ok"] is False and "normalisation" in checks["weights"]["detail"]
 
 
+def _measured_like_plain(tr, cb, plain):
+    """A GA-2 run with the adapter (``tr``, its callback ``cb``) against the same run without it: the losses and
+    parameters bit for bit, every weight m_t / N, and audit passes."""
+    for a, b in zip(tr.step_losses, plain.step_losses):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
+        assert torch.equal(p, q), n
+    t = load_file(cb.paths[0])
+    N = int(t["num_tokens_reduced"])
+    for k in (0, 1):
+        assert torch.equal(t[f"mb.{k}.token_weight"], t[f"mb.{k}.loss_masks"].to(torch.float32) / N), k
+    if HAVE_BIN:
+        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
+        assert code == 0, text + err
+
+
 class _CountingMode(torch.overrides.TorchFunctionMode):
     """A TorchFunctionMode as FLOP counters and profilers install one: every torch function passes through."""
 
@@ -534,17 +550,7 @@ def test_a_run_inside_a_torch_function_mode_is_audited(tmp_path, context):
     2 times')."""
     plain, _ = _train_form(tmp_path / "plain", "shift-sum", False, context)
     tr, cb = _train_form(tmp_path / "adapter", "shift-sum", True, context)
-    for a, b in zip(tr.step_losses, plain.step_losses):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
-        assert torch.equal(p, q), n
-    t = load_file(cb.paths[0])
-    N = int(t["num_tokens_reduced"])
-    for k in (0, 1):
-        assert torch.equal(t[f"mb.{k}.token_weight"], t[f"mb.{k}.loss_masks"].to(torch.float32) / N), k
-    if HAVE_BIN:
-        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
-        assert code == 0, text + err
+    _measured_like_plain(tr, cb, plain)
 
 
 def _train_wrapped(tmp_path, adapter, **training):
@@ -571,17 +577,7 @@ def test_a_run_under_checkpointing_or_compile_is_measured(tmp_path, training):
     passes."""
     plain, _ = _train_wrapped(tmp_path / "plain", False, **training)
     tr, cb = _train_wrapped(tmp_path / "adapter", True, **training)
-    for a, b in zip(tr.step_losses, plain.step_losses):
-        assert a.dtype == b.dtype and torch.equal(a, b)
-    for (n, p), (_, q) in zip(tr.model.named_parameters(), plain.model.named_parameters()):
-        assert torch.equal(p, q), n
-    t = load_file(cb.paths[0])
-    N = int(t["num_tokens_reduced"])
-    for k in (0, 1):
-        assert torch.equal(t[f"mb.{k}.token_weight"], t[f"mb.{k}.loss_masks"].to(torch.float32) / N), k
-    if HAVE_BIN:
-        code, doc, err, text = audit(os.path.dirname(cb.paths[0]))
-        assert code == 0, text + err
+    _measured_like_plain(tr, cb, plain)
 
 
 def test_a_custom_loss_that_cannot_be_placed_says_what_to_change(tmp_path):
