@@ -43,8 +43,8 @@ struct ScaleName {
 };
 
 // r named over cp, dp, tp, pp, M (the layout: the update moves with them) and B, N, N/Nc (the
-// step's: the same under every layout). A size of 1 names nothing. Cheapest products first (at most four
-// factors), every product of that cost listed.
+// step's: the same under every layout). A size of 1 names nothing. Cheapest products first (at most
+// four factors), every product of that cost listed.
 ScaleName name_scale(double r, const StepLayout& layout, const ScaleContext& ctx, double tol);
 
 // A ratio constant within each unit of a diagnosis kind (per-rank, per-microbatch, per-cp-shard,

@@ -157,6 +157,32 @@ _WHAT_TO_DO = ("lossguard measures one torch.nn.functional.cross_entropy call pe
                "in one call and reduce them yourself")
 
 
+def _unplaceable(state: _CEState, input: torch.Tensor, target: torch.Tensor, legacy_or_weight: bool,
+                 reduction: str, rows: int, index: Any) -> str | None:
+    """Why a cross_entropy call cannot be measured as the micro-batch's per-token loss, or None."""
+    # [B, V, d] logits with [B, d] targets (the class dimension second): the same per-token losses
+    flat = (input.dim() == 3 and target.dim() == 2 and tuple(target.shape) == (input.shape[0], input.shape[2]))
+    if state.calls > 1:
+        return f"cross_entropy called {state.calls} times in one compute_loss"
+    if legacy_or_weight:
+        return ("cross_entropy called with weight= / size_average= / reduce= (class weights change what a "
+                "token weighs: multiply reduction='none' losses by them yourself)")
+    if reduction not in ("sum", "mean", "none"):
+        return f"cross_entropy called with reduction={reduction!r}"
+    if not (input.dim() == 2 and target.dim() == 1 or flat) or target.is_floating_point():
+        return (f"cross_entropy called with input {tuple(input.shape)} and target {tuple(target.shape)} "
+                f"{target.dtype} (expected [rows, vocab] logits and [rows] class indices, or [B, vocab, d] "
+                f"and [B, d])")
+    if index is None:
+        B, L = state.labels.shape
+        return (f"cross_entropy got {rows} targets; the micro-batch's {B} x {L} positions are placed from "
+                f"{B * L} (the Trainer's logits.view(-1, V), labels shifted left) or {B * (L - 1)} "
+                f"(logits[:, :-1] against labels[:, 1:])")
+    if not torch.is_grad_enabled() or not input.requires_grad:
+        return "cross_entropy called without autograd"
+    return None
+
+
 def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
     real = state.real
 
@@ -174,30 +200,11 @@ def _make_cross_entropy(state: _CEState) -> Callable[..., torch.Tensor]:
     def measured(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None, size_average: bool | None,
                  ignore_index: int, reduce: bool | None, reduction: str, label_smoothing: float) -> torch.Tensor:
         state.calls += 1
-        why = None
-        # [B, V, d] logits with [B, d] targets (the class dimension second): the same per-token losses
-        flat = (input.dim() == 3 and target.dim() == 2 and tuple(target.shape) == (input.shape[0], input.shape[2]))
         rows = int(target.numel())
         index = state.index_for(rows)
-        if state.calls > 1:
-            why = f"cross_entropy called {state.calls} times in one compute_loss"
-        elif weight is not None or size_average is not None or reduce is not None:
-            why = ("cross_entropy called with weight= / size_average= / reduce= (class weights change what a "
-                   "token weighs: multiply reduction='none' losses by them yourself)")
-        elif reduction not in ("sum", "mean", "none"):
-            why = f"cross_entropy called with reduction={reduction!r}"
-        elif not (input.dim() == 2 and target.dim() == 1 or flat) or target.is_floating_point():
-            why = (f"cross_entropy called with input {tuple(input.shape)} and target {tuple(target.shape)} "
-                   f"{target.dtype} (expected [rows, vocab] logits and [rows] class indices, or [B, vocab, d] "
-                   f"and [B, d])")
-        elif index is None:
-            B, L = state.labels.shape
-            why = (f"cross_entropy got {rows} targets; the micro-batch's {B} x {L} positions are placed from "
-                   f"{B * L} (the Trainer's logits.view(-1, V), labels shifted left) or {B * (L - 1)} "
-                   f"(logits[:, :-1] against labels[:, 1:])")
-        elif not torch.is_grad_enabled() or not input.requires_grad:
-            why = "cross_entropy called without autograd"
-        else:
+        why = _unplaceable(state, input, target, weight is not None or size_average is not None
+                           or reduce is not None, reduction, rows, index)
+        if why is None:
             # the targets are the batch's labels as the logits predict them: decided on the device, read at the
             # step's end (TrainerAudit._step_records), so the micro-batch never waits for the host
             want = state.expected_targets(rows).to(target.device)

@@ -253,22 +253,7 @@ class SlimeAudit:
                         audit.close()
             normalize_reduced_loss_metrics.__wrapped__ = orig_norm      # type: ignore[attr-defined]
             m.normalize_reduced_loss_metrics = normalize_reduced_loss_metrics
-        orig_msr = getattr(l, "_get_reinforce_plus_plus_mask_safe_reducer", None)
-        if orig_msr is not None:
-            # Relax's token-global estimators (reinforce_plus_plus*) wrap each reducer in one that reduces
-            # torch.where(mask, x, 0) (Relax loss.py:810-827 @36882ca): remember x for _term's recognition
-            def mask_safe_reducer(reducer: Any, loss_masks: Any, *args: Any, **kwargs: Any) -> Any:
-                safe = orig_msr(reducer, loss_masks, *args, **kwargs)
-
-                def reduce(values: Any, *ra: Any, **rk: Any) -> Any:
-                    audit._source = values if isinstance(values, torch.Tensor) else None
-                    try:
-                        return safe(values, *ra, **rk)
-                    finally:
-                        audit._source = None
-                return reduce
-            mask_safe_reducer.__wrapped__ = orig_msr    # type: ignore[attr-defined]
-            l._get_reinforce_plus_plus_mask_safe_reducer = mask_safe_reducer
+        self._patch_mask_safe_reducer(l)
         wrappers: tuple[tuple[Any, str, Callable[..., Any], Any], ...] = (
             (m, "get_batch", get_batch, orig_get_batch),
             (m, "loss_function", loss_function, orig_loss),
@@ -279,6 +264,27 @@ class SlimeAudit:
         for mod, name, new, old in wrappers:
             new.__wrapped__ = old           # type: ignore[attr-defined]
             setattr(mod, name, new)
+
+    def _patch_mask_safe_reducer(self, l: Any) -> None:
+        """Relax's token-global estimators (reinforce_plus_plus*) wrap each reducer in one that reduces
+        torch.where(mask, x, 0) (Relax loss.py:810-827 @36882ca): remember x for _term's recognition."""
+        orig_msr = getattr(l, "_get_reinforce_plus_plus_mask_safe_reducer", None)
+        if orig_msr is None:
+            return
+        audit = self
+
+        def mask_safe_reducer(reducer: Any, loss_masks: Any, *args: Any, **kwargs: Any) -> Any:
+            safe = orig_msr(reducer, loss_masks, *args, **kwargs)
+
+            def reduce(values: Any, *ra: Any, **rk: Any) -> Any:
+                audit._source = values if isinstance(values, torch.Tensor) else None
+                try:
+                    return safe(values, *ra, **rk)
+                finally:
+                    audit._source = None
+            return reduce
+        mask_safe_reducer.__wrapped__ = orig_msr    # type: ignore[attr-defined]
+        l._get_reinforce_plus_plus_mask_safe_reducer = mask_safe_reducer
 
     @staticmethod
     def _local_indices(it: Any) -> list[int] | None:
