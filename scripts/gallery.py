@@ -678,8 +678,9 @@ def releases_table(trainer, per_release):
     if missing:
         notes += ["", "Configurations a release does not have (–):", ""] + missing
     if not_run:
-        notes += ["", f"Not run for this page (no venv where it was made): {', '.join(not_run)}; `make gallery` "
-                      "on a machine with `scripts/setup-trainers.sh all` runs every supported release."]
+        notes += ["", f"Not run for this page: {SUITES[trainer][1]} on {PACKAGE[trainer]} {', '.join(not_run)} (no "
+                      "venv where the page was made; `make gallery` after `scripts/setup-trainers.sh all` runs "
+                      "every supported release)."]
     return text + "\n" + "\n".join(notes)
 
 
