@@ -90,8 +90,8 @@ def cluster():
 
 def actor(train_env_vars, args=None):
     """Created as slime creates its trainers: runtime env = slime's defaults + --train-env-vars (PYTHONPATH only
-    so that the actor imports this checkout's lossguard_capture)."""
-    env = {"RAY_USE_UVLOOP": "0", "PYTHONPATH": PYTHON_DIR, **train_env_vars}
+    so that the actor imports this checkout's lossguard_capture and this module, wherever pytest runs from)."""
+    env = {"RAY_USE_UVLOOP": "0", "PYTHONPATH": os.pathsep.join([PYTHON_DIR, HERE]), **train_env_vars}
     cls = ray.remote(num_cpus=1, runtime_env={"env_vars": env})(TrainActor)
     return cls.remote({"train_env_vars": {}, **(args or {})})
 

@@ -354,7 +354,8 @@ def hf_on_sft(out):
     import lossguard_capture.hf
     os.makedirs(out, exist_ok=True)
     trainer = sft_trainer(out, 1)
-    lossguard_capture.hf.attach(trainer, os.path.join(out, "hf-captures"), fail_fast=False)
+    # fail fast audits step 0: what the adapter cannot measure stops the run (record-only, it would be a warning)
+    lossguard_capture.hf.attach(trainer, os.path.join(out, "hf-captures"), fail_fast=True)
     err = None
     try:
         trainer.train()
