@@ -76,11 +76,11 @@ def _get_reinforce_plus_plus_mask_safe_reducer(reducer, loss_masks):
     whole samples' (CP 1: the token-global estimators do not support CP)."""
     valid = torch.cat([torch.as_tensor(m).reshape(-1) != 0 for m in loss_masks])
 
-    def reduce_valid_tokens(values):
+    def reduce_masked(values):
         if values.shape[0] != valid.numel():
             raise ValueError(f"{values.shape[0]} values for {valid.numel()} mask entries")
         return reducer(torch.where(valid.to(values.device), values, torch.zeros_like(values)))
-    return reduce_valid_tokens
+    return reduce_masked
 
 
 def sft_loss_function(args, batch, logits, sum_of_sample_mean):
