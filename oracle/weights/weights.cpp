@@ -688,14 +688,6 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
                                ScaleContext ctx) {
   WeightDiagnosis dg;
   if (ctx.global_tokens == 0) ctx.global_tokens = true_count;
-  if (ctx.clamped_tokens == 0) {
-    for (int64_t i = 0; i < b.num_samples(); ++i) {
-      int64_t d = 0;
-      for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
-        d += b.loss_mask[t];
-      ctx.clamped_tokens += std::max<int64_t>(d, 1);
-    }
-  }
   const int64_t s = b.num_samples();
   // Non-finite weights first: every later test is a comparison, and comparisons with inf or NaN
   // answer whatever their form happens to give.
@@ -757,6 +749,16 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
     return dg;
   }
   if (uniform) {
+    // Nc = sum_i max(d_i, 1), counted only here: the one rung that names a ratio by it (a pass over
+    // the masks, not on every diagnosis I5 makes)
+    if (ctx.clamped_tokens == 0) {
+      for (int64_t i = 0; i < b.num_samples(); ++i) {
+        int64_t d = 0;
+        for (int64_t t = b.response_offsets[i]; t < b.response_offsets[i + 1]; ++t)
+          d += b.loss_mask[t];
+        ctx.clamped_tokens += std::max<int64_t>(d, 1);
+      }
+    }
     dg.kind = "uniform-scale";
     dg.scale = r0;
     dg.scale_problem = scale_problem(r0);
@@ -812,8 +814,10 @@ WeightDiagnosis diagnose_spans(const Batch& b, const Spans& spans,
     dg.kind = kind;
     const int64_t k = key(dg.worst.sample, static_cast<int16_t>(dg.worst.cp_rank));
     dg.worst.unit_tokens = k >= 0 ? tokens[k] : 0;
-    const UnitFactor f =
-        name_unit_factor(b, sample_microbatch, shard_tokens(), l, kind, ratio, k, ctx, tol);
+    const UnitFactor f = name_unit_factor(
+        b, sample_microbatch,
+        std::string(kind) == "per-cp-shard" ? shard_tokens() : std::vector<double>{}, l, kind,
+        ratio, k, ctx, tol);
     dg.factor = f.formula;
     dg.advice = f.advice;
     return true;

@@ -257,6 +257,15 @@ class Adapter:
         return rec
 
     # -- a finished step: results and fail fast -------------------------------------------------
+    def stops_at(self, step: int) -> bool:
+        """Whether a step the adapter cannot measure stops the run: only the step fail fast audits."""
+        return self.fail_fast and int(step) == self.audit_step
+
+    def say_unmeasured(self, msg: str) -> None:
+        """The warning for a step the adapter cannot measure and drops, the run going on."""
+        say(f"{msg} — this step is not measured and the run goes on "
+            f"({'fail fast audits step ' + str(self.audit_step) if self.fail_fast else 'fail fast is off'})")
+
     def finished(self, step: int, path: str) -> None:
         """Step ``step``'s capture is written at ``path``: keep it and, with ``fail_fast``, audit the audited
         step now (:meth:`audit`).  Every rank calls it at the same point: the adapter's last moment before the

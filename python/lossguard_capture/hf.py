@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from .adapter import Adapter, Spec, say
+from .adapter import Adapter, Spec
 from .recorder import MicroBatch, StepRecorder
 
 __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "check_version"]
@@ -415,11 +415,10 @@ class TrainerAudit(Adapter, TrainerCallback):
     def _cannot_measure(self, step: int, why: str) -> None:
         """The step cannot be measured (it is dropped already): stop the run only where fail fast audits it."""
         msg = f"{self.spec.module}: step {step} {why}"
-        if self.fail_fast and step == self.audit_step:
+        if self.stops_at(step):
             raise RuntimeError(msg)
         self._unmeasured.add(step)
-        say(f"{msg} — this step is not measured and the run goes on "
-            f"({'fail fast audits step ' + str(self.audit_step) if self.fail_fast else 'fail fast is off'})")
+        self.say_unmeasured(msg)
 
     def _open(self, step: int) -> None:
         self._k = 0

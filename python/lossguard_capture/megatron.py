@@ -160,7 +160,7 @@ from typing import Any, Literal
 
 import torch
 
-from .adapter import Adapter, Spec, deprecated_alias, say
+from .adapter import Adapter, Spec, deprecated_alias
 from .recorder import MicroBatch, StepRecorder
 from .zigzag import zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned_logit_positions, zigzag_slices
 
@@ -970,13 +970,12 @@ class MegatronAdapter(Adapter):
             self._state = None
             self._mtp_end()
         msg = f"lossguard_capture.megatron: step {st.rec.step}: {why}"
-        if self.fail_fast and st.rec.step == self.audit_step:
+        if self.stops_at(st.rec.step):
             raise RuntimeError(msg)
         raise _Unmeasured(msg)
 
     def _dropped(self, e: _Unmeasured) -> None:
-        say(f"{e} — this step is not measured and the run goes on "
-            f"({'fail fast audits step ' + str(self.audit_step) if self.fail_fast else 'fail fast is off'})")
+        self.say_unmeasured(str(e))
 
     def _guarded(self, wrapped: Callable[..., Any], loss_func: Callable[..., Any]) -> Callable[..., Any]:
         """``wrapped`` (a loss function the adapter measures through), falling back on ``loss_func`` itself when

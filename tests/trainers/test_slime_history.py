@@ -44,11 +44,8 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import gallery  # noqa: E402
 import slime_relax_driver as drv  # noqa: E402
-from test_slime import same  # noqa: E402 - bit-for-bit equality of saved tensors, dicts, lists
-
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
-needs_bin = pytest.mark.skipif(not HAVE_BIN, reason="the lossguard binary is not built")
+# the binary and the bit-for-bit equality of saved tensors, dicts and lists, as the restatement tier has them
+from test_slime import HAVE_BIN, LOSSGUARD, needs_bin, same  # noqa: E402,F401
 
 with open(os.path.join(HERE, "slime_history_manifest.json")) as _f:
     MANIFEST = json.load(_f)
