@@ -12,6 +12,8 @@ without them, from the same seed; writes what tests/trainers/test_slime.py and t
     python tests/trainers/slime_relax_driver.py --reference DIR --pp 1 --scenarios pt,sm
     torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --out DIR --cp 2 --scenarios pt \
         --slime-src $LOSSGUARD_SLIME_SRC/<commit>
+    torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --trainer relax --out DIR --cp 2 \
+        --scenarios pt,sft --relax-src $LOSSGUARD_RELAX_SRC
 
 ``--slime-src DIR`` (tests/trainers/test_slime_history.py): slime's REAL modules, read at run time from DIR
 (scripts/slime-src.sh: DIR/slime/backends/megatron_utils/loss.py ...; never copied into this repository),
@@ -19,6 +21,11 @@ laid over a copy of the shape's package in a temporary folder first on sys.path 
 real loss module runs in the shape's training step, data and initialisation (whose real modules need Ray,
 sglang and Megatron's training stack), which then also do what the real loss needs — the old log-probs of
 slime's actor (``forward_only``), the args fields it reads.
+
+``--relax-src ROOT`` (tests/trainers/test_relax_source.py): Relax's REAL modules, ``ROOT/<commit>/<path>`` for
+each file of tests/trainers/relax_source_manifest.json's tier (scripts/relax-src.sh), laid over the shape the
+same way, and the real ``_is_global_zero_token_step`` compiled from model.py into the shape's training step
+(:func:`overlay_relax`); Relax's true on-policy mode gives its policy loss the old log-probs.
 
 One rollout of three train steps (``args.global_batch_size`` 4 rollouts a step, six samples: two rollouts of
 two samples each, slime's ``rollout_mask_sums`` their mask totals): step 0 every sample with an effective
@@ -37,6 +44,7 @@ megatron_shapes_driver without position embeddings (identity attention: a positi
 token only, so the packed stream's losses are the samples' own).
 """
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -102,7 +110,9 @@ RELAX_SCENARIOS = {
 PLANTED = ("pt-ff", "bug-clamp", "bug-clamp-ff", "bug-noskip", "bug-src")
 TRAINER = "slime"
 SLIME_SRC = None        # --slime-src: the folder slime's real modules were read from (overlay_slime)
-SLIME_REAL = {}         # their paths in the package -> sha256 of the file as read
+RELAX_SRC = None        # --relax-src: the folder Relax's real modules were read from (overlay_relax)
+SRC_REAL = {}           # their paths in the package -> sha256 of the file as read
+TRANSPLANTED = {}       # module.function -> the real file it was compiled from (overlay_relax)
 LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
 
 
@@ -150,6 +160,18 @@ def make_args(scenario, pp, cp, adapter):
         rollout_temperature=1.0, use_rollout_logprobs=False, advantage_estimator="grpo", get_mismatch_metrics=False,
         use_tis=False, custom_tis_function_path=None, use_rollout_entropy=False,
         custom_megatron_before_log_prob_hook_path=None)
+    if RELAX_SRC:       # what Relax's real loss.py reads beside (36882ca: get_responses L79-222,
+        #                 get_log_probs_and_entropy L320-498, policy_loss_function L830-1176, loss_function
+        #                 L1545-1730), its defaults off: no OPSM, TIS, OPD, rollout log-probs, recomputation,
+        #                 all-gather CP; true on-policy mode (L860-863, L900-905: the old log-probs are this
+        #                 forward's, detached — Relax's own mode for a trainer without the actor's extra forward)
+        for k, v in dict(use_opsm=False, allgather_cp=False, use_opd=False, opd_loss_coef=0.0, opd_log_prob_top_k=0,
+                         opd_only_reward=False, true_on_policy_mode=True, recompute_loss_function=False,
+                         use_unbiased_kl=False, kl_coef=0.0, normalize_advantages=False, task_type="causal_lm",
+                         sft_chunked_logits=False, sft_logits_chunk_size=1024, mtp_only_training=False,
+                         is_vl_model=False, uses_unsplit_forward=False, log_probs_chunk_size=-1, value_clip=0.2,
+                         tis_clip=2.0, tis_clip_low=0.0).items():
+            setattr(a, k, v)
     for k, v in scenarios()[scenario].items():
         setattr(a, k, v)
     if adapter:                                   # what a user adds to the trainer's command line
@@ -298,8 +320,12 @@ def run(scenario, out, pp, cp, adapter):
         #            (actor.py:365-375 @9e5a857, forward_only(get_log_probs_and_entropy)): at step 0 the ratio is 1
         rd.update(mods["model"].forward_only(mods["loss"].get_log_probs_and_entropy, args, chunks,
                                              [mods["data"].DataIterator(rd, None, mbi)], M_steps))
-        result["slime_src"] = {"dir": SLIME_SRC, "real": SLIME_REAL,
-                               "loaded": {k: os.path.abspath(m.__file__) for k, m in sorted(mods.items())}}
+    if SLIME_SRC or RELAX_SRC:
+        result["real_src"] = {"dir": SLIME_SRC or RELAX_SRC, "real": SRC_REAL, "transplanted": TRANSPLANTED,
+                              "loaded": {k: os.path.abspath(m.__file__) for k, m in sorted(mods.items())},
+                              "zero_token_skip": getattr(getattr(mods["model"], "_is_global_zero_token_step", None),
+                                                         "__code__", None) and
+                              mods["model"]._is_global_zero_token_step.__code__.co_filename}
     extra = {}
     if args.dummy:       # every DP rank runs a third micro-batch per step: its first partition again, a dummy
         mbi = [x for k in range(STEPS) for x in (mbi[2 * k], mbi[2 * k + 1], mbi[2 * k])]
@@ -371,34 +397,90 @@ def overlay_slime(src):
     shape's package (tests/trainers/slime_shape/slime) in a temporary folder, which goes first on sys.path;
     the shape's ``__init__.py`` files are kept (slime's import its actor, Ray, Megatron's training stack).
     Returns {path in the package: sha256 of the real file} (the test checks the modules loaded are these)."""
-    import atexit
-    import hashlib
-    import shutil
-    import tempfile
     if not os.path.isdir(os.path.join(src, "slime")):
         raise SystemExit(f"--slime-src {src}: no slime/ folder there (scripts/slime-src.sh DEST COMMIT writes "
                          f"DEST/<commit>/slime/...)")
-    tmp = tempfile.mkdtemp(prefix="lossguard-slime-")
+    files = {}
+    for folder, _, names in os.walk(os.path.join(src, "slime")):
+        for name in sorted(names):
+            if name.endswith(".py") and name != "__init__.py":
+                files[os.path.relpath(os.path.join(folder, name), src)] = os.path.join(folder, name)
+    if not files:
+        raise SystemExit(f"--slime-src {src}: no module of slime there")
+    return _overlay("slime_shape", "slime", files)
+
+
+def relax_tier():
+    """tests/trainers/relax_source_manifest.json's ``tier``: the Relax files the real-source tier runs, each at
+    its commit, and ``transplants``: single functions of a real file compiled into the shape's module."""
+    with open(os.path.join(HERE, "relax_source_manifest.json")) as f:
+        m = json.load(f)
+    return m["tier"], m.get("transplants", [])
+
+
+def overlay_relax(root):
+    """Relax's real modules, read from ``root/<commit>/<path>`` for each file of the manifest's tier
+    (scripts/relax-src.sh writes that layout), laid over a copy of the shape's package (tests/trainers/relax_shape:
+    it also holds the modules the real ones import that the tier does not run: OPD, replay capture, logging);
+    then the manifest's transplants: a function of a real module whose other parts need Relax's whole stack
+    (model.py: Ray, Megatron's training package) compiled from the real file, its own lines and file name, into
+    the shape's module. Returns {path: sha256} of the real files and {module.function: real file}."""
+    tier, transplants = relax_tier()
+    files, gone = {}, []
+    for e in tier + transplants:
+        f = os.path.join(root, e["commit"], e["path"])
+        if not os.path.isfile(f):
+            gone.append(f"{e['commit'][:7]}:{e['path']}")
+        elif e in tier:
+            files[e["path"]] = f
+    if gone:
+        raise SystemExit(f"--relax-src {root}: lacks {', '.join(gone)} (scripts/relax-src.sh DEST writes "
+                         f"DEST/<commit>/<path> for every file of tests/trainers/relax_source_manifest.json)")
+    real = _overlay("relax_shape", "relax", files)
+    import ast
+    import importlib
+    moved = {}
+    for e in transplants:
+        path = os.path.join(root, e["commit"], e["path"])
+        with open(path) as f:
+            text = f.read()
+        fn = next((n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == e["function"]),
+                  None)
+        if fn is None:
+            raise SystemExit(f"--relax-src: {path} defines no {e['function']}()")
+        first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+        lines = text.splitlines(keepends=True)
+        code = compile("\n" * (first - 1) + "".join(lines[first - 1:fn.end_lineno]), path, "exec")
+        module = importlib.import_module(e["module"])
+        exec(code, vars(module))     # noqa: S102 — the real function, in the namespace its module gives it
+        moved[f"{e['module']}.{e['function']}"] = path
+        with open(path, "rb") as f:
+            real[e["path"]] = hashlib.sha256(f.read()).hexdigest()
+    return real, moved
+
+
+def _overlay(shape, package, files):
+    """A copy of ``tests/trainers/<shape>/<package>`` in a temporary folder first on sys.path, with ``files``
+    ({path in the package: real file}) laid over it; {path: sha256 of the file as read}."""
+    import atexit
+    import shutil
+    import tempfile
+    tmp = tempfile.mkdtemp(prefix=f"lossguard-{package}-")
     atexit.register(shutil.rmtree, tmp, True)
-    shutil.copytree(os.path.join(HERE, "slime_shape", "slime"), os.path.join(tmp, "slime"),
+    shutil.copytree(os.path.join(HERE, shape, package), os.path.join(tmp, package),
                     ignore=shutil.ignore_patterns("__pycache__"))
     real = {}
-    for folder, _, files in os.walk(os.path.join(src, "slime")):
-        for name in sorted(files):
-            if not name.endswith(".py") or name == "__init__.py":
-                continue
-            rel = os.path.relpath(os.path.join(folder, name), src)
-            dst = os.path.join(tmp, rel)
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            shutil.copyfile(os.path.join(folder, name), dst)
-            with open(dst, "rb") as f:
-                real[rel] = hashlib.sha256(f.read()).hexdigest()
-    if not real:
-        raise SystemExit(f"--slime-src {src}: no module of slime there")
+    for rel, src in sorted(files.items()):
+        dst = os.path.join(tmp, rel)
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        shutil.copyfile(src, dst)
+        with open(dst, "rb") as f:
+            real[rel] = hashlib.sha256(f.read()).hexdigest()
     sys.path.insert(0, tmp)
     # slime decorates compute_approx_kl, compute_policy_loss and its entropy's mul_reduce with
     # @torch.compile(dynamic=True) (slime/utils/ppo_utils.py:9,48,90 @f9f00b2), as megatron-core does its
-    # fused cross entropy (jit_fuser): on this CPU they run eagerly — the same operations, without Inductor
+    # fused cross entropy (jit_fuser), Relax its ppo_utils likewise: on this CPU they run eagerly — the same
+    # operations, without Inductor
     import torch._dynamo
     torch._dynamo.config.disable = True
     return real
@@ -493,13 +575,20 @@ def main():
     ap.add_argument("--trainer", choices=("slime", "relax"), default="slime")
     ap.add_argument("--slime-src", help="a folder holding slime's real modules (slime/...): they replace the "
                                         "shape's (scripts/slime-src.sh)")
+    ap.add_argument("--relax-src", help="a folder holding Relax's real files as <commit>/<path> "
+                                        "(scripts/relax-src.sh): the manifest's tier replaces the shape's modules")
     a = ap.parse_args()
-    global TRAINER, SLIME_SRC, SLIME_REAL
+    global TRAINER, SLIME_SRC, RELAX_SRC, SRC_REAL, TRANSPLANTED
     TRAINER = a.trainer
     if a.slime_src:
         assert TRAINER == "slime", "--slime-src is slime's"
         SLIME_SRC = os.path.abspath(a.slime_src)
-        SLIME_REAL = overlay_slime(SLIME_SRC)
+        SRC_REAL = overlay_slime(SLIME_SRC)
+    if a.relax_src:
+        assert TRAINER == "relax", "--relax-src is Relax's"
+        RELAX_SRC = os.path.abspath(a.relax_src)
+        with cuda_on_cpu():
+            SRC_REAL, TRANSPLANTED = overlay_relax(RELAX_SRC)
     sys.modules.setdefault("slime_relax_driver", sys.modules[__name__])    # the hooks loaded by dotted path
     scenarios = [s for s in a.scenarios.split(",") if s]
     if a.reference:

@@ -133,7 +133,7 @@ def test_the_real_modules_ran(history, pair, role):
     for adapter in ("adapter", "plain"):
         for r in range(world(pair)):
             with open(os.path.join(run["dir"], PAIRS[pair]["scenario"], adapter, f"result-rank{r}.json")) as f:
-                info = json.load(f)["slime_src"]
+                info = json.load(f)["real_src"]
             assert info["dir"] == os.path.abspath(src)
             for rel in MANIFEST["files"]:
                 with open(os.path.join(src, rel), "rb") as f:

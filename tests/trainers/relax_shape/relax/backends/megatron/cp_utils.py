@@ -1,6 +1,6 @@
 """Relax's CP helpers (redai-studio/Relax relax/backends/megatron/cp_utils.py @55634da): slime's per-sample
 zig-zag split at a CP size chosen per micro-batch (``dynamic_cp_size`` / ``dynamic_cp_rank``, default the
-static ones); ``get_cp_local_num_tokens`` (L352-390: the tokens THIS CP rank owns, an empty response counts
+static ones; the real signatures, L146-548, so the real module can stand in for this one: test_relax_source.py); ``get_cp_local_num_tokens`` (L352-390: the tokens THIS CP rank owns, an empty response counts
 0 — PR #285); ``get_sum_of_sample_mean`` (L232-313: each sample over ``sample_denoms``, default its own mask
 total, clamped to 1; per-token: the masked sum); ``dynamic_cp_split_data`` (L563-629: a power-of-two CP size
 from the longest sample, MAX over DP, grown until no sub-group is empty; the micro-batch's samples split into
@@ -11,13 +11,14 @@ from megatron.core import mpu
 
 
 def _cp(cp_size, cp_rank):
-    if cp_size is None:
-        return mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
-    return cp_size, cp_rank
+    """Relax's rule: the dynamic CP size and rank where given, each else the static one."""
+    return (mpu.get_context_parallel_world_size() if cp_size is None else cp_size,
+            mpu.get_context_parallel_rank() if cp_rank is None else cp_rank)
 
 
-def get_logits_and_tokens_offset_with_cp(total_length, response_length, cp_size=None, cp_rank=None):
-    cp_size, cp_rank = _cp(cp_size, cp_rank)
+def get_logits_and_tokens_offset_with_cp(total_length, response_length, qkv_format="thd", max_seq_len=None,
+                                         padded_total_length=None, dynamic_cp_size=None, dynamic_cp_rank=None):
+    cp_size, cp_rank = _cp(dynamic_cp_size, dynamic_cp_rank)
     prompt = total_length - response_length
     size = -(-total_length // (2 * cp_size))
     chunks = [(cp_rank * size, (cp_rank + 1) * size), ((2 * cp_size - 1 - cp_rank) * size, (2 * cp_size - cp_rank) * size)]
@@ -29,26 +30,30 @@ def get_logits_and_tokens_offset_with_cp(total_length, response_length, cp_size=
     return size, tuple(chunks), tuple(logits), tuple(tokens)
 
 
-def slice_with_cp(tokens, pad_value, cp_size=None, cp_rank=None):
-    cp_size, cp_rank = _cp(cp_size, cp_rank)
+def slice_with_cp(tokens, pad_value, qkv_format="thd", max_seq_len=None, dynamic_cp_size=None, dynamic_cp_rank=None):
+    cp_size, cp_rank = _cp(dynamic_cp_size, dynamic_cp_rank)
     if cp_size == 1:
         return tokens
-    size, chunks, _, _ = get_logits_and_tokens_offset_with_cp(len(tokens), 0, cp_size, cp_rank)
+    size, chunks, _, _ = get_logits_and_tokens_offset_with_cp(len(tokens), 0, dynamic_cp_size=cp_size,
+                                                              dynamic_cp_rank=cp_rank)
     padded = torch.nn.functional.pad(tokens, (0, 2 * cp_size * size - len(tokens)), value=pad_value)
     return torch.cat([padded[lo:hi] for lo, hi in chunks])
 
 
-def slice_log_prob_with_cp(values, total_length, response_length, cp_size=None, cp_rank=None):
-    cp_size, cp_rank = _cp(cp_size, cp_rank)
+def slice_log_prob_with_cp(values, total_length, response_length, qkv_format="thd", max_token_len=None,
+                           padded_total_length=None, dynamic_cp_size=None, dynamic_cp_rank=None):
+    cp_size, cp_rank = _cp(dynamic_cp_size, dynamic_cp_rank)
     if cp_size == 1:
         return values
     prompt = total_length - response_length
-    _, _, logits, _ = get_logits_and_tokens_offset_with_cp(total_length, response_length, cp_size, cp_rank)
+    _, _, logits, _ = get_logits_and_tokens_offset_with_cp(total_length, response_length, dynamic_cp_size=cp_size,
+                                                           dynamic_cp_rank=cp_rank)
     return torch.cat([values[a - (prompt - 1):b - (prompt - 1)] for a, b in logits])
 
 
 def _local_masks(total_lengths, response_lengths, loss_masks, cp_size, cp_rank):
-    return [slice_log_prob_with_cp(m, T, R, cp_size, cp_rank) for T, R, m in zip(total_lengths, response_lengths, loss_masks)]
+    return [slice_log_prob_with_cp(m, T, R, dynamic_cp_size=cp_size, dynamic_cp_rank=cp_rank)
+            for T, R, m in zip(total_lengths, response_lengths, loss_masks)]
 
 
 def get_cp_local_num_tokens(total_lengths, response_lengths, loss_masks, qkv_format="thd", max_seq_lens=None,

@@ -55,7 +55,7 @@ def get_batch(data_iterator, keys, pad_multiplier=128, qkv_format="thd", allgath
         cp_size, cp_rank = size, cp_rank % size
         batch["dynamic_cp_size"], batch["dynamic_cp_rank"] = cp_size, cp_rank
     batch["unconcat_tokens"] = batch["tokens"]
-    pieces = [slice_with_cp(t, 0, cp_size, cp_rank) for t in batch["tokens"]]
+    pieces = [slice_with_cp(t, 0, dynamic_cp_size=cp_size, dynamic_cp_rank=cp_rank) for t in batch["tokens"]]
     bounds = [0]
     for p in pieces:
         bounds.append(bounds[-1] + p.numel())
@@ -71,6 +71,6 @@ def get_batch(data_iterator, keys, pad_multiplier=128, qkv_format="thd", allgath
                                                  max_seqlen_q=longest, max_seqlen_kv=longest)
     for key in PER_TOKEN_KEYS:
         if batch.get(key) is not None:
-            batch[key] = [slice_log_prob_with_cp(v, T, R, cp_size, cp_rank) for v, T, R in
-                          zip(batch[key], batch["total_lengths"], batch["response_lengths"])]
+            batch[key] = [slice_log_prob_with_cp(v, T, R, dynamic_cp_size=cp_size, dynamic_cp_rank=cp_rank)
+                          for v, T, R in zip(batch[key], batch["total_lengths"], batch["response_lengths"])]
     return batch

@@ -35,7 +35,8 @@ def get_responses(logits, *, unconcat_tokens, total_lengths, response_lengths, c
             start, end = end, end + T
             yield logits[start + T - R - 1:end - 1], tokens[T - R:]
             continue
-        size, chunks, logit_pieces, token_pieces = get_logits_and_tokens_offset_with_cp(T, R, cp_size, cp_rank)
+        size, chunks, logit_pieces, token_pieces = get_logits_and_tokens_offset_with_cp(
+            T, R, dynamic_cp_size=cp_size, dynamic_cp_rank=cp_rank)
         parts_l, parts_t = [], []
         for half, ((c0, _), (a, b), (ta, tb)) in enumerate(zip(chunks, logit_pieces, token_pieces)):
             base = end + half * size

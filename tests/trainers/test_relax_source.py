@@ -1,0 +1,223 @@
+"""Relax's REAL loss module (tests/trainers/relax_source_manifest.json, "tier": relax/backends/megatron/loss.py
+@36882ca, cp_utils.py @55634da, the algorithm registry and policy losses, ppo_utils ...) and its real zero-token
+skip (``_is_global_zero_token_step``, model.py @36882ca, transplanted into the shape's training step), run by
+tests/trainers/slime_relax_driver.py --trainer relax --relax-src over megatron-core on CPU/Gloo with
+lossguard_capture.relax switched on by Relax's own flags — the same checks as test_relax.py's shape tier:
+
+(a) the audit changes nothing, bit for bit (reported metrics, gradient norms, main_grad, learning rate,
+    parameters), and the real skip leaves the zero-token step alone (optimizer and scheduler);
+(b) the applied gradient is sum over terms and tokens of w_t grad(l_t) with the measured weights;
+(c) lossguard audit passes every step — policy_loss per token and per sample, Relax's ``sft``, the token-global
+    estimator (reinforce_plus_plus: its mask-safe reducer), a CP size per micro-batch — at CP 1, CP 2 and PP 2,
+    and names the seed's bugs planted around the real code (the CP=1 count of an empty response as 1 token; the
+    skip decision broadcast from the pipeline's first rank);
+(d) every loss type of the real ``loss_function``'s dispatch is measured here or refused at init.
+
+No Relax code is in this repository: the files are read at run time from $LOSSGUARD_RELAX_SRC/<commit>/<path> —
+
+    RELAX_GIT=/path/to/a/clone/of/Relax scripts/relax-src.sh /tmp/relax-src
+    LOSSGUARD_RELAX_SRC=/tmp/relax-src ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q \\
+        tests/trainers/test_relax_source.py
+
+Without it every test skips, saying so.
+"""
+import ast
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from lossguard_capture.megatron_cpu import no_cuda_build
+
+with no_cuda_build():                     # megatron-core 0.15.x builds a CUDA allocator at import (megatron_cpu)
+    pytest.importorskip("megatron.core")
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import gallery  # noqa: E402
+import slime_relax_driver as drv  # noqa: E402
+from test_relax import captures, step_checks  # noqa: E402
+from test_slime import N, _env, needs_bin, same, world  # noqa: E402
+
+with open(os.path.join(HERE, "relax_source_manifest.json")) as _f:
+    MANIFEST = json.load(_f)
+SRC = os.environ.get("LOSSGUARD_RELAX_SRC")
+HOW = ("Relax's real source is read at run time from outside this repository: materialise it with "
+       "`RELAX_GIT=/path/to/a/clone/of/Relax scripts/relax-src.sh DEST` (without RELAX_GIT it clones "
+       f"{MANIFEST['upstream']}) and run with LOSSGUARD_RELAX_SRC=DEST")
+#: (pp, cp, dp) -> scenarios (slime_relax_driver.RELAX_SCENARIOS)
+LAYOUTS = {(1, 1, 2): ["pt", "sft", "rpp", "bug-clamp"],
+           (1, 2, 1): ["pt", "sm", "sft", "dyncp"],
+           (2, 1, 1): ["pt", "bug-src"]}
+RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
+IDS = [f"pp{p}-cp{c}-dp{d}-{s}" for (p, c, d), s in RIGHT]
+
+
+def _missing_src():
+    """Why LOSSGUARD_RELAX_SRC cannot serve the tier (None when it can)."""
+    if not SRC:
+        return f"LOSSGUARD_RELAX_SRC is not set: {HOW}"
+    gone = [f"{e['commit'][:7]}:{e['path']}" for e in MANIFEST["tier"] + MANIFEST["transplants"]
+            if not os.path.isfile(os.path.join(SRC, e["commit"], e["path"]))]
+    if gone:
+        return f"LOSSGUARD_RELAX_SRC={SRC} lacks {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''}: {HOW}"
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    why = _missing_src()
+    if why:
+        pytest.skip(why)
+    out = {}
+    for (pp, cp, dp), scenarios in LAYOUTS.items():
+        d = str(tmp_path_factory.mktemp(f"relax-source-pp{pp}-cp{cp}-dp{dp}"))
+        common = ["--trainer", "relax", "--pp", str(pp), "--cp", str(cp), "--scenarios", ",".join(scenarios)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(pp * cp * dp),
+               drv.__file__, "--out", d, *common, "--relax-src", SRC]
+        gallery.remember_run(d, cmd)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+        r = subprocess.run([sys.executable, drv.__file__, "--reference", d, *common], capture_output=True, text=True,
+                           timeout=300, env=_env())
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+        out[(pp, cp, dp)] = d
+    return out
+
+
+def test_manifest_pins_every_file_by_commit_and_hash():
+    for e in MANIFEST["tier"] + MANIFEST["transplants"]:
+        assert len(e["commit"]) == 40 and len(e["sha256"]) == 64, e
+    with open(os.path.join(HERE, "..", "..", "scripts", "relax-src.sh")) as f:
+        assert "relax_source_manifest.json" in f.read()
+
+
+# ---- the modules that ran are Relax's, as read ------------------------------------------------------------
+@pytest.mark.parametrize("layout", list(LAYOUTS), ids=[f"pp{p}-cp{c}-dp{d}" for p, c, d in LAYOUTS])
+def test_the_real_modules_ran(runs, layout):
+    for scenario in LAYOUTS[layout]:
+        for adapter in ("adapter",) if scenario in drv.PLANTED else ("adapter", "plain"):
+            for r in range(world(layout)):
+                with open(os.path.join(runs[layout], scenario, adapter, f"result-rank{r}.json")) as f:
+                    info = json.load(f)["real_src"]
+                assert info["dir"] == os.path.abspath(SRC)
+                for e in MANIFEST["tier"]:
+                    assert info["real"][e["path"]] == e["sha256"], e["path"]
+                    with open(os.path.join(SRC, e["commit"], e["path"]), "rb") as f:
+                        assert hashlib.sha256(f.read()).hexdigest() == e["sha256"], e
+                for mod in ("loss", "cp_utils"):    # loaded from the overlay, not the shape's package
+                    assert not info["loaded"][mod].startswith(os.path.join(HERE, "relax_shape")), mod
+                (t,) = MANIFEST["transplants"]
+                if scenario not in ("bug-noskip", "bug-src"):     # those two replace or wrap it
+                    assert info["zero_token_skip"] == os.path.join(os.path.abspath(SRC), t["commit"], t["path"])
+
+
+# ---- (a) bit for bit, and Relax's skip ---------------------------------------------------------------
+@pytest.mark.parametrize("layout,scenario", RIGHT, ids=IDS)
+def test_audit_changes_nothing(runs, layout, scenario):
+    a = os.path.join(runs[layout], scenario, "adapter")
+    p = os.path.join(runs[layout], scenario, "plain")
+    for r in range(world(layout)):
+        for name in (f"final-rank{r}.pt", *[f"grads-step{n}-rank{r}.pt" for n in range(drv.STEPS)]):
+            assert same(torch.load(os.path.join(a, name)), torch.load(os.path.join(p, name))), (name, r)
+        with open(os.path.join(a, f"result-rank{r}.json")) as f, open(os.path.join(p, f"result-rank{r}.json")) as g:
+            ja, jp = json.load(f), json.load(g)
+        assert ja.pop("user_hooks") == {"init": 1, "steps": [[0, 0], [0, 1], [0, 2]]}, r
+        assert ja == jp, r
+        assert ja["grad_norm"][2] == 0.0 and ja["grad_norm"][0] > 0      # the zero-token step skipped
+    for t, meta in captures(runs, layout, scenario, 2):
+        assert int(t["skipped"]) == 1 and int(t["scheduler_stepped"]) == 0, meta["rank"]
+
+
+# ---- (b) the applied gradient ------------------------------------------------------------------------
+@pytest.mark.parametrize("layout,scenario", RIGHT, ids=IDS)
+def test_gradient_is_sum_of_measured_weights(runs, layout, scenario):
+    for n in range(drv.STEPS):
+        ref = torch.load(os.path.join(runs[layout], scenario, "adapter", f"ref-step{n}.pt"))
+        want, got = ref["want"], ref["got"]
+        scale = max(float(v.abs().max()) for v in want.values())
+        assert (scale > 0) == (N[n] > 0)
+        for name, w in want.items():
+            torch.testing.assert_close(got[name].double(), w, rtol=1e-5, atol=1e-6 * max(scale, 1e-30),
+                                       msg=lambda m: f"{layout} {scenario} step {n} {name}: {m}")
+
+
+# ---- (c) the verdicts ----------------------------------------------------------------------------------
+@needs_bin
+@pytest.mark.parametrize("layout,scenario", RIGHT, ids=IDS)
+def test_relax_passes(runs, layout, scenario):
+    for n in range(drv.STEPS):
+        rc, c, s = step_checks(runs, layout, scenario, n)
+        assert rc == 0, (n, {k: v["detail"] for k, v in c.items() if v["ok"] is False})
+        assert c["metrics"]["ok"] is True and c["decision"]["ok"] is True
+
+
+@needs_bin
+def test_the_seeds_count_bug_planted_in_the_real_module_is_named(runs):
+    lay = (1, 1, 2)
+    assert step_checks(runs, lay, "bug-clamp", 0)[0] == 0      # no empty response: the clamp changes nothing
+    rc, c, s = step_checks(runs, lay, "bug-clamp", 1)
+    assert rc == 1 and c["counts"]["ok"] is False and s["matches"][:1] == ["relax-legacy"], (c, s["matches"])
+
+
+@needs_bin
+def test_the_real_skip_broadcast_from_a_group_local_source_is_named(runs):
+    """The seed's bug 3 planted around the REAL _is_global_zero_token_step (its broadcast's ``src`` made the
+    pipeline's first rank): stage 0 keeps its own decision and steps on the zero-token step."""
+    lay = (2, 1, 1)
+    for n in (0, 1):
+        assert step_checks(runs, lay, "bug-src", n)[0] == 0
+    rc, c, s = step_checks(runs, lay, "bug-src", 2)
+    assert rc == 1 and c["decision"]["ok"] is False, c
+    assert "pipeline stage 0 of 2) stepped (expected skip: N = 0)" in c["decision"]["detail"]
+
+
+def test_dynamic_cp_is_recorded(runs):
+    sizes = {int(t[f"mb.{k}.cp_size"]) for t, m in captures(runs, (1, 2, 1), "dyncp", 0)
+             for k in range(int(m["num_microbatches"]))}
+    assert sizes == {1, 2}
+
+
+# ---- (d) every loss type of the real dispatch: measured or refused --------------------------------------
+def _dispatch(path):
+    """The ``case`` strings of ``match args.loss_type`` in the real loss_function, and whether it branches on
+    ``mtp_only_training`` before it."""
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "loss_function")
+    cases = [c.pattern.value.value for m in ast.walk(fn) if isinstance(m, ast.Match) for c in m.cases
+             if isinstance(c.pattern, ast.MatchValue)]
+    src = ast.unparse(fn)
+    return cases, "mtp_only_training" in src, "task_type" in src, "recompute_loss_function" in src
+
+
+def test_every_loss_type_of_the_real_dispatch_is_measured_or_refused():
+    why = _missing_src()
+    if why:
+        pytest.skip(why)
+    loss = next(e for e in MANIFEST["tier"] if e["path"].endswith("megatron/loss.py"))
+    cases, mtp, task_type, recompute = _dispatch(os.path.join(SRC, loss["commit"], loss["path"]))
+    assert set(cases) >= {"policy_loss", "value_loss", "sft", "custom_loss"}, cases
+    sys.path.insert(0, os.path.join(HERE, "relax_shape"))
+    import lossguard_capture.relax as lcr
+    measured = {"policy_loss": [s for s in drv.RELAX_SCENARIOS if drv.RELAX_SCENARIOS[s].get("loss_type",
+                                                                                            "policy_loss") == "policy_loss"],
+                "sft": [s for s in drv.RELAX_SCENARIOS if drv.RELAX_SCENARIOS[s].get("loss_type") == "sft"],
+                "custom_loss": ["per_token (python/README.md: a custom loss hands lossguard its per-token losses)"],
+                "value_loss": ["the critic's loss: not a token-weighted policy objective (adapter skips the critic)"]}
+    for case in cases:
+        args = SimpleNamespace(loss_type=case, calculate_per_token_loss=True)
+        refused = lcr.refusals(args)
+        assert bool(refused) != bool(measured.get(case)), (case, refused, measured.get(case))
+        if refused:
+            with pytest.raises(RuntimeError, match=f"does not measure: --loss-type {case}"):
+                lcr.RelaxAudit(lcr.RELAX, args, "unused")
+    flags = [(mtp, dict(mtp_only_training=True)), (task_type, dict(loss_type="sft", task_type="seq_cls")),
+             (recompute, dict(recompute_loss_function=True))]
+    for present, extra in flags:
+        assert present, extra                 # the real dispatch still reads the flag the adapter refuses
+        assert lcr.refusals(SimpleNamespace(**{"loss_type": "policy_loss", **extra})), extra
