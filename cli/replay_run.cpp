@@ -73,10 +73,12 @@ distributed::RealReplayOutput run_real(const ReplayOptions& o, const ReplaySetti
   }
   if (set.backend == ReplayBackend::kNccl) {
     const kernels::DeviceInfo d = kernels::query_device_info();
-    if (!d.nccl_compiled || d.device_count == 0) {
+    if (!d.nccl_compiled || d.nccl_library.empty() || d.device_count == 0) {
       throw UnverifiedError(fmt::format(
           "--backend nccl needs NCCL and a CUDA device, one per local rank; this process has {}",
-          d.nccl_compiled ? "no device (" + d.status + ")" : "a build without NCCL"));
+          !d.nccl_compiled         ? "a build without NCCL"
+          : d.nccl_library.empty() ? d.nccl_status
+                                   : "no device (" + d.status + ")"));
     }
     real.backend = distributed::Backend::kNccl;
   }

@@ -16,8 +16,12 @@ std::string version_text() {
   s += fmt::format("CUDA: {}\n",
                    d.cuda_compiled ? fmt::format("compiled in (runtime {})", d.cuda_runtime_version)
                                    : "not compiled in");
-  s += fmt::format("NCCL: {}\n", d.nccl_compiled ? fmt::format("compiled in ({})", d.nccl_version)
-                                                 : "not compiled in");
+  // NCCL is loaded at run time (core/nccl_library.h): say which file, or why none
+  s += fmt::format("NCCL: {}\n",
+                   !d.nccl_compiled ? "not compiled in"
+                   : d.nccl_library.empty()
+                       ? fmt::format("support compiled in; library not found ({})", d.nccl_status)
+                       : fmt::format("{} ({})", d.nccl_version, d.nccl_library));
   s += fmt::format("device: {}\n", d.device_count > 0
                                        ? fmt::format("{} CUDA device(s); device 0: {}",
                                                      d.device_count, d.device_name)

@@ -18,13 +18,13 @@ if(LOSSGUARD_WITH_CUDA)
     set(LOSSGUARD_HAVE_CUDA 1)
   endif()
 endif()
+# NCCL's header only: the library is loaded at run time by the commands that use it (core/nccl_library.h),
+# so neither the binary nor a plugin needs libnccl.so.2 to start.
 if(LOSSGUARD_HAVE_CUDA AND LOSSGUARD_WITH_NCCL)
   find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
-  find_library(NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
-  if(NCCL_INCLUDE_DIR AND NCCL_LIBRARY)
-    add_library(lossguard_nccl UNKNOWN IMPORTED)
-    set_target_properties(lossguard_nccl PROPERTIES IMPORTED_LOCATION ${NCCL_LIBRARY}
-                          INTERFACE_INCLUDE_DIRECTORIES ${NCCL_INCLUDE_DIR})
+  if(NCCL_INCLUDE_DIR)
+    add_library(lossguard_nccl INTERFACE)
+    target_include_directories(lossguard_nccl SYSTEM INTERFACE ${NCCL_INCLUDE_DIR})
     set(LOSSGUARD_HAVE_NCCL 1)
   endif()
 endif()

@@ -10,6 +10,7 @@
 #include "core/plugin_loader.h"
 #include "distributed/real_replay.h"
 #include "lossguard/build_config.h"
+#include "lossguard/plugin_paths.h"
 
 namespace lossguard::distributed {
 

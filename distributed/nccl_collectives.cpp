@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 
 #include "distributed/collectives.h"
 #include "lossguard/build_config.h"
@@ -15,6 +16,8 @@
 #if LOSSGUARD_HAVE_NCCL
 #include <cuda_runtime.h>
 #include <nccl.h>
+
+#include "core/nccl_library.h"
 #endif
 
 namespace lossguard::distributed {
@@ -24,6 +27,37 @@ namespace lossguard::distributed {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// NCCL's entry points, from the library found at run time (core/nccl_library.h): nothing here links
+// against libnccl.so.2, so the plugin loads (for --backend gloo too) on a machine without it.
+struct NcclApi {
+  decltype(&ncclGetUniqueId) GetUniqueId;
+  decltype(&ncclCommInitRankConfig) CommInitRankConfig;
+  decltype(&ncclGetErrorString) GetErrorString;
+  decltype(&ncclBroadcast) Broadcast;
+  decltype(&ncclAllReduce) AllReduce;
+  decltype(&ncclCommGetAsyncError) CommGetAsyncError;
+  decltype(&ncclCommAbort) CommAbort;
+};
+
+const NcclApi& nccl() {
+  static const NcclApi api = [] {
+    const NcclLibrary& lib = nccl_library("replay --backend nccl");
+    auto get = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(nccl_symbol(lib, name));
+    };
+    NcclApi a{};
+    get(a.GetUniqueId, "ncclGetUniqueId");
+    get(a.CommInitRankConfig, "ncclCommInitRankConfig");
+    get(a.GetErrorString, "ncclGetErrorString");
+    get(a.Broadcast, "ncclBroadcast");
+    get(a.AllReduce, "ncclAllReduce");
+    get(a.CommGetAsyncError, "ncclCommGetAsyncError");
+    get(a.CommAbort, "ncclCommAbort");
+    return a;
+  }();
+  return api;
+}
 
 void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
@@ -49,7 +83,8 @@ class NcclCollectives : public Collectives {
       const std::string key = fmt::format("nccl/{}/{}", oracle::group_kind_name(kind), g.id);
       ncclUniqueId id;
       if (index == 0) {
-        if (ncclGetUniqueId(&id) != ncclSuccess) throw std::runtime_error("ncclGetUniqueId failed");
+        if (nccl().GetUniqueId(&id) != ncclSuccess)
+          throw std::runtime_error("ncclGetUniqueId failed");
         store->set(key, std::vector<uint8_t>(reinterpret_cast<uint8_t*>(&id),
                                              reinterpret_cast<uint8_t*>(&id) + sizeof(id)));
       } else {
@@ -62,10 +97,10 @@ class NcclCollectives : public Collectives {
       ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
       config.blocking = 0;
       ncclComm_t comm = nullptr;
-      ncclResult_t r =
-          ncclCommInitRankConfig(&comm, static_cast<int>(t.group_size(kind)), id, index, &config);
+      ncclResult_t r = nccl().CommInitRankConfig(&comm, static_cast<int>(t.group_size(kind)), id,
+                                                 index, &config);
       if (r != ncclSuccess && r != ncclInProgress)
-        throw std::runtime_error(fmt::format("ncclCommInitRank: {}", ncclGetErrorString(r)));
+        throw std::runtime_error(fmt::format("ncclCommInitRank: {}", nccl().GetErrorString(r)));
       wait_comm(comm, deadline, "ncclCommInitRank");
       comms_[kind] = comm;
     }
@@ -80,14 +115,15 @@ class NcclCollectives : public Collectives {
                "cudaMemcpy");
     ncclResult_t r;
     if (call.op == oracle::Op::kBroadcast) {
-      r = ncclBroadcast(buffer_, buffer_, kWords, ncclInt64,
-                        static_cast<int>(t_.index_in_group(call.group, call.src)), comm, stream_);
+      r = nccl().Broadcast(buffer_, buffer_, kWords, ncclInt64,
+                           static_cast<int>(t_.index_in_group(call.group, call.src)), comm,
+                           stream_);
     } else {  // all_reduce; a barrier is an all_reduce of the tagged payload
-      r = ncclAllReduce(buffer_, buffer_, kWords, ncclInt64,
-                        call.op == oracle::Op::kAllReduceMax ? ncclMax : ncclSum, comm, stream_);
+      r = nccl().AllReduce(buffer_, buffer_, kWords, ncclInt64,
+                           call.op == oracle::Op::kAllReduceMax ? ncclMax : ncclSum, comm, stream_);
     }
     if (r != ncclSuccess && r != ncclInProgress)
-      throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(r)));
+      throw std::runtime_error(fmt::format("NCCL: {}", nccl().GetErrorString(r)));
     const auto deadline = Clock::now() + timeout_;
     auto next_ask = Clock::now();
     while (true) {
@@ -96,18 +132,19 @@ class NcclCollectives : public Collectives {
       if (q != cudaErrorNotReady)
         throw std::runtime_error(fmt::format("CUDA: {}", cudaGetErrorString(q)));
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm, &async);
+      nccl().CommGetAsyncError(comm, &async);
       if (async != ncclSuccess && async != ncclInProgress)
-        throw std::runtime_error(fmt::format("NCCL: {}", ncclGetErrorString(async)));
+        throw std::runtime_error(fmt::format("NCCL: {}", nccl().GetErrorString(async)));
       if (Clock::now() > deadline) {
-        ncclCommAbort(comm);  // frees the stream's pending work so the process can report and exit
+        nccl().CommAbort(
+            comm);  // frees the stream's pending work so the process can report and exit
         throw std::runtime_error("Operation timed out!");
       }
       if (Clock::now() > next_ask) {
         next_ask = Clock::now() + std::chrono::milliseconds(20);
         const std::string reason = give_up();
         if (!reason.empty()) {
-          ncclCommAbort(comm);
+          nccl().CommAbort(comm);
           throw std::runtime_error(reason);
         }
       }
@@ -124,12 +161,12 @@ class NcclCollectives : public Collectives {
   static void wait_comm(ncclComm_t comm, Clock::time_point deadline, const char* what) {
     while (true) {
       ncclResult_t state = ncclInProgress;
-      ncclCommGetAsyncError(comm, &state);
+      nccl().CommGetAsyncError(comm, &state);
       if (state == ncclSuccess) return;
       if (state != ncclInProgress)
-        throw std::runtime_error(fmt::format("{}: {}", what, ncclGetErrorString(state)));
+        throw std::runtime_error(fmt::format("{}: {}", what, nccl().GetErrorString(state)));
       if (Clock::now() > deadline) {
-        ncclCommAbort(comm);
+        nccl().CommAbort(comm);
         throw std::runtime_error(fmt::format("{}: timed out", what));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));

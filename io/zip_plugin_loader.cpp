@@ -2,6 +2,7 @@
 #include "core/plugin_loader.h"
 #include "io/zip_plugin.h"
 #include "lossguard/build_config.h"
+#include "lossguard/plugin_paths.h"
 
 namespace lossguard::io {
 

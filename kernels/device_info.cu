@@ -1,4 +1,5 @@
-// Device query for CUDA builds (and the NCCL version when NCCL is linked).
+// Device query for CUDA builds (and NCCL's version and file when NCCL support is built; the library
+// is found at run time, core/nccl_library.h).
 #include <cuda_runtime.h>
 
 #include <string>
@@ -7,6 +8,9 @@
 #include "lossguard/build_config.h"
 #if LOSSGUARD_HAVE_NCCL
 #include <nccl.h>
+
+#include "core/errors.h"
+#include "core/nccl_library.h"
 #endif
 
 namespace lossguard::kernels {
@@ -19,10 +23,18 @@ DeviceInfo query_device_info() {
   d.cuda_runtime_version = std::to_string(rt / 1000) + "." + std::to_string((rt % 1000) / 10);
 #if LOSSGUARD_HAVE_NCCL
   d.nccl_compiled = true;
-  int v = 0;
-  if (ncclGetVersion(&v) == ncclSuccess) {
-    d.nccl_version = std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." +
-                     std::to_string(v % 100);
+  try {
+    const auto& lib = lossguard::nccl_library("NCCL support");
+    d.nccl_library = lib.path;
+    int v = 0;
+    auto get_version =
+        reinterpret_cast<decltype(&ncclGetVersion)>(nccl_symbol(lib, "ncclGetVersion"));
+    if (get_version(&v) == ncclSuccess) {
+      d.nccl_version = std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." +
+                       std::to_string(v % 100);
+    }
+  } catch (const lossguard::InputError& e) {
+    d.nccl_status = e.what();
   }
 #endif
   const cudaError_t err = cudaGetDeviceCount(&d.device_count);

@@ -12,6 +12,8 @@ struct DeviceInfo {
   std::string status;                // why no device, when none
   std::string cuda_runtime_version;  // "13.0"
   std::string nccl_version;          // "2.27.3"
+  std::string nccl_library;          // the libnccl.so.2 found at run time
+  std::string nccl_status;           // why none was found, when none
 };
 
 DeviceInfo query_device_info();

@@ -7,6 +7,7 @@
 #include "core/plugin_loader.h"
 #include "kernels/fused_xent.h"
 #include "lossguard/build_config.h"
+#include "lossguard/plugin_paths.h"
 #include "trainer/candidate.h"
 #include "trainer/mutation.h"
 
