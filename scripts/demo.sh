@@ -171,6 +171,13 @@ if [ -x "$MG_PY" ]; then
     --scenarios pt,bug-src | grep -E "^lossguard_capture" | head -1 || true
   run audit "$MGCAP/relax/pt/adapter/captures/step000002" | grep -E '^[$] |^step|^  decision |^  metrics |verdict|exit code'
   run audit "$MGCAP/relax/bug-src/adapter/captures/step000002" | grep -E '^[$] |^step|^  decision |verdict|exit code'
+  if [ -n "${LOSSGUARD_RELAX_SRC:-}" ]; then
+    step "Relax's REAL loss.py, cp_utils.py and zero-token skip, read from LOSSGUARD_RELAX_SRC (scripts/relax-src.sh): its sft and reinforce++ paths at CP 2 and CP 1"
+    printf '$ torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --trainer relax --cp 2 --scenarios sft --relax-src $LOSSGUARD_RELAX_SRC\n'
+    mg_run --nproc-per-node 2 tests/trainers/slime_relax_driver.py --trainer relax --out "$MGCAP/relax-src" --cp 2 \
+      --scenarios sft --relax-src "$LOSSGUARD_RELAX_SRC" | grep -E "^lossguard_capture" | head -1 || true
+    run audit "$MGCAP/relax-src/sft/adapter/captures/step000000" | grep -E '^[$] |^step|^  weights |verdict|exit code'
+  fi
 else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
 fi
@@ -187,6 +194,11 @@ if [ -x "$VERL_PY" ]; then
 else
   echo "(skipped: $VERL_PY is missing; scripts/setup-trainers.sh verl creates it)"
 fi
+
+step "What this binary needs to start: glibc and the C++ runtime; NCCL is found at run time (torch's nvidia-nccl wheel, the system), LibTorch by the commands that read .pt files"
+printf '$ scripts/check-needed.sh %s\n' "$LG"
+scripts/check-needed.sh "$LG"
+run --version
 
 step "And a hostile pickle is refused by name; nothing is executed"
 run inspect "$EX/hostile_os_system.pt"

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import subprocess
+import sysconfig
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -91,18 +92,23 @@ class AuditResult:
 
 
 def find_lossguard(binary: str | None = None) -> str:
-    """The ``lossguard`` executable: ``binary``, else ``$LOSSGUARD_BIN``, else ``lossguard`` on ``PATH``.
-    AuditError naming all three when none is an executable file."""
+    """The ``lossguard`` executable: ``binary``, else ``$LOSSGUARD_BIN``, else the one installed in this Python
+    environment's scripts folder (where ``pip install`` of the lossguard wheel puts it: found even when the
+    environment is not activated, e.g. ``/venv/bin/python train.py``), else ``lossguard`` on ``PATH``.
+    AuditError naming them when none is an executable file."""
     for where, cand in (("binary=", binary), ("$LOSSGUARD_BIN", os.environ.get("LOSSGUARD_BIN"))):
         if cand:
             if os.path.isfile(cand) and os.access(cand, os.X_OK):
                 return os.path.abspath(cand)
             raise AuditError(f"lossguard binary {cand!r} (from {where}) is not an executable file")
-    found = shutil.which("lossguard")
+    scripts = sysconfig.get_path("scripts")
+    found = shutil.which("lossguard", path=scripts) if scripts else None
+    found = found or shutil.which("lossguard")
     if found:
         return found
-    raise AuditError("no lossguard binary: pass binary=..., set LOSSGUARD_BIN, or put `lossguard` on PATH "
-                     "(build: cmake --build build; the binary is build/cli/lossguard)")
+    raise AuditError(f"no lossguard binary: pass binary=..., set LOSSGUARD_BIN, install it into this environment "
+                     f"({scripts}) or put `lossguard` on PATH (build: cmake --build build; the binary is "
+                     f"build/cli/lossguard)")
 
 
 def run_audit(paths: Sequence[str], *, binary: str | None = None, args: Sequence[str] = (),

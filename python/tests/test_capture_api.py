@@ -253,8 +253,16 @@ def test_run_audit_verdicts(tmp_path, monkeypatch):
         lc.find_lossguard()
     monkeypatch.delenv("LOSSGUARD_BIN")
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(lc.AuditError, match="no lossguard binary"):
+    import sysconfig
+    real_get_path = sysconfig.get_path
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a, **k: str(tmp_path / "env-bin") if name == "scripts"
+                        else real_get_path(name, *a, **k))
+    with pytest.raises(lc.AuditError, match="no lossguard binary.*install it into this environment"):
         lc.find_lossguard()
+    (tmp_path / "env-bin").mkdir()        # a wheel's copy in the environment's scripts folder, PATH without it
+    installed = tmp_path / "env-bin" / "lossguard"
+    os.rename(_fake_lossguard(tmp_path, 0), installed)
+    assert lc.find_lossguard() == str(installed)
     rt = lc.AuditResult.from_json(r.to_json())
     assert rt.to_json() == r.to_json()
 
