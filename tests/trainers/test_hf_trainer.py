@@ -43,9 +43,8 @@ import hf_driver as drv  # noqa: E402
 
 import lossguard_capture as lc  # noqa: E402
 import lossguard_capture.hf as lhf  # noqa: E402
+from harness import HAVE_BIN, LOSSGUARD, audit, child_env  # noqa: E402
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 
 DP1 = ["ga1-kw", "ga2-kw", "ga4-kw", "ga2-kw-noavg", "ga1-nokw", "ga2-nokw", "ga4-nokw", "ga2-kw-empty",
        "ga2-nokw-empty", "ga2-kw-dropnum"]
@@ -70,10 +69,6 @@ def expected(world, config):
     return 1, ("per-rank" if ga == 1 else "per-microbatch"), "hf-ga"
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def _passing(world, configs):
     return ",".join(c for c in configs if expected(world, c)[0] == 0)
 
@@ -92,7 +87,7 @@ def runs(tmp_path_factory):
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
         gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env(quiet_warnings=False))
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[world] = d
     return out
@@ -246,12 +241,6 @@ def test_gradient_check_rejects_wrong_weights(runs):
 
 
 # ---- (c) lossguard audit's verdicts ----------------------------------------------------------------
-def audit(*paths):
-    r = subprocess.run([LOSSGUARD, "audit", *paths, "--json", "-"], capture_output=True, text=True, timeout=120)
-    text = subprocess.run([LOSSGUARD, "audit", *paths], capture_output=True, text=True, timeout=120).stdout
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
-
-
 @pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
 @pytest.mark.parametrize("world,config", CASES, ids=IDS)
 def test_audit_verdict(runs, world, config):
@@ -307,7 +296,7 @@ def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
     AuditFailed before the optimizer step (parameters unchanged), and the job exits non-zero."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", DRIVER,
            "--out", str(tmp_path), "--fail-fast", "ga2-nokw", "--lossguard-bin", LOSSGUARD]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env(quiet_warnings=False))
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "AuditFailed" in r.stderr
     for rank in range(2):

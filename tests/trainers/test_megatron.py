@@ -71,9 +71,8 @@ import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DI
 import megatron_driver as drv  # noqa: E402
 
 import lossguard_capture as lc  # noqa: E402
+from harness import HAVE_BIN, LOSSGUARD, audit, child_env, same  # noqa: E402
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 
 TOPOS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)]            # (dp, cp, tp)
 PATHS = ["a", "b", "c", "cnan", "d", "mtp-a", "mtp-b"]
@@ -129,10 +128,6 @@ CPU_SITES_BY_RELEASE = {
 }
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-
-
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     """The five driver runs, one after the other ({(dp, cp, tp): out_dir}); the DP 1 CP 1 run also runs the
@@ -156,7 +151,7 @@ def runs(tmp_path_factory):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(dp * cp * tp),
                *args]
         gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[(dp, cp, tp)] = d
     return out
@@ -271,20 +266,6 @@ def measured_weights(runs, dp, cp, tp, path, step, term=None):
                     at += 1
             assert at == len(w)
     return W
-
-
-def same(x, y):
-    """Bit for bit, NaN == NaN."""
-    if isinstance(x, dict):
-        return x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
-    if isinstance(x, torch.Tensor):
-        return x.dtype == y.dtype and x.shape == y.shape and torch.equal(
-            x.reshape(-1).contiguous().view(torch.uint8), y.reshape(-1).contiguous().view(torch.uint8))
-    if isinstance(x, float) and isinstance(y, float):
-        return x == y or (math.isnan(x) and math.isnan(y))
-    return x == y
 
 
 # ---- (a) the adapter changes nothing ---------------------------------------------------------------
@@ -499,12 +480,6 @@ def test_contract_reproduces_measured_weights(runs, tmp_path, dp, cp, tp, path):
             assert pred.keys() == got.keys()
             for key, w in got.items():
                 assert math.isclose(w, pred[key], rel_tol=1e-6, abs_tol=1e-12), (n, key, w, pred[key])
-
-
-def audit(*paths):
-    r = subprocess.run([LOSSGUARD, "audit", *paths, "--json", "-"], capture_output=True, text=True, timeout=120)
-    text = subprocess.run([LOSSGUARD, "audit", *paths], capture_output=True, text=True, timeout=120).stdout
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
 
 
 @pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")

@@ -50,10 +50,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import gallery  # noqa: E402  (docs/gallery.md's rows, when LOSSGUARD_GALLERY_DIR is set)
 import megatron_shapes_driver as drv  # noqa: E402
+from harness import LOSSGUARD, child_env, needs_bin, same  # noqa: E402
+from harness import audit_json as audit  # noqa: E402
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
-needs_bin = pytest.mark.skipif(not HAVE_BIN, reason="the lossguard binary is not built")
 
 #: (pp, tp, cp, dp) -> the scenarios run there
 LAYOUTS = {
@@ -81,10 +80,6 @@ def n_of(scenario, step):
     return (N_THD if scenario in drv.THD else N)[step]
 
 
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
-
-
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
     out = {}
@@ -95,10 +90,10 @@ def runs(tmp_path_factory):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(pp * tp * cp * dp), DRIVER, "--out", d, *common]
         gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         r = subprocess.run([sys.executable, DRIVER, "--reference", d, *common], capture_output=True, text=True,
-                           timeout=300, env=_env())
+                           timeout=300, env=child_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[(pp, tp, cp, dp)] = d
     return out
@@ -117,22 +112,6 @@ def captures(runs, layout, scenario, step):
         with safe_open(f, framework="pt") as h:
             out.append((load_file(f), h.metadata()))
     return out
-
-
-def same(x, y):
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and bool(torch.equal(x, y))
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
-    return x == y
-
-
-def audit(path, *args):
-    r = subprocess.run([LOSSGUARD, "audit", path, "--json", "-", *args], capture_output=True, text=True, timeout=120)
-    doc = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
-    return r.returncode, doc, r.stderr
 
 
 def checks_of(doc):
@@ -485,7 +464,7 @@ def test_the_example_runs_and_says_its_verdict(tmp_path, bug):
     micro-batch) audit FAILs and both stages raise AuditFailed before the update."""
     out = str(tmp_path / "captures")
     example = os.path.join(ROOT, "examples", "megatron_audit.py")
-    env = _env()
+    env = child_env()
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         example, "--out", out, "--lossguard-bin", LOSSGUARD, *(["--bug"] if bug else [])],
                        capture_output=True, text=True, timeout=300, env=env)

@@ -21,14 +21,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+from harness import HAVE_BIN, LOSSGUARD  # noqa: E402
 
 ray = pytest.importorskip("ray")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
 PYTHON_DIR = os.path.join(ROOT, "python")
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 SETTINGS = ("LOSSGUARD_OUT", "LOSSGUARD_BIN", "LOSSGUARD_STEPS", "LOSSGUARD_FAIL_FAST")
 
 

@@ -37,10 +37,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import gallery  # noqa: E402
 import slime_relax_driver as drv  # noqa: E402
+from harness import HAVE_BIN, LOSSGUARD, child_env, needs_bin, same  # noqa: E402
+from harness import audit_json as audit  # noqa: E402
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
-needs_bin = pytest.mark.skipif(not HAVE_BIN, reason="the lossguard binary is not built")
 
 #: (pp, cp, dp) -> scenarios
 #: pt-sample-indices: the rollout names its samples by `sample_indices` alone, DP ranks holding a strided split
@@ -49,10 +48,6 @@ LAYOUTS = {(1, 2, 1): ["pt", "sm", "sm-reducer", "sft", "pt-ff"],
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-cp{c}-dp{d}-{s}" for (p, c, d), s in RIGHT]
 N = [sum(sum(m) for _, _, m, _ in step) for step in drv.SAMPLES]           # 15, 10, 0
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
 
 
 @pytest.fixture(scope="session")
@@ -64,10 +59,10 @@ def runs(tmp_path_factory):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(pp * cp * dp),
                DRIVER, "--out", d, *common]
         gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         r = subprocess.run([sys.executable, DRIVER, "--reference", d, *common], capture_output=True, text=True,
-                           timeout=300, env=_env())
+                           timeout=300, env=child_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[(pp, cp, dp)] = d
     return out
@@ -76,22 +71,6 @@ def runs(tmp_path_factory):
 def world(layout):
     pp, cp, dp = layout
     return pp * cp * dp
-
-
-def same(x, y):
-    if isinstance(x, torch.Tensor):
-        return isinstance(y, torch.Tensor) and x.dtype == y.dtype and bool(torch.equal(x, y))
-    if isinstance(x, dict):
-        return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
-    if isinstance(x, (list, tuple)):
-        return isinstance(y, (list, tuple)) and len(x) == len(y) and all(same(a, b) for a, b in zip(x, y))
-    return x == y
-
-
-def audit(path, *args):
-    r = subprocess.run([LOSSGUARD, "audit", path, "--json", "-", *args], capture_output=True, text=True, timeout=120)
-    doc = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
-    return r.returncode, doc, r.stderr
 
 
 def checks(runs, layout, scenario, step):

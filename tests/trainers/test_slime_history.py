@@ -44,8 +44,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 import gallery  # noqa: E402
 import slime_relax_driver as drv  # noqa: E402
-# the binary and the bit-for-bit equality of saved tensors, dicts and lists, as the restatement tier has them
-from test_slime import HAVE_BIN, LOSSGUARD, needs_bin, same  # noqa: E402,F401
+from harness import HAVE_BIN, LOSSGUARD, child_env, needs_bin, same, step_checks  # noqa: E402,F401
 
 with open(os.path.join(HERE, "slime_history_manifest.json")) as _f:
     MANIFEST = json.load(_f)
@@ -67,10 +66,6 @@ def _missing_src():
     if gone:
         return f"LOSSGUARD_SLIME_SRC={SRC} lacks {', '.join(gone[:4])}{' ...' if len(gone) > 4 else ''}: {HOW}"
     return None
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
 
 
 def world(pair):
@@ -95,22 +90,14 @@ def history(tmp_path_factory):
                DRIVER, "--out", d, *common, "--slime-src", os.path.join(SRC, commit)]
         gallery.remember_run(d, cmd)
         t0 = time.monotonic()
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env())
         assert r.returncode == 0, (pair, role, r.stdout[-3000:] + r.stderr[-6000:])
         seconds = time.monotonic() - t0
         r = subprocess.run([sys.executable, DRIVER, "--reference", d, *common], capture_output=True, text=True,
-                           timeout=300, env=_env())
+                           timeout=300, env=child_env())
         assert r.returncode == 0, (pair, role, r.stdout[-3000:] + r.stderr[-6000:])
         out[(pair, role)] = dict(dir=d, commit=commit, seconds=round(seconds, 1))
     return out
-
-
-def audit(path):
-    r = subprocess.run([LOSSGUARD, "audit", path, "--json", "-"], capture_output=True, text=True, timeout=120)
-    doc = json.loads(r.stdout) if r.stdout.strip().startswith("{") else None
-    assert doc is not None, r.stderr
-    step = doc["steps"][0]
-    return r.returncode, {c["name"]: c for c in step["checks"]}, step
 
 
 def test_manifest_names_full_commits_and_the_scripts_files():
@@ -237,9 +224,9 @@ def test_later_steps_fail_as_in_the_shape(history, pair, role):
     masked sample counted as clamp_min(0, 1) = 1 token (loss.py:674/679), step 2 (no effective token) stepped."""
     run = history[(pair, role)]
     caps = os.path.join(run["dir"], PAIRS[pair]["scenario"], "adapter", "captures")
-    rc, c, s = audit(os.path.join(caps, "step000001"))
+    rc, c, s = step_checks(os.path.join(caps, "step000001"))
     assert rc == 1 and c["counts"]["ok"] is False, c
     if role == "fix":
         assert s["matches"][:1] == ["slime"], s["matches"]
-    rc, c, s = audit(os.path.join(caps, "step000002"))
+    rc, c, s = step_checks(os.path.join(caps, "step000002"))
     assert rc == 1 and c["decision"]["ok"] is False and "expected skip" in c["decision"]["detail"], c

@@ -53,6 +53,7 @@ import trl_driver as drv  # noqa: E402
 import lossguard_capture as lc  # noqa: E402
 import lossguard_capture.hf as lhf  # noqa: E402
 import lossguard_capture.trl as ltrl  # noqa: E402
+from harness import HAVE_BIN, LOSSGUARD, audit, child_env  # noqa: E402
 
 try:                      # another trainer's venv may hold other versions (tests/trainers/conftest.py)
     ltrl.check_version()
@@ -60,8 +61,6 @@ try:                      # another trainer's venv may hold other versions (test
 except RuntimeError as e:
     pytest.skip(f"not the pinned TRL / transformers: {e}", allow_module_level=True)
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 
 DP1 = list(drv.CONFIGS) + ["sft"]
 DP2 = ["grpo", "bnpo", "dr_grpo", "dapo", "dapo-spg4", "dapo-spg1", "sft"]
@@ -70,10 +69,6 @@ DP2 = ["grpo", "bnpo", "dr_grpo", "dapo", "dapo-spg4", "dapo-spg1", "sft"]
 CASES = [(w, c) for w, cs in ((1, DP1), (2, DP2)) for c in cs if c != "sft" or drv.SFT_MEASURED]
 IDS = [f"dp{w}-{c}" for w, c in CASES]
 STEPS, GA = drv.STEPS, drv.GA
-
-
-def _env():
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
 def entropy_coef(config):
@@ -119,7 +114,7 @@ def runs(tmp_path_factory):
         else:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
         gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env(quiet_warnings=False))
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         out[world] = d
     return out
@@ -379,12 +374,6 @@ def test_dr_grpo_l_norm_is_the_longest_response(runs):
 
 
 # ---- (d) lossguard audit's verdicts ----------------------------------------------------------------
-def audit(*paths):
-    r = subprocess.run([LOSSGUARD, "audit", *paths, "--json", "-"], capture_output=True, text=True, timeout=120)
-    text = subprocess.run([LOSSGUARD, "audit", *paths], capture_output=True, text=True, timeout=120).stdout
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
-
-
 @pytest.mark.skipif(not HAVE_BIN, reason=f"{LOSSGUARD} not built (set LOSSGUARD_BIN)")
 @pytest.mark.parametrize("world,config", CASES, ids=IDS)
 def test_audit_verdict(runs, world, config):
@@ -485,7 +474,7 @@ def test_fail_fast_stops_the_buggy_run_on_every_rank(tmp_path):
     the optimizer step (parameters unchanged), and the job exits non-zero."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", DRIVER,
            "--out", str(tmp_path), "--fail-fast", "bnpo", "--lossguard-bin", LOSSGUARD]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=child_env(quiet_warnings=False))
     assert r.returncode != 0, r.stdout[-2000:] + r.stderr[-4000:]
     assert "AuditFailed" in r.stderr
     for rank in range(2):

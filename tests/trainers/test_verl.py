@@ -59,9 +59,8 @@ import lossguard_capture.verl as lverl  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.utils import losses as verl_losses  # noqa: E402
+from harness import HAVE_BIN, LOSSGUARD, audit  # noqa: E402
 
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
-HAVE_BIN = os.path.isfile(LOSSGUARD) and os.access(LOSSGUARD, os.X_OK)
 
 CONFIGS = list(drv.CONFIGS)
 
@@ -369,12 +368,6 @@ AUDIT = {
 #: config -> the diagnosis of each named term relative to the main term (every term not listed: exact).
 #: kl-microbatch-mean: coef m_t/(n_k dp) against coef m_t/N: N/(dp n_k), per micro-batch.
 TERM_AUDIT = {"token-mean-kl-bug": {"kl": "per-microbatch"}}
-
-
-def audit(*args):
-    r = subprocess.run([LOSSGUARD, "audit", *args, "--json", "-"], capture_output=True, text=True, timeout=120)
-    text = subprocess.run([LOSSGUARD, "audit", *args], capture_output=True, text=True, timeout=120).stdout
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip() else None), r.stderr, text
 
 
 def _fields(config, **extra):
