@@ -2,7 +2,8 @@
 """Checks the user-facing Markdown (README.md, docs/*.md, python/README.md) for damage an edit can do
 without any build noticing: a paragraph pasted twice (one commit once inserted the same paragraph
 between every character of the README, 32 MB), a file grown past any plausible size, a relative link to
-a file that is not in the repository, a front page (the top-level README.md) grown past 200 lines, and a
+a file that is not in the repository, a path of this repository named in prose (`python/README.md`,
+`io/flat_pickle.cpp:120`) that is not there, a front page (the top-level README.md) grown past 200 lines, and a
 `lossguard <command> --option` shown in the front page's code blocks that the binary does not have.
 
 usage: docs_check.py REPO_ROOT [--binary LOSSGUARD] [FILE ...]   (files default to the repository's Markdown)
@@ -158,7 +159,52 @@ def find_binary(root, given):
     return None
 
 
-def check(root, path, binary=None):
+def repo_layout(root):
+    """{top-level folder: the file extensions it holds} of the repository (git's files, else the tree's)."""
+    try:
+        names = subprocess.run(["git", "-C", str(root), "ls-files"], capture_output=True, text=True,
+                               check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        names = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()]
+    layout = {}
+    for name in names:
+        parts = name.split("/")
+        if len(parts) > 1:
+            layout.setdefault(parts[0], set()).add(pathlib.PurePath(name).suffix)
+    return layout
+
+
+def named_paths(text):
+    """(line, path) of each inline code span of the prose that names a path (`dir/file.ext`, optionally
+    `:LINE` or `:A-B`); fenced code is commands and output, not checked here."""
+    out, fenced = [], False
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for span in re.findall(r"`([^`\s]+)`", line):
+            m = re.fullmatch(r"([A-Za-z_][\w.+-]*/[\w./+-]*?)(?::\d+(?:[-,]\d+)*)?", span)
+            if m:
+                out.append((n, m.group(1).rstrip("/")))
+    return out
+
+
+def check_paths(rel, text, root, layout):
+    """A named path whose first folder is one of this repository's, with an extension that folder holds (a
+    `.py` under `trainer/` is verl's, not ours) and no placeholder (`cmd_NAME.cpp`), must exist."""
+    problems = []
+    for n, p in named_paths(text):
+        top = p.split("/")[0]
+        if top not in layout or re.search(r"[A-Z]{3,}", p) or pathlib.PurePath(p).suffix not in layout[top]:
+            continue
+        if not (root / p).exists():
+            problems.append(f"{rel}:{n}: names {p}, which is not in the repository")
+    return problems
+
+
+def check(root, path, binary=None, layout=None):
     """Problems of one Markdown file. The front page (REPO_ROOT/README.md) also gets its length and, with a
     binary, its commands checked."""
     problems = []
@@ -191,6 +237,7 @@ def check(root, path, binary=None):
                 continue  # http:, https:, mailto:
             if not (path.parent / target).exists():
                 problems.append(f"{rel}:{n}: link to {target}, which is not in the repository")
+    problems += check_paths(rel, text, root, layout if layout is not None else repo_layout(root))
     return problems
 
 
@@ -220,6 +267,14 @@ def self_test():
         got = check(root, bad)
         assert len(got) == 2 and got[0].startswith("bad.md:5: the paragraph of line 1 again"), got
         assert got[1] == "bad.md:7: link to missing.md, which is not in the repository", got
+        (root / "io").mkdir()
+        (root / "io" / "pickle.cpp").write_text("x")
+        paths = root / "paths.md"
+        paths.write_text("`io/pickle.cpp:12` and `io/pickle.cpp` are here; `io/gone.cpp:3-4` moved away;\n"
+                         "`io/setup.py` is another project's (io/ holds no .py); `io/cmd_NAME.cpp` a pattern;\n"
+                         "`elsewhere/x.cpp` not our folder.\n```\n`io/gone.cpp` in a fence\n```\n")
+        got = check(root, paths)
+        assert got == ["paths.md:1: names io/gone.cpp, which is not in the repository"], got
         big = root / "big.md"
         big.write_text("word " * (MAX_BYTES // 5 + 1))
         got = check(root, big)
@@ -277,7 +332,7 @@ def self_test():
         (root / "broken").chmod(0o755)
         got = check(root, front, binary=root / "broken")
         assert len(got) == 1 and "--help` failed" in got[0], got
-    print("docs_check self-test: duplicate paragraph, missing link, size, a front page over "
+    print("docs_check self-test: duplicate paragraph, missing link, a stale named path, size, a front page over "
           f"{MAX_FRONT_LINES} lines, and an unknown command or option in its code blocks each rejected")
     return 0
 
@@ -303,7 +358,8 @@ def main(argv):
     problems = []
     if given and binary is None:
         problems.append(f"--binary {given}: not an executable file")
-    problems += [p for f in files for p in check(root, f, binary)]
+    layout = repo_layout(root)
+    problems += [p for f in files for p in check(root, f, binary, layout)]
     for p in problems:
         print(p)
     commands = (f"README commands checked against {binary}" if binary else
