@@ -43,7 +43,7 @@ from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit, sh
 from .capture import Capture, _rank_and_world
 from .recorder import StepRecorder, check_reduce
 
-__all__ = ["Spec", "Adapter", "step_dir", "deprecated_alias"]
+__all__ = ["Spec", "Adapter", "CannotMeasure", "step_dir", "deprecated_alias"]
 
 _ADAPTER_IDS = itertools.count()
 _A = TypeVar("_A", bound="Adapter")
@@ -146,6 +146,17 @@ def _ref(obj: Any) -> Callable[[], Any]:
         return weakref.ref(obj)
     except TypeError:
         return lambda: obj
+
+
+class CannotMeasure(RuntimeError):
+    """A captured step the adapter cannot measure (its loss path is not the one the adapter reads): the step is
+    dropped; where fail fast audits that step the error stops the run, else :meth:`Adapter.say_unmeasured`
+    warns and the run goes on — an adapter never stops a run it cannot measure unless asked to.  ``output``:
+    the trainer's own result, when it was computed before the problem showed (the caller returns it)."""
+
+    def __init__(self, msg: str, output: Any = None):
+        super().__init__(msg)
+        self.output = output
 
 
 class Adapter:

@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from .adapter import Adapter, Spec
+from .adapter import Adapter, CannotMeasure, Spec
 from .recorder import MicroBatch, StepRecorder
 
 __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "check_version"]
@@ -110,12 +110,6 @@ SPEC = Spec("lossguard_capture.hf", "transformers", ("5.19.0", "5.26.0"), lambda
 SUPPORTED, check_version = SPEC.supported, SPEC.check_version       # the range; the gate (adapter.Spec)
 transformers: Any = SPEC.require("transformers", "pip install 'lossguard-capture[hf]'")
 from transformers import TrainerCallback  # noqa: E402
-
-
-class CannotMeasure(Exception):
-    """A captured micro-batch whose loss path is not the one the adapter reads: the step is dropped; a
-    RuntimeError naming the step and the micro-batch where fail fast audits that step, else a warning and the
-    run goes on (an adapter never stops a run it cannot measure unless asked to)."""
 
 
 class _CEState:

@@ -113,7 +113,7 @@ from typing import Any
 
 import torch
 
-from .adapter import Adapter, Spec, deprecated_alias
+from .adapter import Adapter, CannotMeasure, Spec, deprecated_alias
 from .recorder import CaptureWarning, MicroBatch, StepRecorder
 
 __all__ = ["attach", "VerlAdapter", "VerlCapture", "SPEC", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS", "FORCED_MODES",
@@ -237,7 +237,7 @@ class _Layout:
     def __init__(self, data: Any, first_index: int):
         ids = data["input_ids"]
         if not getattr(ids, "is_nested", False):
-            raise RuntimeError("lossguard_capture.verl: the micro-batch's input_ids are not nested: only verl's "
+            raise CannotMeasure("lossguard_capture.verl: the micro-batch's input_ids are not nested: only verl's "
                                "no-padding layout (pad_mode no_padding, as the PPO trainers hand the engine) is "
                                "supported")
         prompts, responses = data["prompts"], data["responses"]
@@ -251,7 +251,7 @@ class _Layout:
         T = ids.offsets().diff()
         P, R, T = P.to(torch.int64).cpu(), R.to(torch.int64).cpu(), T.to(torch.int64).cpu()
         if not torch.equal(P + R, T):
-            raise RuntimeError(f"lossguard_capture.verl: prompt + response lengths {(P + R).tolist()} != the "
+            raise CannotMeasure(f"lossguard_capture.verl: prompt + response lengths {(P + R).tolist()} != the "
                                f"input_ids lengths {T.tolist()}")
         self.n = int(T.numel())
         self.P, self.R, self.T = P, R, T
@@ -260,24 +260,24 @@ class _Layout:
         if rm.is_nested:
             lens = rm.offsets().diff().to(torch.int64).cpu()
             if not torch.equal(lens, R):
-                raise RuntimeError(f"lossguard_capture.verl: response_mask lengths {lens.tolist()} != the response "
+                raise CannotMeasure(f"lossguard_capture.verl: response_mask lengths {lens.tolist()} != the response "
                                    f"lengths {R.tolist()}")
             masks = rm.values()
         else:
             width = rm.shape[1]
             if self.n and int(R.max()) > width:
-                raise RuntimeError(f"lossguard_capture.verl: a response of {int(R.max())} tokens in a response_mask "
+                raise CannotMeasure(f"lossguard_capture.verl: a response of {int(R.max())} tokens in a response_mask "
                                    f"of width {width}")
             inside = torch.arange(width)[None, :] < R[:, None]
             if bool((rm.cpu()[~inside] != 0).any()):
-                raise RuntimeError("lossguard_capture.verl: response_mask is set beyond a response's end")
+                raise CannotMeasure("lossguard_capture.verl: response_mask is set beyond a response's end")
             masks = rm[inside.to(rm.device)]
         self.masks = (masks != 0).to(torch.int64)
         idx = data.get(SAMPLE_INDEX_KEY, None) if hasattr(data, "get") else None
         if idx is not None:
             self.sample_indices = idx.detach().to(torch.int64).reshape(-1).cpu()
             if self.sample_indices.numel() != self.n:
-                raise RuntimeError(f"lossguard_capture.verl: {SAMPLE_INDEX_KEY} holds {self.sample_indices.numel()} "
+                raise CannotMeasure(f"lossguard_capture.verl: {SAMPLE_INDEX_KEY} holds {self.sample_indices.numel()} "
                                    f"indices for {self.n} samples")
         else:
             self.sample_indices = torch.arange(first_index, first_index + self.n, dtype=torch.int64)
@@ -286,11 +286,11 @@ class _Layout:
     def owned_index(self, loss_mat: torch.Tensor) -> torch.Tensor:
         """The owned tokens of a ``[n, W]`` loss matrix in local order (per sample, response indices ascending)."""
         if loss_mat.dim() != 2 or loss_mat.shape[0] != self.n:
-            raise RuntimeError(f"lossguard_capture.verl: a per-token loss matrix of shape {tuple(loss_mat.shape)} for "
+            raise CannotMeasure(f"lossguard_capture.verl: a per-token loss matrix of shape {tuple(loss_mat.shape)} for "
                                f"{self.n} samples")
         W = int(loss_mat.shape[1])
         if self.n and int(self.R.max()) > W:
-            raise RuntimeError(f"lossguard_capture.verl: a loss matrix of width {W} for a response of "
+            raise CannotMeasure(f"lossguard_capture.verl: a loss matrix of width {W} for a response of "
                                f"{int(self.R.max())} tokens")
         if W not in self._index:
             cols = torch.arange(W, dtype=torch.int64)
@@ -410,12 +410,18 @@ class VerlAdapter(Adapter):
             dev = data["input_ids"].device if "input_ids" in data.keys() else torch.device("cpu")
             first = dp_rank * local
             data[SAMPLE_INDEX_KEY] = torch.arange(first, first + local, dtype=torch.int64, device=dev)
-            cap.begin_step(n, dp=dp, dp_rank=dp_rank, global_batch_size=_nt(data, "global_batch_size", None))
+            try:
+                cap.begin_step(n, dp=dp, dp_rank=dp_rank, global_batch_size=_nt(data, "global_batch_size", None))
+            except CannotMeasure as e:
+                cap._drop(e, n)
             orig_step = engine.optimizer_step
 
             def optimizer_step(*a: Any, **k: Any) -> Any:
                 if cap._open is not None:
-                    cap.finish_step(grad_scale=1.0 / dp)      # FSDP's mean over the DP group; fail fast here
+                    try:
+                        cap.finish_step(grad_scale=1.0 / dp)      # FSDP's mean over the DP group; fail fast here
+                    except CannotMeasure as e:
+                        cap._drop(e, n)
                 return orig_step(*a, **k)
             engine.optimizer_step = optimizer_step
             try:
@@ -451,7 +457,7 @@ class VerlAdapter(Adapter):
             else:
                 rank, world_size = 0, 1
         if int(world_size) != int(dp):
-            raise RuntimeError(f"lossguard_capture.verl: world size {world_size} != DP size {dp}: only data "
+            raise CannotMeasure(f"lossguard_capture.verl: world size {world_size} != DP size {dp}: only data "
                                f"parallelism (FSDP without Ulysses sequence parallelism) is supported")
         if not 0 <= int(dp_rank) < int(dp):
             raise ValueError(f"dp_rank {dp_rank} outside [0, {dp})")
@@ -477,7 +483,7 @@ class VerlAdapter(Adapter):
             raise RuntimeError("lossguard_capture.verl: no step is open")
         try:
             if st.rec is None:
-                raise RuntimeError(f"lossguard_capture.verl: step {st.step}: the wrapped loss function was never "
+                raise CannotMeasure(f"lossguard_capture.verl: step {st.step}: the wrapped loss function was never "
                                    f"called")
             for g in st.geo:
                 g.fire()
@@ -507,8 +513,12 @@ class VerlAdapter(Adapter):
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if cap._open is None:
                 return loss_fn(*args, **kwargs)
+            step = cap._open.step
             try:
                 return cap._measure(loss_fn, sig, args, kwargs)
+            except CannotMeasure as e:
+                cap._drop(e, step)                   # raises where fail fast audits this step
+                return e.output if e.output is not None else loss_fn(*args, **kwargs)
             except BaseException:
                 cap.abort_step()
                 raise
@@ -550,9 +560,21 @@ class VerlAdapter(Adapter):
         call, ent_in = self._open_call(st, cfg, data, model_output)
         out = _call_patched(_patches(st, call, ent_in), loss_fn, args, kwargs)
         loss, _metrics = out
-        self._check_call(st, call)
+        try:
+            self._check_call(st, call)
+        except CannotMeasure as e:
+            e.output = out           # verl's own result: the run goes on with it
+            raise
         call.mb.loss(loss)           # the whole scalar the engine backpropagates: every term
         return out
+
+    def _drop(self, e: CannotMeasure, step: int) -> None:
+        """Step ``step`` cannot be measured (``e``): dropped; the error stops the run only where fail fast
+        audits that step (:meth:`Adapter.stops_at`), else a warning and verl goes on unmeasured."""
+        self.abort_step()
+        if self.stops_at(step):
+            raise e
+        self.say_unmeasured(str(e))
 
     def _open_call(self, st: _OpenStep, cfg: Any, data: Any, model_output: Any) -> tuple[_Call, Any]:
         """The micro-batch's recorder handle and call state (the step's recorder made at its first), and the
@@ -572,7 +594,7 @@ class VerlAdapter(Adapter):
         first = st.rec is None
         rec = self._recorder(st, cfg, mode, with_entropy)
         if not first and with_entropy != ("entropy" in st.terms):
-            raise RuntimeError(f"lossguard_capture.verl: step {st.step}: the model output holds an entropy in some "
+            raise CannotMeasure(f"lossguard_capture.verl: step {st.step}: the model output holds an entropy in some "
                                f"micro-batches and not in others (calculate_entropy changed within the step)")
         st.next_index += layout.n
         mb = rec.microbatch(**layout.fields())
@@ -609,7 +631,7 @@ class VerlAdapter(Adapter):
         if "entropy" in st.terms and "entropy" not in call.hooked:
             problems.append("the model output holds an entropy but it did not reach agg_loss")
         if problems:
-            raise RuntimeError("lossguard_capture.verl: cannot measure verl's loss: " + "; ".join(problems))
+            raise CannotMeasure("lossguard_capture.verl: cannot measure verl's loss: " + "; ".join(problems))
 
 
 def _loss_arguments(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -624,7 +646,7 @@ def _loss_arguments(loss_fn: Callable[..., Any], args: tuple[Any, ...], kwargs: 
     bound.apply_defaults()
     cfg, data = bound.arguments.get("config"), bound.arguments.get("data")
     if cfg is None or data is None:
-        raise RuntimeError("lossguard_capture.verl: the loss function was called without config or data: verl "
+        raise CannotMeasure("lossguard_capture.verl: the loss function was called without config or data: verl "
                            "calls it as loss_fn(model_output=..., data=micro_batch) after partial(ppo_loss, "
                            "config=...) (verl 0.9.1 workers/engine_workers.py:643; "
                            "ppo_loss(config, model_output, data, dp_group))")
@@ -639,7 +661,7 @@ def _patches(st: _OpenStep, call: _Call, ent_in: Any) -> list[tuple[Any, str, Ca
     real_get, real_kl, real_mean = verl_losses.get_policy_loss_fn, verl_losses.kl_penalty, torch.mean
     real_pad = verl_losses.no_padding_2_padding
     if real_core_agg is not real_agg:
-        raise RuntimeError("lossguard_capture.verl: core_algos.agg_loss and losses.agg_loss differ (patched by "
+        raise CannotMeasure("lossguard_capture.verl: core_algos.agg_loss and losses.agg_loss differ (patched by "
                            "someone else?)")
     agg_sig = inspect.signature(real_agg)
 
@@ -717,7 +739,7 @@ def _call_patched(patched: list[tuple[Any, str, Callable[..., Any]]], loss_fn: C
             setattr(mod, name, fn)
         torch.mean = real_mean
     if replaced:
-        raise RuntimeError(f"lossguard_capture.verl: {', '.join(replaced)} replaced by someone else during the "
+        raise CannotMeasure(f"lossguard_capture.verl: {', '.join(replaced)} replaced by someone else during the "
                            f"loss function")
     return out
 

@@ -649,16 +649,28 @@ def test_terms_in_one_capture_dp1(tmp_path):
         assert "terms" not in f.metadata()
 
 
-def test_an_entropy_in_some_microbatches_only_is_an_error(tmp_path):
+def test_a_step_it_cannot_measure_stops_only_the_audited_fail_fast_step(tmp_path, capfd):
+    """An entropy in some micro-batches only: the step cannot be measured. With fail fast on that step the
+    run stops (RuntimeError); otherwise the step is dropped with a warning and verl's own loss is returned,
+    bit for bit, the run going on (issue #53 item 5)."""
     cfg = drv.actor_config("token-mean-kl-entropy")
-    cap = lverl.VerlAdapter(str(tmp_path / "caps"), fail_fast=False)
-    loss_fn = cap.wrap(partial(verl_losses.ppo_loss, config=cfg))
     model, mb = _microbatch("token-mean-kl-entropy")
-    cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
-    _call(cap, loss_fn, model, mb, entropy=True)
-    with pytest.raises(RuntimeError, match="entropy in some micro-batches and not in others"):
-        _call(cap, loss_fn, model, mb, entropy=False)
-    assert cap._open is None and not os.path.exists(tmp_path / "caps")
+    plain = partial(verl_losses.ppo_loss, config=cfg)
+    want = plain(model_output={"log_probs": model(mb["input_ids"])}, data=mb, dp_group=None)[0]
+    for fail_fast in (True, False):
+        d = tmp_path / f"caps-{fail_fast}"
+        cap = lverl.VerlAdapter(str(d), fail_fast=fail_fast, lossguard_bin=sys.executable)
+        loss_fn = cap.wrap(plain)
+        cap.begin_step(0, dp=1, dp_rank=0, rank=0, world_size=1)
+        _call(cap, loss_fn, model, mb, entropy=True)
+        if fail_fast:
+            with pytest.raises(RuntimeError, match="entropy in some micro-batches and not in others"):
+                _call(cap, loss_fn, model, mb, entropy=False)
+        else:
+            got = _call(cap, loss_fn, model, mb, entropy=False)
+            assert torch.equal(got.detach(), want.detach())
+            assert "this step is not measured and the run goes on" in capfd.readouterr().err
+        assert cap._open is None and not os.path.exists(d)
 
 
 def test_which_policy_losses_force_a_mode(tmp_path):
