@@ -237,11 +237,14 @@ def share_captures(key: str, path: str | None, folder: str, *, timeout: float = 
         pass
     needed: list[tuple[int, str]] = []
     for r in range(1, world):
+        # Every rank gets an answer, even one that has not arrived (it will find "0" and go on): a rank
+        # never waits out the timeout for a question rank 0 did not ask. Its name is read with a
+        # non-blocking check — a wait with a tiny timeout can expire under load although the key is there,
+        # which kept such a rank here for the whole timeout and rank 0's agree() waiting for it.
         try:
-            store.wait([f"{base}/name/{r}"], timedelta(seconds=0.001))
-            theirs = store.get(f"{base}/name/{r}").decode()
-        except Exception:                               # noqa: BLE001 - that rank never arrived
-            continue
+            theirs = store.get(f"{base}/name/{r}").decode() if store.check([f"{base}/name/{r}"]) else ""
+        except Exception:                               # noqa: BLE001 - a lost store: nothing is asked
+            theirs = ""
         need = bool(theirs) and os.path.sep not in theirs and not os.path.exists(os.path.join(folder, theirs))
         store.set(f"{base}/need/{r}", "1" if need else "0")
         if need:

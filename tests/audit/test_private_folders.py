@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import time
 
 import torch.multiprocessing as mp
 
@@ -37,9 +38,17 @@ def _worker(rank, world, init, good, root, out):
     got = lc.audit.share_captures("private", os.path.join(mine, name), mine, timeout=60)
     # 2. one shared folder: every file is there already, nothing is sent
     shared = lc.audit.share_captures("shared", os.path.join(good, name), good, timeout=60)
+    # 3. a rank that arrives after rank 0 stopped waiting (2 s) is answered at once, never held for the
+    #    timeout by a question rank 0 did not ask (it used to wait the whole timeout, and a slow store reply
+    #    made any rank look absent: its agree() then came a timeout late)
+    if rank == WORLD - 1:
+        time.sleep(3)
+    t0 = time.monotonic()
+    late = lc.audit.share_captures("late", os.path.join(mine, name), os.path.join(root, "late"), timeout=2)
+    held = time.monotonic() - t0
     with open(os.path.join(out, f"share-{rank}.json"), "w") as f:
         json.dump({"before": before, "received": [os.path.basename(p) for p in got],
-                   "shared": shared, "files": sorted(os.listdir(mine))}, f)
+                   "shared": shared, "files": sorted(os.listdir(mine)), "late": len(late), "held": held}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -59,6 +68,7 @@ def test_captures_in_private_folders_are_audited_on_rank_0(tmp_path):
     assert all(x["received"] == [] and x["files"] == [f"step000000-rank{k:05d}.safetensors"]
                for k, x in enumerate(r) if k > 0)
     assert all(x["shared"] == [] for x in r)                    # a shared folder: names only
+    assert r[0]["late"] == WORLD - 2 and r[WORLD - 1]["held"] < 1.0, r  # the late rank: not asked, not held
     code, doc, err = audit(root / "node0" / "step000000")
     assert code == 0, (doc, err)
     assert len(doc["steps"][0]["ranks"]) == WORLD and doc["steps"][0]["diagnosis"]["kind"] == "exact"
