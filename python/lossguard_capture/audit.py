@@ -205,8 +205,9 @@ def share_captures(key: str, path: str | None, folder: str, *, timeout: float = 
 
     Over the default store, as :func:`agree`: each rank publishes its file's name; rank 0 (once every rank has
     arrived, or after ``timeout``) says which it lacks; those ranks put their file's bytes in the store and rank
-    0 writes them.  Every wait is bounded by ``timeout``: a rank that never answers leaves its file missing, and
-    audit reports the missing rank.  Without a process group (or one rank, or no store) it does nothing."""
+    0 writes them.  Rank 0 waits ``timeout`` for the ranks and for each file, the others ``2*timeout + 30`` s for
+    its question (it comes after rank 0's own wait): a rank that never answers leaves its file missing, and audit
+    reports the missing rank.  Without a process group (or one rank, or no store) it does nothing."""
     try:
         import torch.distributed as dist
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -223,8 +224,8 @@ def share_captures(key: str, path: str | None, folder: str, *, timeout: float = 
         store.set(f"{base}/all", "1")
     wait = timedelta(seconds=timeout)
     if rank != 0:
-        try:
-            store.wait([f"{base}/need/{rank}"], wait)
+        try:            # rank 0 itself may wait `timeout` for the last rank before it asks: wait longer (as agree)
+            store.wait([f"{base}/need/{rank}"], timedelta(seconds=2 * timeout + 30))
             if store.get(f"{base}/need/{rank}") == b"1" and path is not None:
                 with open(path, "rb") as f:
                     store.set(f"{base}/data/{rank}", f.read())

@@ -12,6 +12,7 @@ import os
 import shutil
 import sys
 import time
+from datetime import timedelta
 
 import torch.multiprocessing as mp
 
@@ -41,11 +42,14 @@ def _worker(rank, world, init, good, root, out):
     # 3. a rank that arrives after rank 0 stopped waiting (2 s) is answered at once, never held for the
     #    timeout by a question rank 0 did not ask (it used to wait the whole timeout, and a slow store reply
     #    made any rank look absent: its agree() then came a timeout late)
-    if rank == WORLD - 1:
-        time.sleep(3)
+    store = lc.audit._default_store()
+    if rank == WORLD - 1:          # arrives only once rank 0 has given up on it and returned
+        store.wait(["test/late-done"], timedelta(seconds=60))
     t0 = time.monotonic()
     late = lc.audit.share_captures("late", os.path.join(mine, name), os.path.join(root, "late"), timeout=2)
     held = time.monotonic() - t0
+    if rank == 0:
+        store.set("test/late-done", "1")
     with open(os.path.join(out, f"share-{rank}.json"), "w") as f:
         json.dump({"before": before, "received": [os.path.basename(p) for p in got],
                    "shared": shared, "files": sorted(os.listdir(mine)), "late": len(late), "held": held}, f)
