@@ -71,7 +71,8 @@ NcclLibrary load_nccl(const std::vector<std::string>& candidates, const std::str
 const NcclLibrary& nccl_library(const std::string& what) {
   static std::mutex mutex;
   static std::optional<NcclLibrary> loaded;
-  static std::string failure;
+  static std::string
+      failure;  // the message after the first caller's `what`: each caller names itself
   std::lock_guard<std::mutex> lock(mutex);
   if (!loaded && failure.empty()) {
     std::vector<std::string> prefixes;
@@ -84,10 +85,10 @@ const NcclLibrary& nccl_library(const std::string& what) {
     try {
       loaded = load_nccl(nccl_candidates(env != nullptr ? env : "", prefixes), what);
     } catch (const InputError& e) {
-      failure = e.what();
+      failure = std::string(e.what()).substr(what.size());
     }
   }
-  if (!loaded) throw InputError(failure);
+  if (!loaded) throw InputError(what + failure);
   return *loaded;
 }
 
