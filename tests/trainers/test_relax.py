@@ -49,14 +49,20 @@ def lid(layout):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory):
+    return run_layouts(tmp_path_factory, LAYOUTS, "relax")
+
+
+def run_layouts(tmp_path_factory, layouts, prefix, extra=()):
+    """{(pp, cp, dp): folder}: the driver's run of each layout's scenarios under torchrun (``extra``: more
+    driver arguments, e.g. --relax-src), then its float64 reference (also test_relax_source.py's)."""
     out = {}
-    for (pp, cp, dp), scenarios in LAYOUTS.items():
-        d = str(tmp_path_factory.mktemp(f"relax-pp{pp}-cp{cp}-dp{dp}"))
+    for (pp, cp, dp), scenarios in layouts.items():
+        d = str(tmp_path_factory.mktemp(f"{prefix}-pp{pp}-cp{cp}-dp{dp}"))
         common = ["--trainer", "relax", "--pp", str(pp), "--cp", str(cp), "--scenarios", ",".join(scenarios)]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(pp * cp * dp),
-               drv.__file__, "--out", d, *common]
+               drv.__file__, "--out", d, *common, *extra]
         gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=child_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=child_env())
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
         r = subprocess.run([sys.executable, drv.__file__, "--reference", d, *common], capture_output=True, text=True,
                            timeout=300, env=child_env())

@@ -25,7 +25,6 @@ import ast
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -37,10 +36,10 @@ with no_cuda_build():                     # megatron-core 0.15.x builds a CUDA a
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import gallery  # noqa: E402
 import slime_relax_driver as drv  # noqa: E402
-from harness import child_env, needs_bin  # noqa: E402
-from test_relax import assert_audit_changes_nothing, assert_gradient_is_sum_of_measured_weights, captures, step_checks  # noqa: E402,E501
+from harness import needs_bin  # noqa: E402
+from test_relax import (assert_audit_changes_nothing, assert_gradient_is_sum_of_measured_weights,  # noqa: E402
+                        captures, run_layouts, step_checks)
 from test_slime import world  # noqa: E402
 
 with open(os.path.join(HERE, "relax_source_manifest.json")) as _f:
@@ -73,20 +72,7 @@ def runs(tmp_path_factory):
     why = _missing_src()
     if why:
         pytest.skip(why)
-    out = {}
-    for (pp, cp, dp), scenarios in LAYOUTS.items():
-        d = str(tmp_path_factory.mktemp(f"relax-source-pp{pp}-cp{cp}-dp{dp}"))
-        common = ["--trainer", "relax", "--pp", str(pp), "--cp", str(cp), "--scenarios", ",".join(scenarios)]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(pp * cp * dp),
-               drv.__file__, "--out", d, *common, "--relax-src", SRC]
-        gallery.remember_run(d, cmd)
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=500, env=child_env())
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-        r = subprocess.run([sys.executable, drv.__file__, "--reference", d, *common], capture_output=True, text=True,
-                           timeout=300, env=child_env())
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-        out[(pp, cp, dp)] = d
-    return out
+    return run_layouts(tmp_path_factory, LAYOUTS, "relax-source", ["--relax-src", SRC])
 
 
 def test_manifest_pins_every_file_by_commit_and_hash():
