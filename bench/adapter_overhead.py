@@ -38,6 +38,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.abspath(os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(ROOT, "python"))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
@@ -45,12 +46,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 import lossguard_capture.adapter as ladapter  # noqa: E402
 import lossguard_capture.hf as lhf  # noqa: E402
 
-MODES = ("plain", "attached", "recording", "default")
-#: tensor methods that read a value on the host (on a device: a synchronisation each), and functions whose
-#: output size or value depends on the data: torch.equal, nonzero, masked_select, indexing with a bool mask
-SYNC_METHODS = ("item", "cpu", "tolist", "numpy", "__bool__", "__int__", "__float__", "nonzero", "masked_select")
-SYNC_FUNCTIONS = ("equal", "nonzero", "masked_select")
-
+from overhead_common import MODES, SyncCounter, Timed, show_modes, summarise  # noqa: E402
 
 def make_model(vocab, seed):
     torch.manual_seed(seed)
@@ -83,70 +79,6 @@ class StepTimer(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kw):
         self.times.append(time.perf_counter() - self._t0)
-
-
-class Timed:
-    """Wraps a module function, summing its wall time."""
-
-    def __init__(self, module, name):
-        self.module, self.name, self.total = module, name, 0.0
-        self.orig = getattr(module, name)
-
-        def wrapped(*a, **k):
-            t = time.perf_counter()
-            try:
-                return self.orig(*a, **k)
-            finally:
-                self.total += time.perf_counter() - t
-        setattr(module, name, wrapped)
-
-    def restore(self):
-        setattr(self.module, self.name, self.orig)
-
-
-class SyncCounter:
-    """Counts host-sync-prone tensor calls made by lossguard_capture's code (the first caller outside torch's
-    own Python code is a lossguard_capture file: the Trainer's own calls under the adapter's wrapper are not)."""
-
-    def __init__(self):
-        self.before_end = self.at_end = 0
-        self.at_step_end = False
-        self._saved = {}
-
-    def _count(self):
-        f = sys._getframe(2)          # the first caller outside torch's own Python code
-        while f is not None and f"{os.sep}torch{os.sep}" in f.f_code.co_filename:
-            f = f.f_back
-        if f is not None and "lossguard_capture" in f.f_code.co_filename:
-            if self.at_step_end:
-                self.at_end += 1
-            else:
-                self.before_end += 1
-
-    def __enter__(self):
-        targets = [(torch.Tensor, n) for n in SYNC_METHODS] + [(torch, n) for n in SYNC_FUNCTIONS]
-        for owner, name in targets:
-            orig = getattr(owner, name)
-            self._saved[(owner, name)] = orig
-
-            def counted(*a, _orig=orig, **k):
-                self._count()
-                return _orig(*a, **k)
-            setattr(owner, name, counted)
-        getitem = torch.Tensor.__getitem__
-        self._saved[(torch.Tensor, "__getitem__")] = getitem
-
-        def indexed(t, idx):
-            parts = idx if isinstance(idx, tuple) else (idx,)
-            if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
-                self._count()
-            return getitem(t, idx)
-        torch.Tensor.__getitem__ = indexed
-        return self
-
-    def __exit__(self, *exc):
-        for (owner, name), orig in self._saved.items():
-            setattr(owner, name, orig)
 
 
 class StepEnd(TrainerCallback):
@@ -212,12 +144,8 @@ def bench_vocab(opt, vocab):
             run("recording", opt, vocab, data, os.path.join(tmp, "sync"), counter)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    ref = statistics.median(steps["plain"])
-    res = {"vocab": vocab, "rows_per_microbatch": opt.bs * opt.seq, "microbatches": opt.ga, "modes": {}}
-    for m in MODES:
-        t = steps[m]
-        res["modes"][m] = {"min_ms": min(t) * 1e3, "median_ms": statistics.median(t) * 1e3,
-                           "ratio_median": statistics.median(t) / ref, "n": len(t)}
+    res = {"vocab": vocab, "rows_per_microbatch": opt.bs * opt.seq, "microbatches": opt.ga,
+           "modes": summarise(steps)}
     res["default_audited_step"] = {"median_ms": statistics.median(audited) * 1e3,
                                    "audit_subprocess_median_ms": statistics.median(audit_s) * 1e3,
                                    "verdict_handover_median_ms": statistics.median(handover_s) * 1e3,
@@ -229,9 +157,7 @@ def bench_vocab(opt, vocab):
 
 def show(r):
     print(f"\nvocab {r['vocab']}: {r['microbatches']} micro-batch(es) of {r['rows_per_microbatch']} rows per step")
-    print(f"  {'mode':<10} {'min ms':>9} {'median ms':>10} {'x plain':>8} {'steps':>6}")
-    for m, v in r["modes"].items():
-        print(f"  {m:<10} {v['min_ms']:9.1f} {v['median_ms']:10.1f} {v['ratio_median']:8.3f} {v['n']:6d}")
+    show_modes(r["modes"])
     d = r["default_audited_step"]
     print(f"  default's audited step 0: {d['median_ms']:.1f} ms median, of which lossguard audit "
           f"{d['audit_subprocess_median_ms']:.1f} ms, the verdict's hand-over {d['verdict_handover_median_ms']:.2f} ms")

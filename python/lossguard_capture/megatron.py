@@ -945,8 +945,9 @@ class MegatronAdapter(Adapter):
         if tuple(local.shape) != (b, s // cp):
             self._fail(st, f"megatron's CP split gave {tuple(local.shape)} for rows {(b, s)} at cp {cp}")
         want = zigzag_owned_logit_positions(s, s - 1, cp, r)          # response j <-> logit j (prompt 1)
-        row = local[0].tolist()
-        if any(local[i].tolist() != row for i in range(1, b)):
+        rows = local.tolist()
+        row = rows[0]
+        if any(other != row for other in rows[1:]):
             self._fail(st, "megatron's CP split differs between rows")
         got = sorted(p for p in row if p < s - 1)
         if got != want:
