@@ -118,6 +118,8 @@ def run_audit(paths: Sequence[str], *, binary: str | None = None, args: Sequence
     cmd: list[str] = [exe, "audit", *[str(p) for p in paths], *[str(a) for a in args]]
     if json_path is not None:
         cmd += ["--json", json_path]
+        if os.path.lexists(json_path):          # an earlier run's report must not stand for this one
+            os.remove(json_path)
     try:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
@@ -125,7 +127,28 @@ def run_audit(paths: Sequence[str], *, binary: str | None = None, args: Sequence
     except OSError as e:
         raise AuditError(f"lossguard audit could not run: {e}: {' '.join(cmd)}") from e
     text = r.stdout + (("\n" if r.stdout and not r.stdout.endswith("\n") else "") + r.stderr if r.stderr else "")
+    if json_path is not None and r.returncode in (0, 1, 3):
+        _check_report(json_path, r.returncode, cmd)
     return AuditResult(r.returncode, text, cmd, [str(p) for p in paths], step, json_path)
+
+
+def _check_report(json_path: str, exit_code: int, cmd: Sequence[str]) -> None:
+    """A verdict (exit 0, 1 or 3) stands only with the JSON report lossguard writes for it: a binary that exits 0
+    without one (a wrapper script, ``true``, another program called lossguard) gave no verdict."""
+    why = None
+    try:
+        with open(json_path) as f:
+            report = json.load(f)
+        if not isinstance(report, dict) or report.get("schema") != "lossguard/1":
+            why = f"{json_path} is not a lossguard report (no schema lossguard/1)"
+        elif report.get("exit_code") != exit_code:
+            why = f"the report {json_path} says exit {report.get('exit_code')}, the process exited {exit_code}"
+    except FileNotFoundError:
+        why = f"it wrote no report at {json_path}"
+    except (OSError, ValueError) as e:
+        why = f"its report {json_path} cannot be read: {e}"
+    if why is not None:
+        raise AuditError(f"{cmd[0]} exited {exit_code} but {why}: is it lossguard? (command: {' '.join(cmd)})")
 
 
 def _default_store() -> Any:

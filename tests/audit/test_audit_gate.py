@@ -674,3 +674,27 @@ def test_a_batch_counted_in_rollouts_is_not_a_finding(tmp_path):
     rewrite(tmp_path, 3, lambda t: None, lambda m: m.__setitem__("global_batch_unit", "prompts"))
     code, doc, err = audit(tmp_path)
     assert code == 2 and "global_batch_unit = 'prompts' is not samples or rollouts" in err, err
+
+
+@pytest.mark.skipif(not os.path.exists(LOSSGUARD), reason="needs the lossguard binary (build/cli/lossguard)")
+def test_run_audit_takes_a_verdict_only_with_its_report(good, tmp_path):
+    """A verdict stands only with the JSON report lossguard writes for it: a 'binary' that exits 0 without one
+    (``true``, a wrapper that swallows the command) gives no verdict, and a stale report is not read as this
+    run's; the real binary's PASS comes with its report."""
+    json_path = str(tmp_path / "audit.json")
+    res = lc.run_audit([str(good)], binary=LOSSGUARD, json_path=json_path)
+    assert res.exit_code == 0 and res.passed, res.text
+    with open(json_path) as f:
+        assert json.load(f)["verdict"] == "pass"
+    fake = tmp_path / "lossguard"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    with pytest.raises(lc.AuditError, match=r"exited 0 but it wrote no report at .*audit\.json: is it lossguard"):
+        lc.run_audit([str(good)], binary=str(fake), json_path=json_path)      # the earlier report is not taken
+    liar = tmp_path / "liar"
+    liar.write_text("#!/bin/sh\nfor a; do last=$a; done\n"
+                    "printf '{\"schema\": \"lossguard/1\", \"verdict\": \"fail\", \"exit_code\": 1}' > \"$last\"\n"
+                    "exit 0\n")
+    liar.chmod(0o755)
+    with pytest.raises(lc.AuditError, match="says exit 1, the process exited 0"):
+        lc.run_audit([str(good)], binary=str(liar), json_path=json_path)
