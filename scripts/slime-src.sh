@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Materialises, OUTSIDE this repository, the files of THUDM/slime that the "history" tier of the slime
-# tests runs (tests/trainers/test_slime_history.py, tests/trainers/slime_history_manifest.json): slime's
-# real loss module and what it imports from slime, at each named commit, as
+# Materialises, OUTSIDE this repository, the files of THUDM/slime that the real-source tiers of the slime
+# tests run: the "history" tier (tests/trainers/test_slime_history.py, tests/trainers/slime_history_manifest.json:
+# slime's real loss module and what it imports from slime, at four commits) and the "source" tier
+# (tests/trainers/test_slime_source.py, tests/trainers/slime_source_manifest.json: the training step itself —
+# initialize.py, model.py, data.py, loss.py and their imports — at the head commit), each commit as
 #
 #     DEST/<full commit hash>/slime/backends/megatron_utils/loss.py ...
 #
 # No slime code is kept in this repository: the tests read these files at run time from the folder named
 # by LOSSGUARD_SLIME_SRC (this script's DEST).
 #
-#     scripts/slime-src.sh DEST [COMMIT...]                  # default: the four commits of the manifest
+#     scripts/slime-src.sh DEST [COMMIT...]                  # default: the five commits of both manifests
 #     SLIME_GIT=/path/to/slime scripts/slime-src.sh DEST     # read from a clone you have (bare or not)
 #     LOSSGUARD_SLIME_SRC=DEST ~/.cache/lossguard/venv-megatron/bin/python -m pytest -q \
 #         tests/trainers/test_slime_history.py
@@ -23,6 +25,7 @@ DEFAULT_COMMITS=(
   763f18d5bd24deb456e863086455983d474ffb75   # (B) fix #987: no scale on the per-token path
   9e5a857e507f95245e88ab567dda8a9b62a24fc4   # (A) parent: per-token loss not x cp
   f9f00b2cba3c31d8e80e9ceb50750cd32ea068c1   # (A) fix #990: per-token loss x cp
+  624b824a898ab0ec1fcb4d373004c7f3852bf515   # the source tier's head (main, 2026-08-21): HEAD_FILES
 )
 FILES=(
   slime/backends/megatron_utils/loss.py
@@ -30,6 +33,38 @@ FILES=(
   slime/utils/ppo_utils.py
   slime/utils/types.py
   slime/utils/distributed_utils.py
+)
+# the source tier's commit and files (tests/trainers/slime_source_manifest.json's "real": keep in step with it)
+HEAD_COMMIT=624b824a898ab0ec1fcb4d373004c7f3852bf515
+HEAD_FILES=(
+  slime/__init__.py
+  slime/backends/__init__.py
+  slime/backends/megatron_utils/__init__.py
+  slime/backends/megatron_utils/initialize.py
+  slime/backends/megatron_utils/model.py
+  slime/backends/megatron_utils/data.py
+  slime/backends/megatron_utils/loss.py
+  slime/backends/megatron_utils/cp_utils.py
+  slime/backends/megatron_utils/checkpoint.py
+  slime/backends/megatron_utils/model_provider.py
+  slime/backends/megatron_utils/stateless_adam.py
+  slime/backends/megatron_utils/megatron_patch/__init__.py
+  slime/backends/megatron_utils/megatron_patch/megatron_chunked_grad_coalesce_patch.py
+  slime/observability/__init__.py
+  slime/observability/train_metric_utils.py
+  slime/observability/metric_utils.py
+  slime/observability/timer.py
+  slime/utils/__init__.py
+  slime/utils/accelerator/__init__.py
+  slime/utils/accelerator/base.py
+  slime/utils/accelerator/cuda.py
+  slime/utils/accelerator/musa.py
+  slime/utils/accelerator/torch_accelerator.py
+  slime/utils/misc.py
+  slime/utils/types.py
+  slime/utils/ppo_utils.py
+  slime/utils/distributed_utils.py
+  slime/utils/flops_utils.py
 )
 UPSTREAM="https://github.com/THUDM/slime"
 
@@ -80,7 +115,8 @@ for c in "${COMMITS[@]}"; do
   out="$DEST/$full"
   tmp="$(mktemp -d "$DEST/.partial.XXXXXX")"
   ok=1
-  for f in "${FILES[@]}"; do
+  if [[ $full == "$HEAD_COMMIT" ]]; then files=("${HEAD_FILES[@]}"); else files=("${FILES[@]}"); fi
+  for f in "${files[@]}"; do
     mkdir -p "$tmp/$(dirname "$f")"
     if ! git_ show "$full:$f" > "$tmp/$f" 2>/dev/null; then
       echo "slime-src: $full has no readable $f" >&2
@@ -88,7 +124,7 @@ for c in "${COMMITS[@]}"; do
     fi
   done
   if [[ $ok == 1 ]]; then
-    printf 'repository %s\ncommit %s\n%s\n' "$UPSTREAM" "$full" "$(printf 'file %s\n' "${FILES[@]}")" > "$tmp/SOURCE"
+    printf 'repository %s\ncommit %s\n%s\n' "$UPSTREAM" "$full" "$(printf 'file %s\n' "${files[@]}")" > "$tmp/SOURCE"
     rm -rf "$out"
     mv "$tmp" "$out"
     echo "$out"

@@ -44,6 +44,7 @@ megatron_shapes_driver without position embeddings (identity attention: a positi
 token only, so the packed stream's losses are the samples' own).
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -294,7 +295,6 @@ def run(scenario, out, pp, cp, adapter):
     from megatron.core import parallel_state as ps
     mods, lca = modules()
     os.makedirs(out, exist_ok=True)
-    rank = dist.get_rank()
     args = make_args(scenario, pp, cp, adapter)
     ff = scenario.endswith("-ff")
     os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
@@ -335,6 +335,18 @@ def run(scenario, out, pp, cp, adapter):
         dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)
         extra["micro_batch_loss_scales"] = [M / GBS * dpcp] * len(mbi)
     its = [mods["data"].DataIterator(rd, None, mbi, **extra)]
+    _train_and_record(mods, chunks, opt, out, adapter, result,
+                      lambda: mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args))
+
+
+def _train_and_record(mods, chunks, opt, out, adapter, result, train):
+    """Runs ``train()`` (the trainer's rollout of STEPS steps: it returns [(reported, grad norm)] per step) with the
+    test's own view of each step — this rank's parameters before forward_backward_func and its ``main_grad`` after
+    (finalize_model_grads ran inside it) — and saves them, the final parameters and ``result`` in ``out``; fail
+    fast's stop is recorded (with whether the parameters stayed those of the failing step)."""
+    import lossguard_capture.slime as lcs
+    from megatron.core import parallel_state as ps
+    rank = dist.get_rank()
     record = {"grads": [], "params": []}
     real_fb = mods["model"].get_forward_backward_func
 
@@ -342,6 +354,8 @@ def run(scenario, out, pp, cp, adapter):
         fb = real_fb()
 
         def run_fb(**kw):
+            if kw.get("forward_only"):
+                return fb(**kw)
             record["params"].append({n: p.detach().clone() for n, p in shapes.named_params(chunks)})
             out = fb(**kw)
             record["grads"].append({n: {"grad": p.main_grad.detach().clone(), "partition_dim": -1, "tp_rank": 0}
@@ -350,7 +364,7 @@ def run(scenario, out, pp, cp, adapter):
         return run_fb
     mods["model"].get_forward_backward_func = get_forward_backward_func
     try:
-        out_steps = mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args)
+        out_steps = train()
         result["reported"] = [r for r, _ in out_steps]
         result["grad_norm"] = [float(g) for _, g in out_steps]
     except Exception as e:
@@ -486,6 +500,263 @@ def _overlay(shape, package, files):
     return real
 
 
+# ---- the source tier: slime's own training step at its head (--slime-source) ------------------------------
+SLIME_SOURCE = None     # --slime-source ROOT: slime's real modules at the manifest's commit, ROOT/<commit>/<path>
+#: the source tier's planted bugs (adapter runs only), each around slime's real code, none in it
+SOURCE_PLANTS = {"bug-cp": SCENARIOS["pt"], "bug-denoms": SCENARIOS["sm"]}
+
+
+def source_tier():
+    """tests/trainers/slime_source_manifest.json: the commit, the real files, the stand-ins."""
+    with open(os.path.join(HERE, "slime_source_manifest.json")) as f:
+        return json.load(f)
+
+
+def overlay_slime_source(root):
+    """slime's real modules at the manifest's commit, read from ``root/<commit>/<path>`` (scripts/slime-src.sh), laid
+    over a copy of tests/trainers/slime_head_stand_ins/slime (the few modules whose real imports cannot run here:
+    httpx, psutil, wandb) in a temporary folder first on sys.path; the stand-ins' ``site`` (Megatron-LM's
+    ``megatron.training``, tqdm) goes LAST on sys.path. A real file never lies over a stand-in (refused).
+    Returns {path: sha256 of the real file as read}."""
+    m = source_tier()
+    src = os.path.join(root, m["commit"])
+    files = {rel: os.path.join(src, rel) for rel in m["real"]}
+    gone = [rel for rel, f in files.items() if not os.path.isfile(f)]
+    if gone:
+        raise SystemExit(f"--slime-source {root}: lacks {m['commit'][:7]}:{', '.join(gone[:3])} "
+                         "(scripts/slime-src.sh DEST writes DEST/<commit>/<path> for every file of "
+                         "tests/trainers/slime_source_manifest.json)")
+    stand = os.path.join(HERE, "slime_head_stand_ins")
+    both = [rel for rel in files if os.path.exists(os.path.join(stand, rel))]
+    assert not both, f"a stand-in and a real file at the same path: {both}"
+    real = _overlay("slime_head_stand_ins", "slime", files)
+    sys.path.append(os.path.join(stand, "site"))
+    return real
+
+
+def cpu_accelerator():
+    """This CPU as a slime accelerator: a subclass of slime's own ``Accelerator`` contract
+    (slime/utils/accelerator/base.py:17 @624b824), installed with slime's ``set_accelerator``
+    (accelerator/__init__.py:221), its "dependency injection" point. slime picks CUDA or MUSA otherwise and, on a
+    machine with neither, raises "No usable accelerator" (accelerator/__init__.py:198) where data.py:90 asks for
+    ``accelerator.device()`` (get_batch's cu_seqlens)."""
+    from slime.utils import accelerator
+    from slime.utils.accelerator.base import Accelerator
+
+    class CPUAccelerator(Accelerator):
+        name, device_type, communication_backend_name = "cpu", "cpu", "gloo"
+
+        def is_available(self):
+            return True
+
+        def device(self, index=None):
+            return torch.device("cpu")
+
+        def device_name(self, index=None):
+            return "cpu"
+
+        def set_device(self, index):
+            pass
+
+        def current_device(self):
+            return "cpu"
+
+        def device_count(self):
+            return 1
+
+        def synchronize(self, device=None):
+            pass
+
+        def current_stream(self, device=None):
+            return None
+
+        def empty_cache(self):
+            pass
+
+        def mem_get_info(self, device=None):
+            return (0, 0)
+
+        def memory_allocated(self, device=None):
+            return 0
+
+        def memory_reserved(self, device=None):
+            return 0
+    accelerator.set_accelerator(CPUAccelerator())
+
+
+@contextlib.contextmanager
+def cuda_rng_on_cpu():
+    """slime's init seeds Megatron's CUDA RNG tracker (initialize.py:30 @624b824:
+    ``tensor_parallel.model_parallel_cuda_manual_seed``), whose ``add`` reads and restores the CUDA generator's state
+    (megatron/core/tensor_parallel/random.py:235-240 in 0.16.1) — without a driver, "Found no NVIDIA driver". Inside
+    this block (init only) the CUDA generator is a CPU ``torch.Generator``: the tracker's states are seeded and kept
+    as on a GPU (they serve dropout in tensor-parallel regions: the tier's dropout is 0, TP 1)."""
+    import megatron.core.tensor_parallel.random as mrandom
+    gen = torch.Generator()
+    saved = (torch.cuda.get_rng_state, torch.cuda.manual_seed, mrandom._set_cuda_rng_state)
+    torch.cuda.get_rng_state = lambda device="cuda": gen.get_state()
+    torch.cuda.manual_seed = lambda seed: gen.manual_seed(seed)
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: gen.set_state(state)
+    try:
+        yield
+    finally:
+        torch.cuda.get_rng_state, torch.cuda.manual_seed, mrandom._set_cuda_rng_state = saved
+
+
+def source_model_provider(pre_process=True, post_process=True):
+    """The test's tiny GPTModel (as :func:`build`), loaded by slime's own ``--custom-model-provider-path`` branch
+    (model_provider.py:97-116 @624b824): the stage's layers from the args slime's ``get_args`` returns."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training.global_vars import get_args
+    a = get_args()
+    config = shapes.make_config(a.pipeline_model_parallel_size, 1, a.context_parallel_size, a.calculate_per_token_loss)
+    config.variable_seq_lengths = True      # slime trains packed streams of any length (its arguments set it)
+    torch.manual_seed(SEED)
+    return GPTModel(config=config, transformer_layer_spec=base.layer_spec(), vocab_size=VOCAB, max_sequence_length=64,
+                    position_embedding_type="none", share_embeddings_and_output_weights=False,
+                    pre_process=pre_process, post_process=post_process)
+
+
+def make_source_args(scenario, pp, cp, adapter):
+    """make_args' fields and what slime's real init, setup_model_and_optimizer, forward_only, train, train_one_step,
+    get_batch and loss read beside them at 624b824 — the values slime's arguments give by default
+    (slime/utils/arguments.py and Megatron-LM's; the tier's own choices marked): initialize.py:37-104, model.py:203-231
+    (the LR schedule: 3 steps of 4 rollouts, linear from 0.01 to 0.001, as :func:`build`), 290-320, 454, 500,
+    550-700, 738-940, loss.py:549, 1297-1330, ppo_utils' ``compute_policy_loss(eps_clip_c=)``."""
+    a = make_args(scenario if scenario in SCENARIOS else "pt", pp, cp, adapter)
+    for k, v in (SOURCE_PLANTS.get(scenario) or {}).items():
+        setattr(a, k, v)
+    world = dist.get_world_size()
+    for k, v in dict(
+            # initialize.py:37-104 (Megatron-LM's defaults)
+            rank=dist.get_rank(), world_size=world, data_parallel_size=world // (pp * cp), seed=SEED,
+            virtual_pipeline_model_parallel_size=None, pipeline_model_parallel_comm_backend=None,
+            hierarchical_context_parallel_sizes=None, expert_model_parallel_size=1, expert_tensor_parallel_size=1,
+            num_distributed_optimizer_instances=1, distributed_timeout_minutes=10, nccl_communicator_config_path=None,
+            use_tp_pp_dp_mapping=False, enable_gloo_process_groups=True, enable_experimental=False,
+            data_parallel_random_init=False, te_rng_tracker=False, inference_rng_tracker=False, rampup_batch_size=None,
+            decrease_batch_size_if_needed=False, deterministic_mode=False, tp_comm_overlap=False,
+            # setup_model_and_optimizer (model.py:290-320): the model by --custom-model-provider-path (the tier's);
+            # its assertion asks for a checkpoint path, which only initialize_model_and_optimizer (not run) loads
+            moe_use_upcycling=False, load="/nonexistent/not-loaded", pretrained_checkpoint=None, num_rollout=1,
+            custom_model_provider_path="slime_relax_driver.source_model_provider", use_stateless_adam=False,
+            optimizer="adam", lr=0.01, min_lr=0.001, weight_decay=0.01, clip_grad=0.0, bf16=False, fp16=False,
+            use_distributed_optimizer=False,
+            # get_optimizer_param_scheduler (model.py:203-231)
+            lr_decay_iters=None, lr_wsd_decay_iters=None, lr_warmup_fraction=None, lr_warmup_iters=0,
+            lr_warmup_init=0.0, lr_decay_style="linear", start_weight_decay=0.01, end_weight_decay=0.01,
+            weight_decay_incr_style="constant", use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=False, lr_wsd_decay_style="exponential",
+            # forward_only, train_one_step, train (model.py:347-940)
+            allgather_cp=False, rollout_top_p=1.0, use_dynamic_batch_size=False, save_debug_train_data=None,
+            enable_mtp_training=False, decoder_seq_length=None, ci_test=False, overlap_grad_reduce=False,
+            overlap_param_gather=False, align_grad_reduce=True, align_param_gather=False, reset_optimizer_states=False,
+            manual_gc=False, ci_save_grad_norm=None, ci_load_grad_norm=None, ci_disable_kl_checker=False,
+            # the loss (loss.py)
+            log_probs_chunk_size=-1, use_opsm=False, eps_clip_c=None, recompute_loss_function=False,
+            use_unbiased_kl=False, use_wandb=False, use_tensorboard=False).items():
+        setattr(a, k, v)
+    return a
+
+
+def plant_source(scenario, mods):
+    """A bug planted AROUND slime's real code (its files unchanged), before slime's init installs the adapter
+    (which then wraps the planted function as it would a buggy slime's):
+
+    * ``bug-cp`` — the per-token loss not multiplied by CP: slime's real ``loss_function``, its loss divided by
+      the CP size (what slime did before f9f00b2, #990: loss.py:717-718 there; loss.py:1360-1361 @624b824
+      multiplies by it). At CP 2 every token weighs x1/2.
+    * ``bug-denoms`` — the per-rollout denominators dropped: slime's real ``get_sum_of_sample_mean`` called
+      without ``sample_denoms`` (loss.py:1319-1325 @624b824 passes ``batch["rollout_mask_sums"]``): each sample
+      over its own mask count (cp_utils.py:67-68), a per-sample mean where slime's is per rollout."""
+    from megatron.core import mpu
+    if scenario == "bug-cp":
+        real = mods["model"].loss_function
+
+        def loss_function(args, batch, num_microbatches, step_global_batch_size, logits):
+            loss, count, log = real(args, batch, num_microbatches, step_global_batch_size, logits)
+            return loss / mpu.get_context_parallel_world_size(), count, log
+        mods["model"].loss_function = loss_function
+    elif scenario == "bug-denoms":
+        real = mods["loss"].get_sum_of_sample_mean
+
+        def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, sample_denoms=None,
+                                   calculate_per_token_loss=False):
+            return real(total_lengths, response_lengths, loss_masks, None, calculate_per_token_loss)
+        mods["loss"].get_sum_of_sample_mean = get_sum_of_sample_mean
+
+
+def run_source(scenario, out, pp, cp, adapter):
+    """One job through slime's OWN modules (:func:`overlay_slime_source`): its ``init`` (which loads the init hook
+    with its ``load_function``), ``setup_model_and_optimizer``, ``get_data_iterator``, ``forward_only`` (the old
+    log-probs, as its actor's ``compute_log_prob``: actor.py:357-372, 447-453 @624b824) and ``train`` (its
+    ``train_one_step``, ``get_batch`` and ``loss_function``), over one rollout of :data:`SAMPLES`."""
+    import importlib
+
+    import lossguard_capture.slime as lcs
+    import numpy as np
+    from megatron.core import parallel_state as ps
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+    mods = {k: importlib.import_module(f"slime.backends.megatron_utils.{k}")
+            for k in ("initialize", "model", "data", "loss", "cp_utils")}
+    from slime.observability import logging_utils
+    os.makedirs(out, exist_ok=True)
+    args = make_source_args(scenario, pp, cp, adapter)
+    ff = scenario.endswith("-ff")
+    os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
+                      LOSSGUARD_STEPS="1" if ff else "0,1,2", LOSSGUARD_FAIL_FAST="1" if ff else "0",
+                      LOSSGUARD_CHAIN_INIT="slime_relax_driver.user_init",
+                      LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP="slime_relax_driver.user_before_train_step")
+    USER_HOOKS.update(init=0, steps=[])
+    lcs._AUDIT = None                         # one process runs several jobs here; a trainer runs one
+    _reset_patches(mods)
+    logging_utils.LOGGED.clear()
+    plant_source(scenario, mods)
+    # initialize.py:66 asserts numpy 1.x (NVIDIA/Megatron-LM#1563: Megatron's checkpointing and datasets); the
+    # venv's numpy is 2.x and nothing of this run reaches what the assertion guards: the version reads 1.x there
+    version = np.__version__
+    np.__version__ = "1.26.4"
+    try:
+        with cuda_rng_on_cpu():
+            mods["initialize"].init(args)
+    finally:
+        np.__version__ = version
+    chunks, opt, sched = mods["model"].setup_model_and_optimizer(args)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rd, mbi = rollout_data(dp, dp_rank)
+    # what slime's actor hands train_actor (actor.py:257-268 @624b824): tokens long, loss masks int, the
+    # per-rollout mask totals one float32 tensor; its schedule (micro_batch_indices, num_microbatches,
+    # global_batch_sizes: the rollouts of each step over DP)
+    rd["rollout_mask_sums"] = torch.stack(rd["rollout_mask_sums"]).to(torch.float32)
+    rd.update(micro_batch_indices=mbi, num_microbatches=[M] * STEPS, global_batch_sizes=[GBS] * STEPS)
+    its = mods["data"].get_data_iterator(rd)
+    rd.update(mods["model"].forward_only(mods["loss"].get_log_probs_and_entropy, args, chunks, its,
+                                         rd["num_microbatches"], store_prefix="", use_rollout_top_p_replay=True))
+    result = {"real_src": {"dir": os.path.join(SLIME_SOURCE, source_tier()["commit"]), "real": SRC_REAL,
+                           "loaded": {k: os.path.abspath(m.__file__) for k, m in sorted(mods.items())}}}
+    steps = []
+    real_step = mods["model"].train_one_step
+
+    def train_one_step(*a, **k):              # the test's view of what train() reports per step
+        loss, grad_norm = real_step(*a, **k)
+        steps.append(({key: float(v) for key, v in loss.items()}, grad_norm))
+        return loss, grad_norm
+
+    def train():
+        mods["model"].train_one_step = train_one_step
+        try:
+            mods["model"].train(0, chunks, opt, sched, its, rd["num_microbatches"], rd["global_batch_sizes"])
+        finally:
+            mods["model"].train_one_step = real_step
+        return steps
+    try:
+        _train_and_record(mods, chunks, opt, out, adapter, result, train)
+    finally:
+        destroy_num_microbatches_calculator()
+    with open(os.path.join(out, f"logged-rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(logging_utils.LOGGED, f)
+
+
 # ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
 def reference(d, layers, scenarios):
     """For each scenario's adapter run and step: the applied gradient (one DP x CP replica's main_grad, the
@@ -575,11 +846,18 @@ def main():
     ap.add_argument("--trainer", choices=("slime", "relax"), default="slime")
     ap.add_argument("--slime-src", help="a folder holding slime's real modules (slime/...): they replace the "
                                         "shape's (scripts/slime-src.sh)")
+    ap.add_argument("--slime-source", help="a folder holding slime's real files as <commit>/<path> "
+                                           "(scripts/slime-src.sh): slime's own training step at "
+                                           "tests/trainers/slime_source_manifest.json's commit")
     ap.add_argument("--relax-src", help="a folder holding Relax's real files as <commit>/<path> "
                                         "(scripts/relax-src.sh): the manifest's tier replaces the shape's modules")
     a = ap.parse_args()
-    global TRAINER, SLIME_SRC, RELAX_SRC, SRC_REAL, TRANSPLANTED
+    global TRAINER, SLIME_SRC, RELAX_SRC, SRC_REAL, TRANSPLANTED, SLIME_SOURCE
     TRAINER = a.trainer
+    if a.slime_source:
+        assert TRAINER == "slime" and not a.slime_src, "--slime-source is slime's, alone"
+        SLIME_SOURCE = os.path.abspath(a.slime_source)
+        SRC_REAL = overlay_slime_source(SLIME_SOURCE)
     if a.slime_src:
         assert TRAINER == "slime", "--slime-src is slime's"
         SLIME_SRC = os.path.abspath(a.slime_src)
@@ -594,12 +872,20 @@ def main():
     if a.reference:
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
         try:
-            reference(a.reference, a.pp, [s for s in scenarios if s not in PLANTED])
+            reference(a.reference, a.pp, [s for s in scenarios if s not in PLANTED and s not in SOURCE_PLANTS])
         finally:
             dist.destroy_process_group()
         return
     dist.init_process_group("gloo")
     try:
+        if SLIME_SOURCE:
+            with cuda_on_cpu():
+                cpu_accelerator()
+                for scenario in scenarios:
+                    for adapter in ((True,) if scenario in PLANTED or scenario in SOURCE_PLANTS else (True, False)):
+                        run_source(scenario, os.path.join(a.out, scenario, "adapter" if adapter else "plain"), a.pp,
+                                   a.cp, adapter)
+            return
         with cuda_on_cpu():
             for scenario in scenarios:
                 for adapter in ((True,) if scenario in PLANTED else (True, False)):
