@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Checks the user-facing Markdown (README.md, docs/*.md, python/README.md) for damage an edit can do
-without any build noticing: a paragraph pasted twice (one commit once inserted the same paragraph
-between every character of the README, 32 MB), a file grown past any plausible size, a relative link to
-a file that is not in the repository, a path of this repository named in prose (`python/README.md`,
-`io/flat_pickle.cpp:120`) that is not there, a front page (the top-level README.md) grown past 200 lines, and a
-`lossguard <command> --option` shown in the front page's code blocks that the binary does not have.
+"""Checks the user-facing Markdown (every tracked *.md: README.md, docs/, docs/adapters/, python/README.md)
+for damage an edit can do without any build noticing: a paragraph pasted twice (one commit once inserted
+the same paragraph between every character of the README, 32 MB), a file grown past any plausible size, a
+relative link to a file that is not in the repository or to a heading that is not in its page, a path of
+this repository named in prose (`python/README.md`, `io/flat_pickle.cpp:120`, in backticks or bare) that is
+not there, a page of docs/ (or python/README.md) that the one index, docs/README.md, does not link, a front
+page (the top-level README.md) grown past 200 lines, and a `lossguard <command> --option` shown in the
+front page's code blocks that the binary does not have.
 
-usage: docs_check.py REPO_ROOT [--binary LOSSGUARD] [FILE ...]   (files default to the repository's Markdown)
+usage: docs_check.py REPO_ROOT [--binary LOSSGUARD] [FILE ...]   (files default to the repository's Markdown,
+                                                                  and then the index is checked too)
        docs_check.py --self-test              (shows the check rejecting each kind of damage)
 The commands are checked against `LOSSGUARD --help` and `LOSSGUARD <command> --help`; without --binary,
 $LOSSGUARD_BIN or REPO_ROOT/build/cli/lossguard is used, and when there is none the commands are reported
@@ -174,21 +177,74 @@ def repo_layout(root):
     return layout
 
 
+BARE_PATH = re.compile(r"(?<![\w/.~-])([A-Za-z_][\w.+-]*/[\w./+-]*\.[A-Za-z]\w*)(?::\d+(?:[-,]\d+)*)?")
+
+
 def named_paths(text):
-    """(line, path) of each inline code span of the prose that names a path (`dir/file.ext`, optionally
-    `:LINE` or `:A-B`); fenced code is commands and output, not checked here."""
+    """(line, path) of each path the prose names: an inline code span that is a path (`dir/file.ext`,
+    optionally `:LINE` or `:A-B`), or a bare `dir/file.ext` outside code spans and link targets (the link
+    targets are checked as links). Fenced and indented code is commands and output, not checked here."""
     out, fenced = [], False
     for n, line in enumerate(text.split("\n"), 1):
         if line.lstrip().startswith("```"):
             fenced = not fenced
             continue
-        if fenced:
+        if fenced or line.startswith("    ") and not line.lstrip().startswith(("*", "-", "|")):
             continue
         for span in re.findall(r"`([^`\s]+)`", line):
             m = re.fullmatch(r"([A-Za-z_][\w.+-]*/[\w./+-]*?)(?::\d+(?:[-,]\d+)*)?", span)
             if m:
                 out.append((n, m.group(1).rstrip("/")))
+        prose = re.sub(r"\]\([^)]*\)", "]", re.sub(r"`[^`]*`", " ", line))
+        out += [(n, m.group(1)) for m in BARE_PATH.finditer(prose)]
     return out
+
+
+def slug(heading):
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped, spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text):
+    """The anchors of a Markdown text's headings (a repeated one gets -1, -2, ... as on GitHub)."""
+    out, fenced = set(), False
+    for line in text.split("\n"):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        if m:
+            name, k = slug(m.group(1)), 1
+            while name in out:
+                name, k = f"{slug(m.group(1))}-{k}", k + 1
+            out.add(name)
+    return out
+
+
+def check_index(root, index="docs/README.md"):
+    """The one index: every page under docs/ (templates aside) and python/README.md is linked from it."""
+    index_path = root / index
+    if not index_path.exists():
+        return []
+    linked = {(index_path.parent / t).resolve()
+              for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", index_path.read_text(encoding="utf-8"))}
+    pages = [p for p in sorted((root / "docs").rglob("*.md")) if ".template." not in p.name and p != index_path]
+    pages += [p for p in [root / "python" / "README.md"] if p.exists()]
+    return [f"{index}: does not link {p.relative_to(root)} (the one index links every page)"
+            for p in pages if p.resolve() not in linked]
+
+
+def markdown_files(root):
+    """Every Markdown file of the repository (git's list, new files not ignored included; else the tree's,
+    build folders aside), the front page first."""
+    try:
+        names = subprocess.run(["git", "-C", str(root), "ls-files", "--cached", "--others", "--exclude-standard",
+                                "*.md"], capture_output=True, text=True, check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        names = [str(p.relative_to(root)) for p in root.rglob("*.md")
+                 if not any(part.startswith((".", "build")) for part in p.relative_to(root).parts)]
+    files = sorted(root / n for n in names if (root / n).is_file())
+    return sorted(files, key=lambda p: p != root / "README.md")
 
 
 def check_paths(rel, text, root, layout):
@@ -232,11 +288,15 @@ def check(root, path, binary=None, layout=None):
         else:
             seen[para] = line
     for n, line in enumerate(text.split("\n"), 1):
-        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", line):
+        for target, frag in re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", line):
             if re.match(r"[a-z]+:", target):
                 continue  # http:, https:, mailto:
-            if not (path.parent / target).exists():
+            dest = path.parent / target if target else path
+            if not dest.exists():
                 problems.append(f"{rel}:{n}: link to {target}, which is not in the repository")
+            elif frag and dest.suffix == ".md" and frag not in anchors(dest.read_text(encoding="utf-8")):
+                problems.append(f"{rel}:{n}: link to {target or rel.name}#{frag}, a heading that page does "
+                                "not have")
     problems += check_paths(rel, text, root, layout if layout is not None else repo_layout(root))
     return problems
 
@@ -260,7 +320,7 @@ def self_test():
         root = pathlib.Path(d)
         (root / "here.md").write_text("x")
         good = root / "good.md"
-        good.write_text(f"# Title\n\n{para}\n\n[ok](here.md) [web](https://x.org/a) [anchor](#t)\n")
+        good.write_text(f"# Title\n\n{para}\n\n[ok](here.md) [web](https://x.org/a) [anchor](#title)\n")
         assert check(root, good) == [], check(root, good)
         bad = root / "bad.md"
         bad.write_text(f"{para}\n\nshort\n\n{para}\n\n[gone](missing.md)\n")
@@ -275,6 +335,35 @@ def self_test():
                          "`elsewhere/x.cpp` not our folder.\n```\n`io/gone.cpp` in a fence\n```\n")
         got = check(root, paths)
         assert got == ["paths.md:1: names io/gone.cpp, which is not in the repository"], got
+        # Bare paths in prose too; not in link targets (checked as links), code spans or indented code.
+        paths.write_text("Named bare: io/pickle.cpp:12 is here, io/moved.cpp:3 is not, nor (io/old.cpp).\n"
+                         "[io/pickle.cpp](io/pickle.cpp); elsewhere/x.cpp and io/setup.py are not ours.\n"
+                         "    io/indented.cpp is code\n")
+        got = check(root, paths)
+        assert got == ["paths.md:1: names io/moved.cpp, which is not in the repository",
+                       "paths.md:1: names io/old.cpp, which is not in the repository"], got
+        # A link's #anchor: a heading of the page it points to (GitHub's slugs), or of this page.
+        (root / "page.md").write_text("# A page\n\n## The trainer adapters: one entry\n\n## Tests\n\n"
+                                      "```\n# not a heading\n```\n")
+        links = root / "links.md"
+        links.write_text("## `Capture`: the API\n\n[ok](page.md#the-trainer-adapters-one-entry) [ok](page.md#tests)"
+                         " [ok](#capture-the-api)\n[gone](page.md#supported-releases) [gone](#api)"
+                         " [fenced](page.md#not-a-heading)\n")
+        got = check(root, links)
+        assert got == ["links.md:4: link to page.md#supported-releases, a heading that page does not have",
+                       "links.md:4: link to links.md#api, a heading that page does not have",
+                       "links.md:4: link to page.md#not-a-heading, a heading that page does not have"], got
+        # The one index links every page of docs/ (a subfolder's too, templates aside) and python/README.md.
+        (root / "docs" / "adapters").mkdir(parents=True)
+        (root / "python").mkdir()
+        for name in ("docs/a.md", "docs/adapters/hf.md", "docs/g.template.md", "python/README.md"):
+            (root / name).write_text("x\n")
+        (root / "docs" / "README.md").write_text("[a](a.md) [python](../python/README.md#x)\n")
+        got = check_index(root)
+        assert got == ["docs/README.md: does not link docs/adapters/hf.md (the one index links every page)"], got
+        (root / "docs" / "README.md").write_text("[a](a.md) [hf](adapters/hf.md) [python](../python/README.md)\n")
+        assert check_index(root) == [], check_index(root)
+        assert root / "docs" / "adapters" / "hf.md" in markdown_files(root), markdown_files(root)
         big = root / "big.md"
         big.write_text("word " * (MAX_BYTES // 5 + 1))
         got = check(root, big)
@@ -332,8 +421,9 @@ def self_test():
         (root / "broken").chmod(0o755)
         got = check(root, front, binary=root / "broken")
         assert len(got) == 1 and "--help` failed" in got[0], got
-    print("docs_check self-test: duplicate paragraph, missing link, a stale named path, size, a front page over "
-          f"{MAX_FRONT_LINES} lines, and an unknown command or option in its code blocks each rejected")
+    print("docs_check self-test: duplicate paragraph, missing link, a link to a missing heading, a stale named "
+          f"path (in backticks or bare), a page the index misses, size, a front page over {MAX_FRONT_LINES} "
+          "lines, and an unknown command or option in its code blocks each rejected")
     return 0
 
 
@@ -352,14 +442,15 @@ def main(argv):
         print(__doc__)
         return 2
     root = pathlib.Path(argv[0]).resolve()
-    files = [pathlib.Path(f).resolve() for f in argv[1:]] or (
-        [root / "README.md", root / "python" / "README.md"] + sorted((root / "docs").glob("*.md")))
+    files = [pathlib.Path(f).resolve() for f in argv[1:]] or markdown_files(root)
     binary = find_binary(root, given)
     problems = []
     if given and binary is None:
         problems.append(f"--binary {given}: not an executable file")
     layout = repo_layout(root)
     problems += [p for f in files for p in check(root, f, binary, layout)]
+    if not argv[1:]:
+        problems += check_index(root)
     for p in problems:
         print(p)
     commands = (f"README commands checked against {binary}" if binary else
