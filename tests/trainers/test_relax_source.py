@@ -175,7 +175,7 @@ def test_every_loss_type_of_the_real_dispatch_is_measured_or_refused():
     measured = {"policy_loss": [s for s in drv.RELAX_SCENARIOS if drv.RELAX_SCENARIOS[s].get("loss_type",
                                                                                             "policy_loss") == "policy_loss"],
                 "sft": [s for s in drv.RELAX_SCENARIOS if drv.RELAX_SCENARIOS[s].get("loss_type") == "sft"],
-                "custom_loss": ["per_token (python/README.md: a custom loss hands lossguard its per-token losses)"],
+                "custom_loss": ["per_token (docs/adapters/slime.md: a custom loss hands lossguard its per-token losses)"],
                 "value_loss": ["the critic's loss: not a token-weighted policy objective (adapter skips the critic)"]}
     for case in cases:
         args = SimpleNamespace(loss_type=case, calculate_per_token_loss=True)

@@ -10,7 +10,7 @@ policy term as main, ``kl`` and ``entropy`` declared (SPEC §11).  The tests pro
 
 (a) the adapter changes nothing: every micro-batch's loss and every applied gradient is bit for bit the same;
 (b) the measured weights are verl's arithmetic, written out (:func:`verl_weight` — the formulas the
-    report and python/README.md give), for every token, both steps, every term;
+    report and docs/adapters/verl.md give), for every token, both steps, every term;
 (c) they are the truth: ``sum_k sum_t w^k_t grad(l^k_t)`` over the main, KL and entropy terms (``l_t``
     recomputed in float64 with verl's own policy loss, ``kl_penalty`` and the model's entropy, ``agg_loss``
     replaced by the measured weights) equals the gradient the optimizer applied (after FSDP's mean over DP);
