@@ -26,7 +26,7 @@ std::string reproduced_by(const std::vector<std::string>& matches) {
 }
 
 // One step's text: heading, checks, what reproduces its weights, findings, verdict.
-void print_step(const oracle::AuditStep& s, bool strict_scale, bool explain, std::ostream& out) {
+void print_step(const oracle::AuditStep& s, bool explain, std::ostream& out) {
   int64_t mbs = 0;
   for (const auto& mb : s.layout.microbatches) mbs += !mb.dummy;
   out << fmt::format(
@@ -51,7 +51,7 @@ void print_step(const oracle::AuditStep& s, bool strict_scale, bool explain, std
     out << fmt::format("  {} reproduced by: {}\n", t.term.name, reproduced_by(t.matches));
   }
   for (const auto& f : s.findings) out << "  [" << f.kind << "] " << f.message << "\n";
-  out << fmt::format("  verdict: {}\n", s.failed(strict_scale) ? "FAIL" : "pass");
+  out << fmt::format("  verdict: {}\n", s.failed ? "FAIL" : "pass");
 }
 
 nlohmann::ordered_json ranks_json(const oracle::AuditStep& s) {
@@ -110,27 +110,28 @@ nlohmann::ordered_json step_json(const oracle::AuditStep& s) {
 }
 
 void write_svg(const oracle::AuditStep& s, const std::string& path) {
+  if (s.shards.empty())
+    throw_input_error("--svg {}: step {}'s weights were not judged, nothing to draw ({})", path,
+                      s.step, s.summary);
   std::ofstream svg(path);
-  const auto shards = oracle::shard_ratios(s.batch, s.measured, s.truth, s.place, s.layout);
   Contract measured;
   measured.preset = fmt::format("measured (step {})", s.step);
-  if (!(svg << weights_svg(s.layout, shards, s.diagnosis, measured)))
+  if (!(svg << weights_svg(s.layout, s.shards, s.summary, measured)))
     throw_input_error("{}: cannot write the SVG", path);
 }
 
 }  // namespace
 
-void render_audit(const std::vector<oracle::AuditStep>& steps,
-                  const std::vector<RankCapture>& captures, bool strict_scale, bool explain,
-                  const std::string& svg_path, Report& report, Context& ctx) {
+void render_audit(const oracle::AuditResult& result, bool explain, const std::string& svg_path,
+                  Report& report, Context& ctx) {
   std::ostream& out = ctx.out;
-  const RankCapture& first = captures.front();
+  const oracle::AuditHeader& h = result.header;
   out << fmt::format(
       "lossguard audit: {} capture(s), {} step(s); world {} = TP {} x PP {} x CP {} x DP {}\n",
-      captures.size(), steps.size(), first.world_size, first.tp, first.pp, first.cp, first.dp);
+      h.captures, result.steps.size(), h.world_size, h.tp, h.pp, h.cp, h.dp);
   nlohmann::ordered_json steps_json = nlohmann::ordered_json::array();
-  for (const auto& s : steps) {
-    print_step(s, strict_scale, explain, out);
+  for (const auto& s : result.steps) {
+    print_step(s, explain, out);
     report.add_findings(s.findings);
     for (const auto& c : s.checks) {
       report.add_case({"lossguard.audit", fmt::format("step {} {}", s.step, c.name), !c.ok || *c.ok,
@@ -138,11 +139,10 @@ void render_audit(const std::vector<oracle::AuditStep>& steps,
     }
     steps_json.push_back(step_json(s));
   }
-  if (!svg_path.empty()) write_svg(steps.front(), svg_path);
+  if (!svg_path.empty()) write_svg(result.steps.front(), svg_path);
   out << fmt::format("\nverdict: {}\n",
-                     oracle::audit_failed(steps, strict_scale)
-                         ? "FAIL: the trainer's numbers differ from the truth"
-                         : "pass: the trainer's numbers are right on every step");
+                     result.failed ? "FAIL: the trainer's numbers differ from the truth"
+                                   : "pass: the trainer's numbers are right on every step");
   report.results()["steps"] = steps_json;
 }
 

@@ -36,9 +36,9 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
   opt.strict_records = o.strict;
   const std::vector<RankCapture> captures = io::read_captures(o.paths);
   for (const auto& c : captures) report.add_input(c.file, "audit capture");
-  const std::vector<oracle::AuditStep> steps = oracle::audit_captures(captures, opt);
-  render_audit(steps, captures, o.strict_scale, o.explain, o.svg_path, report, ctx);
-  report.record(oracle::audit_judgement(steps, o.strict_scale));
+  const oracle::AuditResult result = oracle::audit_captures(captures, opt);
+  render_audit(result, o.explain, o.svg_path, report, ctx);
+  report.record(result.judgement());
 }
 
 }  // namespace

@@ -267,7 +267,7 @@ void render_weights(const oracle::WeightsResult& result, const Batch& b, const W
   const oracle::TermWeights& main = result.terms.front();
   if (!view.svg_path.empty()) {
     std::ofstream svg(view.svg_path);
-    if (!(svg << weights_svg(*view.layout, main.shards, main.dg, main.tc.contract)))
+    if (!(svg << weights_svg(*view.layout, main.shards, main.summary, main.tc.contract)))
       throw_input_error("{}: cannot write the SVG", view.svg_path);
   }
   add_cases(result, report);

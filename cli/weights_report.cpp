@@ -93,13 +93,13 @@ nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& d) {
 }
 
 std::string weights_svg(const StepLayout& layout, const std::vector<oracle::ShardRatio>& shards,
-                        const oracle::WeightDiagnosis& diagnosis, const Contract& contract) {
+                        const std::string& summary, const Contract& contract) {
   const int64_t rows = std::min<int64_t>(static_cast<int64_t>(layout.microbatches.size()), 256);
   const int64_t cols = layout.cp;
   // The diagnosis, wrapped at its "; " and ", " breaks into lines of about 90 characters.
   std::vector<std::string> lines;
   {
-    const std::string text = diagnosis.summary();
+    const std::string& text = summary;
     std::size_t start = 0;
     while (start < text.size()) {
       std::size_t end = text.size();

@@ -16,6 +16,6 @@ namespace lossguard::cli {
 nlohmann::ordered_json diagnosis_json(const oracle::WeightDiagnosis& diagnosis);
 
 std::string weights_svg(const StepLayout& layout, const std::vector<oracle::ShardRatio>& shards,
-                        const oracle::WeightDiagnosis& diagnosis, const Contract& contract);
+                        const std::string& summary, const Contract& contract);
 
 }  // namespace lossguard::cli

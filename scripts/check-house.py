@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The house rules CI enforces (docs/architecture.md), runnable by anyone:
 
-    scripts/check-house.py [--includes] [--format] [--sizes] [--self-test]   (no flag: every check)
+    scripts/check-house.py [--includes] [--format] [--sizes] [--renderers] [--self-test]   (no flag: all)
 
 --includes  every `#include "DIR/..."` of a project file follows the dependency rules (an arrow = may
             include): cli -> oracle, trainer, io, distributed, kernels, synth, core; oracle -> core;
@@ -13,8 +13,12 @@
             (not tests/, bench/) over 80 lines says why in a comment above it that contains "Long:";
             so does a Python function (def, methods and nested ones too; from the def line to its last
             line) of python/lossguard_capture/, in a `#` comment above its def (or its decorators).
---self-test plants a forbidden include, a misformatted line, a long C++ and a long Python function and an
-            oversized subcommand file in a copy and checks each is caught.
+--renderers a renderer (cli/*_render.cpp) only reads its command's result: it calls no oracle:: function but
+            names and formatters (RENDER_CALLS_ALLOWED: *_name, *_description, format_*, *_json, *_text,
+            describe, protocol_parts), and asks no verdict of a result (.failed(...), .fails(...)): every
+            verdict, ratio and sentence is decided once in the library, under the command's options.
+--self-test plants a forbidden include, a misformatted line, a long C++ and a long Python function, an
+            oversized subcommand file and a renderer that computes in a copy and checks each is caught.
 Exit 0 when clean, 1 listing every violation as FILE:LINE: what.
 """
 import argparse
@@ -228,6 +232,30 @@ def check_sizes(root, files=None):
     return problems + check_python_sizes(root, files)
 
 
+# What a renderer may call in oracle:: — names and formatters of what the result already holds.
+RENDER_CALLS_ALLOWED = re.compile(r"^(\w+_name|\w+_description|format_\w+|\w+_json|\w+_text|describe|protocol_parts)$")
+RENDER_CALL = re.compile(r"\boracle::([a-z_][a-z0-9_]*)\s*\(")
+RENDER_VERDICT = re.compile(r"\.(failed|fails)\s*\(")
+
+
+def check_renderers(root, files=None):
+    problems = []
+    for f in files or tracked(["cli/*_render.cpp"], root):
+        if not re.match(r"cli/\w+_render\.cpp$", f):
+            continue
+        with open(os.path.join(root, f), encoding="utf-8") as fh:
+            code = _strip_code(fh.read())
+        for n, line in enumerate(code.split("\n"), 1):
+            for m in RENDER_CALL.finditer(line):
+                if not RENDER_CALLS_ALLOWED.match(m.group(1)):
+                    problems.append(f"{f}:{n}: a renderer calls oracle::{m.group(1)}(): compute it in the library, "
+                                    f"into the command's result, and read the field here")
+            for m in RENDER_VERDICT.finditer(line):
+                problems.append(f"{f}:{n}: a renderer asks a verdict (.{m.group(1)}(...)): the library decides it "
+                                f"once under the options; read the result's field")
+    return problems
+
+
 def self_test():
     with tempfile.TemporaryDirectory() as tmp:
         os.makedirs(os.path.join(tmp, "oracle"))
@@ -248,6 +276,11 @@ def self_test():
             fh.write(f"class C:\n    @staticmethod\n    def long_one(x):\n{py_body}        return x\n\n"
                      f"    # Long: a planted reason.\n    @staticmethod\n    def long_two(x):\n{py_body}"
                      f"        return x\n\n\ndef short(x):\n    return x\n")
+        with open(os.path.join(tmp, "cli", "planted_render.cpp"), "w") as fh:
+            fh.write("// oracle::shard_ratios(x) in a comment is fine\nvoid r(const S& s) {\n"
+                     "  out << oracle::protocol_name(p) << oracle::format_index_list(l);\n"
+                     "  auto v = oracle::shard_ratios(s.batch);\n  bool f = s.failed(strict);\n}\n")
+        render = check_renderers(tmp, ["cli/planted_render.cpp"])
         inc = check_includes(tmp, ["oracle/planted.cpp"])
         fmt = check_format(tmp, ["oracle/planted.cpp"])
         size = check_sizes(tmp, ["oracle/long.cpp", "cli/cmd_planted.cpp", PY_PRODUCT + "long.py"])
@@ -255,9 +288,11 @@ def self_test():
               and len(fmt) == 1 and "planted.cpp" in fmt[0]
               and len(size) == 3 and "long.cpp:1: a function of 88 lines" in size[0]
               and "cmd_planted.cpp: 171 lines" in size[1]
-              and f"{PY_PRODUCT}long.py:3: a function of 87 lines (long_one)" in size[2])
-        print("check-house self-test:", "the planted include, format and size errors are caught"
-              if ok else f"MISSED: {inc} {fmt} {size}")
+              and f"{PY_PRODUCT}long.py:3: a function of 87 lines (long_one)" in size[2]
+              and len(render) == 2 and "planted_render.cpp:4: a renderer calls oracle::shard_ratios()" in render[0]
+              and "planted_render.cpp:5: a renderer asks a verdict (.failed" in render[1])
+        print("check-house self-test:", "the planted include, format, size and renderer errors are caught"
+              if ok else f"MISSED: {inc} {fmt} {size} {render}")
         return 0 if ok else 1
 
 
@@ -266,11 +301,12 @@ def main():
     ap.add_argument("--includes", action="store_true")
     ap.add_argument("--format", action="store_true")
     ap.add_argument("--sizes", action="store_true")
+    ap.add_argument("--renderers", action="store_true")
     ap.add_argument("--self-test", action="store_true")
     a = ap.parse_args()
     if a.self_test:
         return self_test()
-    both = not (a.includes or a.format or a.sizes)
+    both = not (a.includes or a.format or a.sizes or a.renderers)
     problems = []
     if a.includes or both:
         problems += check_includes(ROOT)
@@ -278,6 +314,8 @@ def main():
         problems += check_format(ROOT)
     if a.sizes or both:
         problems += check_sizes(ROOT)
+    if a.renderers or both:
+        problems += check_renderers(ROOT)
     for p in problems:
         print(p)
     print(f"check-house: {len(problems)} problem(s)")

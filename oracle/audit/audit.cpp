@@ -20,12 +20,16 @@
 
 namespace lossguard::oracle {
 
-bool AuditStep::failed(bool strict_scale) const {
-  for (const auto& c : checks) {
+namespace {
+
+bool step_failed(const AuditStep& s, bool strict_scale) {
+  for (const auto& c : s.checks) {
     if (c.ok.has_value() && !*c.ok) return true;
   }
-  return diagnosis.fails(strict_scale);
+  return s.diagnosis.fails(strict_scale);
 }
+
+}  // namespace
 
 AuditTolerance audit_tolerance(DType dtype) {
   // u: the unit roundoff of the dtype the trainer computed its per-token loss in.
@@ -1371,23 +1375,23 @@ AuditStep audit_step(int64_t step, const std::vector<const RankCapture*>& all,
 
 }  // namespace
 
-std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
-                                      const AuditOptions& options) {
+AuditResult audit_captures(const std::vector<RankCapture>& captures, const AuditOptions& options) {
   if (captures.empty()) throw UnverifiedError("no captures given");
   std::map<int64_t, std::vector<const RankCapture*>> by_step;
   for (const RankCapture& c : captures) by_step[c.step].push_back(&c);
-  std::vector<AuditStep> out;
-  for (const auto& [step, ranks] : by_step) out.push_back(audit_step(step, ranks, options));
+  AuditResult out;
+  const RankCapture& first = captures.front();
+  out.header = {captures.size(), first.world_size, first.tp, first.pp, first.cp, first.dp};
+  for (const auto& [step, ranks] : by_step) {
+    AuditStep s = audit_step(step, ranks, options);
+    s.failed = step_failed(s, options.strict_scale);
+    s.summary = s.diagnosis.summary();
+    if (s.diagnosis.kind != "not-run")  // weighed: a layout that holds a sample twice is not
+      s.shards = shard_ratios(s.batch, s.measured, s.truth, s.place, s.layout);
+    out.failed = out.failed || s.failed;
+    out.steps.push_back(std::move(s));
+  }
   return out;
-}
-
-bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale) {
-  return std::any_of(steps.begin(), steps.end(),
-                     [&](const AuditStep& s) { return s.failed(strict_scale); });
-}
-
-Judgement audit_judgement(const std::vector<AuditStep>& steps, bool strict_scale) {
-  return Judgement::verified(audit_failed(steps, strict_scale));
 }
 
 }  // namespace lossguard::oracle

@@ -3,6 +3,7 @@
 // with the diagnosis of §9 and the contracts that reproduce them, the loss, the skip decision on
 // every rank, the metrics. Captures that do not fit together throw InputError (exit 2).
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -64,7 +65,24 @@ struct AuditStep {
   DType dtype = DType::kFloat32;  // the dtype main's weight tolerance comes from (believed claim)
   std::vector<Finding> findings;
   std::vector<AuditTerm> terms;  // declared or hooked terms besides main; empty: single-term
-  bool failed(bool strict_scale) const;
+  // Decided once by audit_captures under its options, for every renderer to read:
+  bool failed = false;             // a check failed, or the diagnosis fails (under strict_scale)
+  std::string summary;             // the diagnosis in one line a person reads
+  std::vector<ShardRatio> shards;  // measured / truth per micro-batch and CP rank (the SVG)
+};
+
+// What every step's captures share, as the first capture states it (the report's header).
+struct AuditHeader {
+  std::size_t captures = 0;
+  int64_t world_size = 1, tp = 1, pp = 1, cp = 1, dp = 1;
+};
+
+// `audit`'s one result: the header, every step in step order with its verdict, the verdict.
+struct AuditResult {
+  AuditHeader header;
+  std::vector<AuditStep> steps;
+  bool failed = false;  // some step failed
+  Judgement judgement() const { return Judgement::verified(failed); }
 };
 
 // The relative tolerances of the weights and loss checks for a trainer that computed its per-token
@@ -88,11 +106,7 @@ struct AuditOptions {
   bool every_trainer_preset = false;
 };
 
-// One result per step, in step order.
-std::vector<AuditStep> audit_captures(const std::vector<RankCapture>& captures,
-                                      const AuditOptions& options);
-// The audit's verdict: some step failed.
-bool audit_failed(const std::vector<AuditStep>& steps, bool strict_scale);
-Judgement audit_judgement(const std::vector<AuditStep>& steps, bool strict_scale);
+// The captures judged step by step under `options` (one AuditStep per step, in step order).
+AuditResult audit_captures(const std::vector<RankCapture>& captures, const AuditOptions& options);
 
 }  // namespace lossguard::oracle

@@ -71,6 +71,7 @@ void weigh_invariance(std::vector<TermWeights>& runs, const StepLayout& layout, 
     runs[k].invariance = std::move(invariance[k]);
     runs[k].verdict =
         weights_verdict(runs[k].dg, runs[k].got, runs[k].invariance, runs[k].strict_scale);
+    runs[k].summary = runs[k].dg.summary();
   }
 }
 
@@ -79,7 +80,7 @@ void weigh_invariance(std::vector<TermWeights>& runs, const StepLayout& layout, 
 std::string TermWeights::status() const {
   if (!verdict.fails) return "as declared";
   return verdict.here_fails
-             ? dg.summary()
+             ? summary
              : fmt::format("changes with the layout (first on {})", verdict.first_break->label);
 }
 

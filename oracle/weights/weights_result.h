@@ -39,6 +39,7 @@ struct TermWeights {
   ContractWeights got;                   // weight and place: with per_token only
   int64_t effective = 0;
   WeightDiagnosis dg;
+  std::string summary;  // dg in one line a person reads (set with the verdict)
   std::vector<InvarianceResult> invariance;
   std::vector<ShardRatio> shards;
   WeightsVerdict verdict;

@@ -10,6 +10,7 @@ float32 and in bfloat16, must pass.
 """
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -698,3 +699,31 @@ def test_run_audit_takes_a_verdict_only_with_its_report(good, tmp_path):
     liar.chmod(0o755)
     with pytest.raises(lc.AuditError, match="says exit 1, the process exited 0"):
         lc.run_audit([str(good)], binary=str(liar), json_path=json_path)
+
+
+def test_svg_draws_the_first_steps_ratios_from_the_result(good, tmp_path):
+    """``--svg``: the measured/truth ratio per micro-batch and CP rank, as the library computed it (the renderer
+    only reads the step's shard ratios and summary): every cell of a right step reads 1x; every weight x3 reads 3x
+    in every cell, with the diagnosis line, and fails under --strict-scale."""
+    svg = tmp_path / "right.svg"
+    code, doc, err = audit(good, "--svg", str(svg))
+    assert code == 0, err
+    text = svg.read_text()
+    assert text.startswith("<svg") and "measured (step 0)" in text and "CP rank 1" in text, text[:400]
+    cells = re.findall(r'text-anchor="middle">([0-9.]+x)</text>', text)
+    assert cells and set(cells) == {"1x"}, cells
+    bad = tmp_path / "x3"
+    shutil.copytree(good, bad)
+
+    def triple(t):
+        for k in [k for k in t if k.endswith(".token_weight")]:
+            t[k] = t[k] * 3
+    for r in range(4):
+        rewrite(bad, r, triple)
+    svg3 = tmp_path / "x3.svg"
+    code, doc, err = audit(bad, "--svg", str(svg3), "--strict-scale")
+    assert code == 1, (code, err)
+    text3 = svg3.read_text()
+    cells = re.findall(r'text-anchor="middle">([0-9.]+x)</text>', text3)
+    assert cells and set(cells) == {"3x"}, cells
+    assert "uniform" in text3, text3[:800]

@@ -147,16 +147,16 @@ bool audit_passes(const std::vector<RankCapture>& captures, bool strict, bool ma
   opt.strict_scale = strict;
   opt.match_presets = match;  // the preset search is most of the time; exercised 1 input in 64
   try {
-    for (const auto& step : oracle::audit_captures(captures, opt)) {
-      if (verbose && !step.failed(strict)) {
+    for (const auto& step : oracle::audit_captures(captures, opt).steps) {
+      if (verbose && !step.failed) {
         for (const auto& c : step.checks)
           std::fprintf(stderr, "  (pass) %s: %s\n", c.name.c_str(), c.detail.c_str());
       }
-      if (!step.failed(strict)) continue;
+      if (!step.failed) continue;
       if (verbose) {
         for (const auto& c : step.checks)
           std::fprintf(stderr, "  %s: %s\n", c.name.c_str(), c.detail.c_str());
-        std::fprintf(stderr, "  diagnosis: %s\n", step.diagnosis.summary().c_str());
+        std::fprintf(stderr, "  diagnosis: %s\n", step.summary.c_str());
       }
       return false;
     }
@@ -373,7 +373,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       if (!still_hooked) {
         try {
-          for (const auto& step : oracle::audit_captures(c, {})) {
+          for (const auto& step : oracle::audit_captures(c, {}).steps) {
             for (const auto& check : step.checks) {
               if (check.name == "kl.weights" && check.ok.has_value()) __builtin_trap();
             }

@@ -286,7 +286,7 @@ TEST(Layouts, AuditCoverageFailsWhenATokenIsHeldTwice) {
     c.microbatches.push_back(mb);
     return c;
   };
-  const auto steps = audit_captures({rank(0, {0}), rank(1, {0, 1})}, {});
+  const auto steps = audit_captures({rank(0, {0}), rank(1, {0, 1})}, {}).steps;
   ASSERT_EQ(steps.size(), 1u);
   bool found = false;
   for (const auto& check : steps[0].checks) {
@@ -301,7 +301,7 @@ TEST(Layouts, AuditCoverageFailsWhenATokenIsHeldTwice) {
   }
   EXPECT_TRUE(found);
   // The same with each sample held once passes coverage.
-  const auto good = audit_captures({rank(0, {0}), rank(1, {1})}, {});
+  const auto good = audit_captures({rank(0, {0}), rank(1, {1})}, {}).steps;
   for (const auto& check : good[0].checks) {
     if (check.name == "coverage") {
       EXPECT_TRUE(check.ok.value_or(false)) << check.detail;
