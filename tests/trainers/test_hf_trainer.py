@@ -530,13 +530,20 @@ class _CountingMode(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("context", [lambda: torch.device("cpu"), _CountingMode], ids=["torch.device", "mode"])
+def _flop_counter():
+    """torch's own FLOP counter: a TorchDispatchMode (below autograd: every aten op of forward and backward)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    return FlopCounterMode(display=False)
+
+
+@pytest.mark.parametrize("context", [lambda: torch.device("cpu"), _CountingMode, _flop_counter],
+                         ids=["torch.device", "mode", "FlopCounterMode"])
 def test_a_run_inside_a_torch_function_mode_is_audited(tmp_path, context):
     """Under an active TorchFunctionMode (``with torch.device("cpu"): trainer.train()``, a FLOP counter) torch's
     cross_entropy re-dispatches through handle_torch_function by its module-global name, which the adapter has
     replaced for the micro-batch: the wrapper is entered twice for one call. The run is still measured: bit for
     bit the run without the adapter, weights m_t / N, audit passes (it refused step 0 with 'cross_entropy called
-    2 times')."""
+    2 times'). The same under torch's FlopCounterMode, a TorchDispatchMode that sees every aten op."""
     plain, _ = _train_form(tmp_path / "plain", "shift-sum", False, context)
     tr, cb = _train_form(tmp_path / "adapter", "shift-sum", True, context)
     _measured_like_plain(tr, cb, plain)
