@@ -85,9 +85,16 @@ def attach(trainer, out_dir, *, steps=(0,), fail_fast=True, **options):
     return ToyAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)
 
 
+#: what the fake binaries do as lossguard does: the JSON report of their verdict at ``--json PATH`` (run_audit
+#: takes a verdict only with its report)
+_REPORT = ('prev=; for a; do [ "$prev" = --json ] && printf \'{"schema": "lossguard/1", "verdict": "v", '
+           '"exit_code": CODE}\' > "$a"; prev=$a; done\n')
+
+
 def _fake_lossguard(tmp_path, code):
     p = tmp_path / f"lossguard-{code}"
-    p.write_text(f"#!/bin/sh\necho 'verdict exit {code}'\necho \"args: $*\" >&2\nexit {code}\n")
+    p.write_text(f"#!/bin/sh\necho 'verdict exit {code}'\necho \"args: $*\" >&2\n{_REPORT}exit {code}\n".replace(
+        "CODE", str(code)))
     p.chmod(p.stat().st_mode | stat.S_IXUSR)
     return str(p)
 

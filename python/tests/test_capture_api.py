@@ -225,9 +225,15 @@ def test_metadata_dtype_mixed_and_absent(tmp_path):
 
 
 # ---- the audit helpers ---------------------------------------------------------------------------
+#: what the fake binaries do as lossguard does: the JSON report of their verdict at ``--json PATH`` (run_audit
+#: takes a verdict only with its report)
+_REPORT = ('prev=; for a; do [ "$prev" = --json ] && printf \'{"schema": "lossguard/1", "verdict": "v", '
+           '"exit_code": CODE}\' > "$a"; prev=$a; done\n')
+
+
 def _fake_lossguard(tmp_path, code, text="step 0: weights FAIL per-micro-batch normalisation"):
     p = tmp_path / f"lossguard-{code}"
-    p.write_text(f"#!/bin/sh\necho '{text}'\necho \"args: $*\" >&2\nexit {code}\n")
+    p.write_text(f"#!/bin/sh\necho '{text}'\necho \"args: $*\" >&2\n{_REPORT}exit {code}\n".replace("CODE", str(code)))
     p.chmod(p.stat().st_mode | stat.S_IXUSR)
     return str(p)
 
@@ -237,8 +243,9 @@ def test_run_audit_verdicts(tmp_path, monkeypatch):
     assert r.passed and r.verdict == "pass" and "verdict: pass" in r.text
     assert r.command[1:] == ["audit", "caps/step000000"]
     r.raise_for_verdict()
-    r = lc.run_audit(["d"], binary=_fake_lossguard(tmp_path, 1), args=["--strict-scale"], json_path="x.json", step=3)
-    assert r.command[1:] == ["audit", "d", "--strict-scale", "--json", "x.json"]
+    report = str(tmp_path / "x.json")
+    r = lc.run_audit(["d"], binary=_fake_lossguard(tmp_path, 1), args=["--strict-scale"], json_path=report, step=3)
+    assert r.command[1:] == ["audit", "d", "--strict-scale", "--json", report]
     with pytest.raises(lc.AuditFailed) as e:
         r.raise_for_verdict()
     assert e.value.exit_code == 1 and e.value.step == 3 and "per-micro-batch" in e.value.text
