@@ -24,7 +24,8 @@ scaling and its step decision are found.  This module holds the rest, once:
 * step selection (:meth:`Adapter.should_capture`) and the step directory naming
   (:func:`step_dir`: ``out_dir/step{n:06d}/``, one capture per rank inside);
 * the recorder, built through :class:`lossguard_capture.Capture` (:meth:`Adapter.recorder`);
-* fail fast (:meth:`Adapter.finished`: record the written path and, for the audited step, run ``lossguard
+* the end of a recorded step (:meth:`Adapter.write_step`: write it or drop it, never half) and fail fast
+  (:meth:`Adapter.finished`: record the written path and, for the audited step, run ``lossguard
   audit`` on rank 0, hand the verdict to every rank with bounded waits, :func:`lossguard_capture.audit.agree`,
   and raise on FAIL);
 * the results (``paths``, ``results``, ``verdicts``) on the object ``attach`` returns.
@@ -276,6 +277,20 @@ class Adapter:
         """The warning for a step the adapter cannot measure and drops, the run going on."""
         say(f"{msg} — this step is not measured and the run goes on "
             f"({'fail fast audits step ' + str(self.audit_step) if self.fail_fast else 'fail fast is off'})")
+
+    def write_step(self, step: int, finish: Callable[[], str], abort: Callable[[], None]) -> str:
+        """The one step lifecycle every adapter ends a recorded step with, at its last moment before the optimizer
+        applies the step: ``finish()`` writes the step's capture and returns its path; on any error ``abort()``
+        drops what the step holds (hooks, the open recorder) and the error goes on (an adapter that can go on
+        without the step catches its :class:`CannotMeasure`); then :meth:`finished` keeps the path and, for the
+        audited step, audits it (AuditFailed on FAIL)."""
+        try:
+            path = finish()
+        except BaseException:
+            abort()
+            raise
+        self.finished(step, path)
+        return path
 
     def finished(self, step: int, path: str) -> None:
         """Step ``step``'s capture is written at ``path``: keep it and, with ``fail_fast``, audit the audited

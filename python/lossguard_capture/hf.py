@@ -462,18 +462,16 @@ class TrainerAudit(Adapter, TrainerCallback):
         s = self._step
         if s is None or s.step != state.global_step:
             return
-        try:
+
+        def finish() -> str:
             path = self._finish(s)
+            self._release()
+            self._step = None
+            return path
+        try:
+            self.write_step(s.step, finish, self._abort)     # fail fast: before the optimizer applies the step
         except CannotMeasure as e:
-            self._abort()
             self._cannot_measure(s.step, str(e))
-            return
-        except BaseException:
-            self._abort()
-            raise
-        self._release()
-        self._step = None
-        self.finished(s.step, path)          # fail fast: before the optimizer applies the step
 
     def _finish(self, s: StepRecorder) -> str:
         trainer = self.trainer

@@ -1125,14 +1125,11 @@ class MegatronAdapter(Adapter):
 
     def _write(self, st: _StepState) -> str:
         """Write the step's capture (nothing on an error), keep its path and, fail fast, audit it."""
-        try:
+        def finish() -> str:
             path = self._finish(st)
-        except BaseException:
-            st.rec.abort()
-            raise
-        st.written = True
-        self.finished(st.rec.step, path)
-        return path
+            st.written = True
+            return path
+        return self.write_step(st.rec.step, finish, st.rec.abort)
 
 
 def attach(config: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,

@@ -481,20 +481,18 @@ class VerlAdapter(Adapter):
         st = self._open
         if st is None:
             raise RuntimeError("lossguard_capture.verl: no step is open")
-        try:
+
+        def finish() -> str:
             if st.rec is None:
                 raise CannotMeasure(f"lossguard_capture.verl: step {st.step}: the wrapped loss function was never "
-                                   f"called")
+                                    f"called")
             for g in st.geo:
                 g.fire()
             out = st.rec.finish(grad_scale=float(grad_scale), num_tokens_reduced=st.batch_num_tokens,
                                 skipped=skipped, grad_norm=grad_norm, global_batch_size=st.global_batch_size)
-        except BaseException:
-            self.abort_step()
-            raise
-        self._open = None
-        self.finished(st.step, out)
-        return out
+            self._open = None
+            return out
+        return self.write_step(st.step, finish, self.abort_step)
 
     # -- the loss function ----------------------------------------------------------------------
     def wrap(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
