@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from . import megatron as _lcm
 from . import slime as _slime
 from .slime import Trainer
 
@@ -66,19 +65,15 @@ RELAX = Trainer("relax", "relax.backends.megatron.model", "relax.backends.megatr
                 sft_loss_types=("sft",), refusals=refusals)
 
 
-class RelaxAdapter(_lcm.MegatronAdapter):
-    """The Megatron adapter under Relax's plug-in points (its captures say ``trainer: relax``)."""
-
-    spec = _slime._spec(RELAX)
-
-
-class RelaxAudit(_slime.SlimeAudit):
-    adapter_class = RelaxAdapter
+#: Relax is described once, by its :class:`Trainer` record above: its adapter class is the record's, and the
+#: per-process audit is slime's own for that record (``RelaxAudit(RELAX, args, out_dir)``: an alias).
+RelaxAdapter = RELAX.adapter_class
+RelaxAudit = _slime.SlimeAudit
 
 
 def install(args: Any, out_dir: str | None = None, **options: Any) -> _slime.SlimeAudit:
     """:func:`lossguard_capture.slime.install` for Relax."""
-    return _slime.install(args, out_dir, trainer=RELAX, audit_class=RelaxAudit, **options)
+    return _slime.install(args, out_dir, trainer=RELAX, **options)
 
 
 def init(args: Any) -> None:
@@ -90,7 +85,7 @@ def init(args: Any) -> None:
 def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, optimizer: Any,
                       opt_param_scheduler: Any) -> None:
     """``--custom-megatron-before-train-step-hook-path lossguard_capture.relax.before_train_step``."""
-    _slime.before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler, trainer="relax")
+    _slime.before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler, trainer=RELAX)
 
 
 def per_token(t: torch.Tensor, *, term: str | None = None) -> torch.Tensor:

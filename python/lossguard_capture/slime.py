@@ -84,6 +84,19 @@ class Trainer:
         self.sft_loss_types = tuple(sft_loss_types)
         #: what this trainer runs that the adapter does not measure, refused at init naming the flag
         self.refusals = refusals or (lambda args: [])
+        self._adapter_class: type[_lcm.MegatronAdapter] | None = None
+
+    @property
+    def adapter_class(self) -> type[_lcm.MegatronAdapter]:
+        """The Megatron adapter under this trainer's plug-in points: its ``spec`` names the trainer (the captures
+        say ``trainer: NAME``) and its loss function (audit's advice)."""
+        if self._adapter_class is None:
+            name = f"{self.name.capitalize()}Adapter"
+            self._adapter_class = type(name, (_lcm.MegatronAdapter,), {
+                "spec": _spec(self), "__module__": f"lossguard_capture.{self.name}", "__qualname__": name,
+                "__doc__": f"The Megatron adapter under {self.name}'s plug-in points (its captures say "
+                           f"``trainer: {self.name}``)."})
+        return self._adapter_class
 
 
 SLIME = Trainer("slime", "slime.backends.megatron_utils.model", "slime.backends.megatron_utils.loss",
@@ -97,10 +110,7 @@ def _spec(trainer: Trainer) -> Spec:
                 loss_site=f"{trainer.loss_module}.loss_function")
 
 
-class SlimeAdapter(_lcm.MegatronAdapter):
-    """The Megatron adapter under slime's plug-in points (its captures say ``trainer: slime``)."""
-
-    spec = _spec(SLIME)
+SlimeAdapter = SLIME.adapter_class
 
 
 class _Terms:
@@ -121,11 +131,10 @@ def _params(f: Any) -> list[str]:
 
 
 class SlimeAudit:
-    """One per process, made by :func:`install` (the init hook): patches the names of the module docstring and
-    owns the Megatron adapter (``.megatron``, made at the first train step: ``paths``, ``results``,
-    ``verdicts``)."""
-
-    adapter_class: type[_lcm.MegatronAdapter] = SlimeAdapter
+    """One per process, made by :func:`install` (the init hook) for a trainer of slime's shape (``trainer``: its
+    :class:`Trainer` record, slime's or Relax's): patches the names of the module docstring and owns the Megatron
+    adapter (``.megatron``, the trainer's ``adapter_class``, made at the first train step: ``paths``,
+    ``results``, ``verdicts``)."""
 
     def __init__(self, trainer: Trainer, args: Any, out_dir: str, steps: Sequence[int] | None = (0,),
                  fail_fast: bool = True, **options: Any):
@@ -449,8 +458,8 @@ class SlimeAudit:
         from megatron.core.utils import get_model_config
         config = get_model_config(chunks[0])
         if self.megatron is None:
-            self.megatron = self.adapter_class(self.out_dir, steps=self.steps, fail_fast=self.fail_fast,
-                                               reduce=self.reduce, terms=self.terms or None, **self.options)
+            self.megatron = self.trainer.adapter_class(self.out_dir, steps=self.steps, fail_fast=self.fail_fast,
+                                                       reduce=self.reduce, terms=self.terms or None, **self.options)
             self.megatron.attach(config, model=chunks, optimizer=optimizer, scheduler=opt_param_scheduler)
             for chunk in chunks:
                 self._wrap_zero_grad(chunk)
@@ -508,7 +517,7 @@ def current() -> SlimeAudit | None:
 
 
 def install(args: Any, out_dir: str | None = None, *, steps: Any = "env", fail_fast: bool | None = None,
-            trainer: Trainer = SLIME, audit_class: type = SlimeAudit, **options: Any) -> SlimeAudit:
+            trainer: Trainer = SLIME, **options: Any) -> SlimeAudit:
     """Switch the audit on in this process (what the init hook does; call it from your own init hook instead).
     ``out_dir`` / ``steps`` / ``fail_fast`` default to the environment (module docstring); ``options``: the
     Megatron adapter's (``lossguard_bin``, ``timeout``, ``audit_args``...)."""
@@ -527,7 +536,7 @@ def install(args: Any, out_dir: str | None = None, *, steps: Any = "env", fail_f
         options["lossguard_bin"] = found.lossguard_bin
     _launch.check(_launch.Settings(out_dir, steps, fail_fast, options.get("lossguard_bin"), found.source),
                   auditing_rank=_main(), who=f"lossguard_capture.{trainer.name}.init")
-    _AUDIT = audit_class(trainer, args, out_dir, steps=steps, fail_fast=fail_fast, **options)
+    _AUDIT = SlimeAudit(trainer, args, out_dir, steps=steps, fail_fast=fail_fast, **options)
     if _main():
         say(f"lossguard_capture.{trainer.name}: auditing train steps {'all' if steps is None else list(steps)} into "
             f"{out_dir} ({_AUDIT.reduce}; terms {sorted(_AUDIT.terms) or 'none'}; "
@@ -549,12 +558,13 @@ def init(args: Any) -> None:
 
 
 def before_train_step(args: Any, rollout_id: int, step_id: int, model: Any, optimizer: Any,
-                      opt_param_scheduler: Any, *, trainer: str = "slime") -> None:
+                      opt_param_scheduler: Any, *, trainer: Trainer = SLIME) -> None:
     """``--custom-megatron-before-train-step-hook-path lossguard_capture.slime.before_train_step``."""
     if _AUDIT is None:
-        raise RuntimeError(f"lossguard_capture.{trainer}.before_train_step: the audit is not installed (add "
-                           f"--custom-megatron-init-path lossguard_capture.{trainer}.init, or call "
-                           f"lossguard_capture.{trainer}.install(args) from your own init hook)")
+        name = trainer.name
+        raise RuntimeError(f"lossguard_capture.{name}.before_train_step: the audit is not installed (add "
+                           f"--custom-megatron-init-path lossguard_capture.{name}.init, or call "
+                           f"lossguard_capture.{name}.install(args) from your own init hook)")
     _AUDIT.before_train_step(args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
     _chain("LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP", args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
