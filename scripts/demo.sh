@@ -178,6 +178,13 @@ if [ -x "$MG_PY" ]; then
       --scenarios sft --relax-src "$LOSSGUARD_RELAX_SRC" | grep -E "^lossguard_capture" | head -1 || true
     run audit "$MGCAP/relax-src/sft/adapter/captures/step000000" | grep -E '^[$] |^step|^  weights |verdict|exit code'
   fi
+  if [ -n "${LOSSGUARD_SLIME_SRC:-}" ]; then
+    step "slime's OWN training step at its default branch (initialize.init, train_one_step, get_batch, loss_function, unedited; read from LOSSGUARD_SLIME_SRC, scripts/slime-src.sh) at CP 2: its fully masked sample counted as 1"
+    printf '$ torchrun --nproc-per-node 2 tests/trainers/slime_relax_driver.py --cp 2 --scenarios pt --slime-source $LOSSGUARD_SLIME_SRC\n'
+    mg_run --nproc-per-node 2 tests/trainers/slime_relax_driver.py --out "$MGCAP/slime-src" --cp 2 --scenarios pt \
+      --slime-source "$LOSSGUARD_SLIME_SRC" | grep -E "^lossguard_capture" | head -1 || true
+    run audit "$MGCAP/slime-src/pt/adapter/captures/step000001" | grep -E '^[$] |^step|^  counts |reproduced|verdict|exit code'
+  fi
 else
   echo "(skipped: $MG_PY is missing; scripts/setup-trainers.sh megatron creates it)"
 fi
@@ -194,6 +201,12 @@ if [ -x "$VERL_PY" ]; then
 else
   echo "(skipped: $VERL_PY is missing; scripts/setup-trainers.sh verl creates it)"
 fi
+
+step "Write an adapter (docs/adapters/write-an-adapter.md): a whole one for a small training loop, examples/toy_adapter.py; its loop divides each micro-batch by its own count"
+printf '$ python examples/toy_adapter.py --out captures --bug\n'
+TOYCAP=$(mktemp -d /tmp/lossguard-demo-toy.XXXX)
+OMP_NUM_THREADS=1 "$PY" examples/toy_adapter.py --out "$TOYCAP" --bug --lossguard-bin "$LG" 2>&1 || true
+run audit "$TOYCAP/step000000" | grep -E '^[$] |^  weights |^  fix:|verdict|exit code'
 
 step "What this binary needs to start: glibc and the C++ runtime; NCCL is found at run time (torch's nvidia-nccl wheel, the system), LibTorch by the commands that read .pt files"
 printf '$ scripts/check-needed.sh %s\n' "$LG"
