@@ -13,7 +13,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from .cp_utils import dynamic_cp_split_data, slice_log_prob_with_cp, slice_with_cp
 
 MAX_TOKENS_PER_GPU = None
-PER_TOKEN_KEYS = ("advantages", "ref_log_probs", "log_probs")
+PER_TOKEN_KEYS = ("advantages", "ref_log_probs", "log_probs", "rollout_log_probs")
 
 
 class DataIterator:

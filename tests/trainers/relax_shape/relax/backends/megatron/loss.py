@@ -7,6 +7,8 @@ the KL under --use-kl-loss; loss = pg - entropy_coef * entropy + kl_loss_coef * 
 micro-batch's loss x 0 and its count 0; without per-token loss x ``__loss_scale__`` when the batch carries it,
 else x num_microbatches / global batch size x DP x CP; per-token: as is, no x CP; the 3-tuple with the count
 also in the report)."""
+from functools import partial
+
 import torch
 from megatron.core import mpu
 
@@ -53,6 +55,16 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
     res = {"log_probs": [], "entropy": []}
     for rows, tokens in get_responses(logits, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths,
                                       response_lengths=response_lengths, cp_size=cp_size, cp_rank=cp_rank):
+        if lm_head_forward is not None:     # loss.py:417-444: rows are hidden states; the head runs per sub-chunk
+            k = getattr(args, "sft_logits_chunk_size", 1024)
+            k = k if k > 0 else 1024
+            parts = []
+            for s in range(0, rows.size(0), k):
+                sub, _ = lm_head_forward(rows[s:s + k].unsqueeze(1))
+                logp = torch.log_softmax(sub.squeeze(1).float(), dim=-1)
+                parts.append(logp.gather(-1, tokens[s:s + k].long().unsqueeze(-1)).squeeze(-1))
+            res["log_probs"].append(torch.cat(parts) if parts else rows.new_zeros((0,), dtype=torch.float32))
+            continue
         logp = torch.log_softmax(rows.float(), dim=-1)
         res["log_probs"].append(logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1))
         if with_entropy:
@@ -98,6 +110,20 @@ def sft_loss_function(args, batch, logits, sum_of_sample_mean):
     return loss, {"loss": loss.detach()}
 
 
+def sft_loss_function_chunked(args, batch, hidden_states, sum_of_sample_mean, *, lm_head_forward):
+    """loss.py:1488-1530 @36882ca (``--sft-chunked-logits``): ``sft_loss_function`` on hidden states, the output
+    layer run per sub-chunk of ``args.sft_logits_chunk_size`` tokens through ``lm_head_forward``."""
+    _, lpe = get_log_probs_and_entropy(hidden_states, args=args, unconcat_tokens=batch["unconcat_tokens"],
+                                       total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
+                                       with_entropy=False, dynamic_cp_size=batch.get("dynamic_cp_size"),
+                                       dynamic_cp_rank=batch.get("dynamic_cp_rank"), lm_head_forward=lm_head_forward)
+    log_probs = torch.cat(lpe["log_probs"])
+    loss = -sum_of_sample_mean(log_probs)
+    if log_probs.numel() == 0:
+        loss = loss + 0 * hidden_states.sum()
+    return loss, {"loss": loss.detach()}
+
+
 def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     if getattr(args, "advantage_estimator", "grpo") in TOKEN_GLOBAL:      # loss.py:871-874 @36882ca
         sum_of_sample_mean = _get_reinforce_plus_plus_mask_safe_reducer(sum_of_sample_mean, batch["loss_masks"])
@@ -107,7 +133,9 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
                                        with_entropy=True, dynamic_cp_size=batch.get("dynamic_cp_size"),
                                        dynamic_cp_rank=batch.get("dynamic_cp_rank"))
     log_probs = torch.cat(lpe["log_probs"])
-    ppo_kl = log_probs.detach() - log_probs
+    # loss.py:876-908: the actor's old log-probs (batch["log_probs"]); in true on-policy mode this forward's, detached
+    old = log_probs.detach() if getattr(args, "true_on_policy_mode", True) else torch.cat(batch["log_probs"])
+    ppo_kl = old - log_probs
     pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high)
     if args.custom_pg_loss_reducer_function_path is not None:
         reducer = load_function(args.custom_pg_loss_reducer_function_path)(
@@ -141,6 +169,8 @@ def loss_function(args, batch, num_microbatches, logits, *, lm_head_forward=None
     # loss.py:1615-1640 @36882ca: value_loss (the critic), dpo and rm (pair losses) are not restated here
     func = {"policy_loss": policy_loss_function, "sft": sft_loss_function}.get(args.loss_type) or \
         load_function(args.custom_loss_function_path)
+    if args.loss_type == "sft" and getattr(args, "sft_chunked_logits", False) and lm_head_forward is not None:
+        func = partial(sft_loss_function_chunked, lm_head_forward=lm_head_forward)     # loss.py:1630-1634
     loss, log = func(args, batch, logits, sum_of_sample_mean)
     dummy = bool(batch.get("__is_dummy__", False))
     if dummy:

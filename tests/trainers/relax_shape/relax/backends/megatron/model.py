@@ -7,7 +7,15 @@ stage sums its micro-batches' ``num_tokens`` and all-reduces over DP x CP, the d
 pipeline's last GLOBAL rank over the pipeline group) skips the optimizer AND the scheduler; otherwise
 optimizer.step() and, for a valid step, the scheduler by step_global_batch_size; zero again; on the last
 stage the reported values all-reduced over DP x CP and normalised by normalize_reduced_loss_metrics with the
-count (per-token) or step_global_batch_size as the denominator."""
+count (per-token) or step_global_batch_size as the denominator.
+
+``--sft-chunked-logits`` (model.py L1249-1266 @36882ca: ``should_bypass_main_output_layer(args)``, runtime.py L184-193): the model is
+called inside ``_bypass_output_layer`` (L118-206; the layer found by ``_find_lm_output_layer``, L88-115), which makes the main output layer hand back its input (the
+hidden states) and yields a callable running the real output layer on a chunk; the forward step partials it into
+``loss_function`` as ``lm_head_forward`` (L1281).  The two helpers below are restatements; the real-source tier compiles
+Relax's own (tests/trainers/relax_source_manifest.json ``transplants``) over them."""
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -15,15 +23,52 @@ import torch.distributed as dist
 from megatron.core import mpu
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
+from megatron.core.utils import get_model_config, unwrap_model
 
+from relax.engine.sft.runtime import should_bypass_main_output_layer
 from relax.utils.misc import load_function
 
 from .data import get_batch
 from .loss import loss_function, normalize_reduced_loss_metrics
 
 TRAIN_KEYS = ["tokens", "packed_seq_params", "total_lengths", "response_lengths", "loss_masks", "log_probs",
-              "ref_log_probs", "advantages", "sample_index_mask_sums"]
+              "ref_log_probs", "advantages", "rollout_log_probs", "sample_index_mask_sums"]
+
+
+def _find_lm_output_layer(model):
+    """The main output layer under the DDP / Float16 wrappers; None on a stage without one (an Identity)."""
+    module = unwrap_model(model)
+    for _ in range(4):
+        layer = getattr(module, "output_layer", None)
+        if layer is not None and not isinstance(layer, torch.nn.Identity):
+            return layer
+        module = getattr(module, "module", None)
+        if module is None:
+            return None
+    return None
+
+
+@contextmanager
+def _bypass_output_layer(model, *, mtp_output_layer_calls=0, gather_passthrough=True) -> Iterator[Callable | None]:
+    """While open, the output layer returns its input (the hidden states, no sequence parallelism here); yields
+    ``lm_head(x)``: the layer's own forward on ``x``."""
+    layer = _find_lm_output_layer(model)
+    if layer is None:
+        yield None
+        return
+    original = layer.forward
+
+    def passthrough(input_, weight=None, runtime_gather_output=None, **kwargs):
+        return input_, None
+
+    def lm_head(input_, weight=None, runtime_gather_output=None):
+        return original(input_, weight=weight, runtime_gather_output=runtime_gather_output)
+
+    layer.forward = passthrough
+    try:
+        yield lm_head
+    finally:
+        del layer.forward
 
 
 def _is_global_zero_token_step(losses_reduced):
@@ -49,9 +94,15 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
 
     def forward_step(data_iterator, model, return_schedule_plan=False):
         batch = get_batch(data_iterator, TRAIN_KEYS, args.data_pad_size_multiplier, args.qkv_format)
-        output = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
-                       packed_seq_params=batch["packed_seq_params"])
-        return output, partial(loss_function, args, batch, num_microbatches, lm_head_forward=None)
+        kwargs = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+                      packed_seq_params=batch["packed_seq_params"])
+        lm_head_forward = None
+        if should_bypass_main_output_layer(args):
+            with _bypass_output_layer(model) as lm_head_forward:
+                output = model(**kwargs)
+        else:
+            output = model(**kwargs)
+        return output, partial(loss_function, args, batch, num_microbatches, lm_head_forward=lm_head_forward)
 
     losses = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=data_iterator, model=model,
                                          num_microbatches=num_microbatches, seq_length=args.seq_length,
