@@ -22,10 +22,19 @@ and data.py @36882ca, cp_utils.py @55634da, initialize.py @78973a5, misc.py @b71
 * every loss type of its ``loss_function`` (loss.py:1615-1640 @36882ca) measured or refused at init: ``policy_loss``
   (the token-global estimators ``reinforce_plus_plus*`` too: their mask-safe reducer,
   ``_get_reinforce_plus_plus_mask_safe_reducer`` L810-827, reduces ``torch.where(mask, x, 0)``, and the entropy and
-  KL terms are recognised by the tensor handed to it), ``sft`` (``-sum_of_sample_mean(log_probs)``, chunked through
-  ``lm_head_forward`` or not), ``custom_loss`` (:func:`per_token`); ``value_loss`` is the critic's, not audited;
-  ``dpo``, ``rm``, ``sft`` with ``--task-type seq_cls``, ``--mtp-only-training``, ``--recompute-loss-function``
-  and ``--opd-loss-coef`` are refused, each with its reason (:func:`refusals`).
+  KL terms are recognised by the tensor handed to it; Relax runs them at CP 1 only, spec.py:267-297 @53a6045),
+  ``sft`` (``-sum_of_sample_mean(log_probs)``; with ``--sft-chunked-logits`` the model returns hidden states and
+  ``sft_loss_function_chunked`` L1488-1530 runs the output layer per sub-chunk through ``lm_head_forward``: the
+  same reduction of the same log-probs, measured the same), ``custom_loss`` (:func:`per_token`); ``value_loss`` is
+  the critic's, not audited; ``dpo``, ``rm``, ``sft`` with ``--task-type seq_cls``, ``--mtp-only-training``,
+  ``--recompute-loss-function``, ``--opd-loss-coef`` and ``--custom-tis-function-path`` are refused, each with
+  its reason (:func:`refusals`);
+* off-policy steps (``true_on_policy_mode`` off, L876-908: the old log-probs are the actor's, the ratio is not 1
+  and clipping fires), TIS (``--use-tis``, L997-1044: ``pg_loss x clamp(exp(old - rollout))``, the reducer rebuilt
+  with the same masks and denominators) and OPSM (``--use-opsm``, L961-994: ``pg_loss x`` a 0/1 per sample): each
+  multiplies the per-token policy loss before its reduction, so it lies inside the measured per-token loss ``l_t``
+  and leaves the weights ``w_t`` to the normalisation — measured (tests/trainers/test_relax_source.py, at CP 1
+  and 2, with ``main_grad = sum w_t grad l_t`` against the clipped surrogate's own gradient).
 """
 from typing import Any
 
@@ -54,6 +63,14 @@ def refusals(args: Any) -> list[str]:
     if float(getattr(args, "opd_loss_coef", 0.0) or 0.0) != 0.0:   # L1093-1102: its own micro-batch token mean
         bad.append("--opd-loss-coef != 0 (the on-policy distillation term is reduced per micro-batch outside the "
                    "hooked reducers)")
+    if getattr(args, "custom_tis_function_path", None) and (getattr(args, "use_tis", False)
+                                                           or getattr(args, "get_mismatch_metrics", False)):
+        # L1024-1044: a TIS function returns the response masks the policy reducer is rebuilt with (numerators)
+        # over the original denominators; a custom one may reject tokens (rejection sampling) the capture's
+        # masks still count. The built-in vanilla_tis_function (L747-775) returns the masks unchanged: measured.
+        bad.append("--custom-tis-function-path (its modified response masks become the policy reducer's numerators "
+                   "over the original denominators, loss.py:1035-1044: tokens it rejects would read as unweighted "
+                   "effective tokens)")
     return bad
 
 

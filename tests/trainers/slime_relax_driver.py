@@ -105,10 +105,30 @@ RELAX_SCENARIOS = {
     "sft": dict(calculate_per_token_loss=True, loss_type="sft"),
     "rpp": dict(SCENARIOS["pt"], advantage_estimator="reinforce_plus_plus"),
     "dummy": dict(SCENARIOS["pt"], dummy=True),
+    # --sft-chunked-logits (loss.py:1627-1634, model.py:1249-1281 @36882ca): the model returns hidden states and
+    # the loss runs the output layer on sub-chunks of 2 tokens through lm_head_forward (the logits never whole)
+    "sftc": dict(calculate_per_token_loss=True, loss_type="sft", sft_chunked_logits=True, sft_logits_chunk_size=2),
+    # an off-policy step (true_on_policy_mode off, loss.py:876-880): the actor's old log-probs from a forward of
+    # an older policy (the weights before a change: here the model's with seeded noise), advantages +-1 — the
+    # PPO ratio is not 1 and clipping fires on both sides (pg_clipfrac > 0)
+    "offp": dict(SCENARIOS["pt"], true_on_policy_mode=False, stale_policy=0.2, signed_advantages=True),
+    # off-policy with TIS (loss.py:997-1044: pg_loss x clamp(exp(old - rollout)), the reducer rebuilt with the
+    # samples' denominators) and OPSM (loss.py:961-994: a negative-advantage sample whose sequence KL exceeds
+    # opsm_delta masked out of pg_loss), per-sample mean over sample_index_mask_sums
+    "tis-opsm": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY, true_on_policy_mode=False,
+                     stale_policy=0.2, signed_advantages=True, rollout_drift=0.4, use_tis=True, tis_clip=1.2,
+                     tis_clip_low=0.8, use_opsm=True, opsm_delta=0.05),
+    # __loss_scale__ as Relax's fully-async dynamic-batch iterator sets it (MicroBatchListIterator.__next__ in
+    # relax/utils/data/stream_dataloader.py: one constant for every micro-batch of the rollout, __is_dummy__ from
+    # the k_local-th on; actor.py _drain_dynamic_batch_rollout: k_global / mini_global_samples x DP x CP, k_global
+    # counting the dummies), sample mean with a dummy micro-batch per step
+    "lscale": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY, dummy=True, loss_scales=True),
     "bug-clamp": SCENARIOS["pt"], "bug-clamp-ff": SCENARIOS["pt"],
     "bug-noskip": SCENARIOS["pt"], "bug-src": SCENARIOS["pt"],
+    # planted: the iterator's scale from k_local (the real micro-batches) instead of k_global
+    "bug-lscale": dict(calculate_per_token_loss=False, entropy_coef=ENTROPY, dummy=True, loss_scales=True),
 }
-PLANTED = ("pt-ff", "bug-clamp", "bug-clamp-ff", "bug-noskip", "bug-src")
+PLANTED = ("pt-ff", "bug-clamp", "bug-clamp-ff", "bug-noskip", "bug-src", "bug-lscale")
 TRAINER = "slime"
 SLIME_SRC = None        # --slime-src: the folder slime's real modules were read from (overlay_slime)
 RELAX_SRC = None        # --relax-src: the folder Relax's real modules were read from (overlay_relax)
@@ -150,7 +170,7 @@ def make_args(scenario, pp, cp, adapter):
         custom_loss_function_path=None, qkv_format="thd", data_pad_size_multiplier=4, seq_length=64,
         micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
         custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None, max_tokens_per_gpu=None,
-        loss_scales=False, dummy=False,
+        loss_scales=False, dummy=False, stale_policy=0.0, signed_advantages=False, rollout_drift=0.0,
         # what slime's real loss.py and model.py read beside (--slime-src; cited at @9e5a857, the same at
         # @4d837ff, @763f18d, @f9f00b2 a few lines off): the logits / rollout_temperature (loss.py:57), the old
         # log-probs from the batch, not the rollout's (use_rollout_logprobs, loss.py:390), the PPO ratio per
@@ -169,7 +189,7 @@ def make_args(scenario, pp, cp, adapter):
         for k, v in dict(use_opsm=False, allgather_cp=False, use_opd=False, opd_loss_coef=0.0, opd_log_prob_top_k=0,
                          opd_only_reward=False, true_on_policy_mode=True, recompute_loss_function=False,
                          use_unbiased_kl=False, kl_coef=0.0, normalize_advantages=False, task_type="causal_lm",
-                         sft_chunked_logits=False, sft_logits_chunk_size=1024, mtp_only_training=False,
+                         opsm_delta=0.0, sft_chunked_logits=False, sft_logits_chunk_size=1024, mtp_only_training=False,
                          is_vl_model=False, uses_unsplit_forward=False, log_probs_chunk_size=-1, value_clip=0.2,
                          tis_clip=2.0, tis_clip_low=0.0).items():
             setattr(a, k, v)
@@ -331,12 +351,84 @@ def run(scenario, out, pp, cp, adapter):
         mbi = [x for k in range(STEPS) for x in (mbi[2 * k], mbi[2 * k + 1], mbi[2 * k])]
         extra["dummy_micro_batch_offsets"] = [3 * k + 2 for k in range(STEPS)]
         M_steps = [3] * STEPS
-    if args.loss_scales:     # what the iterator injects: the loss x num_microbatches / global batch x DP x CP
+    if args.loss_scales:     # what Relax's iterator injects: k_global / mini_global_samples x DP x CP, k_global
+        #                      the step's micro-batches with the dummies (bug-lscale: without them, k_local)
         dpcp = ps.get_data_parallel_world_size(with_context_parallel=True)
-        extra["micro_batch_loss_scales"] = [M / GBS * dpcp] * len(mbi)
+        k = M if scenario == "bug-lscale" else M_steps[0]
+        extra["micro_batch_loss_scales"] = [k / GBS * dpcp] * len(mbi)
+    if not getattr(args, "true_on_policy_mode", True):
+        off_policy_rollout(args, mods, chunks, rd, mbi, out)
+    if getattr(args, "sft_chunked_logits", False):
+        count_chunked_sft(mods, result)
     its = [mods["data"].DataIterator(rd, None, mbi, **extra)]
     _train_and_record(mods, chunks, opt, out, adapter, result,
                       lambda: mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args))
+
+
+def off_policy_rollout(args, mods, chunks, rd, mbi, out):
+    """The rollout of an older policy: the actor's old log-probs (``log_probs``, which Relax's policy loss reads
+    outside true on-policy mode, loss.py:879-880 @36882ca) from a forward of the weights before a change — the
+    model's own with seeded noise of std ``stale_policy``, restored after — through the trainer's
+    get_batch and get_log_probs_and_entropy, each sample's CP-local log-probs made whole over the CP group;
+    advantages +1 / -1 by the sample's global index (``signed_advantages``); the rollout engine's log-probs
+    (``rollout_log_probs``, TIS) the old ones plus seeded noise in [-rollout_drift, rollout_drift].  Saves
+    {global index: old, rollout, advantage} for the reference (``offpolicy-rank*.pt``)."""
+    import lossguard_capture as lc
+    from megatron.core import parallel_state as ps
+    assert ps.get_pipeline_model_parallel_world_size() == 1, "the older policy's forward is written for PP 1"
+    cp, r = ps.get_context_parallel_world_size(), ps.get_context_parallel_rank()
+    params = [p for c in chunks for p in c.parameters()]
+    saved = [p.detach().clone() for p in params]
+    g = torch.Generator().manual_seed(SEED + 991)
+    old = [None] * len(rd["tokens"])
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * args.stale_policy)
+        it = mods["data"].DataIterator(rd, None, mbi)
+        for rows in mbi:
+            batch = mods["data"].get_batch(it, ["tokens", "total_lengths", "response_lengths", "loss_masks"],
+                                           args.data_pad_size_multiplier, args.qkv_format)
+            logits = chunks[0](input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+                               packed_seq_params=batch["packed_seq_params"])
+            _, res = mods["loss"].get_log_probs_and_entropy(
+                logits, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+                response_lengths=batch["response_lengths"], with_entropy=False)
+            for i, lp, T, R in zip(rows, res["log_probs"], batch["total_lengths"], batch["response_lengths"]):
+                full = torch.zeros(R, dtype=torch.float32)
+                full[torch.tensor(lc.zigzag_owned(T, R, cp, r), dtype=torch.int64)] = lp.detach().float()
+                if cp > 1:
+                    dist.all_reduce(full, group=ps.get_context_parallel_group())
+                old[i] = full
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    rd["log_probs"] = old
+    keep = {}
+    for k, gi in enumerate(rd["sample_indices"]):
+        R = int(rd["response_lengths"][k])
+        a = (1.0 if gi % 2 == 0 else -1.0) if args.signed_advantages else 1.0
+        rd["advantages"][k] = torch.full((R,), a)
+        drift = (torch.rand(R, generator=torch.Generator().manual_seed(SEED + 7 * gi)) * 2 - 1) * args.rollout_drift
+        keep[int(gi)] = dict(old=old[k].clone(), rollout=old[k] + drift, adv=a)
+    if args.rollout_drift:
+        rd["rollout_log_probs"] = [keep[int(gi)]["rollout"] for gi in rd["sample_indices"]]
+    torch.save(keep, os.path.join(out, f"offpolicy-rank{dist.get_rank()}.pt"))
+
+
+def count_chunked_sft(mods, result):
+    """Records that the loss ran Relax's chunked SFT path: sft_loss_function_chunked's calls, the width of what
+    it received (the hidden size, not the vocabulary) and the rows of each lm_head_forward call."""
+    real = mods["loss"].sft_loss_function_chunked
+    seen = result.setdefault("sft_chunked", {"calls": 0, "lm_head_rows": [], "widths": []})
+
+    def sft_loss_function_chunked(args, batch, hidden_states, sum_of_sample_mean, *, lm_head_forward):
+        seen["calls"] += 1
+        seen["widths"] = sorted(set(seen["widths"]) | {int(hidden_states.shape[-1])})
+
+        def head(x, *a, **k):
+            seen["lm_head_rows"].append(int(x.shape[0]))
+            return lm_head_forward(x, *a, **k)
+        return real(args, batch, hidden_states, sum_of_sample_mean, lm_head_forward=head)
+    mods["loss"].sft_loss_function_chunked = sft_loss_function_chunked
 
 
 def _train_and_record(mods, chunks, opt, out, adapter, result, train):
@@ -758,11 +850,40 @@ def run_source(scenario, out, pp, cp, adapter):
 
 
 # ---- the reference: sum_t w_t grad(l_t) on the whole float64 model ---------------------------------------
+def policy_token_losses(cfg, logp, T, R, mask, off):
+    """The policy's per-token losses at the logit positions of a sample (float64, differentiable in ``logp``):
+    PPO's clipped surrogate max(-r A, -clip(r, 1 - 0.2, 1 + 0.28) A), r = exp(log p - old log p) — on-policy
+    (``off`` None: old = log p detached, A = 1; its gradient is the cross entropy's), else the rollout's old
+    log-probs and advantage; TIS: x clamp(exp(old - rollout), tis_clip_low, tis_clip); OPSM: x 0 for a sample
+    with A < 0 whose mean over its mask of old - log p exceeds opsm_delta.  Written from the formulas, not from
+    Relax's code (ppo_utils.compute_policy_loss, loss.vanilla_tis_function, ppo_utils.compute_opsm_mask)."""
+    old = logp.detach().clone()
+    adv = torch.ones_like(logp)
+    factor = torch.ones_like(logp)
+    if off is not None:
+        pos = slice(T - R - 1, T - 1)
+        old[pos] = off["old"].double()
+        adv[pos] = off["adv"]
+        if cfg.get("use_tis"):
+            factor[pos] = torch.exp(off["old"].double() - off["rollout"].double()).clamp(cfg["tis_clip_low"],
+                                                                                          cfg["tis_clip"])
+        if cfg.get("use_opsm"):
+            mk = torch.tensor(mask, dtype=torch.float64)
+            seq_kl = ((old[pos] - logp[pos].detach()) * mk).sum() / max(float(mk.sum()), 1.0)
+            if off["adv"] < 0 and float(seq_kl) > cfg["opsm_delta"]:
+                factor = factor * 0
+    ratio = torch.exp(logp - old)
+    return torch.maximum(-ratio * adv, -ratio.clamp(1 - 0.2, 1 + 0.28) * adv) * factor
+
+
 def reference(d, layers, scenarios):
     """For each scenario's adapter run and step: the applied gradient (one DP x CP replica's main_grad, the
     stages assembled) and sum over terms and tokens of w_t grad(l_t) with the captured weights: the policy
-    loss (on-policy PPO, advantage 1: grad = grad CE), the entropy and the k1 KL (grad = -grad CE), each token's
-    loss recomputed in float64 on the whole model from the sample alone."""
+    loss (:func:`policy_token_losses`: on-policy PPO with advantage 1 has grad = grad CE; off-policy, the
+    clipped surrogate at the rollout's old log-probs and advantages, x TIS, x OPSM), SFT's -log p, the entropy
+    and the k1 KL (grad = -grad CE), each token's loss recomputed in float64 on the whole model from the sample
+    alone.  Also ``want_cross_entropy``: the same sum with every policy token's loss taken as its cross entropy
+    (the on-policy identity), which an off-policy step must NOT match (the tests show it rejected)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -772,6 +893,11 @@ def reference(d, layers, scenarios):
     ps.initialize_model_parallel()
     for scenario in scenarios:
         out = os.path.join(d, scenario, "adapter")
+        cfg = dict(globals()["scenarios"]().get(scenario, {}))
+        off = {}                               # off-policy: the rollout's old log-probs, advantages (the driver's)
+        for f in sorted(os.listdir(out)):
+            if f.startswith("offpolicy-rank"):
+                off.update(torch.load(os.path.join(out, f)))
         for step in range(STEPS):
             sd = os.path.join(out, "captures", f"step{step:06d}")
             caps = []
@@ -820,7 +946,7 @@ def reference(d, layers, scenarios):
                                 W[term][i][T - R - 1 + j] += float(w[at]) * gs
                             seen[i][T - R - 1 + j] += 1
                             at += 1
-            total = 0
+            total, wrong = 0, 0      # wrong: the on-policy identity (grad = the cross entropy's) on any step
             toks = tokens(step)
             for i, (T, R, m, _) in enumerate(SAMPLES[step]):
                 logits = model(toks[i][None], None, None)[0]                    # [T, V]
@@ -828,10 +954,21 @@ def reference(d, layers, scenarios):
                 ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
                 logp = torch.log_softmax(logits, dim=-1)
                 entropy = -(logp.exp() * logp).sum(-1)
-                total = total + ((W["main"][i] - W["kl"][i]) * ce).sum() + (W["entropy"][i] * entropy).sum()
+                main = ce if cfg.get("loss_type") in ("sft", "sft_loss") else \
+                    policy_token_losses(cfg, -ce, T, R, m, off.get(step * len(SAMPLES[step]) + i))
+                # k1 KL against reference log-probs 0: the per-token KL is log p = -ce
+                total = total + (W["main"][i] * main - W["kl"][i] * ce).sum() + (W["entropy"][i] * entropy).sum()
+                wrong = wrong + ((W["main"][i] - W["kl"][i]) * ce).sum() + (W["entropy"][i] * entropy).sum()
+            names = [n for n, _ in model.named_parameters()]
+            params = [p for _, p in model.named_parameters()]
+            if not isinstance(wrong, torch.Tensor) or not wrong.requires_grad:
+                wrong = sum(p.sum() for p in params) * 0
+            w_ce = torch.autograd.grad(wrong, params, retain_graph=True, allow_unused=True)
             total.backward()
             torch.save({"want": {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                                  for n, p in model.named_parameters()},
+                        "want_cross_entropy": {n: torch.zeros_like(p) if g is None else g.detach().clone()
+                                               for n, p, g in zip(names, params, w_ce)},
                         "got": grads, "seen": seen, "held": first}, os.path.join(out, f"ref-step{step}.pt"))
     ps.destroy_model_parallel()
 

@@ -36,8 +36,10 @@ from harness import HAVE_BIN, LOSSGUARD, child_env, needs_bin, same  # noqa: E40
 from harness import audit_json as audit  # noqa: E402
 from test_slime import N, world  # noqa: E402
 
-#: sft: Relax's own loss type name; rpp: a token-global estimator (its mask-safe reducers; CP 1 only)
-LAYOUTS = {(1, 2, 1): ["pt", "sm", "dyncp", "dummy", "sft"],
+#: sft: Relax's own loss type name (sftc: chunked through lm_head_forward); rpp: a token-global estimator (its
+#: mask-safe reducers; CP 1 only); offp: an off-policy step (old log-probs of an older policy, clipping fires);
+#: lscale: __loss_scale__ as Relax's fully-async iterator sets it (bug-lscale: from k_local)
+LAYOUTS = {(1, 2, 1): ["pt", "sm", "dyncp", "dummy", "sft", "sftc", "offp", "lscale", "bug-lscale"],
            (2, 1, 2): ["pt", "sm", "rpp", "bug-clamp", "bug-noskip", "bug-src", "bug-clamp-ff"]}
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-cp{c}-dp{d}-{s}" for (p, c, d), s in RIGHT]
@@ -217,11 +219,15 @@ def test_refuses_the_loss_paths_it_does_not_measure():
                           (dict(loss_type="sft", task_type="seq_cls"), "--task-type seq_cls"),
                           (dict(mtp_only_training=True), "--mtp-only-training"),
                           (dict(recompute_loss_function=True), "--recompute-loss-function"),
-                          (dict(opd_loss_coef=0.5), "--opd-loss-coef")):
+                          (dict(opd_loss_coef=0.5), "--opd-loss-coef"),
+                          (dict(use_tis=True, custom_tis_function_path="my.tis"), "--custom-tis-function-path")):
         args = SimpleNamespace(**{"loss_type": "policy_loss", "calculate_per_token_loss": True, **extra})
         with pytest.raises(RuntimeError, match=f"lossguard_capture.relax does not measure: {needle}"):
             lcr.RelaxAudit(lcr.RELAX, args, "unused")
-    for ok in (dict(loss_type="sft"), dict(loss_type="policy_loss", advantage_estimator="reinforce_plus_plus")):
+    for ok in (dict(loss_type="sft"), dict(loss_type="policy_loss", advantage_estimator="reinforce_plus_plus"),
+               dict(loss_type="sft", sft_chunked_logits=True),
+               dict(loss_type="policy_loss", true_on_policy_mode=False, use_tis=True, use_opsm=True),
+               dict(loss_type="policy_loss", custom_tis_function_path="my.tis")):       # no TIS: never loaded
         lcr.RelaxAudit(lcr.RELAX, SimpleNamespace(calculate_per_token_loss=True, **ok), "unused")   # measured
 
 

@@ -6,11 +6,16 @@ lossguard_capture.relax switched on by Relax's own flags — the same checks as 
 
 (a) the audit changes nothing, bit for bit (reported metrics, gradient norms, main_grad, learning rate,
     parameters), and the real skip leaves the zero-token step alone (optimizer and scheduler);
-(b) the applied gradient is sum over terms and tokens of w_t grad(l_t) with the measured weights;
-(c) lossguard audit passes every step — policy_loss per token and per sample, Relax's ``sft``, the token-global
-    estimator (reinforce_plus_plus: its mask-safe reducer), a CP size per micro-batch — at CP 1, CP 2 and PP 2,
-    and names the seed's bugs planted around the real code (the CP=1 count of an empty response as 1 token; the
-    skip decision broadcast from the pipeline's first rank);
+(b) the applied gradient is sum over terms and tokens of w_t grad(l_t) with the measured weights — off-policy
+    too, where l_t is the clipped surrogate at the rollout's old log-probs (x TIS, x OPSM), not the cross
+    entropy (whose on-policy identity is shown rejected there);
+(c) lossguard audit passes every step — policy_loss per token and per sample, Relax's ``sft`` (also chunked
+    through ``lm_head_forward``: the logits never whole), the token-global estimator (reinforce_plus_plus: its
+    mask-safe reducer; CP 1, as Relax allows), a CP size per micro-batch, an off-policy step whose clipping fires
+    (``offp``), TIS with OPSM (``tis-opsm``), ``__loss_scale__`` as Relax's fully-async iterator sets it with a
+    dummy micro-batch (``lscale``) — at CP 1 and CP 2 (PP 2 for the skip), and names the bugs planted around the
+    real code (the CP=1 count of an empty response as 1 token; the skip decision broadcast from the pipeline's
+    first rank; the iterator's scale from the real micro-batches alone);
 (d) every loss type of the real ``loss_function``'s dispatch is measured here or refused at init.
 
 No Relax code is in this repository: the files are read at run time from $LOSSGUARD_RELAX_SRC/<commit>/<path> —
@@ -33,6 +38,7 @@ from lossguard_capture.megatron_cpu import no_cuda_build
 
 with no_cuda_build():                     # megatron-core 0.15.x builds a CUDA allocator at import (megatron_cpu)
     pytest.importorskip("megatron.core")
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -48,10 +54,13 @@ SRC = os.environ.get("LOSSGUARD_RELAX_SRC")
 HOW = ("Relax's real source is read at run time from outside this repository: materialise it with "
        "`RELAX_GIT=/path/to/a/clone/of/Relax scripts/relax-src.sh DEST` (without RELAX_GIT it clones "
        f"{MANIFEST['upstream']}) and run with LOSSGUARD_RELAX_SRC=DEST")
-#: (pp, cp, dp) -> scenarios (slime_relax_driver.RELAX_SCENARIOS)
-LAYOUTS = {(1, 1, 2): ["pt", "sft", "rpp", "bug-clamp"],
-           (1, 2, 1): ["pt", "sm", "sft", "dyncp"],
+#: (pp, cp, dp) -> scenarios (slime_relax_driver.RELAX_SCENARIOS). rpp (reinforce_plus_plus) at CP 1 only: Relax
+#: declares the token-global estimators without CP (relax/algorithms/spec.py:267-297 @53a6045,
+#: ``supports_context_parallel=False``, which "rejects both static CP sharding and dynamic CP at startup", L89-95)
+LAYOUTS = {(1, 1, 2): ["pt", "sft", "sftc", "rpp", "offp", "tis-opsm", "lscale", "bug-clamp", "bug-lscale"],
+           (1, 2, 1): ["pt", "sm", "sft", "sftc", "dyncp", "offp", "tis-opsm", "lscale"],
            (2, 1, 1): ["pt", "bug-src"]}
+CP12 = [(1, 1, 2), (1, 2, 1)]
 RIGHT = [(lay, s) for lay, ss in LAYOUTS.items() for s in ss if s not in drv.PLANTED]
 IDS = [f"pp{p}-cp{c}-dp{d}-{s}" for (p, c, d), s in RIGHT]
 
@@ -97,9 +106,11 @@ def test_the_real_modules_ran(runs, layout):
                         assert hashlib.sha256(f.read()).hexdigest() == e["sha256"], e
                 for mod in ("loss", "cp_utils"):    # loaded from the overlay, not the shape's package
                     assert not info["loaded"][mod].startswith(os.path.join(HERE, "relax_shape")), mod
-                (t,) = MANIFEST["transplants"]
-                if scenario not in ("bug-noskip", "bug-src"):     # those two replace or wrap it
-                    assert info["zero_token_skip"] == os.path.join(os.path.abspath(SRC), t["commit"], t["path"])
+                for t in MANIFEST["transplants"]:
+                    real = os.path.join(os.path.abspath(SRC), t["commit"], t["path"])
+                    assert info["transplanted"][f"{t['module']}.{t['function']}"] == real, t["function"]
+                    if t["function"] == "_is_global_zero_token_step" and scenario not in ("bug-noskip", "bug-src"):
+                        assert info["zero_token_skip"] == real         # those two replace or wrap it
 
 
 # ---- (a) bit for bit, and Relax's skip ---------------------------------------------------------------
@@ -142,6 +153,85 @@ def test_the_real_skip_broadcast_from_a_group_local_source_is_named(runs):
     rc, c, s = step_checks(runs, lay, "bug-src", 2)
     assert rc == 1 and c["decision"]["ok"] is False, c
     assert "pipeline stage 0 of 2) stepped (expected skip: N = 0)" in c["decision"]["detail"]
+
+
+@needs_bin
+def test_a_loss_scale_from_the_real_micro_batches_alone_is_named(runs):
+    """Relax's iterator scales by k_global (the dummies counted, as Megatron divides by them): planted with
+    k_local the update is 2/3 of the truth, which audit's weights check names; the zero-token step is unaffected."""
+    lay = (1, 1, 2)
+    for n in (0, 1):
+        rc, c, s = step_checks(runs, lay, "bug-lscale", n)
+        assert rc == 1 and c["weights"]["ok"] is False and "\u00d70.666667" in c["weights"]["detail"], c["weights"]
+    assert step_checks(runs, lay, "bug-lscale", 2)[0] == 0
+
+
+def _result(runs, layout, scenario, rank=0):
+    with open(os.path.join(runs[layout], scenario, "adapter", f"result-rank{rank}.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("layout", CP12, ids=["cp1", "cp2"])
+def test_sft_ran_chunked_through_lm_head_forward(runs, layout):
+    """--sft-chunked-logits: Relax's sft_loss_function_chunked received the hidden states (width 16, the
+    model's hidden size; the vocabulary is 32) and ran the output layer on each sample's owned response tokens
+    in sub-chunks of at most 2 (sft_logits_chunk_size): ceil(n / 2) calls for a sample of n tokens on the rank."""
+    import lossguard_capture as lc
+    pp, cp, dp = layout
+    widest = 0
+    for r in range(world(layout)):
+        seen = _result(runs, layout, "sftc", r)["sft_chunked"]
+        assert seen["widths"] == [16] and seen["calls"] == drv.STEPS * drv.M, seen
+        d, c = r // cp, r % cp                                    # ranks: CP fastest, then DP (PP 1)
+        owned = [len(lc.zigzag_owned(T, R, cp, c)) for step in drv.SAMPLES
+                 for i, (T, R, _, _) in enumerate(step) if i % dp == d]
+        rows = seen["lm_head_rows"]
+        assert max(rows) <= 2 and sum(rows) == sum(owned), (seen, owned)
+        assert len(rows) == sum((n + 1) // 2 for n in owned), (seen, owned)
+        widest = max(widest, max(rows))
+    assert widest == 2          # some sample was longer than a sub-chunk on some rank: it was cut
+
+
+@pytest.mark.parametrize("layout", CP12, ids=["cp1", "cp2"])
+def test_the_off_policy_ratio_is_not_1_and_clipping_fires(runs, layout):
+    """offp / tis-opsm: the ratio is the old policy's (clipping fires: pg_clipfrac > 0 on steps 0 and 1); TIS
+    truncates some weights and OPSM masks some samples."""
+    for scenario in ("offp", "tis-opsm"):
+        rep = _result(runs, layout, scenario)["reported"]
+        for n in (0, 1):
+            assert rep[n]["pg_clipfrac"] > 0 and rep[n]["ppo_kl"] != 0, (scenario, n, rep[n])
+            if scenario == "tis-opsm":
+                assert rep[n]["tis_clipfrac"] > 0 and rep[n]["opsm_clipfrac"] > 0, (n, rep[n])
+
+
+@pytest.mark.parametrize("layout", CP12, ids=["cp1", "cp2"])
+def test_off_policy_gradient_is_not_the_cross_entropys(runs, layout):
+    """The identity's reference must be the policy loss's own gradient off-policy: the on-policy one (every
+    policy token's loss its cross entropy) is rejected on the off-policy steps, by far more than the tolerance."""
+    for scenario in ("offp", "tis-opsm"):
+        for n in (0, 1):
+            ref = torch.load(os.path.join(runs[layout], scenario, "adapter", f"ref-step{n}.pt"))
+            scale = max(float(v.abs().max()) for v in ref["want"].values())
+            off = max(float((ref["got"][k].double() - w).abs().max()) for k, w in ref["want_cross_entropy"].items())
+            assert off > 1e-2 * scale, (scenario, n, off, scale)
+
+
+def test_reinforce_plus_plus_declares_no_context_parallel():
+    """Why rpp runs at CP 1 only: Relax's registry (the real spec.py of the tier) says so."""
+    why = _missing_src()
+    if why:
+        pytest.skip(why)
+    spec = next(e for e in MANIFEST["tier"] if e["path"].endswith("algorithms/spec.py"))
+    with open(os.path.join(SRC, spec["commit"], spec["path"])) as f:
+        tree = ast.parse(f.read())
+    found = {}
+    for call in ast.walk(tree):
+        if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "AlgorithmSpec":
+            kw = {k.arg: k.value for k in call.keywords}
+            if "name" in kw and isinstance(kw["name"], ast.Constant):
+                cp = kw.get("supports_context_parallel")
+                found[kw["name"].value] = True if cp is None else cp.value
+    assert found["reinforce_plus_plus"] is False and found["reinforce_plus_plus_baseline"] is False, found
 
 
 def test_dynamic_cp_is_recorded(runs):
