@@ -57,6 +57,9 @@ sys.path.insert(0, os.path.join(ROOT, "python"))
 sys.path.insert(0, os.path.join(HERE, "slime_shape"))
 sys.path.insert(0, os.path.join(HERE, "relax_shape"))
 sys.path.insert(0, HERE)
+# Megatron-LM's megatron.training (global_vars: set_args / get_args, which slime's init, train and train_one_step
+# use), not in the megatron-core wheel: the source tier's stand-in, LAST on sys.path (slime_head_stand_ins/README.md)
+sys.path.append(os.path.join(HERE, "slime_head_stand_ins", "site"))
 
 import warnings  # noqa: E402
 
@@ -167,7 +170,7 @@ def make_args(scenario, pp, cp, adapter):
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         loss_type="policy_loss", calculate_per_token_loss=True, entropy_coef=0.0, use_kl_loss=False,
         kl_loss_coef=0.0, kl_loss_type="k1", eps_clip=0.2, eps_clip_high=0.28, custom_pg_loss_reducer_function_path=None,
-        custom_loss_function_path=None, qkv_format="thd", data_pad_size_multiplier=4, seq_length=64,
+        custom_loss_function_path=None, qkv_format="thd", allgather_cp=False, data_pad_size_multiplier=4, seq_length=64,
         micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
         custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None, max_tokens_per_gpu=None,
         loss_scales=False, dummy=False, stale_policy=0.0, signed_advantages=False, rollout_drift=0.0,
@@ -209,7 +212,10 @@ def tokens(step):
 def rollout_data(dp, dp_rank):
     if TRAINER == "relax":
         return relax_rollout_data(dp, dp_rank)
-    return slime_rollout_data(dp, dp_rank)
+    rd, indices = slime_rollout_data(dp, dp_rank)
+    # slime's actor hands train_actor the per-rollout mask totals as one float32 tensor (actor.py:264-268 @624b824)
+    rd["rollout_mask_sums"] = torch.stack(rd["rollout_mask_sums"]).to(torch.float32)
+    return rd, indices
 
 
 def relax_rollout_data(dp, dp_rank):
@@ -339,7 +345,7 @@ def run(scenario, out, pp, cp, adapter):
     if SLIME_SRC:   # slime's real policy loss reads the old log-probs: its actor computes them before training
         #            (actor.py:365-375 @9e5a857, forward_only(get_log_probs_and_entropy)): at step 0 the ratio is 1
         rd.update(mods["model"].forward_only(mods["loss"].get_log_probs_and_entropy, args, chunks,
-                                             [mods["data"].DataIterator(rd, None, mbi)], M_steps))
+                                             [mods["data"].DataIterator(rd, mbi)], M_steps))
     if SLIME_SRC or RELAX_SRC:
         result["real_src"] = {"dir": SLIME_SRC or RELAX_SRC, "real": SRC_REAL, "transplanted": TRANSPLANTED,
                               "loaded": {k: os.path.abspath(m.__file__) for k, m in sorted(mods.items())},
@@ -360,9 +366,35 @@ def run(scenario, out, pp, cp, adapter):
         off_policy_rollout(args, mods, chunks, rd, mbi, out)
     if getattr(args, "sft_chunked_logits", False):
         count_chunked_sft(mods, result)
-    its = [mods["data"].DataIterator(rd, None, mbi, **extra)]
-    _train_and_record(mods, chunks, opt, out, adapter, result,
-                      lambda: mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args))
+    if TRAINER == "relax":
+        its = [mods["data"].DataIterator(rd, None, mbi, **extra)]
+        train = lambda: mods["model"].train(0, chunks, opt, sched, its, M_steps, [GBS] * STEPS, args)  # noqa: E731
+    else:       # slime's DataIterator(rollout_data, micro_batch_indices) (data.py:155-168 @624b824)
+        assert not extra, "the dummy micro-batches and injected loss scales are Relax's"
+        its = [mods["data"].DataIterator(rd, mbi)]
+        train = slime_train(mods, chunks, opt, sched, its, M_steps, [GBS] * STEPS)
+    _train_and_record(mods, chunks, opt, out, adapter, result, train)
+
+
+def slime_train(mods, chunks, opt, sched, its, num_microbatches, global_batch_sizes):
+    """slime's ``train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
+    global_batch_sizes)`` as a callable returning [(report, grad norm)] per step: slime's train returns nothing
+    (it logs each step, model.py:874-898 @624b824), so the test reads what its ``train_one_step`` returns."""
+    def train():
+        steps = []
+        real_step = mods["model"].train_one_step
+
+        def train_one_step(*a, **k):              # the test's view of what train() reports per step
+            loss, grad_norm = real_step(*a, **k)
+            steps.append(({key: float(v) for key, v in loss.items()}, grad_norm))
+            return loss, grad_norm
+        mods["model"].train_one_step = train_one_step
+        try:
+            mods["model"].train(0, chunks, opt, sched, its, num_microbatches, global_batch_sizes)
+        finally:
+            mods["model"].train_one_step = real_step
+        return steps
+    return train
 
 
 def off_policy_rollout(args, mods, chunks, rd, mbi, out):
@@ -817,30 +849,15 @@ def run_source(scenario, out, pp, cp, adapter):
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     rd, mbi = rollout_data(dp, dp_rank)
     # what slime's actor hands train_actor (actor.py:257-268 @624b824): tokens long, loss masks int, the
-    # per-rollout mask totals one float32 tensor; its schedule (micro_batch_indices, num_microbatches,
-    # global_batch_sizes: the rollouts of each step over DP)
-    rd["rollout_mask_sums"] = torch.stack(rd["rollout_mask_sums"]).to(torch.float32)
+    # per-rollout mask totals one float32 tensor (rollout_data); its schedule (micro_batch_indices,
+    # num_microbatches, global_batch_sizes: the rollouts of each step over DP)
     rd.update(micro_batch_indices=mbi, num_microbatches=[M] * STEPS, global_batch_sizes=[GBS] * STEPS)
     its = mods["data"].get_data_iterator(rd)
     rd.update(mods["model"].forward_only(mods["loss"].get_log_probs_and_entropy, args, chunks, its,
                                          rd["num_microbatches"], store_prefix="", use_rollout_top_p_replay=True))
     result = {"real_src": {"dir": os.path.join(SLIME_SOURCE, source_tier()["commit"]), "real": SRC_REAL,
                            "loaded": {k: os.path.abspath(m.__file__) for k, m in sorted(mods.items())}}}
-    steps = []
-    real_step = mods["model"].train_one_step
-
-    def train_one_step(*a, **k):              # the test's view of what train() reports per step
-        loss, grad_norm = real_step(*a, **k)
-        steps.append(({key: float(v) for key, v in loss.items()}, grad_norm))
-        return loss, grad_norm
-
-    def train():
-        mods["model"].train_one_step = train_one_step
-        try:
-            mods["model"].train(0, chunks, opt, sched, its, rd["num_microbatches"], rd["global_batch_sizes"])
-        finally:
-            mods["model"].train_one_step = real_step
-        return steps
+    train = slime_train(mods, chunks, opt, sched, its, rd["num_microbatches"], rd["global_batch_sizes"])
     try:
         _train_and_record(mods, chunks, opt, out, adapter, result, train)
     finally:

@@ -1,7 +1,9 @@
 """slime's per-sample zig-zag CP split and its reducer factory (THUDM/slime
 slime/backends/megatron_utils/cp_utils.py @624b824, main: get_logits_and_tokens_offset_with_cp, slice_with_cp,
-slice_log_prob_with_cp; get_sum_of_sample_mean as loss.py @624b824 calls it, with the per-rollout mask
-totals ``rollout_mask_sums`` as each sample's denominator)."""
+slice_log_prob_with_cp; get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, sample_denoms,
+calculate_per_token_loss), cp_utils.py:47-124: ``sample_denoms`` each sample's denominator — loss.py:1319-1325
+passes the rollout's ``rollout_mask_sums``, one float32 tensor (actor.py:264-268), of which the DataIterator
+hands each micro-batch its samples' entries; None: each sample's own mask count)."""
 import torch
 from megatron.core import mpu
 
@@ -55,17 +57,17 @@ def _local_masks(total_lengths, response_lengths, loss_masks):
     return [slice_log_prob_with_cp(m, T, R) for T, R, m in zip(total_lengths, response_lengths, loss_masks)]
 
 
-def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, rollout_mask_sums=None,
+def get_sum_of_sample_mean(total_lengths, response_lengths, loss_masks, sample_denoms=None,
                            calculate_per_token_loss=False):
     """The reducer over this rank's owned response tokens (per sample, local order): per-token, the masked
-    sum; otherwise each sample's masked sum over its rollout's mask total (clamped to 1), summed."""
+    sum; otherwise each sample's masked sum over its denominator (clamped to 1 at the division), summed."""
     local = _local_masks(total_lengths, response_lengths, loss_masks)
     lengths = [int(m.numel()) for m in local]
-    denoms = [torch.clamp_min(torch.as_tensor(d), 1) for d in rollout_mask_sums] if rollout_mask_sums is not None \
-        else [torch.clamp_min(m.sum(), 1) for m in loss_masks]
+    denoms = [m.sum() for m in loss_masks] if sample_denoms is None else sample_denoms
 
     def sum_of_sample_mean(x):
-        return sum((xi * m).sum() / d for xi, m, d in zip(x.split(lengths), local, denoms))
+        return sum((xi * m).sum() / torch.clamp_min(torch.as_tensor(d), 1)
+                   for xi, m, d in zip(x.split(lengths), local, denoms))
 
     def sum_of_token(x):
         return sum((xi * m).sum() for xi, m in zip(x.split(lengths), local))

@@ -1,7 +1,7 @@
 """slime's loss module, the paths the tests drive (THUDM/slime slime/backends/megatron_utils/loss.py
 @624b824, main): get_responses / get_log_probs_and_entropy (per sample, the owned response tokens in local order:
 at CP > 1 the two chunks' logits and tokens by get_logits_and_tokens_offset_with_cp), policy_loss_function
-(on-policy PPO-clip: the reducer of the policy loss first — a custom one loaded by
+(PPO-clip, the old log-probs the batch's or this forward's detached: the reducer of the policy loss first — a custom one loaded by
 --custom-pg-loss-reducer-function-path with (total_lengths, response_lengths, loss_masks,
 calculate_per_token_loss) — then pg_clipfrac and ppo_kl as metrics, the entropy, the k1 KL under
 --use-kl-loss; loss = pg - entropy_coef * entropy + kl_loss_coef * kl), sft_loss_function (minus the reduced
@@ -63,8 +63,11 @@ def policy_loss_function(args, batch, logits, sum_of_sample_mean):
     _, lpe = get_log_probs_and_entropy(logits, args=args, unconcat_tokens=batch["unconcat_tokens"],
                                        total_lengths=batch["total_lengths"],
                                        response_lengths=batch["response_lengths"], with_entropy=True)
+    # the old log-probs: the batch's (the actor's forward_only before training), else this forward's, detached
+    # (loss.py:965, 985-986 @624b824)
+    old = batch.get("log_probs") or [lp.detach() for lp in lpe["log_probs"]]
     log_probs = torch.cat(lpe["log_probs"])
-    old = log_probs.detach()                                            # on-policy: no stored log-probs
+    old = torch.cat(old)
     ppo_kl = old - log_probs
     pg_loss, pg_clipfrac = compute_policy_loss(ppo_kl, advantages, args.eps_clip, args.eps_clip_high)
     if args.custom_pg_loss_reducer_function_path is not None:

@@ -1,12 +1,18 @@
 """slime's training step (THUDM/slime slime/backends/megatron_utils/model.py @624b824, main, with its
-step_global_batch_size): ``train`` sets ``config.grad_scale_func`` and ``config.finalize_model_grads_func``
-anew at every call (once per rollout) and runs ``train_one_step`` per step; ``train_one_step`` zeroes the
-gradient buffers and the optimizer, calls the --custom-megatron-before-train-step-hook-path hook with (args,
-rollout_id, step_id, model, optimizer, opt_param_scheduler), runs forward_backward_func over one DataIterator
-per model chunk with a forward step that returns ``partial(loss_function, args, batch, num_microbatches,
-step_global_batch_size)``, steps the optimizer (asserting success) and the scheduler by
-step_global_batch_size, zeroes the gradients again and, on the last stage, all-reduces the reported values
-over DP x CP. No zero-token skip (slime has none).
+step_global_batch_size): ``train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator,
+num_microbatches, global_batch_sizes)`` (model.py:703-940) reads the args with ``get_args()`` (L738), resets the
+iterators, sets ``config.grad_scale_func`` and ``config.finalize_model_grads_func`` anew at every call (once per
+rollout), runs ``train_one_step`` per step, logs each step's report and gradient norm through
+``logging_utils.log`` (L874-898, on the DP x CP rank 0 of the last stage) and returns nothing;
+``train_one_step(rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, num_microbatches,
+step_global_batch_size)`` (L526-700; args by ``get_args()``, L550) zeroes the gradient buffers and the
+optimizer, calls the --custom-megatron-before-train-step-hook-path hook with (args, rollout_id, step_id, model,
+optimizer, opt_param_scheduler), runs forward_backward_func over one DataIterator per model chunk with a forward
+step that passes the batch's ``full_loss_masks`` to the model as ``loss_mask`` (L630) and returns
+``partial(loss_function, args, batch, num_microbatches, step_global_batch_size)``, steps the optimizer (asserting
+success; slime's valid_step is always true with --check-for-nan-in-loss-and-grad at its default, L659-686) and
+the scheduler by step_global_batch_size, zeroes the gradients again and, on the last stage, returns
+``reduce_train_step_metrics``' report (L694-700) with the gradient norm. No zero-token skip (slime has none).
 
 For slime's real loss module at older commits (tests/trainers/test_slime_history.py, the driver's
 --slime-src): there ``loss_function(args, batch, num_microbatches, logits)`` takes no step_global_batch_size
@@ -21,18 +27,21 @@ from megatron.core import mpu
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
+from megatron.training.global_vars import get_args
 
+from slime.observability import logging_utils, train_metric_utils
 from slime.utils.misc import load_function
 
 from .data import get_batch
 from .loss import loss_function
 
 TRAIN_KEYS = ["tokens", "packed_seq_params", "total_lengths", "response_lengths", "loss_masks", "log_probs",
-              "ref_log_probs", "advantages", "rollout_mask_sums"]
+              "ref_log_probs", "advantages", "rollout_mask_sums"]       # model.py:580-601, those the shape's loss reads
 
 
-def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
-                   num_microbatches, step_global_batch_size):
+def train_one_step(rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler, num_microbatches,
+                   step_global_batch_size):
+    args = get_args()
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
@@ -41,9 +50,9 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
             args, rollout_id, step_id, model, optimizer, opt_param_scheduler)
 
     def forward_step(data_iterator, model, return_schedule_plan=False):
-        batch = get_batch(data_iterator, TRAIN_KEYS, args.data_pad_size_multiplier, args.qkv_format)
+        batch = get_batch(data_iterator, TRAIN_KEYS, args.data_pad_size_multiplier, args.allgather_cp)
         output = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
-                       packed_seq_params=batch["packed_seq_params"])
+                       packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
         # step_global_batch_size only to a loss_function that takes it (module docstring)
         takes_gbs = "step_global_batch_size" in inspect.signature(loss_function).parameters
         extra = (step_global_batch_size,) if takes_gbs else ()
@@ -59,15 +68,16 @@ def train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, o
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     if mpu.is_pipeline_last_stage(ignore_virtual=True):
-        keys = losses[0]["keys"]
-        values = sum(x["values"] for x in losses)
-        torch.distributed.all_reduce(values, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        return dict(zip(["count"] + keys, values.tolist())), grad_norm
+        return train_metric_utils.reduce_train_step_metrics(
+            losses, calculate_per_token_loss=args.calculate_per_token_loss,
+            step_global_batch_size=step_global_batch_size, cp_size=mpu.get_context_parallel_world_size(),
+            dp_with_cp_group=mpu.get_data_parallel_group(with_context_parallel=True)), grad_norm
     return {}, grad_norm
 
 
-def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches,
-          step_global_batch_sizes, args):
+def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_microbatches, global_batch_sizes):
+    args = get_args()
+    assert len(num_microbatches) == len(global_batch_sizes)
     for it in data_iterator:
         it.reset()
     for chunk in model:
@@ -75,11 +85,16 @@ def train(rollout_id, model, optimizer, opt_param_scheduler, data_iterator, num_
     config = get_model_config(model[0])
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
-    out = []
     for step_id in range(len(num_microbatches)):
-        out.append(train_one_step(args, rollout_id, step_id, data_iterator, model, optimizer, opt_param_scheduler,
-                                  num_microbatches[step_id], step_global_batch_sizes[step_id]))
-    return out
+        report, grad_norm = train_one_step(rollout_id, step_id, data_iterator, model, optimizer,
+                                           opt_param_scheduler, num_microbatches[step_id],
+                                           global_batch_sizes[step_id])
+        if (mpu.get_data_parallel_rank(with_context_parallel=True) == 0 and mpu.get_tensor_model_parallel_rank() == 0
+                and mpu.is_pipeline_last_stage(ignore_virtual=True)):
+            logged = {f"train/{k}": v for k, v in report.items()}
+            logged.update({"train/grad_norm": grad_norm, "train/global_batch_size": global_batch_sizes[step_id],
+                           "train/step": rollout_id * len(num_microbatches) + step_id})
+            logging_utils.log(args, logged, step_key="train/step")
 
 
 @torch.no_grad()
@@ -95,10 +110,10 @@ def forward_only(f, args, model, data_iterator, num_microbatches, store_prefix="
         it.reset()
 
     def forward_step(data_iterator, model, return_schedule_plan=False):
-        batch = get_batch(data_iterator, ["tokens", "total_lengths", "response_lengths"],
-                          args.data_pad_size_multiplier, args.qkv_format)
+        batch = get_batch(data_iterator, ["tokens", "loss_masks", "total_lengths", "response_lengths"],
+                          args.data_pad_size_multiplier, args.allgather_cp)
         output = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
-                       packed_seq_params=batch["packed_seq_params"])
+                       packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
         return output, partial(f, args=args, unconcat_tokens=batch["unconcat_tokens"],
                                total_lengths=batch["total_lengths"], response_lengths=batch["response_lengths"],
                                with_entropy=args.use_rollout_entropy)

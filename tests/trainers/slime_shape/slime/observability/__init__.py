@@ -1,0 +1,1 @@
+"""slime-shaped test package (tests/trainers/slime_shape/README.md)."""
