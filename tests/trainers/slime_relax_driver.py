@@ -170,8 +170,8 @@ def make_args(scenario, pp, cp, adapter):
         tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         loss_type="policy_loss", calculate_per_token_loss=True, entropy_coef=0.0, use_kl_loss=False,
         kl_loss_coef=0.0, kl_loss_type="k1", eps_clip=0.2, eps_clip_high=0.28, custom_pg_loss_reducer_function_path=None,
-        custom_loss_function_path=None, qkv_format="thd", allgather_cp=False, data_pad_size_multiplier=4, seq_length=64,
-        micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
+        custom_loss_function_path=None, qkv_format="thd", allgather_cp=False, data_pad_size_multiplier=4,
+        seq_length=64, micro_batch_size=1, global_batch_size=GBS, rollout_batch_size=GBS * STEPS, n_samples_per_prompt=1,
         custom_megatron_init_path=None, custom_megatron_before_train_step_hook_path=None, max_tokens_per_gpu=None,
         loss_scales=False, dummy=False, stale_policy=0.0, signed_advantages=False, rollout_drift=0.0,
         # what slime's real loss.py and model.py read beside (--slime-src; cited at @9e5a857, the same at

@@ -1,9 +1,9 @@
 """slime's loss module, the paths the tests drive (THUDM/slime slime/backends/megatron_utils/loss.py
 @624b824, main): get_responses / get_log_probs_and_entropy (per sample, the owned response tokens in local order:
 at CP > 1 the two chunks' logits and tokens by get_logits_and_tokens_offset_with_cp), policy_loss_function
-(PPO-clip, the old log-probs the batch's or this forward's detached: the reducer of the policy loss first — a custom one loaded by
---custom-pg-loss-reducer-function-path with (total_lengths, response_lengths, loss_masks,
-calculate_per_token_loss) — then pg_clipfrac and ppo_kl as metrics, the entropy, the k1 KL under
+(PPO-clip, the old log-probs the batch's or this forward's detached: the reducer of the policy loss
+first — a custom one loaded by --custom-pg-loss-reducer-function-path with (total_lengths, response_lengths,
+loss_masks, calculate_per_token_loss) — then pg_clipfrac and ppo_kl as metrics, the entropy, the k1 KL under
 --use-kl-loss; loss = pg - entropy_coef * entropy + kl_loss_coef * kl), sft_loss_function (minus the reduced
 log-probabilities) and loss_function (the reducer built from the batch's rollout_mask_sums; the count
 sum of clamp_min(mask.sum(), 1) over the full masks; per-token: loss x CP, else x num_microbatches /
@@ -35,7 +35,10 @@ def get_responses(logits, *, args, unconcat_tokens, total_lengths, response_leng
         yield torch.cat(parts_l), torch.cat(parts_t)
 
 
-def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False):
+def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, response_lengths, with_entropy=False,
+                              non_loss_data=True):
+    """(an empty tensor, {"log_probs", "entropy"}: per sample) as loss.py:513-604 @624b824 returns them."""
+    assert non_loss_data
     out = {"log_probs": [], "entropy": []}
     for rows, tokens in get_responses(logits, args=args, unconcat_tokens=unconcat_tokens,
                                       total_lengths=total_lengths, response_lengths=response_lengths):
@@ -43,7 +46,7 @@ def get_log_probs_and_entropy(logits, *, args, unconcat_tokens, total_lengths, r
         out["log_probs"].append(logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1))
         if with_entropy:
             out["entropy"].append(-(logp.exp() * logp).sum(-1))
-    return None, out
+    return logits.new_empty((0,)), out
 
 
 def compute_approx_kl(log_probs, log_probs_base, kl_loss_type="k1", importance_ratio=None):
