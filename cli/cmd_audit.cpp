@@ -34,6 +34,7 @@ void run_audit(const AuditOptions& o, Report& report, Context& ctx) {
   opt.strict_scale = o.strict_scale;
   opt.every_trainer_preset = o.explain;
   opt.strict_records = o.strict;
+  opt.shard_ratios = !o.svg_path.empty();
   const std::vector<RankCapture> captures = io::read_captures(o.paths);
   for (const auto& c : captures) report.add_input(c.file, "audit capture");
   const oracle::AuditResult result = oracle::audit_captures(captures, opt);

@@ -1386,7 +1386,9 @@ AuditResult audit_captures(const std::vector<RankCapture>& captures, const Audit
     AuditStep s = audit_step(step, ranks, options);
     s.failed = step_failed(s, options.strict_scale);
     s.summary = s.diagnosis.summary();
-    if (s.diagnosis.kind != "not-run")  // weighed: a layout that holds a sample twice is not
+    // The ratio per micro-batch and CP rank: only where asked (--svg draws the first step), and
+    // only for a step whose weights were judged (a layout that holds a sample twice is not).
+    if (options.shard_ratios && out.steps.empty() && s.diagnosis.kind != "not-run")
       s.shards = shard_ratios(s.batch, s.measured, s.truth, s.place, s.layout);
     out.failed = out.failed || s.failed;
     out.steps.push_back(std::move(s));

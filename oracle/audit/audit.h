@@ -68,7 +68,8 @@ struct AuditStep {
   // Decided once by audit_captures under its options, for every renderer to read:
   bool failed = false;             // a check failed, or the diagnosis fails (under strict_scale)
   std::string summary;             // the diagnosis in one line a person reads
-  std::vector<ShardRatio> shards;  // measured / truth per micro-batch and CP rank (the SVG)
+  std::vector<ShardRatio> shards;  // measured / truth per micro-batch and CP rank: the first
+                                   // step's, with AuditOptions::shard_ratios (the SVG)
 };
 
 // What every step's captures share, as the first capture states it (the report's header).
@@ -104,6 +105,10 @@ struct AuditOptions {
   // Offer every trainer's presets as explanations: by default a Megatron, slime or Relax run is
   // matched against its own family's presets, truth and single component changes only.
   bool every_trainer_preset = false;
+  // The first step's measured / truth ratio per micro-batch and CP rank (AuditStep::shards;
+  // `--svg`): a pass over the tokens and a row per micro-batch and CP rank, asked for only where
+  // drawn.
+  bool shard_ratios = false;
 };
 
 // The captures judged step by step under `options` (one AuditStep per step, in step order).

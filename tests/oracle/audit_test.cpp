@@ -35,8 +35,16 @@ RankCapture rank(int64_t r, double w, int64_t sample = -1) {
   return c;
 }
 
+// The shard ratios are asked for (what --svg draws).
+AuditOptions with_shards(AuditOptions o = {}) {
+  o.shard_ratios = true;
+  return o;
+}
+
 TEST(AuditResult, HeaderStepsAndVerdictOfARightStep) {
-  const AuditResult r = audit_captures({rank(0, 0.25), rank(1, 0.25)}, {});
+  EXPECT_TRUE(
+      audit_captures({rank(0, 0.25), rank(1, 0.25)}, {}).steps[0].shards.empty());  // not asked
+  const AuditResult r = audit_captures({rank(0, 0.25), rank(1, 0.25)}, with_shards());
   EXPECT_EQ(r.header.captures, 2u);
   EXPECT_EQ(r.header.world_size, 2);
   EXPECT_EQ(r.header.dp, 2);
@@ -71,7 +79,7 @@ TEST(AuditResult, StrictScaleDecidesTheVerdictOnce) {
   EXPECT_FALSE(lax.judgement().failed);
   AuditOptions strict;
   strict.strict_scale = true;
-  const AuditResult hard = audit_captures(tripled, strict);
+  const AuditResult hard = audit_captures(tripled, with_shards(strict));
   EXPECT_TRUE(hard.steps[0].failed);
   EXPECT_TRUE(hard.failed);
   EXPECT_TRUE(hard.judgement().failed);
