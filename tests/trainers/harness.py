@@ -1,7 +1,7 @@
 """What every trainer test shares (one harness, issue #56): the lossguard binary, the environment of a child
 trainer process, a run of ``lossguard audit`` and the bit-for-bit equality of what two runs saved.
 
-    from harness import LOSSGUARD, HAVE_BIN, needs_bin, child_env, audit, audit_json, same
+    from harness import LOSSGUARD, HAVE_BIN, needs_bin, child_env, audit, audit_json, same, assert_same_runs
 """
 import json
 import math
@@ -63,3 +63,22 @@ def same(x, y):
     if isinstance(x, float) and isinstance(y, float):
         return x == y or (math.isnan(x) and math.isnan(y))
     return x == y
+
+
+def assert_same_runs(adapter_dir, plain_dir, world, steps):
+    """The run with the adapter and the plain one from the same seed (slime_relax_driver.py's layout) saved the
+    same bits: every rank's final parameters and each step's ``main_grad``, and the same result record once the
+    adapter's ``user_hooks`` is taken out — the user's own hooks, chained after lossguard's
+    (``LOSSGUARD_CHAIN_*``), ran once at init and once a step of rollout 0. Returns each rank's record."""
+    records = []
+    for r in range(world):
+        for name in (f"final-rank{r}.pt", *[f"grads-step{n}-rank{r}.pt" for n in range(steps)]):
+            assert same(torch.load(os.path.join(adapter_dir, name)), torch.load(os.path.join(plain_dir, name))), \
+                (name, r)
+        with open(os.path.join(adapter_dir, f"result-rank{r}.json")) as f, \
+                open(os.path.join(plain_dir, f"result-rank{r}.json")) as g:
+            ja, jp = json.load(f), json.load(g)
+        assert ja.pop("user_hooks") == {"init": 1, "steps": [[0, n] for n in range(steps)]}, r
+        assert ja == jp, r
+        records.append(ja)
+    return records

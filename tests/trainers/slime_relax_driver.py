@@ -317,20 +317,27 @@ def plant(scenario, mods):
         mods["model"]._is_global_zero_token_step = first_stage_src
 
 
-def run(scenario, out, pp, cp, adapter):
-    from megatron.core import parallel_state as ps
-    mods, lca = modules()
-    os.makedirs(out, exist_ok=True)
-    args = make_args(scenario, pp, cp, adapter)
+def fresh_job(scenario, out, mods):
+    """A job's settings as a user sets them (the environment: out folder, binary, steps, fail fast for ``*-ff``,
+    the user's own hooks chained after lossguard's), and nothing left of the previous job of this process (one
+    process runs several jobs here; a trainer runs one)."""
+    import lossguard_capture.slime as lcs
     ff = scenario.endswith("-ff")
     os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
                       LOSSGUARD_STEPS="1" if ff else "0,1,2", LOSSGUARD_FAIL_FAST="1" if ff else "0",
                       LOSSGUARD_CHAIN_INIT="slime_relax_driver.user_init",
                       LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP="slime_relax_driver.user_before_train_step")
     USER_HOOKS.update(init=0, steps=[])
-    import lossguard_capture.slime as lcs
-    lcs._AUDIT = None                         # one process runs several jobs here; a trainer runs one
+    lcs._AUDIT = None
     _reset_patches(mods)
+
+
+def run(scenario, out, pp, cp, adapter):
+    from megatron.core import parallel_state as ps
+    mods, lca = modules()
+    os.makedirs(out, exist_ok=True)
+    args = make_args(scenario, pp, cp, adapter)
+    fresh_job(scenario, out, mods)
     if TRAINER == "relax":
         mods["data"].MAX_TOKENS_PER_GPU = args.max_tokens_per_gpu
     mods["initialize"].init(args)
@@ -817,7 +824,6 @@ def run_source(scenario, out, pp, cp, adapter):
     ``train_one_step``, ``get_batch`` and ``loss_function``), over one rollout of :data:`SAMPLES`."""
     import importlib
 
-    import lossguard_capture.slime as lcs
     import numpy as np
     from megatron.core import parallel_state as ps
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
@@ -826,14 +832,7 @@ def run_source(scenario, out, pp, cp, adapter):
     from slime.observability import logging_utils
     os.makedirs(out, exist_ok=True)
     args = make_source_args(scenario, pp, cp, adapter)
-    ff = scenario.endswith("-ff")
-    os.environ.update(LOSSGUARD_OUT=os.path.join(out, "captures"), LOSSGUARD_BIN=LOSSGUARD,
-                      LOSSGUARD_STEPS="1" if ff else "0,1,2", LOSSGUARD_FAIL_FAST="1" if ff else "0",
-                      LOSSGUARD_CHAIN_INIT="slime_relax_driver.user_init",
-                      LOSSGUARD_CHAIN_BEFORE_TRAIN_STEP="slime_relax_driver.user_before_train_step")
-    USER_HOOKS.update(init=0, steps=[])
-    lcs._AUDIT = None                         # one process runs several jobs here; a trainer runs one
-    _reset_patches(mods)
+    fresh_job(scenario, out, mods)
     logging_utils.LOGGED.clear()
     plant_source(scenario, mods)
     # initialize.py:66 asserts numpy 1.x (NVIDIA/Megatron-LM#1563: Megatron's checkpointing and datasets); the
