@@ -201,8 +201,8 @@ std::map<Cell, std::vector<double>> microbatch_factors(const Batch& b, const Con
 }  // namespace
 
 // The candidate's contract arithmetic in a trainer's order (placement, counts, all-reduces,
-// factors), written apart from the oracle's (oracle/weights/weights.cpp) so that the two can
-// disagree.
+// factors), written apart from the oracle's (oracle/weights/contract_weights.cpp) so that the two
+// can disagree.
 ContractCoefficients contract_coefficients(const Batch& b, const ShardPlan& plan, int64_t cp,
                                            const ContractRun& run) {
   const Contract& c = *run.contract;

@@ -1,8 +1,8 @@
 // The coefficient of every owned token's loss under a normalisation contract (SPEC §9), computed
 // the way a trainer computes it: rank by rank, micro-batch by micro-batch, each CP rank counting
 // the rows it owns (plan_shards), the counts all-reduced as the contract says, then the scales
-// applied. Independent of oracle/weights/weights.cpp (which works sample by sample from the
-// ownership rule).
+// applied. Independent of oracle/weights/contract_weights.cpp (which works sample by sample from
+// the ownership rule).
 #pragma once
 #include <cstdint>
 #include <vector>

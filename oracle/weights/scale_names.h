@@ -2,7 +2,7 @@
 // a product of the layout's sizes (and whether the layout moves it: the founding bug), and a ratio
 // that is constant per DP rank, micro-batch, CP shard or sample as one formula over that unit's own
 // counts ("1/n: divided by its own 24 tokens, then by N = 240"). Plain arithmetic over the batch's
-// masks and the placement; the diagnosis (weights.cpp) decides which unit the ratio is constant in.
+// masks and the placement; the diagnosis (diagnosis.cpp) picks the unit the ratio is constant in.
 #pragma once
 #include <cstdint>
 #include <string>
