@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <tuple>
+#include <utility>
 
 #include "cli/command.h"
 #include "cli/postmortem_render.h"
@@ -17,8 +18,7 @@ namespace {
 
 struct PostmortemOptions {
   std::vector<std::string> paths;
-  PostmortemRenderOptions render;
-  int64_t naming_max_world = oracle::PostmortemOptions{}.naming_max_world;
+  oracle::PostmortemOptions analysis;      // --frames, --max-divergences, --naming-max-world
   int64_t world = 0;                       // 0: not given
   int64_t tp = 0, pp = 0, cp = 0, dp = 0;  // 0: not given; any one given sets the layout (1s)
 
@@ -43,14 +43,11 @@ void run_postmortem(const PostmortemOptions& o, Report& report, Context& ctx) {
     shown = true;
   });
   if (shown) ctx.err << "\r\x1b[K" << std::flush;
-  oracle::resolve_groups(job, o.shape());
-  for (const auto& d : job.ranks) report.add_input(d.path, "flight-recorder-" + d.format);
-  oracle::PostmortemOptions po;
-  po.naming_max_world = o.naming_max_world;
-  const oracle::PostmortemResult r = oracle::analyse_flight_records(job, po);
-  render_postmortem_text(ctx.out, job, r, o.render);
+  const oracle::PostmortemResult r = oracle::postmortem(std::move(job), o.shape(), o.analysis);
+  for (const auto& d : r.job.ranks) report.add_input(d.path, "flight-recorder-" + d.format);
+  render_postmortem_text(ctx.out, r);
   auto& res = report.results();
-  const nlohmann::ordered_json doc = postmortem_json(job, r, o.render);
+  const nlohmann::ordered_json doc = postmortem_json(r);
   for (auto it = doc.begin(); it != doc.end(); ++it) res[it.key()] = *it;
   const Judgement judgement = r.judgement();
   if (judgement.unverified.empty()) {
@@ -75,11 +72,11 @@ void register_postmortem(CLI::App& root, Commands& commands) {
                   "One dump per rank (pickle or JSON), a directory of them, or their common prefix "
                   "(TORCH_FR_DUMP_TEMP_FILE); a dump's rank is the number its name ends in")
       ->required();
-  app->add_option("--frames", opts->render.frames,
+  app->add_option("--frames", opts->analysis.frames,
                   "Stack frames shown per call (the job's own code first)")
       ->check(CLI::Range(int64_t{0}, int64_t{1000}))
       ->capture_default_str();
-  app->add_option("--max-divergences", opts->render.shown_divergences,
+  app->add_option("--max-divergences", opts->analysis.listed_divergences,
                   "Divergences listed in the text after the first (--json has them all)")
       ->check(CLI::Range(int64_t{0}, kMaxCount))
       ->capture_default_str();
@@ -97,7 +94,7 @@ void register_postmortem(CLI::App& root, Commands& commands) {
                                 what))
         ->check(CLI::Range(int64_t{1}, kMaxFrWorld));
   }
-  app->add_option("--naming-max-world", opts->naming_max_world,
+  app->add_option("--naming-max-world", opts->analysis.naming_max_world,
                   "Largest world in which the divergence is matched against the skip-decision "
                   "protocols (a simulation per layout and protocol)")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20))

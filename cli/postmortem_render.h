@@ -1,22 +1,16 @@
 // `postmortem`'s result as text (the divergence, the culprit ranks and their last frames, the
-// matched protocol) and as the JSON document's results.
+// matched protocol) and as the JSON document's results. Both only read the result, which was
+// composed under the command's options (oracle::PostmortemOptions: the frames and divergences the
+// text shows); the JSON holds every divergence kept and every frame of the culprits' last calls.
 #pragma once
 #include <nlohmann/json.hpp>
 #include <ostream>
 
-#include "core/flight_record.h"
 #include "oracle/postmortem/postmortem.h"
 
 namespace lossguard::cli {
 
-struct PostmortemRenderOptions {
-  int64_t frames = 4;             // frames shown per call (the job's own first; 0: none)
-  int64_t shown_divergences = 5;  // in the text
-};
-
-void render_postmortem_text(std::ostream& out, const FrJob& job, const oracle::PostmortemResult& r,
-                            const PostmortemRenderOptions& o);
-nlohmann::ordered_json postmortem_json(const FrJob& job, const oracle::PostmortemResult& r,
-                                       const PostmortemRenderOptions& o);
+void render_postmortem_text(std::ostream& out, const oracle::PostmortemResult& r);
+nlohmann::ordered_json postmortem_json(const oracle::PostmortemResult& r);
 
 }  // namespace lossguard::cli

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "core/errors.h"
+#include "oracle/postmortem/postmortem_report.h"
 #include "oracle/replay/rank_set.h"
 
 namespace lossguard::oracle {
@@ -954,10 +955,12 @@ Root root_of(const Alignment& a, std::vector<Divergence>& divs, const WaitGraph&
 }  // namespace
 
 // Long: the analysis in its order (divergences, each rank's last call, the root and the roles,
-// what keeps a job without divergence from passing, the naming); each step is a call or a loop
-// over the result it fills.
-PostmortemResult analyse_flight_records(const FrJob& job, const PostmortemOptions& options) {
+// what keeps a job without divergence from passing, the naming, what the report shows); each step
+// is a call or a loop over the result it fills.
+PostmortemResult analyse_flight_records(FrJob job_given, const PostmortemOptions& options) {
   PostmortemResult res;
+  res.job = std::move(job_given);
+  const FrJob& job = res.job;
   res.notes = job.notes;
   for (const auto& d : job.ranks) res.total_calls += static_cast<int64_t>(d.calls.size());
   const Alignment a(job);
@@ -1065,7 +1068,13 @@ PostmortemResult analyse_flight_records(const FrJob& job, const PostmortemOption
   if (res.diverged()) {
     res.matches = match_protocols(job, res.divergences[0], options, &res.naming_note);
   }
+  compose_report(res, options);
   return res;
+}
+
+PostmortemResult postmortem(FrJob job, const JobShape& shape, const PostmortemOptions& options) {
+  resolve_groups(job, shape);
+  return analyse_flight_records(std::move(job), options);
 }
 
 }  // namespace lossguard::oracle

@@ -4,6 +4,7 @@
 // rank's part in them, and the divergence named by the skip-decision protocol of SPEC §7 whose
 // simulation (oracle/replay/replay.h) diverges the same way.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -41,6 +42,9 @@ struct Divergence {
   // Every member with a dump issued the call and it never completed (a pending call): the
   // suspects are the members without a dump, or outside those known.
   bool pending = false;
+  // One line (analyse_flight_records; empty in find_divergences): "rank 0 issued barrier #3 on
+  // group '0' (default_pg, 4 ranks: 0-3); ranks 1-3 never did".
+  std::string summary;
   std::vector<int64_t> blamed() const;  // not_issued, then no_dump
 };
 
@@ -58,11 +62,20 @@ enum class RootKind {
 };
 const char* root_kind_name(RootKind k);  // "idle_rank", "missing_dump", "cycle", ...
 
+// A recorded call the text shows, with the frames of its stack it shows.
+struct ShownCall {
+  FrCall call;                      // as its rank's dump recorded it
+  std::vector<std::size_t> frames;  // indices into FrJob::stacks[call.stack]: the job's own frames
+                                    // (not torch's) first, at most PostmortemOptions::frames
+};
+
 // One rank's wait in a cycle: it issued `seq` on `group` and waits there for `waits_for`.
 struct WaitStep {
   int64_t rank = 0;
   std::size_t divergence = 0;  // index into PostmortemResult::divergences
   std::vector<int64_t> waits_for;
+  std::string summary;            // "rank 5 waits in all_reduce #3 on group '13' (...) for rank 7"
+  std::optional<ShownCall> call;  // its call there, where its dump holds it
 };
 
 struct Root {
@@ -101,9 +114,40 @@ struct ProtocolMatch {
 struct PostmortemOptions {
   int64_t max_divergences = 1000;      // kept in the result (the root's first, then in time)
   int64_t naming_max_world = 1 << 17;  // the protocol search runs up to this many ranks
+  int64_t frames = 4;                  // frames shown per call in the text (the job's own first)
+  int64_t listed_divergences = 5;      // divergences the text lists after the headline (the JSON
+                                       // has every one kept)
 };
 
+// Blamed ranks whose last calls read alike (one line of the text): what they last did.
+struct LastCallGroup {
+  std::vector<int64_t> ranks;
+  bool dumped = true;                  // the first rank left a dump
+  std::optional<ShownCall> last_call;  // the first rank's; none: it recorded no call
+  std::string state;                   // as its dump says: "completed", "scheduled, not retired"...
+  bool unmatched = false;              // some member of its group never issued it: it waits there
+  std::string summary;                 // the line: "ranks 1-3: last call all_reduce #1 on ..."
+};
+
+// Where the issuers of a missing call wait: the call as the first of them recorded it.
+struct IssuerCall {
+  ShownCall call;
+  std::string summary;  // "rank 0 waits in it, called from:"
+};
+
+// A culprit and its last call (the JSON's `culprits`).
+struct CulpritCall {
+  int64_t rank = 0;
+  int64_t calls = 0;
+  std::optional<FrCall> last_call;
+  bool finished = false;   // no longer pending: its state, its retirement or pg_status
+  bool unmatched = false;  // some member of its group never issued it
+};
+
+// `postmortem`'s one result: the job with its groups resolved, the analysis, and every sentence,
+// grouping and frame the text and JSON print, decided once under the options.
 struct PostmortemResult {
+  FrJob job;                            // what every index below points into
   std::vector<Divergence> divergences;  // the headline first (see below), then in time order
   std::vector<RankState> ranks;         // [0, world)
   std::vector<int64_t> missing, complete, waiting, culprits;
@@ -116,6 +160,12 @@ struct PostmortemResult {
   // groups whose members are unknown (empty: it passes).
   std::vector<std::string> unverified;
   std::vector<uint32_t> unknown_groups;  // groups whose members are only the ranks seen calling
+  // Under the headline divergence: the ranks it blames (not_issued) grouped by what they last did,
+  // ordered by that call's text; and, for a missing call, where its issuers wait.
+  std::vector<LastCallGroup> blamed_by_last_call;
+  std::optional<IssuerCall> issuer_call;
+  std::vector<CulpritCall> culprit_calls;  // the first 256 culprits
+  std::size_t listed_divergences = 0;      // divergences after the headline the text lists
   bool no_collectives() const { return total_calls == 0; }
   bool diverged() const { return !divergences.empty(); }
   // One protocol (and flag group) diverges as the dumps do: it is named; several are only
@@ -139,16 +189,25 @@ struct JobShape {
 // megatron/core/parallel_state.py) whose members were only seen calling get their whole
 // membership from the given layout, else from every Megatron layout of a known world consistent
 // with all such groups where those agree; a group without such a description whose callers are
-// exactly one group of the given layout gets that group. Notes say which.
-// Call it on a loaded job before analyse_flight_records (the CLI does).
+// exactly one group of the given layout gets that group. Notes say which. postmortem() calls it.
 void resolve_groups(FrJob& job, const JobShape& given = {});
 
 // The kind of group Megatron describes so (MODEL_PARALLEL_GROUP -> kMp, ..._GLOO alike), or none.
 std::optional<GroupKind> megatron_group_kind(std::string desc);
 
-// The headline divergence is the earliest one that blames an idle rank (one that is not itself
-// waiting elsewhere: the root of a chain of waits), else the earliest.
-PostmortemResult analyse_flight_records(const FrJob& job, const PostmortemOptions& options = {});
+// The post-mortem of a loaded job (io::read_flight_records): its groups resolved from what the
+// user says of its shape (resolve_groups), then analysed (analyse_flight_records). The one entry
+// point of `lossguard postmortem`.
+PostmortemResult postmortem(FrJob job, const JobShape& shape, const PostmortemOptions& options);
+
+// The analysis of a job whose groups are taken as they stand (a job built by hand, or one
+// resolve_groups completed): the divergences, the ranks' parts, the root, the protocols, and what
+// the text and JSON print. The headline divergence is the earliest one that blames an idle rank
+// (one that is not itself waiting elsewhere: the root of a chain of waits), else the earliest.
+PostmortemResult analyse_flight_records(FrJob job, const PostmortemOptions& options = {});
+
+// A call's state as its dump records it: "scheduled", "started", "completed", "other".
+const char* call_state_name(FrState s);
 
 // The divergences alone (time order), as analyse_flight_records finds them; shared with the
 // protocol search, which runs it on simulated dumps.

@@ -527,6 +527,79 @@ TEST(PostmortemGroups, TheLayoutGivenSetsTheWorldAndTheMembers) {
   EXPECT_THROW(resolve_groups(k.job(), JobShape{3, std::nullopt}), InputError);
 }
 
+// What the text prints is in the result, composed once under the options: the headline's line, the
+// blamed ranks grouped by their last call (ordered by its text), where the issuer waits and the
+// frames shown of it, the culprits' last calls.
+TEST(PostmortemReport, TheResultHoldsWhatTheTextPrints) {
+  JobBuilder j(4);
+  const uint32_t w = j.group("0", {0, 1, 2, 3}, "default_pg");
+  const uint32_t solo = j.group("5", {3});
+  for (int64_t r = 0; r < 4; ++r) j.call(r, w, "all_reduce");
+  j.call(3, solo, "broadcast");
+  j.call(0, w, "barrier", {0}, "Float",
+         {{"barrier", "/usr/lib/python3/torch/distributed/c10d.py", 1},
+          {"train_step", "train.py", 10},
+          {"main", "train.py", 20}});
+  PostmortemOptions o;
+  o.frames = 1;
+  const PostmortemResult res = analyse_flight_records(j.job(), o);
+  ASSERT_TRUE(res.diverged());
+  EXPECT_EQ(res.job.ranks.size(), 4u);  // the result owns the job its indices point into
+  EXPECT_EQ(
+      res.divergences[0].summary,
+      "rank 0 issued barrier #2 on group '0' (default_pg, 4 ranks: 0-3); ranks 1-3 never did");
+  EXPECT_EQ(res.listed_divergences, 0u);
+
+  ASSERT_EQ(res.blamed_by_last_call.size(), 2u);
+  const LastCallGroup& both = res.blamed_by_last_call[0];
+  EXPECT_EQ(both.ranks, (std::vector<int64_t>{1, 2}));
+  ASSERT_TRUE(both.last_call);
+  EXPECT_EQ(both.last_call->call.group, w);
+  EXPECT_EQ(both.state, "scheduled, not retired");
+  EXPECT_FALSE(both.unmatched);
+  EXPECT_EQ(both.summary,
+            "ranks 1, 2: last call all_reduce #1 on group '0' (default_pg, 4 ranks: 0-3) "
+            "Float[[1]] (scheduled, not retired), issued by every member; nothing recorded after "
+            "it (it died, or hangs outside collectives)");
+  const LastCallGroup& three = res.blamed_by_last_call[1];
+  EXPECT_EQ(three.ranks, (std::vector<int64_t>{3}));
+  ASSERT_TRUE(three.last_call);
+  EXPECT_EQ(three.last_call->call.group, solo);
+  EXPECT_NE(three.summary.find("rank 3: last call broadcast #1 on group '5' (1 rank: 3)"),
+            std::string::npos)
+      << three.summary;
+
+  ASSERT_TRUE(res.issuer_call);
+  EXPECT_EQ(res.issuer_call->summary, "rank 0 waits in it, called from:");
+  EXPECT_EQ(res.issuer_call->call.call.seq, 2);
+  EXPECT_EQ(res.issuer_call->call.frames, (std::vector<std::size_t>{1}));  // the job's own first
+
+  EXPECT_EQ(res.culprits, (std::vector<int64_t>{1, 2, 3}));
+  ASSERT_EQ(res.culprit_calls.size(), 3u);
+  ASSERT_TRUE(res.culprit_calls[2].last_call);
+  EXPECT_EQ(res.culprit_calls[2].last_call->group, solo);
+  EXPECT_FALSE(res.culprit_calls[2].finished);
+
+  o.frames = 0;
+  EXPECT_TRUE(analyse_flight_records(j.job(), o).issuer_call->call.frames.empty());
+}
+
+// `postmortem`, the one entry point, resolves the groups from the shape the user gives before the
+// analysis: the CLI never does it itself.
+TEST(PostmortemReport, TheEntryPointResolvesTheGroupsFromTheShapeGiven) {
+  JobBuilder j(2);
+  j.job().world_known = false;
+  const uint32_t w = j.group("0", {0, 1}, "default_pg");
+  j.call(0, w, "all_reduce");
+  j.call(1, w, "all_reduce");
+  EXPECT_FALSE(analyse_flight_records(j.job()).judgement().unverified.empty());
+  const PostmortemResult res = postmortem(j.job(), JobShape{2, std::nullopt}, {});
+  EXPECT_TRUE(res.job.world_known);
+  EXPECT_EQ(res.job.world_source, "--world");
+  EXPECT_TRUE(res.judgement().unverified.empty());
+  EXPECT_THROW(postmortem(j.job(), JobShape{1, std::nullopt}, {}), InputError);
+}
+
 TEST(FlightRecord, ProfilingNamesNormaliseAcrossBackends) {
   EXPECT_EQ(parse_profiling_name("gloo:all_reduce")->op, "all_reduce");
   EXPECT_EQ(parse_profiling_name("nccl:allreduce_coalesced")->op, "all_reduce");
