@@ -14,9 +14,12 @@
             so does a Python function (def, methods and nested ones too; from the def line to its last
             line) of python/lossguard_capture/, in a `#` comment above its def (or its decorators).
 --renderers a renderer (cli/*_render.cpp) only reads its command's result: it calls no oracle:: function but
-            names and formatters (RENDER_CALLS_ALLOWED: *_name, *_description, format_*, *_json, *_text,
-            describe, protocol_parts), and asks no verdict of a result (.failed(...), .fails(...)): every
-            verdict, ratio and sentence is decided once in the library, under the command's options.
+            names and formatters (RENDER_CALLS_ALLOWED: *_name, *_description, format_*, *_phrase, *_json,
+            *_text, describe, protocol_parts), nor brings one in unqualified (`using oracle::f;`,
+            `using namespace oracle`), asks no verdict of a result (.failed(...), .fails(...),
+            .finished(...)) and looks nothing up (std::find, std::lower_bound, ...: a join of the result's
+            parts belongs in the result): every verdict, ratio, sentence and join is decided once in the
+            library, under the command's options.
 --self-test plants a forbidden include, a misformatted line, a long C++ and a long Python function, an
             oversized subcommand file and a renderer that computes in a copy and checks each is caught.
 Exit 0 when clean, 1 listing every violation as FILE:LINE: what.
@@ -233,9 +236,15 @@ def check_sizes(root, files=None):
 
 
 # What a renderer may call in oracle:: — names and formatters of what the result already holds.
-RENDER_CALLS_ALLOWED = re.compile(r"^(\w+_name|\w+_description|format_\w+|\w+_json|\w+_text|describe|protocol_parts)$")
+RENDER_CALLS_ALLOWED = re.compile(
+    r"^(\w+_name|\w+_description|format_\w+|\w+_phrase|\w+_json|\w+_text|describe|protocol_parts)$")
 RENDER_CALL = re.compile(r"\boracle::([a-z_][a-z0-9_]*)\s*\(")
-RENDER_VERDICT = re.compile(r"\.(failed|fails)\s*\(")
+# `using oracle::f;` makes f(...) a call the rule above cannot see: held to the same list.
+RENDER_USING = re.compile(r"\busing\s+(?:::)?(?:lossguard::)?oracle::([a-z_][a-z0-9_]*)\s*;")
+RENDER_USING_NS = re.compile(r"\busing\s+namespace\s+(?:::)?(?:lossguard::)?oracle\b")
+RENDER_VERDICT = re.compile(r"(?:\.|->)\s*(failed|fails|finished)\s*\(")
+RENDER_LOOKUP = re.compile(r"\bstd::(find|find_if|find_if_not|lower_bound|upper_bound|equal_range|binary_search|"
+                           r"search)\s*\(")
 
 
 def check_renderers(root, files=None):
@@ -250,9 +259,19 @@ def check_renderers(root, files=None):
                 if not RENDER_CALLS_ALLOWED.match(m.group(1)):
                     problems.append(f"{f}:{n}: a renderer calls oracle::{m.group(1)}(): compute it in the library, "
                                     f"into the command's result, and read the field here")
+            for m in RENDER_USING.finditer(line):
+                if not RENDER_CALLS_ALLOWED.match(m.group(1)):
+                    problems.append(f"{f}:{n}: a renderer brings in oracle::{m.group(1)} to call unqualified: compute "
+                                    f"it in the library, into the command's result, and read the field here")
+            if RENDER_USING_NS.search(line):
+                problems.append(f"{f}:{n}: a renderer uses namespace oracle: name each oracle:: call, so that "
+                                f"only names and formatters are called")
             for m in RENDER_VERDICT.finditer(line):
                 problems.append(f"{f}:{n}: a renderer asks a verdict (.{m.group(1)}(...)): the library decides it "
                                 f"once under the options; read the result's field")
+            for m in RENDER_LOOKUP.finditer(line):
+                problems.append(f"{f}:{n}: a renderer looks something up (std::{m.group(1)}): join the result's "
+                                f"parts in the library and read the field here")
     return problems
 
 
@@ -279,7 +298,11 @@ def self_test():
         with open(os.path.join(tmp, "cli", "planted_render.cpp"), "w") as fh:
             fh.write("// oracle::shard_ratios(x) in a comment is fine\nvoid r(const S& s) {\n"
                      "  out << oracle::protocol_name(p) << oracle::format_index_list(l);\n"
-                     "  auto v = oracle::shard_ratios(s.batch);\n  bool f = s.failed(strict);\n}\n")
+                     "  auto v = oracle::shard_ratios(s.batch);\n  bool f = s.failed(strict);\n}\n"
+                     "using oracle::ranks_phrase;\nusing oracle::Divergence;\nusing oracle::shard_ratios;\n"
+                     "using namespace lossguard::oracle;\n"
+                     "bool g(const D& d, const C& c) { return d.finished(c) && std::lower_bound(b, e, 3) != e; }\n"
+                     "bool h(const D* d) { return d->fails(); }\n")
         render = check_renderers(tmp, ["cli/planted_render.cpp"])
         inc = check_includes(tmp, ["oracle/planted.cpp"])
         fmt = check_format(tmp, ["oracle/planted.cpp"])
@@ -289,8 +312,13 @@ def self_test():
               and len(size) == 3 and "long.cpp:1: a function of 88 lines" in size[0]
               and "cmd_planted.cpp: 171 lines" in size[1]
               and f"{PY_PRODUCT}long.py:3: a function of 87 lines (long_one)" in size[2]
-              and len(render) == 2 and "planted_render.cpp:4: a renderer calls oracle::shard_ratios()" in render[0]
-              and "planted_render.cpp:5: a renderer asks a verdict (.failed" in render[1])
+              and len(render) == 7 and "planted_render.cpp:4: a renderer calls oracle::shard_ratios()" in render[0]
+              and "planted_render.cpp:5: a renderer asks a verdict (.failed" in render[1]
+              and "planted_render.cpp:9: a renderer brings in oracle::shard_ratios" in render[2]
+              and "planted_render.cpp:10: a renderer uses namespace oracle" in render[3]
+              and "planted_render.cpp:11: a renderer asks a verdict (.finished" in render[4]
+              and "planted_render.cpp:11: a renderer looks something up (std::lower_bound)" in render[5]
+              and "planted_render.cpp:12: a renderer asks a verdict (.fails" in render[6])
         print("check-house self-test:", "the planted include, format, size and renderer errors are caught"
               if ok else f"MISSED: {inc} {fmt} {size} {render}")
         return 0 if ok else 1
