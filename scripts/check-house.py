@@ -6,6 +6,8 @@
 --includes  every `#include "DIR/..."` of a project file follows the dependency rules (an arrow = may
             include): cli -> oracle, trainer, io, distributed, kernels, synth, core; oracle -> core;
             synth -> core; trainer -> kernels, core; kernels -> core; io -> core; distributed -> oracle, core; core -> core.
+            Inside oracle/, the rooms every other room uses include no room above them: count -> count,
+            math; math -> math.
             oracle/ never includes LibTorch, CUDA or NCCL headers; NCCL only in distributed/ (and
             kernels/device_info.cu). Exceptions are listed below with their reason.
 --format    every tracked C++/CUDA file is as clang-format (.clang-format) writes it.
@@ -20,7 +22,7 @@
             .finished(...)) and looks nothing up (std::find, std::lower_bound, ...: a join of the result's
             parts belongs in the result): every verdict, ratio, sentence and join is decided once in the
             library, under the command's options.
---self-test plants a forbidden include, a misformatted line, a long C++ and a long Python function, an
+--self-test plants a forbidden include (of a module and of a room), a misformatted line, a long C++ and a long Python function, an
             oversized subcommand file and a renderer that computes in a copy and checks each is caught.
 Exit 0 when clean, 1 listing every violation as FILE:LINE: what.
 """
@@ -44,6 +46,12 @@ ALLOWED = {
     "distributed": {"distributed", "oracle", "core"},
     "synth": {"synth", "core"},
     "cli": {"cli", "oracle", "trainer", "io", "distributed", "kernels", "synth", "core"},
+}
+# Rooms inside a module (docs/architecture.md: "a room uses count/ and math/"): the floor rooms every
+# other room may use include nothing above them. A room not listed is held to its module's rule only.
+ROOM_ALLOWED = {
+    "oracle/count": {"oracle/count", "oracle/math"},
+    "oracle/math": {"oracle/math"},
 }
 # (file, included prefix): why the rule bends there.
 EXCEPTIONS = {
@@ -91,6 +99,13 @@ def check_includes(root, files=None):
                 kind, path = m.groups()
                 if kind == '"' and "/" in path:
                     dep = path.split("/", 1)[0]
+                    room = "/".join(f.split("/", 2)[:2])
+                    dep_room = "/".join(path.split("/", 2)[:2])
+                    if room in ROOM_ALLOWED and dep == top and path.count("/") >= 2 \
+                            and dep_room not in ROOM_ALLOWED[room] and (f, dep_room) not in EXCEPTIONS:
+                        problems.append(f"{f}:{n}: {room}/ may not include {path} ({room} -> "
+                                        f"{', '.join(sorted(ROOM_ALLOWED[room]))})")
+                        continue
                     if dep in ALLOWED[top] or (f, dep) in EXCEPTIONS:
                         continue
                     if dep in MODULES or dep in ("tests", "bench"):
@@ -303,11 +318,15 @@ def self_test():
                      "using namespace lossguard::oracle;\n"
                      "bool g(const D& d, const C& c) { return d.finished(c) && std::lower_bound(b, e, 3) != e; }\n"
                      "bool h(const D* d) { return d->fails(); }\n")
+        os.makedirs(os.path.join(tmp, "oracle", "count"))
+        with open(os.path.join(tmp, "oracle", "count", "planted.cpp"), "w") as fh:
+            fh.write('#include "oracle/math/row_math.h"\n#include "oracle/weights/weights.h"\n')
         render = check_renderers(tmp, ["cli/planted_render.cpp"])
-        inc = check_includes(tmp, ["oracle/planted.cpp"])
+        inc = check_includes(tmp, ["oracle/planted.cpp", "oracle/count/planted.cpp"])
         fmt = check_format(tmp, ["oracle/planted.cpp"])
         size = check_sizes(tmp, ["oracle/long.cpp", "cli/cmd_planted.cpp", PY_PRODUCT + "long.py"])
-        ok = (len(inc) == 2 and "may not include trainer/candidate.h" in inc[0] and "torch" in inc[1]
+        ok = (len(inc) == 3 and "may not include trainer/candidate.h" in inc[0] and "torch" in inc[1]
+              and "oracle/count/planted.cpp:2: oracle/count/ may not include oracle/weights/weights.h" in inc[2]
               and len(fmt) == 1 and "planted.cpp" in fmt[0]
               and len(size) == 3 and "long.cpp:1: a function of 88 lines" in size[0]
               and "cmd_planted.cpp: 171 lines" in size[1]

@@ -8,7 +8,7 @@
 #include <map>
 
 #include "core/errors.h"
-#include "oracle/weights/weights.h"
+#include "oracle/count/token_placement.h"
 
 namespace lossguard::oracle {
 

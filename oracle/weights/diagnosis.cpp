@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "oracle/count/token_placement.h"
 #include "oracle/weights/weights.h"
 #include "oracle/weights/weights_detail.h"
 

@@ -10,6 +10,7 @@
 
 #include "core/errors.h"
 #include "oracle/count/placement.h"
+#include "oracle/count/token_placement.h"
 #include "oracle/weights/weights.h"
 #include "oracle/weights/weights_detail.h"
 

@@ -17,6 +17,7 @@
 #include "core/batch.h"
 #include "core/contract.h"
 #include "core/layout.h"
+#include "oracle/count/token_placement.h"
 #include "oracle/weights/scale_names.h"
 
 namespace lossguard::oracle {
@@ -41,22 +42,6 @@ std::vector<double> true_sample_weights(const Batch& batch, Reduction reduce,
                                         const ObjectiveSizes& sizes);
 // Per-sample weights spread over the tokens: w_t = m_t · per_sample[i], [sum R].
 std::vector<double> per_token_weights(const Batch& batch, const std::vector<double>& per_sample);
-
-// Where each token's weight comes from on a layout.
-struct TokenPlace {
-  std::vector<int32_t> sample_microbatch;  // [S] index into layout.microbatches; -1: not placed
-  std::vector<int32_t> sample_group;       // [S] its CP sub-group in that micro-batch
-  std::vector<int16_t> owner;  // [sum R] the CP rank (static numbering) that owns it; -1: none
-};
-
-// Which micro-batch holds each sample and which CP rank owns each token on a layout (SPEC §2: the
-// zig-zag or all-gather cut, the ownership rule, dynamic CP sub-groups). Throws InputError when
-// the layout cannot hold the batch (a sample index out of range, a CP size that does not fit).
-struct PlacedTokens {
-  TokenPlace place;
-  std::vector<std::string> problems;  // a sample placed twice (kept where first placed) or nowhere
-};
-PlacedTokens place_tokens(const Batch& batch, const StepLayout& layout);
 
 struct ContractWeights {
   std::vector<double> weight;  // [sum R]

@@ -1,6 +1,7 @@
-// Inside the effective token weights (oracle/weights/weights.h), not their API: where samples and
-// tokens are placed, what a contract reads of the masks, and its weights on a layout as owner runs,
-// shared by contract_weights.cpp, diagnosis.cpp and invariance.cpp.
+// Inside the effective token weights (oracle/weights/weights.h), not their API: what a contract
+// reads of the masks, and its weights on a layout as owner runs, shared by contract_weights.cpp,
+// diagnosis.cpp and invariance.cpp. Where samples and tokens are placed (OwnedRun, SampleSlot,
+// PlacedSamples, place_sample_slots, owned_runs) is count/'s: oracle/count/token_placement.h.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -13,32 +14,12 @@
 #include "core/batch.h"
 #include "core/contract.h"
 #include "core/layout.h"
+#include "oracle/count/token_placement.h"
 #include "oracle/weights/weights.h"
 
 namespace lossguard::oracle::weights_detail {
 
-// contract_weights.cpp: placement, masks, factors and the weights as runs.
-
-// A run of one sample's mask indices [begin, end) (sample-relative) owned by one static CP rank.
-struct OwnedRun {
-  int64_t begin = 0, end = 0;
-  int16_t owner = -1;
-};
-
-// Where a sample is trained on a layout: its micro-batch and CP sub-group, and what its owners
-// follow from (the sub-group's size and first static rank; the all-gather stream offset and part).
-struct SampleSlot {
-  int32_t microbatch = -1, group = -1;
-  int64_t cp_size = 1, base = 0, stream_offset = 0, part_length = 1;
-};
-struct PlacedSamples {
-  std::vector<SampleSlot> slot;  // [S]; microbatch -1: placed nowhere
-  std::vector<std::string> problems;
-};
-
-// Which micro-batch and CP sub-group holds each sample (a sample placed twice is kept where first
-// placed, and named in problems). Throws InputError when the layout cannot hold the batch.
-PlacedSamples place_sample_slots(const Batch& b, const StepLayout& layout);
+// contract_weights.cpp: masks, factors and the weights as runs.
 
 // The counted mask's CP-local counts of every sample on each of its zig-zag owners, per CP size:
 // they depend on the sample, the CP size and the padding, not on where the sample sits, so the ten

@@ -26,6 +26,7 @@
 #include "core/term.h"
 #include "oracle/audit/audit.h"
 #include "oracle/count/placement.h"
+#include "oracle/count/token_placement.h"
 #include "oracle/weights/weights.h"
 
 namespace {

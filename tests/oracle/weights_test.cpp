@@ -13,6 +13,7 @@
 #include "core/contract.h"
 #include "core/errors.h"
 #include "oracle/count/placement.h"
+#include "oracle/count/token_placement.h"
 #include "synth/cases.h"
 #include "weights_batches.h"
 
