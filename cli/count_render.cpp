@@ -11,6 +11,8 @@
 #include <optional>
 #include <string_view>
 
+#include "core/format.h"
+
 namespace lossguard::cli {
 
 namespace {
@@ -138,7 +140,7 @@ void render_summary(const oracle::CountResult& r, const CountView& view, std::os
       {"SFT samples: {}\n", &r.sft},
       {"samples straddling CP ranks: {}\n", &r.straddling}};
   for (const auto& [text, list] : lists) {
-    if (!list->empty()) out << fmt::format(fmt::runtime(text), oracle::format_index_list(*list));
+    if (!list->empty()) out << fmt::format(fmt::runtime(text), format_index_list(*list));
   }
   if (view.placement == nullptr) return;
   out << "placement: " << view.placement_text << "\n";

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <filesystem>
 
+#include "core/format.h"
 #include "oracle/count/denominators.h"
 
 namespace lossguard::cli {
@@ -94,7 +95,7 @@ nlohmann::ordered_json render_summary(const Batch& b, const oracle::BatchSummary
       {"fully masked responses: samples {}\n", &sum.fully_masked},
       {"SFT samples (R = T): samples {}\n", &sum.sft}};
   for (const auto& [text, list] : lists) {
-    if (!list->empty()) out << fmt::format(fmt::runtime(text), oracle::format_index_list(*list));
+    if (!list->empty()) out << fmt::format(fmt::runtime(text), format_index_list(*list));
   }
   if (sum.must_skip()) {
     out << "the batch has ZERO effective tokens: a trainer must skip optimizer.step() for it "
@@ -116,7 +117,7 @@ nlohmann::ordered_json render_summary(const Batch& b, const oracle::BatchSummary
         ranks.push_back(fmt::format("{}", fmt::join(mbs, " ")));
       }
       out << fmt::format("  step {}: samples {}; {} effective tokens{}; DP ranks: {}\n", st.step,
-                         oracle::format_index_list(st.samples), m,
+                         format_index_list(st.samples), m,
                          m == 0 ? " (a zero-token step: must be skipped)" : "",
                          fmt::join(ranks, " | "));
       steps_json.push_back({{"step", st.step},

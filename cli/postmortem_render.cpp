@@ -4,8 +4,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/format.h"
 #include "core/printable.h"
-#include "oracle/replay/rank_set.h"
 #include "oracle/replay/replay_protocol.h"
 
 namespace lossguard::cli {
@@ -13,8 +13,6 @@ namespace lossguard::cli {
 namespace {
 
 using oracle::Divergence;
-using oracle::format_rank_set;
-using oracle::ranks_phrase;
 
 std::string topology_text(const oracle::Topology& t) {
   return fmt::format("TP{} PP{} CP{} DP{}", t.tp(), t.pp(), t.cp(), t.dp());

@@ -9,6 +9,7 @@
 
 #include "cli/replay_svg.h"
 #include "core/errors.h"
+#include "core/format.h"
 
 namespace lossguard::cli {
 
@@ -39,7 +40,7 @@ void print_outcomes(std::ostream& out, const oracle::ReplayResult& r, int64_t ma
     }
     const auto& ranks = members[key];
     out << fmt::format("  rank{} {} ({}): {}\n", ranks.size() == 1 ? "" : "s",
-                       oracle::format_rank_set(ranks), ranks.size(), key);
+                       format_rank_set(ranks), ranks.size(), key);
     if (!example[key]->detail.empty())
       out << fmt::format("      e.g. rank {}: {}\n", example[key]->rank, example[key]->detail);
   }

@@ -20,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include "core/errors.h"
+#include "core/format.h"
 #include "distributed/collectives.h"
 #include "distributed/wait_graph.h"
 
@@ -193,10 +194,10 @@ class StateBoard {
                ? fmt::format(
                      "rank(s) {} wait elsewhere on calls that can never complete (a "
                      "deadlock, seen through the store)",
-                     oracle::format_rank_set(waiting, 4))
+                     format_rank_set(waiting, 4))
                : fmt::format(
                      "rank(s) {} failed or finished without issuing it (seen through the store)",
-                     oracle::format_rank_set(failed, 4));
+                     format_rank_set(failed, 4));
   }
 
  private:

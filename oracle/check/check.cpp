@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "core/format.h"
 #include "oracle/check/loss.h"
 #include "oracle/count/denominators.h"
 

@@ -8,17 +8,10 @@
 #include <map>
 
 #include "core/errors.h"
+#include "core/format.h"
 #include "oracle/count/token_placement.h"
 
 namespace lossguard::oracle {
-
-std::string format_index_list(const std::vector<int64_t>& v, std::size_t max_shown) {
-  std::string s;
-  for (std::size_t k = 0; k < v.size() && k < max_shown; ++k)
-    s += (k ? ", " : "") + std::to_string(v[k]);
-  if (v.size() > max_shown) s += fmt::format(", ... ({} in all)", v.size());
-  return s;
-}
 
 OwnedCounts count_owned_tokens(const Batch& b, const std::vector<int64_t>& cp_sizes,
                                const ShardLayout& layout, const std::vector<int64_t>* samples) {

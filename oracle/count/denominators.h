@@ -62,7 +62,4 @@ std::vector<InvariantResult> check_invariants(const Batch& batch, const OwnedCou
                                               Policy policy, const ShardLayout& layout,
                                               const Placement* placement);
 
-// "3, 7, 12" (the first `max_shown`, then "... (N in all)").
-std::string format_index_list(const std::vector<int64_t>& v, std::size_t max_shown = 12);
-
 }  // namespace lossguard::oracle

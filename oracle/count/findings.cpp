@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "core/errors.h"
+#include "core/format.h"
 #include "oracle/count/denominators.h"
 
 namespace lossguard::oracle {

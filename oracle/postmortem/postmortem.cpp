@@ -15,8 +15,8 @@
 #include <tuple>
 
 #include "core/errors.h"
+#include "core/format.h"
 #include "oracle/postmortem/postmortem_report.h"
-#include "oracle/replay/rank_set.h"
 
 namespace lossguard::oracle {
 

@@ -11,8 +11,8 @@
 #include <map>
 #include <tuple>
 
+#include "core/format.h"
 #include "core/printable.h"
-#include "oracle/replay/rank_set.h"
 
 namespace lossguard::oracle {
 

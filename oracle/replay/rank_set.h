@@ -1,4 +1,5 @@
-// Rank sets as people write them: --nan-ranks "3,5-7", and reports' "0-3, 8-11" / "0-4094 step 2".
+// Rank sets as people write them: --nan-ranks "3,5-7". Reports' "0-3, 8-11" / "0-4094 step 2" are
+// core/format.h's format_rank_set and ranks_phrase.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -9,11 +10,5 @@ namespace lossguard::oracle {
 
 // --nan-ranks: "3,5-7" -> {3, 5, 6, 7}; throws InputError naming a rank outside [0, world).
 std::vector<int64_t> parse_rank_list(const std::string& text, int64_t world);
-
-// "0-3, 8-11" / "0-4094 step 2": rank lists compressed into arithmetic runs.
-std::string format_rank_set(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs = 8);
-
-// "rank 3", "ranks 0-3, 8": a rank set in a sentence ("none" when empty).
-std::string ranks_phrase(const std::vector<int64_t>& sorted_ranks, std::size_t max_runs = 8);
 
 }  // namespace lossguard::oracle

@@ -12,6 +12,7 @@
 #include <tuple>
 
 #include "core/errors.h"
+#include "core/format.h"
 #include "oracle/count/metrics.h"
 
 namespace lossguard::oracle {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "core/errors.h"
+#include "core/format.h"
 #include "distributed/wait_graph.h"
 #include "oracle/count/metrics.h"
 #include "oracle/count/placement.h"
