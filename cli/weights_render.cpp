@@ -51,7 +51,7 @@ void print_term(std::ostream& out, const oracle::TermWeights& run, const StepLay
                 const WeightsView& view) {
   const Batch& b = run.batch();
   const auto& dg = run.dg;
-  out << fmt::format("weights: {}\n", dg.summary());
+  out << fmt::format("weights: {}\n", run.summary);
   if (!dg.advice.empty()) out << fmt::format("fix: {}\n", dg.advice);
   if (!dg.exact() && run.shards.size() <= 64 * 8) {
     out << fmt::format(
@@ -85,8 +85,7 @@ void print_term(std::ostream& out, const oracle::TermWeights& run, const StepLay
         "\nI5 split invariance: BREAKS on {} of {} variations; first: {} (weights differ from this "
         "layout's by up to {:.3g}; sample {} response index {})\n  on {}: {}\n",
         broken, weighed, first_break->label, first_break->max_rel_diff, first_break->worst.sample,
-        first_break->worst.response_index, first_break->label,
-        first_break->against_truth.summary());
+        first_break->worst.response_index, first_break->label, first_break->summary);
   }
   if (skipped > 0) {
     out << fmt::format("  skipped {} variation(s) the trainer cannot produce:", skipped);
@@ -174,7 +173,7 @@ void render_text(const oracle::WeightsResult& result, const Batch& b, const Weig
   if (result.multi()) {
     out << "terms relative to main:\n";
     for (std::size_t k = 1; k < runs.size(); ++k)
-      out << fmt::format("  {:<12} {}\n", runs[k].tc.term.name, runs[k].status());
+      out << fmt::format("  {:<12} {}\n", runs[k].tc.term.name, runs[k].status);
   }
   out << fmt::format("\nverdict: {}\n", result.verdict_text());
 }
@@ -184,14 +183,14 @@ void add_cases(const oracle::WeightsResult& result, Report& report) {
   for (const auto& r : result.terms) {
     const std::string suffix = result.multi() ? fmt::format(" [{}]", r.tc.term.name) : "";
     report.add_case({"lossguard.weights", "weights on the given layout" + suffix,
-                     !r.verdict.here_fails, r.dg.summary(), false});
+                     !r.verdict.here_fails, r.summary, false});
     for (const auto& inv : r.invariance) {
       report.add_case(
           {"lossguard.weights", "I5 " + inv.label + suffix, inv.ok,
            !inv.skipped.empty() ? inv.skipped
            : inv.ok             ? ""
                     : fmt::format("weights differ from the base layout's by up to {:.3g}; {}",
-                                  inv.max_rel_diff, inv.against_truth.summary()),
+                                  inv.max_rel_diff, inv.summary),
            !inv.skipped.empty()});
     }
   }

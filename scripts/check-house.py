@@ -18,8 +18,8 @@
 --renderers a renderer (cli/*_render.cpp) only reads its command's result: it calls no oracle:: function but
             names and formatters (RENDER_CALLS_ALLOWED: *_name, *_description, format_*, *_phrase, *_json,
             *_text, describe, protocol_parts), nor brings one in unqualified (`using oracle::f;`,
-            `using namespace oracle`), asks no verdict of a result (.failed(...), .fails(...),
-            .finished(...)) and looks nothing up (std::find, std::lower_bound, ...: a join of the result's
+            `using namespace oracle`), asks no verdict or sentence of a result (.failed(...), .fails(...),
+            .finished(...), .summary(...), .status(...)) and looks nothing up (std::find, std::lower_bound, ...: a join of the result's
             parts belongs in the result): every verdict, ratio, sentence and join is decided once in the
             library, under the command's options.
 --self-test plants a forbidden include (of a module and of a room), a misformatted line, a long C++ and a long Python function, an
@@ -257,7 +257,7 @@ RENDER_CALL = re.compile(r"\boracle::([a-z_][a-z0-9_]*)\s*\(")
 # `using oracle::f;` makes f(...) a call the rule above cannot see: held to the same list.
 RENDER_USING = re.compile(r"\busing\s+(?:::)?(?:lossguard::)?oracle::([a-z_][a-z0-9_]*)\s*;")
 RENDER_USING_NS = re.compile(r"\busing\s+namespace\s+(?:::)?(?:lossguard::)?oracle\b")
-RENDER_VERDICT = re.compile(r"(?:\.|->)\s*(failed|fails|finished)\s*\(")
+RENDER_VERDICT = re.compile(r"(?:\.|->)\s*(failed|fails|finished|summary|status)\s*\(")
 RENDER_LOOKUP = re.compile(r"\bstd::(find|find_if|find_if_not|lower_bound|upper_bound|equal_range|binary_search|"
                            r"search)\s*\(")
 
@@ -283,7 +283,7 @@ def check_renderers(root, files=None):
                                 f"only names and formatters are called")
             for m in RENDER_VERDICT.finditer(line):
                 problems.append(f"{f}:{n}: a renderer asks a verdict (.{m.group(1)}(...)): the library decides it "
-                                f"once under the options; read the result's field")
+                                f"(or writes the sentence) once under the options; read the result's field")
             for m in RENDER_LOOKUP.finditer(line):
                 problems.append(f"{f}:{n}: a renderer looks something up (std::{m.group(1)}): join the result's "
                                 f"parts in the library and read the field here")
@@ -317,7 +317,8 @@ def self_test():
                      "using oracle::ranks_phrase;\nusing oracle::Divergence;\nusing oracle::shard_ratios;\n"
                      "using namespace lossguard::oracle;\n"
                      "bool g(const D& d, const C& c) { return d.finished(c) && std::lower_bound(b, e, 3) != e; }\n"
-                     "bool h(const D* d) { return d->fails(); }\n")
+                     "bool h(const D* d) { return d->fails(); }\n"
+                     "std::string k(const W& w) { return w.dg.summary(); }\n")
         os.makedirs(os.path.join(tmp, "oracle", "count"))
         with open(os.path.join(tmp, "oracle", "count", "planted.cpp"), "w") as fh:
             fh.write('#include "oracle/math/row_math.h"\n#include "oracle/weights/weights.h"\n')
@@ -331,13 +332,14 @@ def self_test():
               and len(size) == 3 and "long.cpp:1: a function of 88 lines" in size[0]
               and "cmd_planted.cpp: 171 lines" in size[1]
               and f"{PY_PRODUCT}long.py:3: a function of 87 lines (long_one)" in size[2]
-              and len(render) == 7 and "planted_render.cpp:4: a renderer calls oracle::shard_ratios()" in render[0]
+              and len(render) == 8 and "planted_render.cpp:4: a renderer calls oracle::shard_ratios()" in render[0]
               and "planted_render.cpp:5: a renderer asks a verdict (.failed" in render[1]
               and "planted_render.cpp:9: a renderer brings in oracle::shard_ratios" in render[2]
               and "planted_render.cpp:10: a renderer uses namespace oracle" in render[3]
               and "planted_render.cpp:11: a renderer asks a verdict (.finished" in render[4]
               and "planted_render.cpp:11: a renderer looks something up (std::lower_bound)" in render[5]
-              and "planted_render.cpp:12: a renderer asks a verdict (.fails" in render[6])
+              and "planted_render.cpp:12: a renderer asks a verdict (.fails" in render[6]
+              and "planted_render.cpp:13: a renderer asks a verdict (.summary" in render[7])
         print("check-house self-test:", "the planted include, format, size and renderer errors are caught"
               if ok else f"MISSED: {inc} {fmt} {size} {render}")
         return 0 if ok else 1

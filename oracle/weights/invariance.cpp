@@ -376,6 +376,8 @@ std::vector<std::vector<InvarianceResult>> check_split_invariance_terms(
       break;
     }
   }
+  for (auto& term : out)
+    for (InvarianceResult& r : term) r.summary = r.against_truth.summary();
   return out;
 }
 

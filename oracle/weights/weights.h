@@ -143,6 +143,7 @@ struct InvarianceResult {
   double max_rel_diff = 0.0;
   TokenCoord worst;
   WeightDiagnosis against_truth;  // the contract on this layout against the objective
+  std::string summary;            // against_truth in one line a person reads
 };
 // Which layout dimensions I5 varies (a trainer without CP need not be invariant under CP).
 struct Variations {

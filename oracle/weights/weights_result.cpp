@@ -57,6 +57,13 @@ TermWeights weigh_term(const TermContract& tc, const Batch& step_batch, const St
   return run;
 }
 
+std::string term_status(const TermWeights& t) {
+  if (!t.verdict.fails) return "as declared";
+  return t.verdict.here_fails
+             ? t.summary
+             : fmt::format("changes with the layout (first on {})", t.verdict.first_break->label);
+}
+
 // I5 of every term at once (each variation placed once), then each term's verdict.
 void weigh_invariance(std::vector<TermWeights>& runs, const StepLayout& layout, Split split,
                       Variations vary) {
@@ -72,17 +79,11 @@ void weigh_invariance(std::vector<TermWeights>& runs, const StepLayout& layout, 
     runs[k].verdict =
         weights_verdict(runs[k].dg, runs[k].got, runs[k].invariance, runs[k].strict_scale);
     runs[k].summary = runs[k].dg.summary();
+    runs[k].status = term_status(runs[k]);
   }
 }
 
 }  // namespace
-
-std::string TermWeights::status() const {
-  if (!verdict.fails) return "as declared";
-  return verdict.here_fails
-             ? summary
-             : fmt::format("changes with the layout (first on {})", verdict.first_break->label);
-}
 
 bool WeightsResult::fails() const {
   return std::any_of(terms.begin(), terms.end(),

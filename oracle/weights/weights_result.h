@@ -40,14 +40,14 @@ struct TermWeights {
   int64_t effective = 0;
   WeightDiagnosis dg;
   std::string summary;  // dg in one line a person reads (set with the verdict)
+  // "as declared", its summary, or "changes with the layout (first on dp=2)" (set with the verdict)
+  std::string status;
   std::vector<InvarianceResult> invariance;
   std::vector<ShardRatio> shards;
   WeightsVerdict verdict;
   ObjectiveSizes sizes;
   bool strict_scale = false;
   bool is_main() const { return tc.term.name == kMainTerm; }
-  // "as declared", its diagnosis, or "changes with the layout (first on dp=2)".
-  std::string status() const;
 };
 
 struct WeightsResult {

@@ -117,9 +117,9 @@ TEST(WeightsResult, ATermOffRelativeToMainFailsByName) {
   // Each micro-batch's own count instead of the global one: the ratio is constant within a
   // micro-batch and differs between them, the shape SPEC §9 names per-microbatch.
   EXPECT_EQ(r.terms[1].dg.kind, "per-microbatch");
-  EXPECT_EQ(r.terms[0].status(), "as declared");
-  EXPECT_NE(r.terms[1].status().find("per-micro-batch normalisation"), std::string::npos)
-      << r.terms[1].status();
+  EXPECT_EQ(r.terms[0].status, "as declared");
+  EXPECT_NE(r.terms[1].status.find("per-micro-batch normalisation"), std::string::npos)
+      << r.terms[1].status;
 }
 
 TEST(WeightsResult, UnknownVariationIsAnInputError) {
