@@ -97,7 +97,7 @@ PLANTED = ("first-stage-src", "sample-count", "sample-count-ff", "tp-as-dp", "th
            "thd-unannounced", "thd-split-off")   # with the adapter only
 REFUSED = ("thd-unannounced", "thd-split-off")          # the adapter must refuse these at run time
 SCENARIOS["sample-count-ff"] = SCENARIOS["sample-count"]        # with fail fast on step 1
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+from harness import LOSSGUARD  # noqa: E402  (the binary under test: one definition)
 #: THD (packed) scenarios: slime's layout, per-token loss, the loop's decision broadcast as in pt
 THD = {"thd": "stream", "thd-owned": "owned", "thd-dyncp": "stream", "thd-dummy": "stream",
        "thd-off-by-one": "stream", "thd-unannounced": "stream", "thd-split-off": "stream"}

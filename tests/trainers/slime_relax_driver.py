@@ -137,7 +137,7 @@ SLIME_SRC = None        # --slime-src: the folder slime's real modules were read
 RELAX_SRC = None        # --relax-src: the folder Relax's real modules were read from (overlay_relax)
 SRC_REAL = {}           # their paths in the package -> sha256 of the file as read
 TRANSPLANTED = {}       # module.function -> the real file it was compiled from (overlay_relax)
-LOSSGUARD = os.environ.get("LOSSGUARD_BIN", os.path.join(ROOT, "build", "cli", "lossguard"))
+from harness import LOSSGUARD  # noqa: E402  (the binary under test: one definition)
 
 
 def per_sample_mean_reducer(total_lengths, response_lengths, loss_masks, calculate_per_token_loss):
