@@ -15,6 +15,8 @@ and then ``optimizer.step()``. The adapter (``ToyAdapter``) says only what diffe
   keeps the path and, with fail fast, audits the step and raises ``AuditFailed`` on every rank before
   ``optimizer.step()`` applies it.
 
+The module's ``attach`` is the base's, bound in one line: ``attach = make_attach(ToyAdapter, doc)``.
+
     python examples/toy_adapter.py --out captures [--bug] [--lossguard-bin build/cli/lossguard]
 
 The loop's reduction is the sum over the step's effective tokens divided by their count (per-token): the audit
@@ -31,7 +33,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "python"))  # the recorder, when not
 import torch  # noqa: E402
 
 import lossguard_capture  # noqa: E402
-from lossguard_capture.adapter import Adapter, Spec  # noqa: E402
+from lossguard_capture.adapter import Adapter, Spec, make_attach  # noqa: E402
 
 VOCAB, WIDTH = 32, 16
 
@@ -113,10 +115,11 @@ class ToyAdapter(Adapter):
         loop.train_step, loop.per_token_loss, loop.optimizer.step = train_step, per_token_loss, update
 
 
-def attach(loop, out_dir, *, steps=(0,), fail_fast=True, **options):
-    """Capture ``steps`` of ``loop`` into ``out_dir/step{n:06d}/``; with ``fail_fast`` audit the first and stop on
-    FAIL before its update."""
-    return ToyAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(loop)
+# the entry, ``attach(loop, out_dir, *, steps=(0,), fail_fast=True, **options)``: the base's, named after
+# ``_attach``'s parameter; ``options`` are the Adapter's (lossguard_bin, audit_step, timeout...)
+attach = make_attach(ToyAdapter, """
+    Capture ``steps`` of ``loop`` into ``out_dir/step{n:06d}/``; with ``fail_fast`` audit the first and stop on
+    FAIL before its update.""")
 
 
 # ---- a run ------------------------------------------------------------------------------------------------

@@ -28,26 +28,30 @@ scaling and its step decision are found.  This module holds the rest, once:
   (:meth:`Adapter.finished`: record the written path and, for the audited step, run ``lossguard
   audit`` on rank 0, hand the verdict to every rank with bounded waits, :func:`lossguard_capture.audit.agree`,
   and raise on FAIL);
-* the results (``paths``, ``results``, ``verdicts``) on the object ``attach`` returns.
+* the results (``paths``, ``results``, ``verdicts``) on the object ``attach`` returns;
+* ``attach`` itself (:func:`make_attach`): each module binds it in one line, ``attach =
+  make_attach(TheAdapter, doc)``, its signature read from the adapter's ``_attach``.
 """
 
 import importlib
+import inspect
 import itertools
 import os
 import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from .audit import AuditError, AuditResult, agree, find_lossguard, run_audit, share_captures
 from .capture import Capture, _rank_and_world
 from .recorder import StepRecorder, check_reduce
 
-__all__ = ["Spec", "Adapter", "CannotMeasure", "step_dir", "deprecated_alias"]
+__all__ = ["Spec", "Adapter", "CannotMeasure", "step_dir", "deprecated_alias", "make_attach", "Attach"]
 
 _ADAPTER_IDS = itertools.count()
 _A = TypeVar("_A", bound="Adapter")
+_A_co = TypeVar("_A_co", bound="Adapter", covariant=True)
 
 
 def step_dir(out_dir: str, step: int) -> str:
@@ -347,3 +351,48 @@ def deprecated_alias(cls: type[Adapter], name: str, use: str, **old_defaults: An
            f"({', '.join(f'{k}={v!r}' for k, v in old_defaults.items())}); use {use}.")
     return type(name, (cls,), {"__init__": __init__, "__doc__": doc, "__module__": cls.__module__,
                                "__qualname__": name})
+
+
+class Attach(Protocol[_A_co]):
+    """What a type checker sees of an adapter module's ``attach`` (:func:`make_attach`): the target (given
+    positionally), ``out_dir``, ``steps``, ``fail_fast`` and the adapter's keywords; returns the adapter."""
+
+    def __call__(self, target: Any, /, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
+                 **options: Any) -> _A_co: ...
+
+
+def make_attach(cls: type[_A], doc: str) -> Attach[_A]:
+    """An adapter module's ``attach``, the one entry of every adapter (module docstring), for adapter ``cls``:
+    ``attach(target, out_dir, *, steps=(0,), fail_fast=True, **options)`` builds ``cls(out_dir, steps=steps,
+    fail_fast=fail_fast, **options)`` and returns its :meth:`Adapter.attach` to ``target``.
+
+    The signature is read from ``cls._attach``: the target is named as its first parameter (``trainer``,
+    ``engine``, ``config``), and its keyword parameters (Megatron's ``model``, ``optimizer``, ``scheduler``) are
+    ``attach``'s too, with their defaults, handed to :meth:`Adapter.attach`; every other keyword is a
+    constructor option.  ``doc`` is what ``help(module.attach)`` says.  A module binds it once::
+
+        attach = make_attach(MyAdapter, "Capture ``steps`` of ``trainer`` ...")
+    """
+    P = inspect.Parameter
+    target, *rest = list(inspect.signature(cls._attach).parameters.values())[1:]   # after self
+    where = [p for p in rest if p.kind is P.KEYWORD_ONLY]
+    sig = inspect.Signature([P(target.name, P.POSITIONAL_OR_KEYWORD, annotation=Any),
+                             P("out_dir", P.POSITIONAL_OR_KEYWORD, annotation=str),
+                             P("steps", P.KEYWORD_ONLY, default=(0,), annotation=Sequence[int] | None),
+                             P("fail_fast", P.KEYWORD_ONLY, default=True, annotation=bool),
+                             *where,
+                             P("options", P.VAR_KEYWORD, annotation=Any)], return_annotation=cls)
+
+    def attach(*args: Any, **kwargs: Any) -> _A:
+        call = sig.bind(*args, **kwargs)      # a TypeError names what is missing or unexpected, as a def would
+        call.apply_defaults()
+        a = call.arguments
+        adapter = cls(a["out_dir"], steps=a["steps"], fail_fast=a["fail_fast"], **a["options"])
+        return adapter.attach(a[target.name], **{p.name: a[p.name] for p in where})
+
+    attach.__doc__ = inspect.cleandoc(doc)
+    attach.__module__ = cls.__module__
+    attach.__qualname__ = "attach"
+    attach.__annotations__ = {**{p.name: p.annotation for p in sig.parameters.values()}, "return": cls}
+    attach.__signature__ = sig  # type: ignore[attr-defined]
+    return attach

@@ -84,13 +84,13 @@ captured micro-batch (an error saying what to change): a loss that does not call
 """
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 
-from .adapter import Adapter, CannotMeasure, Spec
+from .adapter import Adapter, CannotMeasure, Spec, make_attach
 from .recorder import MicroBatch, StepRecorder
 
 __all__ = ["attach", "AuditCallback", "TrainerAudit", "SPEC", "SUPPORTED", "check_version"]
@@ -595,10 +595,8 @@ class AuditCallback(TrainerAudit):
         return {"num_tokens_reduced": self._num_items}
 
 
-def attach(trainer: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
-           **options: Any) -> AuditCallback:
-    """Capture ``steps`` of ``trainer`` (a ``transformers.Trainer``; every rank, before ``trainer.train()``)
+attach = make_attach(AuditCallback, """
+    Capture ``steps`` of ``trainer`` (a ``transformers.Trainer``; every rank, before ``trainer.train()``)
     into ``out_dir/step{n:06d}/`` and, with ``fail_fast``, stop on a FAIL before the optimizer applies the
     audited step.  ``options``: :class:`AuditCallback`'s.  Returns the callback: ``paths``, ``results``,
-    ``verdicts``."""
-    return AuditCallback(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)
+    ``verdicts``.""")

@@ -155,12 +155,12 @@ does not run either: moe_utils.py:1192 [958] reads ``te_general_gemm``, left und
 :22-39 [11-28], a NameError.)
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
 
-from .adapter import Adapter, Spec, deprecated_alias
+from .adapter import Adapter, Spec, deprecated_alias, make_attach
 from .recorder import MicroBatch, StepRecorder
 from .zigzag import zigzag_chunk_size, zigzag_local_logit_index, zigzag_owned_logit_positions, zigzag_slices
 
@@ -1132,17 +1132,14 @@ class MegatronAdapter(Adapter):
         return self.write_step(st.rec.step, finish, st.rec.abort)
 
 
-def attach(config: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
-           model: Any = None, optimizer: Any = None, scheduler: Any = None, **options: Any) -> MegatronAdapter:
-    """Capture ``steps`` of a Megatron-core loop (every rank of every pipeline stage, after
+attach = make_attach(MegatronAdapter, """
+    Capture ``steps`` of a Megatron-core loop (every rank of every pipeline stage, after
     ``initialize_model_parallel``) into ``out_dir/step{n:06d}/``: wraps ``config.finalize_model_grads_func``
     and, given, ``optimizer``'s and ``scheduler``'s (the LR scheduler's) step; ``model``: the model chunks
     (checked now; needed for MTP).  With ``fail_fast`` a FAIL of the audited step
     raises AuditFailed from ``optimizer.step()`` before the update (module docstring).  Then in the loop:
     ``with audit.step(it):`` around each iteration and ``audit.loss_func(...)`` in the forward step.
-    ``options``: :class:`MegatronAdapter`'s.  Returns the adapter: ``paths``, ``results``, ``verdicts``."""
-    return MegatronAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(
-        config, model=model, optimizer=optimizer, scheduler=scheduler)
+    ``options``: :class:`MegatronAdapter`'s.  Returns the adapter: ``paths``, ``results``, ``verdicts``.""")
 
 
 #: The first entry (a constructor, then ``.attach(config, model=, optimizer=)``), without fail fast.

@@ -120,7 +120,7 @@ from typing import Any
 import torch
 
 from . import hf as _hf
-from .adapter import Spec
+from .adapter import Spec, make_attach
 from .hf import CannotMeasure, TrainerAudit
 from .recorder import MicroBatch
 
@@ -446,10 +446,8 @@ class AuditCallback(TrainerAudit):
         return {"num_tokens_reduced": num_tokens_reduced, "l_norm": l_norm}
 
 
-def attach(trainer: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
-           **options: Any) -> AuditCallback:
-    """Capture ``steps`` of ``trainer`` (a ``GRPOTrainer`` or an ``SFTTrainer``; every rank, before
+attach = make_attach(AuditCallback, """
+    Capture ``steps`` of ``trainer`` (a ``GRPOTrainer`` or an ``SFTTrainer``; every rank, before
     ``trainer.train()``) into ``out_dir/step{n:06d}/`` and, with ``fail_fast``, stop on a FAIL before the
     optimizer applies the audited step.  ``options``: :class:`AuditCallback`'s.  Returns the callback:
-    ``paths``, ``results``, ``verdicts``."""
-    return AuditCallback(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)
+    ``paths``, ``results``, ``verdicts``.""")

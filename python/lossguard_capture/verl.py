@@ -108,12 +108,12 @@ nor a per-sample ``torch.mean``, an entropy present in some micro-batches of a s
 import functools
 import inspect
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .adapter import Adapter, CannotMeasure, Spec, deprecated_alias
+from .adapter import Adapter, CannotMeasure, Spec, deprecated_alias, make_attach
 from .recorder import CaptureWarning, MicroBatch, StepRecorder
 
 __all__ = ["attach", "VerlAdapter", "VerlCapture", "SPEC", "SUPPORTED", "LOSS_AGG_MODES", "CLAIMS", "FORCED_MODES",
@@ -742,13 +742,11 @@ def _call_patched(patched: list[tuple[Any, str, Callable[..., Any]]], loss_fn: C
     return out
 
 
-def attach(engine: Any, out_dir: str, *, steps: Sequence[int] | None = (0,), fail_fast: bool = True,
-           **options: Any) -> VerlAdapter:
-    """Capture ``steps`` of the actor's loss on ``engine`` (a verl FSDP engine; every rank) into
+attach = make_attach(VerlAdapter, """
+    Capture ``steps`` of the actor's loss on ``engine`` (a verl FSDP engine; every rank) into
     ``out_dir/step{n:06d}/``; with ``fail_fast`` a FAIL of the audited step raises AuditFailed from
     ``train_batch`` before the optimizer applies it.  ``options``: :class:`VerlAdapter`'s.  Returns the adapter:
-    ``paths``, ``results``, ``verdicts``."""
-    return VerlAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(engine)
+    ``paths``, ``results``, ``verdicts``.""")
 
 
 #: The first lower-level entry: every step, no fail fast.

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 import lossguard_capture as lc  # noqa: E402
-from lossguard_capture.adapter import Adapter, Spec, deprecated_alias, step_dir  # noqa: E402
+from lossguard_capture.adapter import Adapter, Spec, deprecated_alias, make_attach, step_dir  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -81,8 +81,7 @@ class ToyAdapter(Adapter):
         trainer.loss, trainer.before_update = loss, before_update
 
 
-def attach(trainer, out_dir, *, steps=(0,), fail_fast=True, **options):
-    return ToyAdapter(out_dir, steps=steps, fail_fast=fail_fast, **options).attach(trainer)
+attach = make_attach(ToyAdapter, """Capture ``steps`` of ``trainer`` (a ToyTrainer) into ``out_dir``.""")
 
 
 #: what the fake binaries do as lossguard does: the JSON report of their verdict at ``--json PATH`` (run_audit
@@ -238,6 +237,44 @@ def test_fail_fast_without_a_verdict_is_an_error(tmp_path, capsys):
     attach(toy2, str(tmp_path / "caps2"), lossguard_bin=_fake_lossguard(tmp_path, 2))
     with pytest.raises(lc.AuditError, match="no verdict"):
         toy2.train(1)
+
+
+class PipelineAdapter(ToyAdapter):
+    """An adapter whose ``_attach`` takes keywords besides its target (Megatron's shape: the model chunks, the
+    optimizer)."""
+
+    def _attach(self, config, *, model=None, optimizer=None):
+        self.where = (config, model, optimizer)
+
+
+def test_make_attach_is_each_modules_attach_with_the_adapters_signature(tmp_path):
+    """One ``attach`` for every adapter module: the target named as ``_attach`` names it, ``steps=(0,)`` and
+    ``fail_fast=True`` by default, ``_attach``'s keywords handed to it, every other keyword the constructor's;
+    what ``help(module.attach)`` shows is the module's."""
+    import inspect
+
+    assert str(inspect.signature(attach)) == ("(trainer: Any, out_dir: str, *, steps: collections.abc.Sequence[int] "
+                                              "| None = (0,), fail_fast: bool = True, **options: Any) -> "
+                                              f"{__name__}.ToyAdapter")
+    assert attach.__doc__.startswith("Capture ``steps`` of ``trainer`` (a ToyTrainer)")
+    assert (attach.__module__, attach.__name__, attach.__qualname__) == (__name__, "attach", "attach")
+    run = attach(trainer=ToyTrainer(), out_dir=str(tmp_path / "a"), audit_step=0)       # keywords, as a def takes
+    assert isinstance(run, ToyAdapter) and run.steps == [0] and run.fail_fast is True
+    with pytest.raises(TypeError, match="out_dir"):
+        attach(ToyTrainer())
+    with pytest.raises(TypeError, match="model"):                  # not the toy's: a constructor option, refused
+        attach(ToyTrainer(), str(tmp_path / "b"), model=[])
+
+    pipeline = make_attach(PipelineAdapter, """
+        Capture ``steps`` of a pipeline.
+          ``model``: the chunks.""")
+    assert str(inspect.signature(pipeline)).startswith(
+        "(config: Any, out_dir: str, *, steps: collections.abc.Sequence[int] | None = (0,), fail_fast: bool = True, "
+        "model=None, optimizer=None, **options: Any) -> ")
+    assert pipeline.__doc__ == "Capture ``steps`` of a pipeline.\n  ``model``: the chunks."
+    cfg, chunks = object(), [object()]
+    run = pipeline(cfg, str(tmp_path / "c"), steps=None, fail_fast=False, model=chunks, timeout=5)
+    assert run.where == (cfg, chunks, None) and run.steps is None and run.fail_fast is False and run.timeout == 5.0
 
 
 def test_deprecated_alias_keeps_the_old_defaults_and_warns(tmp_path):
