@@ -64,6 +64,18 @@ TEST(Oracle, AnalyticGradientsMatchCentralFiniteDifferences) {
   }
 }
 
+TEST(Oracle, ZeroTokenBatchGivesZeroLossAndGradientNotNaN) {
+  const Batch b = testing::small_case("zero-token", DType::kFloat32, 3);
+  for (Reduction reduce : all_reductions()) {
+    LossSpec spec;
+    spec.reduce = reduce;
+    const oracle::OracleLoss o = oracle::oracle_loss(b, spec);
+    EXPECT_TRUE(o.no_signal);
+    EXPECT_EQ(o.loss, 0.0);
+    for (double g : o.grad) ASSERT_EQ(g, 0.0);
+  }
+}
+
 TEST(OracleExp, WithinFourUlpOfTheLibraryExpOverTheWholeRange) {
   // The oracle's vectorisable exp (oracle/math/exp64.h) against glibc's correctly rounded-or-nearly
   // exp: a sweep of [-708, 0] plus the edges.
