@@ -168,8 +168,11 @@ class FlatPickleParser {
     std::string_view b;
     std::size_t from = 0;
     switch (op) {
-      case 0x80:  // PROTO
-        return take(1, b);
+      case 0x80: {  // PROTO, anywhere in the stream: the protocols the restricted unpickler reads
+        if (!take(1, b)) return false;
+        const auto protocol = static_cast<uint8_t>(b[0]);
+        return protocol >= 2 && protocol <= 5;
+      }
       case 0x95:  // FRAME
         return uint_le(8, v);
       case '(':

@@ -391,6 +391,19 @@ TEST(FlatPickle, RefusesOpcodesThatReachBelowAPendingMark) {
   EXPECT_EQ(ok->node(ok->root()).size, 1u);
 }
 
+// A PROTO opcode anywhere in the stream names a protocol the restricted unpickler reads (2 to 5),
+// or the fast reader refuses it too (the fuzzer found a PROTO 0 in the middle of a dump: the fast
+// path skipped its byte, the restricted unpickler refused it).
+TEST(FlatPickle, RefusesTheProtocolsTheUnpicklerRefuses) {
+  using namespace std::string_literals;
+  for (const std::string& bad : {"\x80\x02]\x80\x00."s, "\x80\x01]."s, "\x80\x06]."s}) {
+    EXPECT_FALSE(FlatPickle::parse(bad)) << ::testing::PrintToString(bad);
+    EXPECT_THROW(unpickle(bad, "t", [](const ValuePtr&) -> ValuePtr { return nullptr; }),
+                 InputError);
+  }
+  EXPECT_TRUE(FlatPickle::parse("\x80\x02]\x80\x05."s));  // a later PROTO of a readable protocol
+}
+
 // The fast reader takes plain data only and hands everything else to the restricted unpickler.
 TEST(FlatPickle, ReadsPlainDataAndDefersEverythingElse) {
   const std::string dump = pickled_dump({{}, {"5", "dp", "gloo:broadcast", 1, {1}}});
