@@ -58,6 +58,7 @@ wheel:
 	@scripts/sysroot.sh $(SYSROOT)
 	@$(PYTHON) -m pip install -q $(WHEEL_PINS)
 	@[ -d build-wheel/deps ] || scripts/pack-deps.sh build-wheel/deps > /dev/null
+	@grep -qs portable.cmake build-wheel/CMakeCache.txt || rm -rf build-wheel/CMakeCache.txt build-wheel/CMakeFiles
 	@rm -rf dist/lossguard-*.whl build-wheel/dist
 	@$(PYTHON) -m pip wheel . --no-build-isolation --no-deps -q -w build-wheel/dist \
 	  -C cmake.define.CMAKE_TOOLCHAIN_FILE=$(CURDIR)/cmake/portable.cmake -C cmake.define.LOSSGUARD_SYSROOT=$(SYSROOT) \
