@@ -70,9 +70,9 @@ def lg():
 def test_the_tree_is_older_than_torchs_floor_needs():
     libc = os.path.basename(os.path.realpath(os.path.join(TREE, "usr/lib/x86_64-linux-gnu/libc.so.6")))
     assert libc == "libc-2.31.so", libc
-    r = in_tree("/usr/bin/env", "sh", "-c", "strings /usr/lib/x86_64-linux-gnu/libstdc++.so.6 | grep -c GLIBCXX_3.4.29",
-                check=False)
-    assert r.stdout.strip() == "0", r.stdout + r.stderr          # no GCC 11+ runtime: ours is linked in
+    with open(os.path.join(TREE, "usr/lib/x86_64-linux-gnu/libstdc++.so.6"), "rb") as f:
+        runtime = f.read()                                     # the version strings of its symbol versions
+    assert b"GLIBCXX_3.4.28" in runtime and b"GLIBCXX_3.4.29" not in runtime   # GCC 10's: the build's (12) is newer
 
 
 def test_the_binary_runs_every_cpu_command_there(lg):
@@ -105,5 +105,3 @@ def test_the_libtorch_plugins_load_over_the_old_libstdcxx(lg):
     assert "tokens            int64          [36]" in r.stdout, r.stdout
     r = in_tree(lg, "check", f"{d}/gen_random.safetensors", "--cp", "1,2", "--impl", "torch")   # the trainer plugin
     assert "verdict: pass: the candidate matches the oracle" in r.stdout, r.stdout
-    # the plugin that did it is the installed one, over the tree's libstdc++ (nothing of the build machine there)
-    assert not os.path.exists(TREE + os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
